@@ -1,0 +1,51 @@
+//! `handoff-core`: the vocabulary of the handoff transactional outbox.
+//!
+//! This crate holds what every other handoff crate agrees on and nothing that does I/O:
+//!
+//! - [`Event`], the trait a domain event implements to declare its aggregate type, event type and
+//!   schema version, and [`NewEvent`], one event ready to be written to the outbox;
+//! - [`EventCatalog`], the set of declared `(aggregate type, event type, schema version)` triples
+//!   an outbox accepts;
+//! - [`Limits`] and [`ValidationError`], the checks an event passes *before* anything reaches the
+//!   database (brief W6);
+//! - [`subject`], the reversible encoding of aggregate ids into broker subject tokens.
+//!
+//! The PostgreSQL side lives in `handoff-postgres`; broker adapters live in their own crates so
+//! this one never depends on a broker client.
+//!
+//! # Examples
+//!
+//! ```
+//! use handoff_core::{Event, EventCatalog, Limits, NewEvent};
+//! use serde::Serialize;
+//!
+//! #[derive(Serialize)]
+//! struct OrderCreated {
+//!     customer_id: String,
+//! }
+//!
+//! impl Event for OrderCreated {
+//!     const AGGREGATE_TYPE: &'static str = "order";
+//!     const EVENT_TYPE: &'static str = "OrderCreated";
+//!     const SCHEMA_VERSION: i32 = 1;
+//! }
+//!
+//! let catalog = EventCatalog::new().with::<OrderCreated>();
+//! let event = NewEvent::from_event("o-1", &OrderCreated { customer_id: "c-1".into() })?;
+//! event.validate(&catalog, &Limits::default())?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
+
+mod catalog;
+mod error;
+mod event;
+mod limits;
+pub mod subject;
+
+pub use catalog::EventCatalog;
+pub use error::{ValidationError, ValidationErrorKind};
+pub use event::{Event, EventId, NewEvent};
+pub use limits::{Limits, LimitsError, HEADER_ROOM_BYTES, NATS_DEFAULT_MAX_PAYLOAD};

@@ -1,0 +1,250 @@
+//! Size and shape limits checked before an event is written.
+
+use std::io::Write;
+
+use crate::ValidationError;
+
+/// NATS's default `max_payload`: 1 MiB. A message larger than the server's limit is refused at
+/// publish time, which is too late: the event would already be committed and could never leave.
+pub const NATS_DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
+
+/// Room kept for the headers the relay adds (CloudEvents `ce-*`, `Handoff-*`, `Nats-Msg-Id`) and
+/// the caller's own headers, which together are limited to well under this.
+pub const HEADER_ROOM_BYTES: usize = 8 * 1024;
+
+/// The most bytes of caller headers (names plus values) one event may carry.
+const MAX_USER_HEADER_BYTES: usize = 4 * 1024;
+
+/// Limits an event must respect to be enqueued.
+///
+/// # Examples
+///
+/// ```
+/// use handoff_core::Limits;
+///
+/// // A broker configured with 8 MiB messages.
+/// let limits = Limits { max_payload_bytes: 8 * 1024 * 1024, ..Limits::default() };
+/// assert!(limits.validate().is_ok());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// The largest payload accepted, in bytes of compact JSON (the form the relay publishes).
+    /// Default: [`NATS_DEFAULT_MAX_PAYLOAD`] − [`HEADER_ROOM_BYTES`].
+    pub max_payload_bytes: usize,
+    /// The longest aggregate id accepted, in bytes of UTF-8. Default: 255.
+    pub max_aggregate_id_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_payload_bytes: NATS_DEFAULT_MAX_PAYLOAD - HEADER_ROOM_BYTES,
+            max_aggregate_id_bytes: 255,
+        }
+    }
+}
+
+/// Why a [`Limits`] value is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LimitsError {
+    /// A limit is zero, which would refuse every event.
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+}
+
+impl Limits {
+    /// Checks that the limits can accept some event.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitsError::Zero`] when a limit is zero.
+    pub fn validate(&self) -> Result<(), LimitsError> {
+        if self.max_payload_bytes == 0 {
+            return Err(LimitsError::Zero("max_payload_bytes"));
+        }
+        if self.max_aggregate_id_bytes == 0 {
+            return Err(LimitsError::Zero("max_aggregate_id_bytes"));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_aggregate_type(&self, aggregate_type: &str) -> Result<(), ValidationError> {
+        let ok = (1..=64).contains(&aggregate_type.len())
+            && aggregate_type
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if ok {
+            Ok(())
+        } else {
+            Err(ValidationError::InvalidAggregateType(aggregate_type.to_owned()))
+        }
+    }
+
+    pub(crate) fn check_aggregate_id(&self, aggregate_id: &str) -> Result<(), ValidationError> {
+        if aggregate_id.is_empty() {
+            return Err(ValidationError::EmptyAggregateId);
+        }
+        if aggregate_id.len() > self.max_aggregate_id_bytes {
+            return Err(ValidationError::AggregateIdTooLong {
+                len: aggregate_id.len(),
+                max: self.max_aggregate_id_bytes,
+            });
+        }
+        if aggregate_id.contains('\0') {
+            return Err(ValidationError::AggregateIdHasNul);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_payload(&self, payload: &str) -> Result<(), ValidationError> {
+        // Refuse obviously oversized text before parsing it: compact JSON is never longer than
+        // the text it came from by more than the escapes serde adds, which is bounded by 6x.
+        if payload.len() / 6 > self.max_payload_bytes {
+            return Err(ValidationError::PayloadTooLarge {
+                size: payload.len(),
+                max: self.max_payload_bytes,
+            });
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(payload).map_err(ValidationError::PayloadNotJson)?;
+        let size = compact_len(&value);
+        if size > self.max_payload_bytes {
+            return Err(ValidationError::PayloadTooLarge {
+                size,
+                max: self.max_payload_bytes,
+            });
+        }
+        // Only walk the tree when the text could hold the escape at all.
+        if payload.contains("\\u0000") && has_nul(&value) {
+            return Err(ValidationError::PayloadHasNul);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_header(&self, name: &str, value: &str) -> Result<(), ValidationError> {
+        let invalid = |reason| ValidationError::InvalidHeader {
+            name: name.to_owned(),
+            reason,
+        };
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        {
+            return Err(invalid("a header name is a non-empty token of [A-Za-z0-9-_.]"));
+        }
+        let lower = name.to_ascii_lowercase();
+        if ["ce-", "handoff-", "nats-"].iter().any(|p| lower.starts_with(p)) {
+            return Err(invalid("the ce-, handoff- and nats- prefixes are set by the relay"));
+        }
+        if value.bytes().any(|b| matches!(b, b'\r' | b'\n' | b'\0')) {
+            return Err(invalid("a header value cannot hold CR, LF or NUL"));
+        }
+        if name.len() + value.len() > MAX_USER_HEADER_BYTES {
+            return Err(invalid("a header is limited to 4 KiB"));
+        }
+        Ok(())
+    }
+}
+
+/// The length of `value` serialised as compact JSON, without building the string.
+fn compact_len(value: &serde_json::Value) -> usize {
+    struct Count(usize);
+    impl Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing a Value to an infallible sink cannot fail.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
+}
+
+fn has_nul(value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(has_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ValidationErrorKind as K;
+
+    fn payload_kind(limits: &Limits, payload: &str) -> Option<K> {
+        limits.check_payload(payload).err().map(|e| e.kind())
+    }
+
+    #[test]
+    fn payload_limit_counts_compact_json() {
+        let limits = Limits {
+            max_payload_bytes: 7,
+            ..Limits::default()
+        };
+        // Seven bytes once compact, although the text has spaces.
+        assert_eq!(payload_kind(&limits, r#"{ "a" : 1 }"#), None);
+        assert_eq!(payload_kind(&limits, r#"{"a":12}"#), Some(K::PayloadTooLarge));
+    }
+
+    #[test]
+    fn payload_must_be_json_and_storable() {
+        let limits = Limits::default();
+        assert_eq!(payload_kind(&limits, "{"), Some(K::PayloadNotJson));
+        assert_eq!(payload_kind(&limits, ""), Some(K::PayloadNotJson));
+        assert_eq!(payload_kind(&limits, r#"{"a":"x\u0000"}"#), Some(K::PayloadHasNul));
+        // An escaped backslash followed by "u0000" is an ordinary string.
+        assert_eq!(payload_kind(&limits, r#"{"a":"\\u0000"}"#), None);
+        assert_eq!(payload_kind(&limits, "[1, null, true]"), None);
+    }
+
+    #[test]
+    fn aggregate_ids_are_bounded_but_otherwise_free() {
+        let limits = Limits {
+            max_aggregate_id_bytes: 4,
+            ..Limits::default()
+        };
+        let kind = |id| limits.check_aggregate_id(id).err().map(|e| e.kind());
+        assert_eq!(kind(""), Some(K::EmptyAggregateId));
+        assert_eq!(kind("abcde"), Some(K::AggregateIdTooLong));
+        assert_eq!(kind("a\0"), Some(K::AggregateIdHasNul));
+        assert_eq!(kind("a.*>"), None);
+    }
+
+    #[test]
+    fn aggregate_types_are_plain_tokens() {
+        let limits = Limits::default();
+        assert!(limits.check_aggregate_type("order_line-2").is_ok());
+        for bad in ["", "order.line", "order*", "or der", &"x".repeat(65)] {
+            assert!(limits.check_aggregate_type(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn reserved_and_malformed_headers_are_refused() {
+        let limits = Limits::default();
+        assert!(limits.check_header("traceparent", "00-abc-01").is_ok());
+        assert!(limits.check_header("Ce-Id", "x").is_err());
+        assert!(limits.check_header("Nats-Msg-Id", "x").is_err());
+        assert!(limits.check_header("bad name", "x").is_err());
+        assert!(limits.check_header("x-a", "line\nbreak").is_err());
+    }
+
+    #[test]
+    fn zero_limits_are_refused() {
+        let limits = Limits {
+            max_payload_bytes: 0,
+            ..Limits::default()
+        };
+        assert_eq!(limits.validate(), Err(LimitsError::Zero("max_payload_bytes")));
+    }
+}

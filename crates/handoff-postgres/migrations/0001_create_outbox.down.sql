@@ -1,0 +1,4 @@
+-- Reverts 0001. Destroys every event and inbox record: only for development databases.
+DROP TABLE processed_events;
+DROP TABLE outbox_heads;
+DROP TABLE outbox;

@@ -1,0 +1,46 @@
+//! `handoff-postgres`: the PostgreSQL side of the handoff outbox.
+//!
+//! - [`Migrator`] applies handoff's embedded, versioned migrations (the `outbox`, `outbox_heads`
+//!   and `processed_events` tables) into a configurable [`Schema`].
+//! - [`Outbox`] validates events and enqueues them inside the caller's own transaction, through
+//!   sqlx ([`Outbox::enqueue`]) or, with the `tokio-postgres` feature, through a tokio-postgres
+//!   client or transaction. It never commits: the caller's commit makes the business change and
+//!   its events durable together, and a rollback leaves neither (brief W1, W4).
+//!
+//! The relay, consumers and operator commands build on the same tables in their own crates.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use handoff_core::{EventCatalog, NewEvent};
+//! use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
+//! use sqlx::Connection;
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let mut conn = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1/app").await?;
+//! Migrator::handoff(Schema::default()).run(&mut conn).await?;
+//!
+//! let catalog = EventCatalog::new().declare("order", "OrderCreated", 1);
+//! let outbox = Outbox::new(OutboxConfig::default(), catalog)?;
+//!
+//! let mut tx = conn.begin().await?;
+//! let event = NewEvent::new("order", "o-1", "OrderCreated", 1, r#"{"customer_id":"c-1"}"#);
+//! let enqueued = outbox.enqueue(&mut tx, &[event]).await?;
+//! assert_eq!(enqueued[0].aggregate_sequence, 1);
+//! tx.commit().await?;
+//! # Ok(())
+//! # }
+//! ```
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
+
+mod migrate;
+mod outbox;
+mod schema;
+
+pub use migrate::{
+    MigrateError, MigrateErrorKind, Migration, MigrationReport, Migrator, HANDOFF_MIGRATIONS,
+};
+pub use outbox::{DriverError, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig};
+pub use schema::{Schema, SchemaError};

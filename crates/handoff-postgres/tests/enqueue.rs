@@ -1,0 +1,275 @@
+//! Enqueue in the caller's transaction, against the real PostgreSQL (brief W1, W3, W4, W6).
+
+use std::collections::HashMap;
+
+use handoff_core::{EventCatalog, Limits, NewEvent, ValidationErrorKind as V};
+use handoff_postgres::{EnqueueErrorKind, Migrator, Outbox, OutboxConfig, Schema};
+use handoff_test::{factory, TestDb};
+use sqlx::Connection;
+
+async fn migrated(name: &str) -> (TestDb, Outbox) {
+    let db = TestDb::new(name).await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    Migrator::handoff(Schema::default()).run(&mut conn).await.unwrap();
+    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
+    (db, outbox)
+}
+
+async fn sequences(db: &TestDb, aggregate_id: &str) -> Vec<i64> {
+    sqlx::query_scalar(
+        "SELECT aggregate_sequence FROM outbox WHERE aggregate_id = $1 ORDER BY aggregate_sequence",
+    )
+    .bind(aggregate_id)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn rollback_leaves_no_outbox_row() {
+    let (db, outbox) = migrated("enqueue_rollback").await;
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event("a", 1), factory::event("a", 2)])
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    assert_eq!(db.count("outbox").await, 0);
+    // The head row went with the rollback too, so the next event is still number 1.
+    let mut tx = db.pool.begin().await.unwrap();
+    let enqueued = outbox.enqueue(&mut tx, &[factory::event("a", 3)]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(enqueued[0].aggregate_sequence, 1);
+}
+
+#[tokio::test]
+async fn commit_leaves_one_row_per_event_with_consecutive_sequences_in_the_given_order() {
+    let (db, outbox) = migrated("enqueue_commit").await;
+    let chosen_id = uuid::Uuid::now_v7();
+    let events = [
+        factory::event("order-1", 10).with_event_id(chosen_id),
+        factory::event("order-1", 20).with_header("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        factory::event("order-1", 30),
+    ];
+    let mut tx = db.pool.begin().await.unwrap();
+    let enqueued = outbox.enqueue(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+
+    assert_eq!(enqueued.iter().map(|e| e.aggregate_sequence).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(enqueued[0].event_id, chosen_id, "a caller-supplied id is kept");
+    let rows: Vec<(uuid::Uuid, i64, serde_json::Value, serde_json::Value, i32, bool, bool)> =
+        sqlx::query_as(
+            "SELECT event_id, aggregate_sequence, payload, headers, attempt_count,
+                    published_at IS NULL, claimed_by IS NULL
+             FROM outbox ORDER BY aggregate_sequence",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 3);
+    for (row, event) in rows.iter().zip(&events) {
+        assert_eq!(row.0, event.event_id());
+        assert_eq!(row.2, serde_json::from_str::<serde_json::Value>(event.payload()).unwrap());
+        assert_eq!((row.4, row.5, row.6), (0, true, true), "pending, unclaimed, no attempts");
+    }
+    assert_eq!(
+        rows[1].3["traceparent"],
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    );
+}
+
+#[tokio::test]
+async fn several_aggregates_in_one_call_each_get_their_own_sequence() {
+    let (db, outbox) = migrated("enqueue_multi").await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let enqueued = outbox
+        .enqueue(
+            &mut tx,
+            &[
+                factory::event("b", 1),
+                factory::event("a", 1),
+                factory::event("b", 2),
+                factory::event("a", 2),
+                factory::event("b", 3),
+            ],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let seqs: Vec<i64> = enqueued.iter().map(|e| e.aggregate_sequence).collect();
+    assert_eq!(seqs, [1, 1, 2, 2, 3], "results come back in the order given");
+    assert_eq!(sequences(&db, "a").await, [1, 2]);
+    assert_eq!(sequences(&db, "b").await, [1, 2, 3]);
+}
+
+#[tokio::test]
+async fn concurrent_writers_of_one_aggregate_get_exactly_one_to_n_times_m() {
+    const WRITERS: u64 = 16;
+    const EVENTS_EACH: u64 = 24;
+    let (db, outbox) = migrated("enqueue_concurrent").await;
+
+    let writers = (0..WRITERS).map(|w| {
+        let pool = db.pool.clone();
+        let outbox = outbox.clone();
+        tokio::spawn(async move {
+            let mut n = 0;
+            let mut round = 0;
+            while n < EVENTS_EACH {
+                // Alternate batch sizes 1..=3, and roll back every fourth transaction: a
+                // rolled-back transaction must not leave a hole.
+                let size = (round % 3 + 1).min(EVENTS_EACH - n);
+                let events: Vec<_> = (0..size)
+                    .map(|i| factory::event("hot", w * 1000 + n + i))
+                    .collect();
+                let mut tx = pool.begin().await.unwrap();
+                outbox.enqueue(&mut tx, &events).await.unwrap();
+                if round % 4 == 3 {
+                    tx.rollback().await.unwrap();
+                } else {
+                    tx.commit().await.unwrap();
+                    n += size;
+                }
+                round += 1;
+            }
+        })
+    });
+    for writer in futures::future::join_all(writers).await {
+        writer.expect("no writer saw an error");
+    }
+
+    let expected: Vec<i64> = (1..=(WRITERS * EVENTS_EACH) as i64).collect();
+    assert_eq!(sequences(&db, "hot").await, expected);
+    // Within each writer, later events got later sequences.
+    let rows: Vec<(i64, serde_json::Value)> =
+        sqlx::query_as("SELECT aggregate_sequence, payload FROM outbox ORDER BY aggregate_sequence")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let mut last_n: HashMap<u64, u64> = HashMap::new();
+    for (_, payload) in rows {
+        let n = payload["n"].as_u64().unwrap();
+        let (writer, i) = (n / 1000, n % 1000);
+        if let Some(prev) = last_n.insert(writer, i) {
+            assert!(prev < i, "writer {writer}: event {i} sequenced before {prev}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn each_bad_input_is_refused_with_its_kind_and_writes_nothing() {
+    let (db, _) = migrated("enqueue_bad_input").await;
+    let catalog = factory::catalog();
+    let limits = Limits {
+        max_payload_bytes: 64,
+        max_aggregate_id_bytes: 16,
+    };
+    let outbox = Outbox::new(
+        OutboxConfig {
+            limits,
+            ..OutboxConfig::default()
+        },
+        catalog,
+    )
+    .unwrap();
+    let ok = || factory::event("agg", 1);
+    let t = factory::AGGREGATE_TYPE;
+    let e = factory::EVENT_TYPE;
+    let cases: Vec<(NewEvent, V)> = vec![
+        (NewEvent::new(t, "agg", e, 1, "{not json"), V::PayloadNotJson),
+        (NewEvent::new(t, "agg", e, 1, ""), V::PayloadNotJson),
+        (
+            NewEvent::new(t, "agg", e, 1, format!(r#"{{"big":"{}"}}"#, "x".repeat(64))),
+            V::PayloadTooLarge,
+        ),
+        (NewEvent::new(t, "agg", e, 1, r#"{"s":"\u0000"}"#), V::PayloadHasNul),
+        (NewEvent::new(t, "", e, 1, "{}"), V::EmptyAggregateId),
+        (NewEvent::new(t, "x".repeat(17), e, 1, "{}"), V::AggregateIdTooLong),
+        (NewEvent::new(t, "a\0b", e, 1, "{}"), V::AggregateIdHasNul),
+        (NewEvent::new("bad.type", "agg", e, 1, "{}"), V::InvalidAggregateType),
+        (NewEvent::new(t, "agg", "NoSuchEvent", 1, "{}"), V::UnknownEventType),
+        (NewEvent::new(t, "agg", e, 2, "{}"), V::UnknownSchemaVersion),
+        (ok().with_header("ce-id", "spoofed"), V::InvalidHeader),
+    ];
+    for (bad, kind) in cases {
+        let mut tx = db.pool.begin().await.unwrap();
+        // A valid event first: the bad one must take the whole batch down with it.
+        let err = outbox.enqueue(&mut tx, &[ok(), bad.clone()]).await.unwrap_err();
+        assert_eq!(err.kind(), EnqueueErrorKind::Invalid(kind), "{bad:?}: {err}");
+        // Refused before any SQL: the caller's transaction is still usable.
+        sqlx::query("SELECT 1").execute(&mut *tx).await.expect("transaction still usable");
+        tx.commit().await.unwrap();
+    }
+    assert_eq!(db.count("outbox").await, 0);
+    assert_eq!(db.count("outbox_heads").await, 0);
+}
+
+#[tokio::test]
+async fn aggregate_ids_broker_subjects_cannot_carry_are_stored_verbatim() {
+    let (db, outbox) = migrated("enqueue_odd_ids").await;
+    let ids = ["eu.west.1", "a*b", "x>y", "with space", "tab\tand\nnewline", "ünï"];
+    let mut tx = db.pool.begin().await.unwrap();
+    let events: Vec<_> = ids.iter().map(|id| factory::event(id, 1)).collect();
+    outbox.enqueue(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    for id in ids {
+        assert_eq!(sequences(&db, id).await, [1], "{id:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_reused_event_id_is_a_typed_error() {
+    let (db, outbox) = migrated("enqueue_duplicate_id").await;
+    let event = factory::event("a", 1);
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.enqueue(&mut tx, &[event.clone()]).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = outbox.enqueue(&mut tx, &[event]).await.unwrap_err();
+    assert_eq!(err.kind(), EnqueueErrorKind::DuplicateEventId);
+    tx.rollback().await.unwrap();
+    assert_eq!(db.count("outbox").await, 1);
+    assert_eq!(sequences(&db, "a").await, [1]);
+}
+
+#[tokio::test]
+async fn an_unmigrated_schema_is_a_typed_error() {
+    let db = TestDb::new("enqueue_unmigrated").await;
+    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    let err = outbox.enqueue(&mut tx, &[factory::event("a", 1)]).await.unwrap_err();
+    assert_eq!(err.kind(), EnqueueErrorKind::NotMigrated);
+}
+
+#[tokio::test]
+async fn a_named_schema_is_used_whatever_the_search_path() {
+    let db = TestDb::new("enqueue_named_schema").await;
+    let named = format!("{}_ev", db.schema());
+    let schema = Schema::named(named.clone()).unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    Migrator::handoff(schema.clone()).run(&mut conn).await.unwrap();
+    let outbox = Outbox::new(
+        OutboxConfig {
+            schema,
+            ..OutboxConfig::default()
+        },
+        EventCatalog::new().declare("thing", "ThingHappened", 1),
+    )
+    .unwrap();
+
+    let mut tx = conn.begin().await.unwrap();
+    outbox.enqueue(&mut tx, &[factory::event("a", 1)]).await.unwrap();
+    tx.commit().await.unwrap();
+    let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{named}\".outbox"))
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    sqlx::raw_sql(&format!("DROP SCHEMA \"{named}\" CASCADE"))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+}

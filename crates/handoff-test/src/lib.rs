@@ -1,0 +1,133 @@
+//! `handoff-test`: support for handoff's integration tests (not published).
+//!
+//! - [`TestDb`]: a fresh schema per test in the real PostgreSQL named by `DATABASE_URL`
+//!   (default `postgres://postgres@127.0.0.1:5432/test`), so tests run in parallel without
+//!   sharing rows; dropped (with everything in it) when the test ends.
+//! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+
+pub mod factory;
+
+/// The server tests run against when `DATABASE_URL` is not set.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// The base URL for tests.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
+}
+
+/// A schema of its own for one test, with a pool whose connections use it as `search_path`.
+///
+/// Everything a test creates without naming a schema lands in it; dropping the `TestDb` drops the
+/// schema.
+pub struct TestDb {
+    /// Connections whose `search_path` is this test's schema.
+    pub pool: PgPool,
+    schema: String,
+    options: PgConnectOptions,
+}
+
+impl TestDb {
+    /// Creates the schema `t_<name>_<pid>_<n>` (the name sanitised and shortened).
+    ///
+    /// # Panics
+    ///
+    /// When PostgreSQL is unreachable: a test cannot go on without it.
+    pub async fn new(name: &str) -> Self {
+        Self::with_pool_size(name, 20).await
+    }
+
+    /// As [`new`](Self::new), with at most `max_connections` pooled connections.
+    pub async fn with_pool_size(name: &str, max_connections: u32) -> Self {
+        static COUNTER: AtomicU32 = AtomicU32::new(0);
+        let mut clean: String = name
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+            .collect();
+        clean.truncate(40);
+        let schema = format!(
+            "t_{clean}_{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        let base = PgConnectOptions::from_str(&database_url())
+            .expect("DATABASE_URL is a valid PostgreSQL URL")
+            .disable_statement_logging();
+        let mut admin = PgConnection::connect_with(&base)
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {} is unreachable: {e}", database_url()));
+        sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE; CREATE SCHEMA \"{schema}\""))
+            .execute(&mut admin)
+            .await
+            .expect("create the test schema");
+        let options = base.options([("search_path", schema.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .connect_with(options.clone())
+            .await
+            .expect("connect the test pool");
+        Self {
+            pool,
+            schema,
+            options,
+        }
+    }
+
+    /// The schema's name.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// Connect options that select this schema, for a connection outside the pool.
+    pub fn connect_options(&self) -> PgConnectOptions {
+        self.options.clone()
+    }
+
+    /// A URL that selects this schema, for a child process that reads `DATABASE_URL`.
+    pub fn url(&self) -> String {
+        let base = database_url();
+        let sep = if base.contains('?') { '&' } else { '?' };
+        format!("{base}{sep}options=-c%20search_path%3D{}", self.schema)
+    }
+
+    /// `SELECT count(*)` of a table in this schema.
+    pub async fn count(&self, table: &str) -> i64 {
+        sqlx::query_scalar(&format!("SELECT count(*) FROM \"{}\".{table}", self.schema))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("count {table}: {e}"))
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        // Drop runs inside the test's runtime, which cannot be blocked on; a short-lived thread
+        // with its own runtime does the async cleanup and is joined so the schema is gone when
+        // the test returns.
+        let schema = self.schema.clone();
+        let options = self.options.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio_runtime();
+            runtime.block_on(async move {
+                if let Ok(mut conn) = PgConnection::connect_with(&options).await {
+                    let _ = sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+                        .execute(&mut conn)
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn tokio_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("build a cleanup runtime")
+}
