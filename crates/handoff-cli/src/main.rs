@@ -1,1 +1,83 @@
-fn main(){}
+//! The `handoff` command: operate a handoff outbox.
+//!
+//! `handoff migrate` applies the embedded schema migrations. Later capabilities add the relay and
+//! the operator commands (status, quarantine, replay, cleanup) as further subcommands.
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use handoff_postgres::{Migrator, Schema};
+use sqlx::Connection;
+
+#[derive(Parser)]
+#[command(name = "handoff", version, about = "Operate a handoff transactional outbox")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Apply pending schema migrations (idempotent; safe to run from several processes at once).
+    Migrate(MigrateArgs),
+}
+
+#[derive(clap::Args)]
+struct MigrateArgs {
+    /// PostgreSQL URL. The password, if any, is never logged.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// Schema for handoff's tables (default: the connection's search_path, usually `public`).
+    #[arg(long, env = "HANDOFF_SCHEMA")]
+    schema: Option<String>,
+    /// Only check that the database is current; exit 1 when migrations are pending.
+    #[arg(long)]
+    check: bool,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    // One line per cause, never a backtrace: this is an operator's tool.
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Migrate(args) => migrate(args).await,
+    }
+}
+
+async fn migrate(args: MigrateArgs) -> Result<()> {
+    let schema = match args.schema {
+        Some(name) => Schema::named(name)?,
+        None => Schema::default(),
+    };
+    let mut conn = sqlx::PgConnection::connect(&args.database_url)
+        .await
+        .context("while connecting to PostgreSQL (check --database-url / DATABASE_URL)")?;
+    let migrator = Migrator::handoff(schema);
+    if args.check {
+        let report = migrator.check(&mut conn).await?;
+        println!("schema is current ({} migration(s) applied)", report.already_applied.len());
+        return Ok(());
+    }
+    let report = migrator.run(&mut conn).await?;
+    if report.applied.is_empty() {
+        println!("schema is current ({} migration(s) applied)", report.already_applied.len());
+    } else {
+        println!("applied migration(s) {:?}", report.applied);
+    }
+    Ok(())
+}

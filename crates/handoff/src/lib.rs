@@ -1,1 +1,44 @@
-//! x
+//! `handoff`: a transactional outbox for Rust services on PostgreSQL.
+//!
+//! Write your business row and its events in ONE local transaction; a relay publishes committed
+//! events at least once, in order per aggregate; consumers apply each effect exactly once through
+//! an inbox. This facade re-exports the pieces:
+//!
+//! - [`core`] (`handoff-core`): [`Event`], [`NewEvent`], [`EventCatalog`], validation limits;
+//! - [`postgres`] (`handoff-postgres`): [`Migrator`], [`Outbox`] and its enqueue in the caller's
+//!   transaction.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use handoff::{Event, EventCatalog, NewEvent, Outbox, OutboxConfig};
+//!
+//! #[derive(serde::Serialize)]
+//! struct OrderCreated { customer_id: String }
+//! impl Event for OrderCreated {
+//!     const AGGREGATE_TYPE: &'static str = "order";
+//!     const EVENT_TYPE: &'static str = "OrderCreated";
+//!     const SCHEMA_VERSION: i32 = 1;
+//! }
+//!
+//! # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! let outbox = Outbox::new(OutboxConfig::default(), EventCatalog::new().with::<OrderCreated>())?;
+//! let mut tx = pool.begin().await?;
+//! // ... your own INSERT/UPDATE on &mut *tx ...
+//! let event = NewEvent::from_event("o-1", &OrderCreated { customer_id: "c-1".into() })?;
+//! outbox.enqueue(&mut tx, &[event]).await?;
+//! tx.commit().await?;
+//! # Ok(())
+//! # }
+//! ```
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
+
+pub use handoff_core as core;
+pub use handoff_postgres as postgres;
+
+pub use handoff_core::{Event, EventCatalog, EventId, Limits, NewEvent, ValidationError};
+pub use handoff_postgres::{
+    EnqueueError, EnqueueErrorKind, Enqueued, MigrateError, Migrator, Outbox, OutboxConfig, Schema,
+};

@@ -1,1 +1,71 @@
-//! x
+//! The reference order service: for one command it writes an order in PostgreSQL and enqueues
+//! the matching event (`OrderCreated`, `OrderLineAdded`, `OrderCancelled`) in the SAME local
+//! transaction, together with the command's idempotency record and response (brief W1, W5).
+//!
+//! - [`model`]: requests, responses, validation;
+//! - [`events`]: the events and their catalog;
+//! - [`idempotency`]: keys and request fingerprints;
+//! - [`store`]: the commands, each one transaction;
+//! - [`api`]: the axum routes.
+
+pub mod api;
+pub mod events;
+pub mod idempotency;
+pub mod model;
+pub mod store;
+
+use handoff::postgres::{MigrateError, Migration, MigrationReport};
+use handoff::{Migrator, Outbox, OutboxConfig, Schema};
+use sqlx::{PgConnection, PgPool};
+
+/// The service's own migrations, recorded apart from handoff's.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "create_orders",
+    up: include_str!("../migrations/0001_create_orders.up.sql"),
+    down: include_str!("../migrations/0001_create_orders.down.sql"),
+}];
+
+/// The migrators the service needs, in order: handoff's tables, then its own.
+pub fn migrators() -> [Migrator; 2] {
+    [
+        Migrator::handoff(Schema::default()),
+        Migrator::new(Schema::default(), "order_service_migrations", MIGRATIONS),
+    ]
+}
+
+/// Applies every pending migration.
+///
+/// # Errors
+///
+/// [`MigrateError`] from either set.
+pub async fn migrate(conn: &mut PgConnection) -> Result<Vec<MigrationReport>, MigrateError> {
+    let mut reports = Vec::new();
+    for migrator in migrators() {
+        reports.push(migrator.run(conn).await?);
+    }
+    Ok(reports)
+}
+
+/// Checks that no migration is pending, without applying any.
+///
+/// # Errors
+///
+/// [`MigrateError::Behind`] when the schema is behind.
+pub async fn check_migrations(conn: &mut PgConnection) -> Result<(), MigrateError> {
+    for migrator in migrators() {
+        migrator.check(conn).await?;
+    }
+    Ok(())
+}
+
+/// The outbox the service enqueues through.
+pub fn outbox() -> Outbox {
+    // The default configuration is valid by construction.
+    Outbox::new(OutboxConfig::default(), events::catalog()).expect("default outbox config is valid")
+}
+
+/// The HTTP application over `pool` (already migrated).
+pub fn app(pool: PgPool) -> axum::Router {
+    api::router(store::Store::new(pool, outbox()))
+}

@@ -1,1 +1,83 @@
-fn main(){}
+//! `order-service`: the reference order service over HTTP.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use sqlx::postgres::PgPoolOptions;
+
+#[derive(Parser)]
+#[command(name = "order-service", version, about = "Reference order service on a handoff outbox")]
+struct Args {
+    /// Address to listen on; port 0 picks a free one. The bound address is printed on stdout.
+    #[arg(long, env = "ORDER_SERVICE_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// PostgreSQL URL.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// Largest number of pooled database connections.
+    #[arg(long, env = "ORDER_SERVICE_MAX_CONNECTIONS", default_value_t = 16)]
+    max_connections: u32,
+    /// Do not migrate at start; refuse to start if the schema is behind.
+    #[arg(long)]
+    no_migrate: bool,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Args::parse()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<()> {
+    let pool = PgPoolOptions::new()
+        .max_connections(args.max_connections)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&args.database_url)
+        .await
+        .context("while connecting to PostgreSQL (check DATABASE_URL)")?;
+    {
+        let mut conn = pool.acquire().await?;
+        if args.no_migrate {
+            order_service::check_migrations(&mut conn).await?;
+        } else {
+            order_service::migrate(&mut conn).await?;
+        }
+    }
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("while binding {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    // The one line on stdout: scripts wait for it to know the service is ready.
+    println!("listening on {addr}");
+    tracing::info!(%addr, "order service ready");
+    axum::serve(listener, order_service::app(pool))
+        .with_graceful_shutdown(shutdown())
+        .await?;
+    Ok(())
+}
+
+async fn shutdown() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down");
+}

@@ -1,0 +1,3 @@
+DROP TABLE idempotency_keys;
+DROP TABLE order_lines;
+DROP TABLE orders;

@@ -1,0 +1,432 @@
+//! The order commands: each one transaction holding the order change, its outbox event and the
+//! stored response of the command.
+
+use handoff::{EnqueueError, NewEvent, Outbox, ValidationError};
+use sqlx::{Connection, PgConnection, PgPool};
+use uuid::Uuid;
+
+use crate::events::{OrderCancelled, OrderCreated, OrderLineAdded};
+use crate::idempotency::{Fingerprint, IdempotencyKey};
+use crate::model::{CancelOrder, CreateOrder, Invalid, Line, Order, Status};
+
+const INSERT_ORDER_SQL: &str = include_str!("../queries/insert_order.sql");
+const ADD_LINE_SQL: &str = include_str!("../queries/add_line.sql");
+const CANCEL_ORDER_SQL: &str = include_str!("../queries/cancel_order.sql");
+
+/// A response as stored with its idempotency key, and replayed to retries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// HTTP status.
+    pub status: u16,
+    /// JSON body.
+    pub body: serde_json::Value,
+}
+
+/// What a command did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// This request ran the command; the response was stored with the key.
+    Applied(StoredResponse),
+    /// An earlier request with the same key and body ran it; this is its stored response.
+    Replayed(StoredResponse),
+}
+
+/// Why a command was not applied. Nothing of it was written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommandError {
+    /// The request breaks a rule.
+    #[error("invalid request: {0}")]
+    Invalid(#[from] Invalid),
+    /// No such order.
+    #[error("order not found")]
+    NotFound,
+    /// The order is cancelled; it takes no more commands.
+    #[error("order is cancelled")]
+    Cancelled,
+    /// The key was used before for another request.
+    #[error("idempotency key was used for another request")]
+    KeyReused,
+    /// The key's stored response vanished between the conflict and the read (cleanup ran);
+    /// retrying is safe.
+    #[error("idempotency key is being processed, retry")]
+    KeyInFlight,
+    /// The event could not be enqueued.
+    #[error("while enqueueing the event: {0}")]
+    Enqueue(#[from] EnqueueError),
+    /// The event could not be built.
+    #[error("while building the event: {0}")]
+    Event(#[from] ValidationError),
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// The order commands over a pool.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: PgPool,
+    outbox: Outbox,
+}
+
+impl Store {
+    /// Commands on `pool`, enqueueing through `outbox`.
+    pub fn new(pool: PgPool, outbox: Outbox) -> Self {
+        Self { pool, outbox }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Creates an order and its `OrderCreated` event, once per idempotency key.
+    ///
+    /// # Errors
+    ///
+    /// [`CommandError`]; nothing is written on error.
+    pub async fn create_order(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        request: &CreateOrder,
+    ) -> Result<Outcome, CommandError> {
+        request.validate()?;
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        let created = create_order_in_tx(&mut tx, &self.outbox, key, fingerprint, request).await?;
+        match created {
+            Some(response) => {
+                tx.commit().await?;
+                Ok(Outcome::Applied(response))
+            }
+            None => {
+                tx.rollback().await?;
+                replay(&mut conn, key, fingerprint).await
+            }
+        }
+    }
+
+    /// Adds a line to an open order and emits `OrderLineAdded`, once per idempotency key.
+    ///
+    /// # Errors
+    ///
+    /// [`CommandError`]; nothing is written on error.
+    pub async fn add_line(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        order_id: Uuid,
+        line: &Line,
+    ) -> Result<Outcome, CommandError> {
+        line.validate()?;
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        let order = lock_order(&mut tx, order_id).await?;
+        // The key first: a retry of a command that succeeded gets its stored response, not the
+        // refusal its own success now causes (a retried cancel is not "already cancelled").
+        if let Some(stored) = load_response(&mut tx, key).await? {
+            tx.rollback().await?;
+            return compare(stored, fingerprint);
+        }
+        let mut order = match order {
+            Some(order) if order.status == Status::Open => order,
+            other => {
+                tx.rollback().await?;
+                return Err(match other {
+                    Some(_) => CommandError::Cancelled,
+                    None => CommandError::NotFound,
+                });
+            }
+        };
+        order.lines.push(line.clone());
+        order.total_cents += line.amount_cents();
+        order.version += 1;
+        let line_no = order.lines.len() as i32;
+        let response = ok_response(&order);
+        let applied = sqlx::query(ADD_LINE_SQL)
+            .bind(key.as_str())
+            .bind(fingerprint.as_bytes())
+            .bind(response.status as i16)
+            .bind(response.body.to_string())
+            .bind(order_id)
+            .bind(line_no)
+            .bind(&line.sku)
+            .bind(line.quantity)
+            .bind(line.unit_price_cents)
+            .bind(order.total_cents)
+            .bind(order.version)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if applied == 0 {
+            tx.rollback().await?;
+            return replay(&mut conn, key, fingerprint).await;
+        }
+        let event = NewEvent::from_event(
+            order_id.to_string(),
+            &OrderLineAdded {
+                order_id,
+                line_no,
+                line: line.clone(),
+                total_cents: order.total_cents,
+            },
+        )?;
+        self.outbox.enqueue(&mut tx, &[event]).await?;
+        tx.commit().await?;
+        Ok(Outcome::Applied(response))
+    }
+
+    /// Cancels an open order and emits `OrderCancelled`, once per idempotency key.
+    ///
+    /// # Errors
+    ///
+    /// [`CommandError`]; nothing is written on error.
+    pub async fn cancel_order(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        order_id: Uuid,
+        request: &CancelOrder,
+    ) -> Result<Outcome, CommandError> {
+        request.validate()?;
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        let order = lock_order(&mut tx, order_id).await?;
+        // The key first: a retry of a command that succeeded gets its stored response, not the
+        // refusal its own success now causes (a retried cancel is not "already cancelled").
+        if let Some(stored) = load_response(&mut tx, key).await? {
+            tx.rollback().await?;
+            return compare(stored, fingerprint);
+        }
+        let mut order = match order {
+            Some(order) if order.status == Status::Open => order,
+            other => {
+                tx.rollback().await?;
+                return Err(match other {
+                    Some(_) => CommandError::Cancelled,
+                    None => CommandError::NotFound,
+                });
+            }
+        };
+        order.status = Status::Cancelled;
+        order.version += 1;
+        let response = ok_response(&order);
+        let applied = sqlx::query(CANCEL_ORDER_SQL)
+            .bind(key.as_str())
+            .bind(fingerprint.as_bytes())
+            .bind(response.status as i16)
+            .bind(response.body.to_string())
+            .bind(order_id)
+            .bind(order.version)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if applied == 0 {
+            tx.rollback().await?;
+            return replay(&mut conn, key, fingerprint).await;
+        }
+        let event = NewEvent::from_event(
+            order_id.to_string(),
+            &OrderCancelled {
+                order_id,
+                reason: request.reason.clone(),
+                lines: order.lines.clone(),
+            },
+        )?;
+        self.outbox.enqueue(&mut tx, &[event]).await?;
+        tx.commit().await?;
+        Ok(Outcome::Applied(response))
+    }
+
+    /// Reads an order.
+    ///
+    /// # Errors
+    ///
+    /// [`CommandError::Database`].
+    pub async fn get_order(&self, order_id: Uuid) -> Result<Option<Order>, CommandError> {
+        let mut conn = self.pool.acquire().await?;
+        Ok(read_order(&mut conn, order_id, false).await?)
+    }
+}
+
+/// Inserts a new order, its lines and the stored response in the caller's transaction, and
+/// enqueues its `OrderCreated` event there. `None` when the key already exists: the caller must
+/// then roll back and replay the stored response.
+///
+/// Public so the write-path benchmark measures exactly what the service runs.
+///
+/// # Errors
+///
+/// [`CommandError`]; the transaction must then be rolled back.
+pub async fn create_order_in_tx(
+    tx: &mut PgConnection,
+    outbox: &Outbox,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+    request: &CreateOrder,
+) -> Result<Option<StoredResponse>, CommandError> {
+    let Some((order, response)) = insert_order_in_tx(tx, key, fingerprint, request).await? else {
+        return Ok(None);
+    };
+    let event = NewEvent::from_event(
+        order.order_id.to_string(),
+        &OrderCreated {
+            order_id: order.order_id,
+            customer_id: order.customer_id,
+            lines: order.lines,
+            total_cents: order.total_cents,
+        },
+    )?;
+    outbox.enqueue(tx, &[event]).await?;
+    Ok(Some(response))
+}
+
+/// The business half of [`create_order_in_tx`]: the order, its lines and the stored response,
+/// without the event. `None` when the key already exists.
+///
+/// # Errors
+///
+/// [`CommandError::Database`].
+pub async fn insert_order_in_tx(
+    tx: &mut PgConnection,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+    request: &CreateOrder,
+) -> Result<Option<(Order, StoredResponse)>, CommandError> {
+    let order = Order {
+        order_id: Uuid::now_v7(),
+        customer_id: request.customer_id.clone(),
+        status: Status::Open,
+        lines: request.lines.clone(),
+        total_cents: request.total_cents(),
+        version: 1,
+    };
+    let response = StoredResponse {
+        status: 201,
+        body: order_json(&order),
+    };
+    let skus: Vec<&str> = request.lines.iter().map(|l| l.sku.as_str()).collect();
+    let quantities: Vec<i32> = request.lines.iter().map(|l| l.quantity).collect();
+    let prices: Vec<i64> = request.lines.iter().map(|l| l.unit_price_cents).collect();
+    let inserted = sqlx::query(INSERT_ORDER_SQL)
+        .bind(key.as_str())
+        .bind(fingerprint.as_bytes())
+        .bind(response.status as i16)
+        .bind(response.body.to_string())
+        .bind(order.order_id)
+        .bind(&order.customer_id)
+        .bind(order.total_cents)
+        .bind(&skus)
+        .bind(&quantities)
+        .bind(&prices)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    Ok((inserted > 0).then_some((order, response)))
+}
+
+fn order_json(order: &Order) -> serde_json::Value {
+    // An Order has string keys and plain values only: it always serialises.
+    serde_json::to_value(order).unwrap_or_default()
+}
+
+fn ok_response(order: &Order) -> StoredResponse {
+    StoredResponse {
+        status: 200,
+        body: order_json(order),
+    }
+}
+
+async fn lock_order(conn: &mut PgConnection, order_id: Uuid) -> Result<Option<Order>, sqlx::Error> {
+    read_order(conn, order_id, true).await
+}
+
+async fn read_order(
+    conn: &mut PgConnection,
+    order_id: Uuid,
+    for_update: bool,
+) -> Result<Option<Order>, sqlx::Error> {
+    // The row lock on the order is the aggregate's lock: commands on one order run one at a
+    // time, so the version and total computed here are still right at commit.
+    let sql = if for_update {
+        "SELECT customer_id, status, total_cents, version FROM orders WHERE order_id = $1 FOR UPDATE"
+    } else {
+        "SELECT customer_id, status, total_cents, version FROM orders WHERE order_id = $1"
+    };
+    let Some((customer_id, status, total_cents, version)) =
+        sqlx::query_as::<_, (String, Status, i64, i64)>(sql)
+            .bind(order_id)
+            .fetch_optional(&mut *conn)
+            .await?
+    else {
+        return Ok(None);
+    };
+    let lines = sqlx::query_as::<_, (String, i32, i64)>(
+        "SELECT sku, quantity, unit_price_cents FROM order_lines WHERE order_id = $1 ORDER BY line_no",
+    )
+    .bind(order_id)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .map(|(sku, quantity, unit_price_cents)| Line {
+        sku,
+        quantity,
+        unit_price_cents,
+    })
+    .collect();
+    Ok(Some(Order {
+        order_id,
+        customer_id,
+        status,
+        lines,
+        total_cents,
+        version,
+    }))
+}
+
+/// The fingerprint and response stored under `key`, if any.
+async fn load_response(
+    conn: &mut PgConnection,
+    key: &IdempotencyKey,
+) -> Result<Option<(Vec<u8>, StoredResponse)>, sqlx::Error> {
+    let row: Option<(Vec<u8>, i16, serde_json::Value)> = sqlx::query_as(
+        "SELECT fingerprint, response_status, response_body FROM idempotency_keys
+         WHERE idempotency_key = $1",
+    )
+    .bind(key.as_str())
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(row.map(|(fp, status, body)| {
+        (
+            fp,
+            StoredResponse {
+                status: status as u16,
+                body,
+            },
+        )
+    }))
+}
+
+fn compare(
+    (stored_fingerprint, response): (Vec<u8>, StoredResponse),
+    fingerprint: &Fingerprint,
+) -> Result<Outcome, CommandError> {
+    if stored_fingerprint == fingerprint.as_bytes() {
+        Ok(Outcome::Replayed(response))
+    } else {
+        Err(CommandError::KeyReused)
+    }
+}
+
+/// After a conflict on the key: the key's committed response, compared with this request.
+async fn replay(
+    conn: &mut PgConnection,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+) -> Result<Outcome, CommandError> {
+    match load_response(conn, key).await? {
+        Some(stored) => compare(stored, fingerprint),
+        None => Err(CommandError::KeyInFlight),
+    }
+}
