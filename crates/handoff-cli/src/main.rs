@@ -9,7 +9,11 @@ use handoff_postgres::{Migrator, Schema};
 use sqlx::Connection;
 
 #[derive(Parser)]
-#[command(name = "handoff", version, about = "Operate a handoff transactional outbox")]
+#[command(
+    name = "handoff",
+    version,
+    about = "Operate a handoff transactional outbox"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -70,12 +74,18 @@ async fn migrate(args: MigrateArgs) -> Result<()> {
     let migrator = Migrator::handoff(schema);
     if args.check {
         let report = migrator.check(&mut conn).await?;
-        println!("schema is current ({} migration(s) applied)", report.already_applied.len());
+        println!(
+            "schema is current ({} migration(s) applied)",
+            report.already_applied.len()
+        );
         return Ok(());
     }
     let report = migrator.run(&mut conn).await?;
     if report.applied.is_empty() {
-        println!("schema is current ({} migration(s) applied)", report.already_applied.len());
+        println!(
+            "schema is current ({} migration(s) applied)",
+            report.already_applied.len()
+        );
     } else {
         println!("applied migration(s) {:?}", report.applied);
     }

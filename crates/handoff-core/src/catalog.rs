@@ -55,7 +55,8 @@ impl EventCatalog {
 
     /// Whether the triple is declared.
     pub fn is_declared(&self, aggregate_type: &str, event_type: &str, schema_version: i32) -> bool {
-        self.check(aggregate_type, event_type, schema_version).is_ok()
+        self.check(aggregate_type, event_type, schema_version)
+            .is_ok()
     }
 
     /// Checks that the triple is declared.
@@ -99,8 +100,14 @@ mod tests {
     fn unknown_type_and_unknown_version_are_told_apart() {
         let catalog = EventCatalog::new().declare("order", "OrderCreated", 1);
         let kind = |t, v| catalog.check("order", t, v).unwrap_err().kind();
-        assert_eq!(kind("OrderShipped", 1), ValidationErrorKind::UnknownEventType);
-        assert_eq!(kind("OrderCreated", 2), ValidationErrorKind::UnknownSchemaVersion);
+        assert_eq!(
+            kind("OrderShipped", 1),
+            ValidationErrorKind::UnknownEventType
+        );
+        assert_eq!(
+            kind("OrderCreated", 2),
+            ValidationErrorKind::UnknownSchemaVersion
+        );
         assert!(catalog.check("order", "OrderCreated", 1).is_ok());
     }
 

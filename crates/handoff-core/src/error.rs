@@ -59,6 +59,12 @@ pub enum ValidationError {
         /// The versions that are declared for this type.
         declared: Vec<i32>,
     },
+    /// The schema version is below 1.
+    #[error("schema version {0} is invalid: versions start at 1")]
+    InvalidSchemaVersion(i32),
+    /// A number in the payload is outside what PostgreSQL `numeric` (and so `jsonb`) can hold.
+    #[error("payload holds a number outside PostgreSQL's numeric range")]
+    PayloadNumberOutOfRange,
     /// A header name or value cannot be carried by the broker.
     #[error("header {name:?} is invalid: {reason}")]
     InvalidHeader {
@@ -94,6 +100,10 @@ pub enum ValidationErrorKind {
     UnknownEventType,
     /// See [`ValidationError::UnknownSchemaVersion`].
     UnknownSchemaVersion,
+    /// See [`ValidationError::InvalidSchemaVersion`].
+    InvalidSchemaVersion,
+    /// See [`ValidationError::PayloadNumberOutOfRange`].
+    PayloadNumberOutOfRange,
     /// See [`ValidationError::InvalidHeader`].
     InvalidHeader,
     /// See [`ValidationError::Serialize`].
@@ -122,6 +132,8 @@ impl ValidationError {
             Self::PayloadHasNul => K::PayloadHasNul,
             Self::UnknownEventType { .. } => K::UnknownEventType,
             Self::UnknownSchemaVersion { .. } => K::UnknownSchemaVersion,
+            Self::InvalidSchemaVersion(_) => K::InvalidSchemaVersion,
+            Self::PayloadNumberOutOfRange => K::PayloadNumberOutOfRange,
             Self::InvalidHeader { .. } => K::InvalidHeader,
             Self::Serialize(_) => K::Serialize,
         }

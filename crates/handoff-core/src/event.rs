@@ -204,11 +204,25 @@ impl NewEvent {
     pub fn validate(&self, catalog: &EventCatalog, limits: &Limits) -> Result<(), ValidationError> {
         limits.check_aggregate_type(&self.aggregate_type)?;
         limits.check_aggregate_id(&self.aggregate_id)?;
+        if self.schema_version < 1 {
+            return Err(ValidationError::InvalidSchemaVersion(self.schema_version));
+        }
         catalog.check(&self.aggregate_type, &self.event_type, self.schema_version)?;
         limits.check_payload(&self.payload)?;
-        for (name, value) in &self.headers {
-            limits.check_header(name, value)?;
-        }
-        Ok(())
+        limits.check_headers(&self.headers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ValidationErrorKind;
+
+    #[test]
+    fn schema_versions_below_one_are_refused_even_when_declared() {
+        let catalog = EventCatalog::new().declare("order", "E", 0);
+        let event = NewEvent::new("order", "o-1", "E", 0, "{}");
+        let err = event.validate(&catalog, &Limits::default()).unwrap_err();
+        assert_eq!(err.kind(), ValidationErrorKind::InvalidSchemaVersion);
     }
 }

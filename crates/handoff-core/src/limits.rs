@@ -12,8 +12,13 @@ pub const NATS_DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
 /// the caller's own headers, which together are limited to well under this.
 pub const HEADER_ROOM_BYTES: usize = 8 * 1024;
 
-/// The most bytes of caller headers (names plus values) one event may carry.
+/// The most bytes of caller headers (names plus values, all headers together) one event may
+/// carry; with the relay's own headers this stays well inside [`HEADER_ROOM_BYTES`].
 const MAX_USER_HEADER_BYTES: usize = 4 * 1024;
+
+/// PostgreSQL `numeric` holds up to 131072 digits before the decimal point and 16383 after.
+const NUMERIC_MAX_INTEGER_DIGITS: i64 = 131_072;
+const NUMERIC_MAX_SCALE: i64 = 16_383;
 
 /// Limits an event must respect to be enqueued.
 ///
@@ -77,7 +82,9 @@ impl Limits {
         if ok {
             Ok(())
         } else {
-            Err(ValidationError::InvalidAggregateType(aggregate_type.to_owned()))
+            Err(ValidationError::InvalidAggregateType(
+                aggregate_type.to_owned(),
+            ))
         }
     }
 
@@ -97,9 +104,16 @@ impl Limits {
         Ok(())
     }
 
+    /// Checks that the payload is JSON that `jsonb` can store and that its text, as PostgreSQL
+    /// returns it to the relay, fits the limit.
+    ///
+    /// PostgreSQL's `jsonb` text is not the caller's text: it puts a space after every `,` and
+    /// `:`, and prints numbers in full (`1e300` comes back as 301 digits). The size checked is
+    /// therefore an upper bound of that form: compact JSON, plus one byte per separator, plus
+    /// what each number grows by when printed in full.
     pub(crate) fn check_payload(&self, payload: &str) -> Result<(), ValidationError> {
-        // Refuse obviously oversized text before parsing it: compact JSON is never longer than
-        // the text it came from by more than the escapes serde adds, which is bounded by 6x.
+        // Refuse obviously oversized text before parsing it: compact JSON is never shorter
+        // than a sixth of the text it came from (a 6-byte escape decodes to one character).
         if payload.len() / 6 > self.max_payload_bytes {
             return Err(ValidationError::PayloadTooLarge {
                 size: payload.len(),
@@ -108,7 +122,7 @@ impl Limits {
         }
         let value: serde_json::Value =
             serde_json::from_str(payload).map_err(ValidationError::PayloadNotJson)?;
-        let size = compact_len(&value);
+        let size = compact_len(&value) + postgres_growth(payload)?;
         if size > self.max_payload_bytes {
             return Err(ValidationError::PayloadTooLarge {
                 size,
@@ -118,6 +132,24 @@ impl Limits {
         // Only walk the tree when the text could hold the escape at all.
         if payload.contains("\\u0000") && has_nul(&value) {
             return Err(ValidationError::PayloadHasNul);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_headers<'a>(
+        &self,
+        headers: impl IntoIterator<Item = (&'a String, &'a String)>,
+    ) -> Result<(), ValidationError> {
+        let mut total = 0;
+        for (name, value) in headers {
+            self.check_header(name, value)?;
+            total += name.len() + value.len();
+            if total > MAX_USER_HEADER_BYTES {
+                return Err(ValidationError::InvalidHeader {
+                    name: name.clone(),
+                    reason: "an event's headers are limited to 4 KiB together",
+                });
+            }
         }
         Ok(())
     }
@@ -132,17 +164,21 @@ impl Limits {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
         {
-            return Err(invalid("a header name is a non-empty token of [A-Za-z0-9-_.]"));
+            return Err(invalid(
+                "a header name is a non-empty token of [A-Za-z0-9-_.]",
+            ));
         }
         let lower = name.to_ascii_lowercase();
-        if ["ce-", "handoff-", "nats-"].iter().any(|p| lower.starts_with(p)) {
-            return Err(invalid("the ce-, handoff- and nats- prefixes are set by the relay"));
+        if ["ce-", "handoff-", "nats-"]
+            .iter()
+            .any(|p| lower.starts_with(p))
+        {
+            return Err(invalid(
+                "the ce-, handoff- and nats- prefixes are set by the relay",
+            ));
         }
         if value.bytes().any(|b| matches!(b, b'\r' | b'\n' | b'\0')) {
             return Err(invalid("a header value cannot hold CR, LF or NUL"));
-        }
-        if name.len() + value.len() > MAX_USER_HEADER_BYTES {
-            return Err(invalid("a header is limited to 4 KiB"));
         }
         Ok(())
     }
@@ -166,6 +202,76 @@ fn compact_len(value: &serde_json::Value) -> usize {
     count.0
 }
 
+/// How many bytes PostgreSQL's `jsonb` text of `payload` (valid JSON) can exceed its compact
+/// JSON by: one per `,` and `:` separator, plus, per number, its full-digit length beyond the
+/// length serde prints it with.
+///
+/// # Errors
+///
+/// [`ValidationError::PayloadNumberOutOfRange`] for a number `numeric` cannot hold.
+fn postgres_growth(payload: &str) -> Result<usize, ValidationError> {
+    let bytes = payload.as_bytes();
+    let (mut growth, mut i, mut in_string) = (0usize, 0usize, false);
+    while i < bytes.len() {
+        let b = bytes[i];
+        if in_string {
+            match b {
+                b'\\' => i += 1, // skip the escaped byte
+                b'"' => in_string = false,
+                _ => {}
+            }
+            i += 1;
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b',' | b':' => growth += 1,
+            b'-' | b'0'..=b'9' => {
+                let start = i;
+                while i < bytes.len()
+                    && matches!(bytes[i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E')
+                {
+                    i += 1;
+                }
+                let token = &payload[start..i];
+                let full =
+                    numeric_text_len(token).ok_or(ValidationError::PayloadNumberOutOfRange)?;
+                let compact = serde_json::from_str::<serde_json::Value>(token)
+                    .map(|v| compact_len(&v))
+                    .unwrap_or(token.len());
+                growth += full.saturating_sub(compact);
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    Ok(growth)
+}
+
+/// An upper bound of the length of `numeric_out` for a JSON number token, or `None` when
+/// `numeric` cannot hold it. `numeric` prints in plain notation, keeping the input's scale.
+fn numeric_text_len(token: &str) -> Option<usize> {
+    let (negative, unsigned) = match token.strip_prefix('-') {
+        Some(rest) => (1, rest),
+        None => (0, token),
+    };
+    let (mantissa, exponent) = match unsigned.find(['e', 'E']) {
+        Some(at) => (&unsigned[..at], unsigned[at + 1..].parse::<i64>().ok()?),
+        None => (unsigned, 0),
+    };
+    let (integer, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    // Position of the decimal point, and digits after it, once the exponent is applied.
+    let point = integer.len() as i64 + exponent;
+    let scale = (fraction.len() as i64 - exponent).max(0);
+    if point > NUMERIC_MAX_INTEGER_DIGITS || scale > NUMERIC_MAX_SCALE {
+        return None;
+    }
+    let integer_digits = point.max(1);
+    let fraction_digits = if scale > 0 { scale + 1 } else { 0 };
+    Some(negative + (integer_digits + fraction_digits) as usize)
+}
+
 fn has_nul(value: &serde_json::Value) -> bool {
     use serde_json::Value;
     match value {
@@ -186,14 +292,17 @@ mod tests {
     }
 
     #[test]
-    fn payload_limit_counts_compact_json() {
+    fn payload_limit_counts_the_text_postgres_returns_not_the_input() {
         let limits = Limits {
-            max_payload_bytes: 7,
+            max_payload_bytes: 8,
             ..Limits::default()
         };
-        // Seven bytes once compact, although the text has spaces.
+        // `{"a": 1}` (8 bytes) as PostgreSQL prints it, whatever the input's spacing.
         assert_eq!(payload_kind(&limits, r#"{ "a" : 1 }"#), None);
-        assert_eq!(payload_kind(&limits, r#"{"a":12}"#), Some(K::PayloadTooLarge));
+        assert_eq!(
+            payload_kind(&limits, r#"{"a":12}"#),
+            Some(K::PayloadTooLarge)
+        );
     }
 
     #[test]
@@ -201,10 +310,47 @@ mod tests {
         let limits = Limits::default();
         assert_eq!(payload_kind(&limits, "{"), Some(K::PayloadNotJson));
         assert_eq!(payload_kind(&limits, ""), Some(K::PayloadNotJson));
-        assert_eq!(payload_kind(&limits, r#"{"a":"x\u0000"}"#), Some(K::PayloadHasNul));
+        assert_eq!(
+            payload_kind(&limits, r#"{"a":"x\u0000"}"#),
+            Some(K::PayloadHasNul)
+        );
         // An escaped backslash followed by "u0000" is an ordinary string.
         assert_eq!(payload_kind(&limits, r#"{"a":"\\u0000"}"#), None);
         assert_eq!(payload_kind(&limits, "[1, null, true]"), None);
+    }
+
+    #[test]
+    fn payload_limit_counts_what_postgres_prints() {
+        let limits = Limits {
+            max_payload_bytes: 40,
+            ..Limits::default()
+        };
+        // Three bytes of JSON that PostgreSQL prints as 301 digits.
+        assert_eq!(payload_kind(&limits, "1e300"), Some(K::PayloadTooLarge));
+        assert_eq!(payload_kind(&limits, "[1e3, 2.5e-3]"), None);
+        // Separators cost a byte each: 31 bytes of compact JSON, 45 as PostgreSQL prints it.
+        let many = format!("[{}]", vec!["1"; 15].join(","));
+        assert_eq!(payload_kind(&limits, &many), Some(K::PayloadTooLarge));
+        // serde refuses what overflows f64; numeric refuses scales past 16383 digits.
+        assert_eq!(payload_kind(&limits, "1e200000"), Some(K::PayloadNotJson));
+        assert_eq!(
+            payload_kind(&limits, "1e-20000"),
+            Some(K::PayloadNumberOutOfRange)
+        );
+    }
+
+    #[test]
+    fn numeric_text_length_bounds_postgres_output() {
+        // PostgreSQL: 1e3 -> 1000, 2.5e-3 -> 0.0025, -12.50 -> -12.50, 1e-2 -> 0.01
+        for (token, printed) in [
+            ("1e3", "1000"),
+            ("2.5e-3", "0.0025"),
+            ("-12.50", "-12.50"),
+            ("1e-2", "0.01"),
+            ("0", "0"),
+        ] {
+            assert!(numeric_text_len(token).unwrap() >= printed.len(), "{token}");
+        }
     }
 
     #[test]
@@ -232,6 +378,18 @@ mod tests {
     #[test]
     fn reserved_and_malformed_headers_are_refused() {
         let limits = Limits::default();
+        let big = |n| {
+            [
+                ("a".to_owned(), "x".repeat(n)),
+                ("b".to_owned(), "y".repeat(n)),
+            ]
+        };
+        assert!(limits
+            .check_headers(big(1000).iter().map(|(k, v)| (k, v)))
+            .is_ok());
+        assert!(limits
+            .check_headers(big(2100).iter().map(|(k, v)| (k, v)))
+            .is_err());
         assert!(limits.check_header("traceparent", "00-abc-01").is_ok());
         assert!(limits.check_header("Ce-Id", "x").is_err());
         assert!(limits.check_header("Nats-Msg-Id", "x").is_err());
@@ -245,6 +403,9 @@ mod tests {
             max_payload_bytes: 0,
             ..Limits::default()
         };
-        assert_eq!(limits.validate(), Err(LimitsError::Zero("max_payload_bytes")));
+        assert_eq!(
+            limits.validate(),
+            Err(LimitsError::Zero("max_payload_bytes"))
+        );
     }
 }

@@ -65,7 +65,9 @@ pub enum MigrateError {
         name: String,
     },
     /// The database has not applied every migration this binary knows.
-    #[error("the database schema is behind: {pending} migration(s) pending, run `handoff migrate`")]
+    #[error(
+        "the database schema is behind: {pending} migration(s) pending, run `handoff migrate`"
+    )]
     Behind {
         /// How many migrations are pending.
         pending: usize,
@@ -227,7 +229,11 @@ impl Migrator {
     /// # Cancel safety
     ///
     /// As [`run`](Self::run).
-    pub async fn revert(&self, conn: &mut PgConnection, target: i64) -> Result<Vec<i64>, MigrateError> {
+    pub async fn revert(
+        &self,
+        conn: &mut PgConnection,
+        target: i64,
+    ) -> Result<Vec<i64>, MigrateError> {
         self.lock(conn).await?;
         let result = self.revert_locked(conn, target).await;
         let unlocked = self.unlock(conn).await;
@@ -239,7 +245,8 @@ impl Migrator {
     async fn run_locked(&self, conn: &mut PgConnection) -> Result<MigrationReport, MigrateError> {
         let create_schema = self.schema.create_sql();
         if let Some(sql) = create_schema {
-            (&mut *conn).execute(sql.as_str())
+            (&mut *conn)
+                .execute(sql.as_str())
                 .await
                 .map_err(db("creating the schema"))?;
         }
@@ -253,7 +260,8 @@ impl Migrator {
                 duration_ms bigint      NOT NULL
             )"
         );
-        (&mut *conn).execute(create_history.as_str())
+        (&mut *conn)
+            .execute(create_history.as_str())
             .await
             .map_err(db("creating the migration history table"))?;
 
@@ -264,11 +272,13 @@ impl Migrator {
                 continue;
             }
             let started = Instant::now();
-            self.apply(conn, migration).await.map_err(|source| MigrateError::Apply {
-                version: migration.version,
-                name: migration.name,
-                source,
-            })?;
+            self.apply(conn, migration)
+                .await
+                .map_err(|source| MigrateError::Apply {
+                    version: migration.version,
+                    name: migration.name,
+                    source,
+                })?;
             tracing::info!(
                 version = migration.version,
                 name = migration.name,
@@ -341,7 +351,10 @@ impl Migrator {
                     (&mut *tx).execute(sql.as_str()).await?;
                 }
                 (&mut *tx).execute(m.down).await?;
-                sqlx::query(&delete).bind(m.version).execute(&mut *tx).await?;
+                sqlx::query(&delete)
+                    .bind(m.version)
+                    .execute(&mut *tx)
+                    .await?;
                 tx.commit().await
             }
             .await;
@@ -365,7 +378,10 @@ impl Migrator {
         if !exists {
             return Ok(Vec::new());
         }
-        let sql = format!("SELECT version, checksum FROM {} ORDER BY version", self.history());
+        let sql = format!(
+            "SELECT version, checksum FROM {} ORDER BY version",
+            self.history()
+        );
         sqlx::query_as(&sql)
             .fetch_all(&mut *conn)
             .await
@@ -441,7 +457,11 @@ mod tests {
             .filter(|n| n.ends_with(".up.sql"))
             .collect();
         ups.sort();
-        assert_eq!(ups.len(), HANDOFF_MIGRATIONS.len(), "a migration file is not embedded");
+        assert_eq!(
+            ups.len(),
+            HANDOFF_MIGRATIONS.len(),
+            "a migration file is not embedded"
+        );
         for (file, m) in ups.iter().zip(HANDOFF_MIGRATIONS) {
             assert_eq!(*file, format!("{:04}_{}.up.sql", m.version, m.name));
             let down = format!("{dir}/{:04}_{}.down.sql", m.version, m.name);

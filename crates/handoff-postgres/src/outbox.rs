@@ -67,6 +67,16 @@ pub enum EnqueueError {
     /// being run again: its own idempotency check should have caught it first).
     #[error("an event with one of these ids is already in the outbox")]
     DuplicateEventId,
+    /// [`Outbox::enqueue_versioned`] was given events of several aggregates.
+    #[error("enqueue_versioned takes the events of one aggregate")]
+    MixedAggregates,
+    /// [`Outbox::enqueue_versioned`] was given a first sequence below 1.
+    #[error("sequence {0} is invalid: sequences start at 1")]
+    InvalidSequence(i64),
+    /// A caller-assigned sequence is already taken in this aggregate: the caller's version was
+    /// stale. Re-read the aggregate and retry the whole transaction.
+    #[error("a sequence given to enqueue_versioned is already used by this aggregate")]
+    SequenceTaken,
     /// The outbox tables do not exist in the configured schema.
     #[error("the outbox tables are missing; run `handoff migrate` (schema {schema})")]
     NotMigrated {
@@ -103,6 +113,11 @@ pub enum EnqueueErrorKind {
     Invalid(handoff_core::ValidationErrorKind),
     /// See [`EnqueueError::DuplicateEventId`].
     DuplicateEventId,
+    /// See [`EnqueueError::MixedAggregates`] and [`EnqueueError::InvalidSequence`]: a caller bug,
+    /// found before anything was sent.
+    Misuse,
+    /// See [`EnqueueError::SequenceTaken`]; retrying after re-reading the aggregate can succeed.
+    SequenceTaken,
     /// See [`EnqueueError::NotMigrated`].
     NotMigrated,
     /// See [`EnqueueError::Conflict`]; retrying the transaction can succeed.
@@ -117,6 +132,8 @@ impl EnqueueError {
         match self {
             Self::Invalid { source, .. } => EnqueueErrorKind::Invalid(source.kind()),
             Self::DuplicateEventId => EnqueueErrorKind::DuplicateEventId,
+            Self::MixedAggregates | Self::InvalidSequence(_) => EnqueueErrorKind::Misuse,
+            Self::SequenceTaken => EnqueueErrorKind::SequenceTaken,
             Self::NotMigrated { .. } => EnqueueErrorKind::NotMigrated,
             Self::Conflict(_) => EnqueueErrorKind::Conflict,
             Self::Database(_) => EnqueueErrorKind::Database,
@@ -125,7 +142,7 @@ impl EnqueueError {
 
     /// Whether retrying the caller's whole transaction can succeed.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Conflict(_))
+        matches!(self, Self::Conflict(_) | Self::SequenceTaken)
     }
 }
 
@@ -173,10 +190,13 @@ struct Inner {
     config: OutboxConfig,
     catalog: EventCatalog,
     enqueue_sql: String,
+    enqueue_versioned_sql: String,
 }
 
 /// The enqueue statement, with `{schema}` to be replaced by the schema prefix.
 const ENQUEUE_SQL: &str = include_str!("../queries/enqueue.sql");
+/// The enqueue statement for caller-assigned sequences.
+const ENQUEUE_VERSIONED_SQL: &str = include_str!("../queries/enqueue_versioned.sql");
 
 impl Outbox {
     /// An outbox accepting the events declared in `catalog`.
@@ -186,12 +206,15 @@ impl Outbox {
     /// [`LimitsError`] when the configuration is invalid.
     pub fn new(config: OutboxConfig, catalog: EventCatalog) -> Result<Self, LimitsError> {
         config.validate()?;
-        let enqueue_sql = ENQUEUE_SQL.replace("{schema}", &config.schema.prefix());
+        let prefix = config.schema.prefix();
+        let enqueue_sql = ENQUEUE_SQL.replace("{schema}", &prefix);
+        let enqueue_versioned_sql = ENQUEUE_VERSIONED_SQL.replace("{schema}", &prefix);
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 catalog,
                 enqueue_sql,
+                enqueue_versioned_sql,
             }),
         })
     }
@@ -251,8 +274,8 @@ impl Outbox {
         let mut enqueued = Vec::with_capacity(events.len());
         for group in group_by_aggregate(events) {
             let rows: Vec<(uuid::Uuid, i64)> = sqlx::query_as(&self.inner.enqueue_sql)
-                .bind(&group.aggregate_type)
-                .bind(&group.aggregate_id)
+                .bind(group.aggregate_type)
+                .bind(group.aggregate_id)
                 .bind(&group.event_ids)
                 .bind(&group.event_types)
                 .bind(&group.schema_versions)
@@ -263,6 +286,81 @@ impl Outbox {
                 .map_err(|e| self.classify_sqlx(e))?;
             collect(&mut enqueued, rows);
         }
+        Ok(order_as_given(events, enqueued))
+    }
+
+    /// Enqueues events of ONE aggregate at sequences the caller assigns: `first_sequence`,
+    /// `first_sequence + 1`, ... in the order given. Never commits.
+    ///
+    /// For callers whose aggregate row already carries a version that they lock in the same
+    /// transaction (`SELECT ... FOR UPDATE`, or the insert of a new aggregate): the version is
+    /// the sequence, the caller's lock is the aggregate's lock rule (brief W3), and the
+    /// `outbox_heads` row is neither read nor written, which saves a heap and an index write per
+    /// transaction. Use one mode per aggregate type: [`enqueue`](Self::enqueue) keeps its own
+    /// count in `outbox_heads` and does not see sequences written here.
+    ///
+    /// # Errors
+    ///
+    /// [`EnqueueError::Invalid`] before anything is sent, also when the events are not all of one
+    /// aggregate or `first_sequence < 1`; [`EnqueueError::SequenceTaken`] when a sequence is
+    /// already used (the caller's version was stale: its lock rule is broken); database errors
+    /// as [`enqueue`](Self::enqueue).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe in the sense that the single statement either ran or not; roll the
+    /// transaction back if the call is cancelled.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # use handoff_core::{EventCatalog, NewEvent};
+    /// # use handoff_postgres::{Outbox, OutboxConfig};
+    /// # async fn example(pool: sqlx::PgPool, outbox: Outbox) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = pool.begin().await?;
+    /// let version: i64 = sqlx::query_scalar(
+    ///     "UPDATE orders SET version = version + 1 WHERE id = $1 RETURNING version",
+    /// )
+    /// .bind("o-1")
+    /// .fetch_one(&mut *tx)
+    /// .await?;
+    /// let event = NewEvent::new("order", "o-1", "OrderCancelled", 1, "{}");
+    /// outbox.enqueue_versioned(&mut tx, version, &[event]).await?;
+    /// tx.commit().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn enqueue_versioned(
+        &self,
+        conn: &mut PgConnection,
+        first_sequence: i64,
+        events: &[NewEvent],
+    ) -> Result<Vec<Enqueued>, EnqueueError> {
+        self.validate(events)?;
+        let mut groups = group_by_aggregate(events);
+        if groups.len() > 1 {
+            return Err(EnqueueError::MixedAggregates);
+        }
+        if first_sequence < 1 {
+            return Err(EnqueueError::InvalidSequence(first_sequence));
+        }
+        let Some(group) = groups.pop() else {
+            return Ok(Vec::new());
+        };
+        let rows: Vec<(uuid::Uuid, i64)> = sqlx::query_as(&self.inner.enqueue_versioned_sql)
+            .bind(group.aggregate_type)
+            .bind(group.aggregate_id)
+            .bind(first_sequence)
+            .bind(&group.event_ids)
+            .bind(&group.event_types)
+            .bind(&group.schema_versions)
+            .bind(&group.payloads)
+            .bind(&group.headers)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| self.classify_sqlx(e))?;
+        let mut enqueued = Vec::with_capacity(rows.len());
+        collect(&mut enqueued, rows);
         Ok(order_as_given(events, enqueued))
     }
 
@@ -310,13 +408,63 @@ impl Outbox {
                 )
                 .await
                 .map_err(|e| self.classify_tokio_postgres(e))?;
-            let rows = rows
-                .iter()
-                .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-                .collect::<Result<Vec<(uuid::Uuid, i64)>, tokio_postgres::Error>>()
-                .map_err(|e| EnqueueError::Database(DriverError::TokioPostgres(e)))?;
-            collect(&mut enqueued, rows);
+            collect(&mut enqueued, tokio_postgres_rows(&rows)?);
         }
+        Ok(order_as_given(events, enqueued))
+    }
+
+    /// [`enqueue_versioned`](Self::enqueue_versioned) through a tokio-postgres client or
+    /// transaction, sent with `query_typed` so it pipelines with the caller's own statements.
+    ///
+    /// # Errors
+    ///
+    /// As [`enqueue_versioned`](Self::enqueue_versioned).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`enqueue_versioned`](Self::enqueue_versioned).
+    #[cfg(feature = "tokio-postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tokio-postgres")))]
+    pub async fn enqueue_versioned_tokio_postgres<C>(
+        &self,
+        client: &C,
+        first_sequence: i64,
+        events: &[NewEvent],
+    ) -> Result<Vec<Enqueued>, EnqueueError>
+    where
+        C: tokio_postgres::GenericClient + Sync,
+    {
+        use tokio_postgres::types::Type;
+
+        self.validate(events)?;
+        let mut groups = group_by_aggregate(events);
+        if groups.len() > 1 {
+            return Err(EnqueueError::MixedAggregates);
+        }
+        if first_sequence < 1 {
+            return Err(EnqueueError::InvalidSequence(first_sequence));
+        }
+        let Some(group) = groups.pop() else {
+            return Ok(Vec::new());
+        };
+        let rows = client
+            .query_typed(
+                &self.inner.enqueue_versioned_sql,
+                &[
+                    (&group.aggregate_type, Type::TEXT),
+                    (&group.aggregate_id, Type::TEXT),
+                    (&first_sequence, Type::INT8),
+                    (&group.event_ids, Type::UUID_ARRAY),
+                    (&group.event_types, Type::TEXT_ARRAY),
+                    (&group.schema_versions, Type::INT4_ARRAY),
+                    (&group.payloads, Type::TEXT_ARRAY),
+                    (&group.headers, Type::TEXT_ARRAY),
+                ],
+            )
+            .await
+            .map_err(|e| self.classify_tokio_postgres(e))?;
+        let mut enqueued = Vec::with_capacity(rows.len());
+        collect(&mut enqueued, tokio_postgres_rows(&rows)?);
         Ok(order_as_given(events, enqueued))
     }
 
@@ -329,7 +477,11 @@ impl Outbox {
             .as_database_error()
             .and_then(|e| e.constraint())
             .map(str::to_owned);
-        self.classify(code.as_deref(), constraint.as_deref(), DriverError::Sqlx(error))
+        self.classify(
+            code.as_deref(),
+            constraint.as_deref(),
+            DriverError::Sqlx(error),
+        )
     }
 
     #[cfg(feature = "tokio-postgres")]
@@ -337,7 +489,11 @@ impl Outbox {
         let db = error.as_db_error();
         let code = db.map(|e| e.code().code().to_owned());
         let constraint = db.and_then(|e| e.constraint()).map(str::to_owned);
-        self.classify(code.as_deref(), constraint.as_deref(), DriverError::TokioPostgres(error))
+        self.classify(
+            code.as_deref(),
+            constraint.as_deref(),
+            DriverError::TokioPostgres(error),
+        )
     }
 
     fn classify(
@@ -348,6 +504,7 @@ impl Outbox {
     ) -> EnqueueError {
         match (sqlstate, constraint) {
             (Some("23505"), Some("outbox_pkey")) => EnqueueError::DuplicateEventId,
+            (Some("23505"), Some("outbox_aggregate_sequence_key")) => EnqueueError::SequenceTaken,
             // undefined_table
             (Some("42P01"), _) => EnqueueError::NotMigrated {
                 schema: self
@@ -406,22 +563,42 @@ fn group_by_aggregate(events: &[NewEvent]) -> Vec<AggregateBatch<'_>> {
         group.payloads.push(event.payload());
         group.headers.push(event.headers_json());
     }
-    groups.sort_by(|a, b| (a.aggregate_type, a.aggregate_id).cmp(&(b.aggregate_type, b.aggregate_id)));
+    groups.sort_by(|a, b| {
+        (a.aggregate_type, a.aggregate_id).cmp(&(b.aggregate_type, b.aggregate_id))
+    });
     groups
 }
 
+#[cfg(feature = "tokio-postgres")]
+fn tokio_postgres_rows(
+    rows: &[tokio_postgres::Row],
+) -> Result<Vec<(uuid::Uuid, i64)>, EnqueueError> {
+    rows.iter()
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+        .collect::<Result<_, tokio_postgres::Error>>()
+        .map_err(|e| EnqueueError::Database(DriverError::TokioPostgres(e)))
+}
+
 fn collect(enqueued: &mut Vec<Enqueued>, rows: Vec<(uuid::Uuid, i64)>) {
-    enqueued.extend(rows.into_iter().map(|(event_id, aggregate_sequence)| Enqueued {
-        event_id,
-        aggregate_sequence,
-    }));
+    enqueued.extend(
+        rows.into_iter()
+            .map(|(event_id, aggregate_sequence)| Enqueued {
+                event_id,
+                aggregate_sequence,
+            }),
+    );
 }
 
 /// Puts the results in the order of the input batch (the database returns them per group).
 fn order_as_given(events: &[NewEvent], enqueued: Vec<Enqueued>) -> Vec<Enqueued> {
     events
         .iter()
-        .filter_map(|e| enqueued.iter().find(|r| r.event_id == e.event_id()).copied())
+        .filter_map(|e| {
+            enqueued
+                .iter()
+                .find(|r| r.event_id == e.event_id())
+                .copied()
+        })
         .collect()
 }
 

@@ -38,7 +38,9 @@ impl Schema {
         let name = name.into();
         let mut bytes = name.bytes();
         let ok = name.len() <= 63
-            && bytes.next().is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
+            && bytes
+                .next()
+                .is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
             && bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
         if ok {
             Ok(Self(Some(name)))

@@ -10,7 +10,10 @@ use sqlx::Connection;
 async fn migrated(name: &str) -> (TestDb, Outbox) {
     let db = TestDb::new(name).await;
     let mut conn = db.pool.acquire().await.unwrap();
-    Migrator::handoff(Schema::default()).run(&mut conn).await.unwrap();
+    Migrator::handoff(Schema::default())
+        .run(&mut conn)
+        .await
+        .unwrap();
     let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
     (db, outbox)
 }
@@ -38,7 +41,10 @@ async fn rollback_leaves_no_outbox_row() {
     assert_eq!(db.count("outbox").await, 0);
     // The head row went with the rollback too, so the next event is still number 1.
     let mut tx = db.pool.begin().await.unwrap();
-    let enqueued = outbox.enqueue(&mut tx, &[factory::event("a", 3)]).await.unwrap();
+    let enqueued = outbox
+        .enqueue(&mut tx, &[factory::event("a", 3)])
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(enqueued[0].aggregate_sequence, 1);
 }
@@ -49,29 +55,55 @@ async fn commit_leaves_one_row_per_event_with_consecutive_sequences_in_the_given
     let chosen_id = uuid::Uuid::now_v7();
     let events = [
         factory::event("order-1", 10).with_event_id(chosen_id),
-        factory::event("order-1", 20).with_header("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        factory::event("order-1", 20).with_header(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ),
         factory::event("order-1", 30),
     ];
     let mut tx = db.pool.begin().await.unwrap();
     let enqueued = outbox.enqueue(&mut tx, &events).await.unwrap();
     tx.commit().await.unwrap();
 
-    assert_eq!(enqueued.iter().map(|e| e.aggregate_sequence).collect::<Vec<_>>(), [1, 2, 3]);
-    assert_eq!(enqueued[0].event_id, chosen_id, "a caller-supplied id is kept");
-    let rows: Vec<(uuid::Uuid, i64, serde_json::Value, serde_json::Value, i32, bool, bool)> =
-        sqlx::query_as(
-            "SELECT event_id, aggregate_sequence, payload, headers, attempt_count,
+    assert_eq!(
+        enqueued
+            .iter()
+            .map(|e| e.aggregate_sequence)
+            .collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+    assert_eq!(
+        enqueued[0].event_id, chosen_id,
+        "a caller-supplied id is kept"
+    );
+    let rows: Vec<(
+        uuid::Uuid,
+        i64,
+        serde_json::Value,
+        serde_json::Value,
+        i32,
+        bool,
+        bool,
+    )> = sqlx::query_as(
+        "SELECT event_id, aggregate_sequence, payload, headers, attempt_count,
                     published_at IS NULL, claimed_by IS NULL
              FROM outbox ORDER BY aggregate_sequence",
-        )
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
     assert_eq!(rows.len(), 3);
     for (row, event) in rows.iter().zip(&events) {
         assert_eq!(row.0, event.event_id());
-        assert_eq!(row.2, serde_json::from_str::<serde_json::Value>(event.payload()).unwrap());
-        assert_eq!((row.4, row.5, row.6), (0, true, true), "pending, unclaimed, no attempts");
+        assert_eq!(
+            row.2,
+            serde_json::from_str::<serde_json::Value>(event.payload()).unwrap()
+        );
+        assert_eq!(
+            (row.4, row.5, row.6),
+            (0, true, true),
+            "pending, unclaimed, no attempts"
+        );
     }
     assert_eq!(
         rows[1].3["traceparent"],
@@ -99,7 +131,11 @@ async fn several_aggregates_in_one_call_each_get_their_own_sequence() {
     tx.commit().await.unwrap();
 
     let seqs: Vec<i64> = enqueued.iter().map(|e| e.aggregate_sequence).collect();
-    assert_eq!(seqs, [1, 1, 2, 2, 3], "results come back in the order given");
+    assert_eq!(
+        seqs,
+        [1, 1, 2, 2, 3],
+        "results come back in the order given"
+    );
     assert_eq!(sequences(&db, "a").await, [1, 2]);
     assert_eq!(sequences(&db, "b").await, [1, 2, 3]);
 }
@@ -142,17 +178,21 @@ async fn concurrent_writers_of_one_aggregate_get_exactly_one_to_n_times_m() {
     let expected: Vec<i64> = (1..=(WRITERS * EVENTS_EACH) as i64).collect();
     assert_eq!(sequences(&db, "hot").await, expected);
     // Within each writer, later events got later sequences.
-    let rows: Vec<(i64, serde_json::Value)> =
-        sqlx::query_as("SELECT aggregate_sequence, payload FROM outbox ORDER BY aggregate_sequence")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
+    let rows: Vec<(i64, serde_json::Value)> = sqlx::query_as(
+        "SELECT aggregate_sequence, payload FROM outbox ORDER BY aggregate_sequence",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
     let mut last_n: HashMap<u64, u64> = HashMap::new();
     for (_, payload) in rows {
         let n = payload["n"].as_u64().unwrap();
         let (writer, i) = (n / 1000, n % 1000);
         if let Some(prev) = last_n.insert(writer, i) {
-            assert!(prev < i, "writer {writer}: event {i} sequenced before {prev}");
+            assert!(
+                prev < i,
+                "writer {writer}: event {i} sequenced before {prev}"
+            );
         }
     }
 }
@@ -177,28 +217,59 @@ async fn each_bad_input_is_refused_with_its_kind_and_writes_nothing() {
     let t = factory::AGGREGATE_TYPE;
     let e = factory::EVENT_TYPE;
     let cases: Vec<(NewEvent, V)> = vec![
-        (NewEvent::new(t, "agg", e, 1, "{not json"), V::PayloadNotJson),
+        (
+            NewEvent::new(t, "agg", e, 1, "{not json"),
+            V::PayloadNotJson,
+        ),
         (NewEvent::new(t, "agg", e, 1, ""), V::PayloadNotJson),
         (
             NewEvent::new(t, "agg", e, 1, format!(r#"{{"big":"{}"}}"#, "x".repeat(64))),
             V::PayloadTooLarge,
         ),
-        (NewEvent::new(t, "agg", e, 1, r#"{"s":"\u0000"}"#), V::PayloadHasNul),
+        (
+            NewEvent::new(t, "agg", e, 1, r#"{"s":"\u0000"}"#),
+            V::PayloadHasNul,
+        ),
         (NewEvent::new(t, "", e, 1, "{}"), V::EmptyAggregateId),
-        (NewEvent::new(t, "x".repeat(17), e, 1, "{}"), V::AggregateIdTooLong),
+        (
+            NewEvent::new(t, "x".repeat(17), e, 1, "{}"),
+            V::AggregateIdTooLong,
+        ),
         (NewEvent::new(t, "a\0b", e, 1, "{}"), V::AggregateIdHasNul),
-        (NewEvent::new("bad.type", "agg", e, 1, "{}"), V::InvalidAggregateType),
-        (NewEvent::new(t, "agg", "NoSuchEvent", 1, "{}"), V::UnknownEventType),
+        (
+            NewEvent::new("bad.type", "agg", e, 1, "{}"),
+            V::InvalidAggregateType,
+        ),
+        (
+            NewEvent::new(t, "agg", "NoSuchEvent", 1, "{}"),
+            V::UnknownEventType,
+        ),
         (NewEvent::new(t, "agg", e, 2, "{}"), V::UnknownSchemaVersion),
+        (NewEvent::new(t, "agg", e, 0, "{}"), V::InvalidSchemaVersion),
+        (
+            NewEvent::new(t, "agg", e, 1, "[1e-20000]"),
+            V::PayloadNumberOutOfRange,
+        ),
+        (NewEvent::new(t, "agg", e, 1, "[1e100]"), V::PayloadTooLarge),
         (ok().with_header("ce-id", "spoofed"), V::InvalidHeader),
     ];
     for (bad, kind) in cases {
         let mut tx = db.pool.begin().await.unwrap();
         // A valid event first: the bad one must take the whole batch down with it.
-        let err = outbox.enqueue(&mut tx, &[ok(), bad.clone()]).await.unwrap_err();
-        assert_eq!(err.kind(), EnqueueErrorKind::Invalid(kind), "{bad:?}: {err}");
+        let err = outbox
+            .enqueue(&mut tx, &[ok(), bad.clone()])
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.kind(),
+            EnqueueErrorKind::Invalid(kind),
+            "{bad:?}: {err}"
+        );
         // Refused before any SQL: the caller's transaction is still usable.
-        sqlx::query("SELECT 1").execute(&mut *tx).await.expect("transaction still usable");
+        sqlx::query("SELECT 1")
+            .execute(&mut *tx)
+            .await
+            .expect("transaction still usable");
         tx.commit().await.unwrap();
     }
     assert_eq!(db.count("outbox").await, 0);
@@ -208,7 +279,14 @@ async fn each_bad_input_is_refused_with_its_kind_and_writes_nothing() {
 #[tokio::test]
 async fn aggregate_ids_broker_subjects_cannot_carry_are_stored_verbatim() {
     let (db, outbox) = migrated("enqueue_odd_ids").await;
-    let ids = ["eu.west.1", "a*b", "x>y", "with space", "tab\tand\nnewline", "ünï"];
+    let ids = [
+        "eu.west.1",
+        "a*b",
+        "x>y",
+        "with space",
+        "tab\tand\nnewline",
+        "ünï",
+    ];
     let mut tx = db.pool.begin().await.unwrap();
     let events: Vec<_> = ids.iter().map(|id| factory::event(id, 1)).collect();
     outbox.enqueue(&mut tx, &events).await.unwrap();
@@ -223,7 +301,7 @@ async fn a_reused_event_id_is_a_typed_error() {
     let (db, outbox) = migrated("enqueue_duplicate_id").await;
     let event = factory::event("a", 1);
     let mut tx = db.pool.begin().await.unwrap();
-    outbox.enqueue(&mut tx, &[event.clone()]).await.unwrap();
+    outbox.enqueue(&mut tx, std::slice::from_ref(&event)).await.unwrap();
     tx.commit().await.unwrap();
 
     let mut tx = db.pool.begin().await.unwrap();
@@ -240,7 +318,10 @@ async fn an_unmigrated_schema_is_a_typed_error() {
     let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
     let mut conn = db.pool.acquire().await.unwrap();
     let mut tx = conn.begin().await.unwrap();
-    let err = outbox.enqueue(&mut tx, &[factory::event("a", 1)]).await.unwrap_err();
+    let err = outbox
+        .enqueue(&mut tx, &[factory::event("a", 1)])
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), EnqueueErrorKind::NotMigrated);
 }
 
@@ -250,7 +331,10 @@ async fn a_named_schema_is_used_whatever_the_search_path() {
     let named = format!("{}_ev", db.schema());
     let schema = Schema::named(named.clone()).unwrap();
     let mut conn = db.pool.acquire().await.unwrap();
-    Migrator::handoff(schema.clone()).run(&mut conn).await.unwrap();
+    Migrator::handoff(schema.clone())
+        .run(&mut conn)
+        .await
+        .unwrap();
     let outbox = Outbox::new(
         OutboxConfig {
             schema,
@@ -261,7 +345,10 @@ async fn a_named_schema_is_used_whatever_the_search_path() {
     .unwrap();
 
     let mut tx = conn.begin().await.unwrap();
-    outbox.enqueue(&mut tx, &[factory::event("a", 1)]).await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event("a", 1)])
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{named}\".outbox"))
         .fetch_one(&mut *conn)
@@ -272,4 +359,100 @@ async fn a_named_schema_is_used_whatever_the_search_path() {
         .execute(&mut *conn)
         .await
         .unwrap();
+}
+
+#[tokio::test]
+async fn an_accepted_payload_fits_the_limit_as_postgres_returns_it() {
+    let (db, _) = migrated("enqueue_payload_bound").await;
+    let limits = Limits {
+        max_payload_bytes: 48,
+        ..Limits::default()
+    };
+    let outbox = Outbox::new(
+        OutboxConfig {
+            limits,
+            ..OutboxConfig::default()
+        },
+        factory::catalog(),
+    )
+    .unwrap();
+    let candidates = [
+        r#"{"a":1,"b":2,"c":3,"d":4,"e":5,"f":6}"#,
+        "[1e3,2e3,3e3,4e3,5e3,6e3]",
+        "[1.50,2.50,3.50,4.50,5.50]",
+        r#"{"s":"\u00e9\u00e9\u00e9\u00e9","t":[true,false,null]}"#,
+        "[0.1e-5,2E2,-3.0e1]",
+    ];
+    let mut accepted = 0;
+    for (i, payload) in candidates.iter().enumerate() {
+        let event = NewEvent::new(
+            factory::AGGREGATE_TYPE,
+            format!("p{i}"),
+            factory::EVENT_TYPE,
+            1,
+            *payload,
+        );
+        let mut tx = db.pool.begin().await.unwrap();
+        if outbox.enqueue(&mut tx, &[event]).await.is_ok() {
+            tx.commit().await.unwrap();
+            accepted += 1;
+        }
+    }
+    assert!(accepted >= 3, "most candidates fit: {accepted}");
+    let longest: i32 = sqlx::query_scalar("SELECT max(octet_length(payload::text)) FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        longest <= 48,
+        "PostgreSQL returns {longest} bytes for a payload accepted at 48"
+    );
+}
+
+#[tokio::test]
+async fn versioned_enqueue_uses_the_callers_sequences_and_refuses_a_taken_one() {
+    let (db, outbox) = migrated("enqueue_versioned").await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let enqueued = outbox
+        .enqueue_versioned(
+            &mut tx,
+            1,
+            &[factory::event("v", 1), factory::event("v", 2)],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        enqueued
+            .iter()
+            .map(|e| e.aggregate_sequence)
+            .collect::<Vec<_>>(),
+        [1, 2]
+    );
+    assert_eq!(db.count("outbox_heads").await, 0, "no head row is written");
+
+    // A stale version: the caller's lock rule was broken, and nothing is written.
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = outbox
+        .enqueue_versioned(&mut tx, 2, &[factory::event("v", 3)])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), EnqueueErrorKind::SequenceTaken);
+    assert!(err.is_retryable());
+    tx.rollback().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let mixed = [factory::event("v", 1), factory::event("w", 1)];
+    let err = outbox
+        .enqueue_versioned(&mut tx, 3, &mixed)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), EnqueueErrorKind::Misuse);
+    let err = outbox
+        .enqueue_versioned(&mut tx, 0, &[factory::event("v", 1)])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), EnqueueErrorKind::Misuse);
+    tx.commit().await.unwrap();
+    assert_eq!(sequences(&db, "v").await, [1, 2]);
 }

@@ -63,7 +63,10 @@ async fn migrate_creates_the_seed_schema_in_the_default_schema_and_is_idempotent
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert!(pending_index.contains("WHERE (published_at IS NULL)"), "{pending_index}");
+    assert!(
+        pending_index.contains("WHERE (published_at IS NULL)"),
+        "{pending_index}"
+    );
     assert_eq!(db.count("processed_events").await, 0);
 }
 
@@ -134,7 +137,10 @@ async fn a_named_schema_holds_the_tables_and_revert_removes_them() {
         .fetch_one(&mut *conn)
         .await
         .unwrap();
-    assert_eq!(in_default, None, "nothing leaks into the search_path schema");
+    assert_eq!(
+        in_default, None,
+        "nothing leaks into the search_path schema"
+    );
 
     assert_eq!(migrator.revert(&mut conn, 0).await.unwrap(), vec![1]);
     let outbox: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")

@@ -21,7 +21,10 @@ async fn client(db: &TestDb) -> tokio_postgres::Client {
 async fn tokio_postgres_transactions_commit_and_roll_back_with_their_events() {
     let db = TestDb::new("tokio_postgres_enqueue").await;
     let mut conn = db.pool.acquire().await.unwrap();
-    Migrator::handoff(Schema::default()).run(&mut conn).await.unwrap();
+    Migrator::handoff(Schema::default())
+        .run(&mut conn)
+        .await
+        .unwrap();
     let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
     let mut client = client(&db).await;
     client
@@ -31,8 +34,13 @@ async fn tokio_postgres_transactions_commit_and_roll_back_with_their_events() {
 
     // Rolled back: neither the business row nor the event.
     let tx = client.transaction().await.unwrap();
-    tx.execute("INSERT INTO things VALUES ('a')", &[]).await.unwrap();
-    outbox.enqueue_tokio_postgres(&tx, &[factory::event("a", 1)]).await.unwrap();
+    tx.execute("INSERT INTO things VALUES ('a')", &[])
+        .await
+        .unwrap();
+    outbox
+        .enqueue_tokio_postgres(&tx, &[factory::event("a", 1)])
+        .await
+        .unwrap();
     tx.rollback().await.unwrap();
     assert_eq!(db.count("things").await, 0);
     assert_eq!(db.count("outbox").await, 0);
@@ -42,18 +50,27 @@ async fn tokio_postgres_transactions_commit_and_roll_back_with_their_events() {
     let insert = tx.execute("INSERT INTO things VALUES ('a')", &[]);
     let events = [factory::event("a", 1), factory::event("a", 2)];
     let enqueue = outbox.enqueue_tokio_postgres(&tx, &events);
-    let (_, enqueued) = tokio::try_join!(
-        async { insert.await.map_err(|e| e.to_string()) },
-        async { enqueue.await.map_err(|e| e.to_string()) }
-    )
-    .unwrap();
+    let (_, enqueued) =
+        tokio::try_join!(async { insert.await.map_err(|e| e.to_string()) }, async {
+            enqueue.await.map_err(|e| e.to_string())
+        })
+        .unwrap();
     tx.commit().await.unwrap();
-    assert_eq!(enqueued.iter().map(|e| e.aggregate_sequence).collect::<Vec<_>>(), [1, 2]);
+    assert_eq!(
+        enqueued
+            .iter()
+            .map(|e| e.aggregate_sequence)
+            .collect::<Vec<_>>(),
+        [1, 2]
+    );
     assert_eq!(db.count("things").await, 1);
 
     // sqlx and tokio-postgres writers share one sequence per aggregate.
     let mut tx = db.pool.begin().await.unwrap();
-    let next = outbox.enqueue(&mut tx, &[factory::event("a", 3)]).await.unwrap();
+    let next = outbox
+        .enqueue(&mut tx, &[factory::event("a", 3)])
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(next[0].aggregate_sequence, 3);
 }

@@ -14,5 +14,11 @@ pub fn catalog() -> EventCatalog {
 
 /// A valid event of aggregate `aggregate_id` whose payload records `n`.
 pub fn event(aggregate_id: &str, n: u64) -> NewEvent {
-    NewEvent::new(AGGREGATE_TYPE, aggregate_id, EVENT_TYPE, 1, format!(r#"{{"n":{n}}}"#))
+    NewEvent::new(
+        AGGREGATE_TYPE,
+        aggregate_id,
+        EVENT_TYPE,
+        1,
+        format!(r#"{{"n":{n}}}"#),
+    )
 }

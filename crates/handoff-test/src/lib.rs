@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
+pub mod cluster;
 pub mod factory;
 
 /// The server tests run against when `DATABASE_URL` is not set.
@@ -47,7 +48,13 @@ impl TestDb {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let mut clean: String = name
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '_'
+                }
+            })
             .collect();
         clean.truncate(40);
         let schema = format!(
@@ -61,10 +68,12 @@ impl TestDb {
         let mut admin = PgConnection::connect_with(&base)
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {} is unreachable: {e}", database_url()));
-        sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE; CREATE SCHEMA \"{schema}\""))
-            .execute(&mut admin)
-            .await
-            .expect("create the test schema");
+        sqlx::raw_sql(&format!(
+            "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE; CREATE SCHEMA \"{schema}\""
+        ))
+        .execute(&mut admin)
+        .await
+        .expect("create the test schema");
         let options = base.options([("search_path", schema.as_str())]);
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)

@@ -38,7 +38,9 @@ async fn create_order(
     let key = idempotency_key(&headers)?;
     let request: CreateOrder = parse_body(&body)?;
     let fingerprint = Fingerprint::of("POST", "/orders", &request);
-    Ok(respond(store.create_order(&key, &fingerprint, &request).await?))
+    Ok(respond(
+        store.create_order(&key, &fingerprint, &request).await?,
+    ))
 }
 
 async fn add_line(
@@ -51,7 +53,9 @@ async fn add_line(
     let key = idempotency_key(&headers)?;
     let line: Line = parse_body(&body)?;
     let fingerprint = Fingerprint::of("POST", &format!("/orders/{order_id}/lines"), &line);
-    Ok(respond(store.add_line(&key, &fingerprint, order_id, &line).await?))
+    Ok(respond(
+        store.add_line(&key, &fingerprint, order_id, &line).await?,
+    ))
 }
 
 async fn cancel_order(
@@ -68,7 +72,11 @@ async fn cancel_order(
         parse_body(&body)?
     };
     let fingerprint = Fingerprint::of("POST", &format!("/orders/{order_id}/cancel"), &request);
-    Ok(respond(store.cancel_order(&key, &fingerprint, order_id, &request).await?))
+    Ok(respond(
+        store
+            .cancel_order(&key, &fingerprint, order_id, &request)
+            .await?,
+    ))
 }
 
 async fn get_order(
@@ -105,13 +113,21 @@ fn idempotency_key(headers: &HeaderMap) -> Result<IdempotencyKey, ApiError> {
         )
     })?;
     IdempotencyKey::parse(value.as_bytes()).map_err(|e| {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_idempotency_key", e.to_string())
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_idempotency_key",
+            e.to_string(),
+        )
     })
 }
 
 fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_body", format!("invalid JSON body: {e}"))
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+            format!("invalid JSON body: {e}"),
+        )
     })
 }
 
@@ -142,7 +158,9 @@ impl From<CommandError> for ApiError {
     fn from(error: CommandError) -> Self {
         use StatusCode as S;
         match &error {
-            CommandError::Invalid(e) => Self::new(S::UNPROCESSABLE_ENTITY, "validation_failed", e.0.clone()),
+            CommandError::Invalid(e) => {
+                Self::new(S::UNPROCESSABLE_ENTITY, "validation_failed", e.0.clone())
+            }
             CommandError::NotFound => Self::new(S::NOT_FOUND, "order_not_found", "no such order"),
             CommandError::Cancelled => {
                 Self::new(S::CONFLICT, "order_cancelled", "the order is cancelled")
@@ -159,11 +177,19 @@ impl From<CommandError> for ApiError {
             ),
             CommandError::Enqueue(e) if e.is_retryable() => {
                 tracing::warn!(error = %error, "command lost a race, client may retry");
-                Self::new(S::SERVICE_UNAVAILABLE, "retry", "a concurrent change won; retry")
+                Self::new(
+                    S::SERVICE_UNAVAILABLE,
+                    "retry",
+                    "a concurrent change won; retry",
+                )
             }
             CommandError::Database(sqlx::Error::PoolTimedOut) => {
                 tracing::warn!("no database connection available in time");
-                Self::new(S::SERVICE_UNAVAILABLE, "unavailable", "the service is overloaded; retry")
+                Self::new(
+                    S::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    "the service is overloaded; retry",
+                )
             }
             // Everything else is the service's fault; the details go to the log only.
             _ => {

@@ -69,7 +69,13 @@ mod tests {
     #[test]
     fn keys_are_visible_ascii_of_bounded_length() {
         assert!(IdempotencyKey::parse(b"0192f3a4-7c1e").is_ok());
-        for bad in [&b""[..], b"with space", b"tab\t", "ü".as_bytes(), &[b'k'; 256]] {
+        for bad in [
+            &b""[..],
+            b"with space",
+            b"tab\t",
+            "ü".as_bytes(),
+            &[b'k'; 256],
+        ] {
             assert!(IdempotencyKey::parse(bad).is_err(), "{bad:?}");
         }
     }
@@ -78,9 +84,15 @@ mod tests {
     fn fingerprints_differ_by_method_path_and_body() {
         let body = serde_json::json!({"a": 1});
         let base = Fingerprint::of("POST", "/orders", &body);
-        assert_eq!(base, Fingerprint::of("POST", "/orders", &serde_json::json!({"a": 1})));
+        assert_eq!(
+            base,
+            Fingerprint::of("POST", "/orders", &serde_json::json!({"a": 1}))
+        );
         assert_ne!(base, Fingerprint::of("POST", "/orders/x/lines", &body));
         assert_ne!(base, Fingerprint::of("PUT", "/orders", &body));
-        assert_ne!(base, Fingerprint::of("POST", "/orders", &serde_json::json!({"a": 2})));
+        assert_ne!(
+            base,
+            Fingerprint::of("POST", "/orders", &serde_json::json!({"a": 2}))
+        );
     }
 }

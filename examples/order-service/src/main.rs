@@ -8,7 +8,11 @@ use clap::Parser;
 use sqlx::postgres::PgPoolOptions;
 
 #[derive(Parser)]
-#[command(name = "order-service", version, about = "Reference order service on a handoff outbox")]
+#[command(
+    name = "order-service",
+    version,
+    about = "Reference order service on a handoff outbox"
+)]
 struct Args {
     /// Address to listen on; port 0 picks a free one. The bound address is printed on stdout.
     #[arg(long, env = "ORDER_SERVICE_LISTEN", default_value = "127.0.0.1:8080")]

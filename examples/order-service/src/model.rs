@@ -167,12 +167,30 @@ mod tests {
         assert!(ok.validate().is_ok());
         assert_eq!(ok.total_cents(), 1000);
         let bad = [
-            CreateOrder { customer_id: String::new(), ..ok.clone() },
-            CreateOrder { lines: vec![], ..ok.clone() },
-            CreateOrder { lines: vec![line(2, 500); 101], ..ok.clone() },
-            CreateOrder { lines: vec![line(0, 500)], ..ok.clone() },
-            CreateOrder { lines: vec![line(1, -1)], ..ok.clone() },
-            CreateOrder { customer_id: "a\0b".into(), ..ok.clone() },
+            CreateOrder {
+                customer_id: String::new(),
+                ..ok.clone()
+            },
+            CreateOrder {
+                lines: vec![],
+                ..ok.clone()
+            },
+            CreateOrder {
+                lines: vec![line(2, 500); 101],
+                ..ok.clone()
+            },
+            CreateOrder {
+                lines: vec![line(0, 500)],
+                ..ok.clone()
+            },
+            CreateOrder {
+                lines: vec![line(1, -1)],
+                ..ok.clone()
+            },
+            CreateOrder {
+                customer_id: "a\0b".into(),
+                ..ok.clone()
+            },
         ];
         for order in bad {
             assert!(order.validate().is_err(), "{order:?}");

@@ -9,7 +9,8 @@ use crate::events::{OrderCancelled, OrderCreated, OrderLineAdded};
 use crate::idempotency::{Fingerprint, IdempotencyKey};
 use crate::model::{CancelOrder, CreateOrder, Invalid, Line, Order, Status};
 
-const INSERT_ORDER_SQL: &str = include_str!("../queries/insert_order.sql");
+/// The business write of a new order (order, lines, stored response), for the benchmark.
+pub const INSERT_ORDER_SQL: &str = include_str!("../queries/insert_order.sql");
 const ADD_LINE_SQL: &str = include_str!("../queries/add_line.sql");
 const CANCEL_ORDER_SQL: &str = include_str!("../queries/cancel_order.sql");
 
@@ -172,7 +173,9 @@ impl Store {
                 total_cents: order.total_cents,
             },
         )?;
-        self.outbox.enqueue(&mut tx, &[event]).await?;
+        self.outbox
+            .enqueue_versioned(&mut tx, order.version, &[event])
+            .await?;
         tx.commit().await?;
         Ok(Outcome::Applied(response))
     }
@@ -234,7 +237,9 @@ impl Store {
                 lines: order.lines.clone(),
             },
         )?;
-        self.outbox.enqueue(&mut tx, &[event]).await?;
+        self.outbox
+            .enqueue_versioned(&mut tx, order.version, &[event])
+            .await?;
         tx.commit().await?;
         Ok(Outcome::Applied(response))
     }
@@ -273,12 +278,16 @@ pub async fn create_order_in_tx(
         order.order_id.to_string(),
         &OrderCreated {
             order_id: order.order_id,
-            customer_id: order.customer_id,
-            lines: order.lines,
+            customer_id: order.customer_id.clone(),
+            lines: order.lines.clone(),
             total_cents: order.total_cents,
         },
     )?;
-    outbox.enqueue(tx, &[event]).await?;
+    // The order's version is its event sequence, and the order row is the aggregate's lock:
+    // a new order's row is invisible to every other transaction until this one commits.
+    outbox
+        .enqueue_versioned(tx, order.version, &[event])
+        .await?;
     Ok(Some(response))
 }
 

@@ -45,7 +45,12 @@ impl Service {
     }
 
     async fn get(&self, path: &str) -> (StatusCode, Value) {
-        let response = self.http.get(format!("{}{path}", self.base)).send().await.unwrap();
+        let response = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .unwrap();
         (response.status(), response.json().await.unwrap())
     }
 
@@ -68,8 +73,7 @@ impl Service {
     }
 }
 
-const ORDER: &str =
-    r#"{"customer_id": "c-1", "lines": [{"sku": "sku-1", "quantity": 2, "unit_price_cents": 500}]}"#;
+const ORDER: &str = r#"{"customer_id": "c-1", "lines": [{"sku": "sku-1", "quantity": 2, "unit_price_cents": 500}]}"#;
 
 fn key() -> String {
     uuid::Uuid::now_v7().to_string()
@@ -89,7 +93,12 @@ async fn create_order_commits_the_order_and_exactly_one_order_created_event() {
     assert_eq!(events.len(), 1);
     let (aggregate_type, aggregate_id, event_type, sequence, payload) = &events[0];
     assert_eq!(
-        (aggregate_type.as_str(), aggregate_id.as_str(), event_type.as_str(), *sequence),
+        (
+            aggregate_type.as_str(),
+            aggregate_id.as_str(),
+            event_type.as_str(),
+            *sequence
+        ),
         ("order", order_id.as_str(), "OrderCreated", 1)
     );
     assert_eq!(payload["customer_id"], "c-1");
@@ -119,7 +128,8 @@ async fn a_retry_with_the_same_key_and_body_replays_the_response() {
     let (status, first, _) = svc.post("/orders", Some(&k), ORDER).await;
     assert_eq!(status, StatusCode::CREATED);
     // The same request, formatted differently, is the same request.
-    let reformatted = serde_json::to_string(&serde_json::from_str::<Value>(ORDER).unwrap()).unwrap();
+    let reformatted =
+        serde_json::to_string(&serde_json::from_str::<Value>(ORDER).unwrap()).unwrap();
     for body in [ORDER, reformatted.as_str()] {
         let (status, again, replayed) = svc.post("/orders", Some(&k), body).await;
         assert_eq!(status, StatusCode::CREATED);
@@ -149,10 +159,18 @@ async fn fifty_concurrent_duplicates_create_one_order_and_get_one_answer() {
     let responses = futures::future::join_all(requests).await;
 
     let statuses: HashSet<StatusCode> = responses.iter().map(|r| r.0).collect();
-    assert_eq!(statuses, HashSet::from([StatusCode::CREATED]), "no 500, no 409");
+    assert_eq!(
+        statuses,
+        HashSet::from([StatusCode::CREATED]),
+        "no 500, no 409"
+    );
     let bodies: HashSet<String> = responses.iter().map(|r| r.1.to_string()).collect();
     assert_eq!(bodies.len(), 1, "every duplicate got the same response");
-    assert_eq!(responses.iter().filter(|r| !r.2).count(), 1, "one applied, 49 replayed");
+    assert_eq!(
+        responses.iter().filter(|r| !r.2).count(),
+        1,
+        "one applied, 49 replayed"
+    );
     assert_eq!(svc.counts().await, (1, 1, 1));
 }
 
@@ -164,10 +182,20 @@ async fn line_and_cancel_events_follow_in_sequence_and_retries_replay() {
     let line = r#"{"sku": "sku-2", "quantity": 3, "unit_price_cents": 100}"#;
 
     let line_key = key();
-    let (status, after_line, _) = svc.post(&format!("/orders/{id}/lines"), Some(&line_key), line).await;
+    let (status, after_line, _) = svc
+        .post(&format!("/orders/{id}/lines"), Some(&line_key), line)
+        .await;
     assert_eq!(status, StatusCode::OK, "{after_line}");
-    assert_eq!((after_line["total_cents"].as_i64(), after_line["version"].as_i64()), (Some(1300), Some(2)));
-    let (_, replay, replayed) = svc.post(&format!("/orders/{id}/lines"), Some(&line_key), line).await;
+    assert_eq!(
+        (
+            after_line["total_cents"].as_i64(),
+            after_line["version"].as_i64()
+        ),
+        (Some(1300), Some(2))
+    );
+    let (_, replay, replayed) = svc
+        .post(&format!("/orders/{id}/lines"), Some(&line_key), line)
+        .await;
     assert!(replayed);
     assert_eq!(replay, after_line);
 
@@ -182,14 +210,30 @@ async fn line_and_cancel_events_follow_in_sequence_and_retries_replay() {
     assert_eq!(again, cancelled);
     // A new cancel, or a new line, on a cancelled order is refused and writes nothing.
     let (status, body, _) = svc.post(&cancel, Some(&key()), "{}").await;
-    assert_eq!((status, body["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("order_cancelled")));
-    let (status, _, _) = svc.post(&format!("/orders/{id}/lines"), Some(&key()), line).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("order_cancelled"))
+    );
+    let (status, _, _) = svc
+        .post(&format!("/orders/{id}/lines"), Some(&key()), line)
+        .await;
     assert_eq!(status, StatusCode::CONFLICT);
 
     let events = svc.events().await;
     let kinds: Vec<(&str, i64)> = events.iter().map(|e| (e.2.as_str(), e.3)).collect();
-    assert_eq!(kinds, [("OrderCreated", 1), ("OrderLineAdded", 2), ("OrderCancelled", 3)]);
-    assert_eq!(events[2].4["lines"].as_array().unwrap().len(), 2, "cancel carries every line");
+    assert_eq!(
+        kinds,
+        [
+            ("OrderCreated", 1),
+            ("OrderLineAdded", 2),
+            ("OrderCancelled", 3)
+        ]
+    );
+    assert_eq!(
+        events[2].4["lines"].as_array().unwrap().len(),
+        2,
+        "cancel carries every line"
+    );
     assert_eq!(svc.counts().await, (1, 3, 3));
 }
 
@@ -210,8 +254,13 @@ async fn concurrent_lines_on_one_order_get_consecutive_sequences() {
     }
     let sequences: Vec<i64> = svc.events().await.iter().map(|e| e.3).collect();
     assert_eq!(sequences, (1..=21).collect::<Vec<_>>());
-    let (_, fetched) = svc.get(&format!("/orders/{}", order["order_id"].as_str().unwrap())).await;
-    assert_eq!((fetched["version"].as_i64(), fetched["total_cents"].as_i64()), (Some(21), Some(1200)));
+    let (_, fetched) = svc
+        .get(&format!("/orders/{}", order["order_id"].as_str().unwrap()))
+        .await;
+    assert_eq!(
+        (fetched["version"].as_i64(), fetched["total_cents"].as_i64()),
+        (Some(21), Some(1200))
+    );
 }
 
 #[tokio::test]
@@ -219,21 +268,54 @@ async fn bad_requests_get_stable_codes_and_write_nothing() {
     let svc = Service::start("orders_bad_requests").await;
     let cases = [
         ("{not json", StatusCode::BAD_REQUEST, "invalid_body"),
-        (r#"{"customer_id": "c-1"}"#, StatusCode::BAD_REQUEST, "invalid_body"),
-        (r#"{"customer_id": "c-1", "lines": [], "extra": 1}"#, StatusCode::BAD_REQUEST, "invalid_body"),
-        (r#"{"customer_id": "c-1", "lines": []}"#, StatusCode::UNPROCESSABLE_ENTITY, "validation_failed"),
-        (r#"{"customer_id": "", "lines": [{"sku": "s", "quantity": 1, "unit_price_cents": 1}]}"#, StatusCode::UNPROCESSABLE_ENTITY, "validation_failed"),
-        (r#"{"customer_id": "c", "lines": [{"sku": "s", "quantity": 0, "unit_price_cents": 1}]}"#, StatusCode::UNPROCESSABLE_ENTITY, "validation_failed"),
-        (r#"{"customer_id": "c", "lines": [{"sku": "s", "quantity": 99999999999, "unit_price_cents": 1}]}"#, StatusCode::BAD_REQUEST, "invalid_body"),
+        (
+            r#"{"customer_id": "c-1"}"#,
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+        ),
+        (
+            r#"{"customer_id": "c-1", "lines": [], "extra": 1}"#,
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+        ),
+        (
+            r#"{"customer_id": "c-1", "lines": []}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation_failed",
+        ),
+        (
+            r#"{"customer_id": "", "lines": [{"sku": "s", "quantity": 1, "unit_price_cents": 1}]}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation_failed",
+        ),
+        (
+            r#"{"customer_id": "c", "lines": [{"sku": "s", "quantity": 0, "unit_price_cents": 1}]}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation_failed",
+        ),
+        (
+            r#"{"customer_id": "c", "lines": [{"sku": "s", "quantity": 99999999999, "unit_price_cents": 1}]}"#,
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+        ),
     ];
     for (body, status, code) in cases {
         let (got, response, _) = svc.post("/orders", Some(&key()), body).await;
-        assert_eq!((got, response["error"]["code"].as_str()), (status, Some(code)), "{body}");
+        assert_eq!(
+            (got, response["error"]["code"].as_str()),
+            (status, Some(code)),
+            "{body}"
+        );
     }
     let unknown = uuid::Uuid::now_v7();
     let (status, body) = svc.get(&format!("/orders/{unknown}")).await;
-    assert_eq!((status, body["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("order_not_found")));
-    let (status, _, _) = svc.post(&format!("/orders/{unknown}/cancel"), Some(&key()), "").await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("order_not_found"))
+    );
+    let (status, _, _) = svc
+        .post(&format!("/orders/{unknown}/cancel"), Some(&key()), "")
+        .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     let (status, _) = svc.get("/orders/not-a-uuid").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
@@ -265,11 +347,21 @@ async fn a_failed_enqueue_rolls_the_order_back_and_shows_no_sql_to_the_client() 
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(body["error"]["code"], "internal");
     let text = body.to_string();
-    assert!(!text.contains("relation") && !text.contains("injected"), "{text}");
-    assert_eq!(svc.counts().await, (0, 0, 0), "no order, no event, no stored key");
+    assert!(
+        !text.contains("relation") && !text.contains("injected"),
+        "{text}"
+    );
+    assert_eq!(
+        svc.counts().await,
+        (0, 0, 0),
+        "no order, no event, no stored key"
+    );
 
     // The key was not burnt: once the cause is gone, the same request goes through.
-    sqlx::raw_sql("DROP TRIGGER refuse_event ON outbox").execute(&svc.db.pool).await.unwrap();
+    sqlx::raw_sql("DROP TRIGGER refuse_event ON outbox")
+        .execute(&svc.db.pool)
+        .await
+        .unwrap();
     let (status, _, replayed) = svc.post("/orders", Some(&k), doomed).await;
     assert_eq!((status, replayed), (StatusCode::CREATED, false));
     assert_eq!(svc.counts().await, (1, 1, 1));
