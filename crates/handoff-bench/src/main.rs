@@ -65,26 +65,33 @@ enum Variant {
     /// sqlx, as the order service runs: order row + lines + idempotency record in one
     /// statement, in a transaction (BEGIN, write, COMMIT).
     WithoutOutbox,
-    /// The same, plus the `OrderCreated` enqueue in the same transaction (one more statement).
+    /// The same statement with the `OrderCreated` enqueue spliced into it, as the service runs
+    /// it (`Outbox::versioned_call`): no extra round trip.
     WithOutbox,
-    /// tokio-postgres: the same business statement, in a transaction.
-    PipelinedWithoutOutbox,
-    /// tokio-postgres: the same, with the enqueue pipelined beside the business statement, so it
-    /// adds no round trip.
-    PipelinedWithOutbox,
+    /// The same business statement, then the enqueue as its own statement
+    /// (`Outbox::enqueue_versioned`): one more round trip.
+    SeparateStatement,
+    /// As `SeparateStatement`, with the sequence from `outbox_heads` (`Outbox::enqueue`), for
+    /// callers without an aggregate version of their own.
+    HeadsStatement,
 }
 
 /// The pairs compared, each (baseline, with outbox).
-const PAIRS: [(&str, Variant, Variant); 2] = [
+const PAIRS: [(&str, Variant, Variant); 3] = [
     (
-        "sqlx (order service)",
+        "one statement (order service)",
         Variant::WithoutOutbox,
         Variant::WithOutbox,
     ),
     (
-        "tokio-postgres pipelined",
-        Variant::PipelinedWithoutOutbox,
-        Variant::PipelinedWithOutbox,
+        "enqueue_versioned, own statement",
+        Variant::WithoutOutbox,
+        Variant::SeparateStatement,
+    ),
+    (
+        "enqueue with outbox_heads",
+        Variant::WithoutOutbox,
+        Variant::HeadsStatement,
     ),
 ];
 
@@ -164,7 +171,6 @@ async fn write_path(args: WritePathArgs) -> Result<()> {
                 for (slot, variant) in order {
                     reset(&mut admin).await?;
                     let cell = measure(
-                        &args,
                         &options,
                         variant,
                         clients,
@@ -193,8 +199,8 @@ async fn write_path(args: WritePathArgs) -> Result<()> {
     }
 
     println!();
-    println!("| driver | clients | without outbox (orders/s) | with outbox (orders/s) | ratio | p99 without / with (ms) |");
-    println!("|--------|--------:|--------------------------:|-----------------------:|------:|------------------------:|");
+    println!("| enqueue | clients | without outbox (orders/s) | with outbox (orders/s) | ratio | p99 without / with (ms) |");
+    println!("|---------|--------:|--------------------------:|-----------------------:|------:|------------------------:|");
     for row in &rows {
         println!(
             "| {} | {} | {:.0} | {:.0} | {:.2} | {:.2} / {:.2} |",
@@ -225,7 +231,6 @@ async fn reset(conn: &mut PgConnection) -> Result<()> {
 }
 
 async fn measure(
-    args: &WritePathArgs,
     options: &PgConnectOptions,
     variant: Variant,
     clients: usize,
@@ -249,21 +254,14 @@ async fn measure(
     };
     let fingerprint = Fingerprint::of("POST", "/orders", &request);
     // Connect every client before the clock starts.
-    let mut clients_conns = Vec::with_capacity(clients);
+    let mut conns = Vec::with_capacity(clients);
     for _ in 0..clients {
-        clients_conns.push(match variant {
-            Variant::WithoutOutbox | Variant::WithOutbox => {
-                Client::Sqlx(PgConnection::connect_with(options).await?)
-            }
-            Variant::PipelinedWithoutOutbox | Variant::PipelinedWithOutbox => {
-                Client::TokioPostgres(tokio_postgres_client(args, options).await?)
-            }
-        });
+        conns.push(PgConnection::connect_with(options).await?);
     }
     let deadline = Instant::now() + duration;
     let started = Instant::now();
     // Collected, so every client is spawned before any is awaited.
-    let tasks: Vec<_> = clients_conns
+    let tasks: Vec<_> = conns
         .into_iter()
         .enumerate()
         .map(|(client, mut conn)| {
@@ -277,36 +275,35 @@ async fn measure(
                     let key = IdempotencyKey::parse(format!("bench-{client}-{n}").as_bytes())
                         .expect("generated keys are valid");
                     let t = Instant::now();
-                    let written = match &mut conn {
-                        Client::Sqlx(conn) => {
-                            let mut tx = conn.begin().await?;
-                            let written = if variant == Variant::WithOutbox {
-                                create_order_in_tx(&mut tx, &outbox, &key, &fingerprint, &request)
-                                    .await?
-                                    .is_some()
-                            } else {
-                                insert_order_in_tx(&mut tx, &key, &fingerprint, &request)
-                                    .await?
-                                    .is_some()
-                            };
-                            tx.commit().await?;
-                            written
+                    let mut tx = conn.begin().await?;
+                    let written = match variant {
+                        Variant::WithOutbox => {
+                            create_order_in_tx(&mut tx, &outbox, &key, &fingerprint, &request)
+                                .await?
+                                .is_some()
                         }
-                        Client::TokioPostgres(client) => {
-                            let tx = client.transaction().await?;
-                            let written = pipelined_order(
-                                &tx,
-                                (variant == Variant::PipelinedWithOutbox).then_some(&outbox),
-                                &key,
-                                &fingerprint,
-                                &request,
-                            )
-                            .await?;
-                            tx.commit().await?;
-                            written
+                        Variant::WithoutOutbox => {
+                            insert_order_in_tx(&mut tx, &key, &fingerprint, &request)
+                                .await?
+                                .is_some()
+                        }
+                        Variant::SeparateStatement | Variant::HeadsStatement => {
+                            let Some((order, _)) =
+                                insert_order_in_tx(&mut tx, &key, &fingerprint, &request).await?
+                            else {
+                                anyhow::bail!("a fresh key was reported as a duplicate");
+                            };
+                            let event = order_created(&order)?;
+                            if variant == Variant::SeparateStatement {
+                                outbox.enqueue_versioned(&mut tx, 1, &[event]).await?;
+                            } else {
+                                outbox.enqueue(&mut tx, &[event]).await?;
+                            }
+                            true
                         }
                     };
                     anyhow::ensure!(written, "a fresh key was reported as a duplicate");
+                    tx.commit().await?;
                     latencies.saturating_record(t.elapsed().as_micros() as u64);
                     n += 1;
                 }
@@ -328,80 +325,16 @@ async fn measure(
     })
 }
 
-/// A benchmark client's connection.
-enum Client {
-    Sqlx(PgConnection),
-    TokioPostgres(tokio_postgres::Client),
-}
-
-async fn tokio_postgres_client(
-    args: &WritePathArgs,
-    options: &PgConnectOptions,
-) -> Result<tokio_postgres::Client> {
-    let mut config: tokio_postgres::Config = args.database_url.parse()?;
-    config.dbname(options.get_database().unwrap_or("postgres"));
-    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
-    tokio::spawn(connection);
-    Ok(client)
-}
-
-/// The order service's business statement through tokio-postgres, with the enqueue (when an
-/// outbox is given) joined beside it so both go out in one round trip.
-async fn pipelined_order(
-    tx: &tokio_postgres::Transaction<'_>,
-    outbox: Option<&handoff::Outbox>,
-    key: &IdempotencyKey,
-    fingerprint: &Fingerprint,
-    request: &CreateOrder,
-) -> Result<bool> {
-    use tokio_postgres::types::Type;
-    let order_id = uuid::Uuid::now_v7();
-    let total = request.total_cents();
-    let body = serde_json::json!({
-        "order_id": order_id, "customer_id": request.customer_id, "status": "open",
-        "lines": request.lines, "total_cents": total, "version": 1,
-    })
-    .to_string();
-    let skus: Vec<&str> = request.lines.iter().map(|l| l.sku.as_str()).collect();
-    let quantities: Vec<i32> = request.lines.iter().map(|l| l.quantity).collect();
-    let prices: Vec<i64> = request.lines.iter().map(|l| l.unit_price_cents).collect();
-    let status: i16 = 201;
-    let key = key.as_str();
-    let fingerprint = fingerprint.as_bytes();
-    let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 10] = [
-        (&key, Type::TEXT),
-        (&fingerprint, Type::BYTEA),
-        (&status, Type::INT2),
-        (&body, Type::TEXT),
-        (&order_id, Type::UUID),
-        (&request.customer_id, Type::TEXT),
-        (&total, Type::INT8),
-        (&skus, Type::TEXT_ARRAY),
-        (&quantities, Type::INT4_ARRAY),
-        (&prices, Type::INT8_ARRAY),
-    ];
-    let business = tx.query_typed(order_service::store::INSERT_ORDER_SQL, &params);
-    let Some(outbox) = outbox else {
-        return Ok(!business.await?.is_empty());
-    };
-    let event = handoff::NewEvent::from_event(
-        order_id.to_string(),
+fn order_created(order: &order_service::model::Order) -> Result<handoff::NewEvent> {
+    Ok(handoff::NewEvent::from_event(
+        order.order_id.to_string(),
         &order_service::events::OrderCreated {
-            order_id,
-            customer_id: request.customer_id.clone(),
-            lines: request.lines.clone(),
-            total_cents: total,
+            order_id: order.order_id,
+            customer_id: order.customer_id.clone(),
+            lines: order.lines.clone(),
+            total_cents: order.total_cents,
         },
-    )?;
-    let events = [event];
-    let enqueue = outbox.enqueue_versioned_tokio_postgres(tx, 1, &events);
-    // Both futures are polled together, so tokio-postgres writes both statements before
-    // reading either answer. A new order is invisible to others until commit, so its first
-    // event is sequence 1; the key conflict case (no order written) rolls back below.
-    let (rows, enqueued) = tokio::join!(business, enqueue);
-    let written = !rows?.is_empty();
-    enqueued?;
-    Ok(written)
+    )?)
 }
 
 fn median(mut cells: Vec<Cell>) -> Cell {

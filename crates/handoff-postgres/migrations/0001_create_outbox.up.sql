@@ -63,6 +63,38 @@ CREATE TABLE outbox_heads (
     CONSTRAINT outbox_heads_last_sequence_positive CHECK (last_sequence >= 1)
 ) WITH (fillfactor = 80);
 
+-- Enqueue at caller-assigned sequences as a function, so an application can call it from inside
+-- its own business statement and the event costs no extra round trip (see
+-- Outbox::versioned_call). Same rules as queries/enqueue_versioned.sql; the arguments were
+-- validated by the library. search_path is pinned to the schema this migration ran in, so the
+-- function finds its tables whatever the caller's search_path. Returns the last sequence written.
+CREATE FUNCTION handoff_enqueue_versioned(
+    p_aggregate_type  text,
+    p_aggregate_id    text,
+    p_first_sequence  bigint,
+    p_event_ids       uuid[],
+    p_event_types     text[],
+    p_schema_versions integer[],
+    p_payloads        text[],
+    p_headers         text[]
+) RETURNS bigint
+-- plpgsql, not sql: a non-inlined SQL function plans its INSERT again on every call, while
+-- plpgsql keeps the plan for the session.
+LANGUAGE plpgsql VOLATILE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    INSERT INTO outbox
+        (event_id, aggregate_type, aggregate_id, aggregate_sequence,
+         event_type, schema_version, payload, headers)
+    SELECT e.event_id, p_aggregate_type, p_aggregate_id, p_first_sequence + e.position - 1,
+           e.event_type, e.schema_version, e.payload::jsonb, e.headers::jsonb
+    FROM unnest(p_event_ids, p_event_types, p_schema_versions, p_payloads, p_headers)
+             WITH ORDINALITY AS e (event_id, event_type, schema_version, payload, headers, position);
+    RETURN p_first_sequence + cardinality(p_event_ids) - 1;
+END
+$$;
+
 -- The consumer inbox (brief C1): a consumer inserts (consumer_name, event_id) in the same
 -- transaction as its business change; a conflict means the effect was already applied.
 CREATE TABLE processed_events (

@@ -42,5 +42,7 @@ mod schema;
 pub use migrate::{
     MigrateError, MigrateErrorKind, Migration, MigrationReport, Migrator, HANDOFF_MIGRATIONS,
 };
-pub use outbox::{DriverError, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig};
+pub use outbox::{
+    DriverError, EnqueueCall, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig,
+};
 pub use schema::{Schema, SchemaError};

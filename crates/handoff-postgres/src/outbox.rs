@@ -364,6 +364,96 @@ impl Outbox {
         Ok(order_as_given(events, enqueued))
     }
 
+    /// Validates a batch for [`enqueue_versioned`](Self::enqueue_versioned) and returns it as a
+    /// SQL call to splice into the caller's own statement, so that the business write and the
+    /// events go to the server in ONE statement and ONE round trip.
+    ///
+    /// The call (`handoff_enqueue_versioned(...)`, installed by the migrations) returns the last
+    /// sequence written. Calling it from a scalar subquery over the caller's data-modifying CTE
+    /// enqueues the events only when the business write happened (an idempotent command whose
+    /// key already exists writes nothing at all). Same rules and errors as `enqueue_versioned`,
+    /// raised when the statement runs.
+    ///
+    /// # Errors
+    ///
+    /// [`EnqueueError::Invalid`], [`EnqueueError::MixedAggregates`],
+    /// [`EnqueueError::InvalidSequence`], before anything is sent. Map the statement's own
+    /// error with [`classify`](Self::classify).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # use handoff_core::NewEvent;
+    /// # use handoff_postgres::Outbox;
+    /// # async fn example(pool: sqlx::PgPool, outbox: Outbox) -> Result<(), Box<dyn std::error::Error>> {
+    /// let event = NewEvent::new("order", "o-1", "OrderCreated", 1, "{}");
+    /// let call = outbox.versioned_call(1, &[event])?;
+    /// let sql = format!(
+    ///     "WITH new_order AS (INSERT INTO orders (id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING id)
+    ///      SELECT (SELECT {} FROM new_order)",
+    ///     call.sql(2),
+    /// );
+    /// let mut tx = pool.begin().await?;
+    /// let last: Option<i64> = call
+    ///     .bind(sqlx::query_scalar(&sql).bind("o-1"))
+    ///     .fetch_one(&mut *tx)
+    ///     .await
+    ///     .map_err(|e| outbox.classify(e))?;
+    /// tx.commit().await?;
+    /// assert_eq!(last, Some(1)); // None: the order existed, nothing was enqueued
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn versioned_call(
+        &self,
+        first_sequence: i64,
+        events: &[NewEvent],
+    ) -> Result<EnqueueCall, EnqueueError> {
+        self.validate(events)?;
+        let mut groups = group_by_aggregate(events);
+        if groups.len() > 1 {
+            return Err(EnqueueError::MixedAggregates);
+        }
+        if first_sequence < 1 {
+            return Err(EnqueueError::InvalidSequence(first_sequence));
+        }
+        let group = groups.pop();
+        Ok(EnqueueCall {
+            function: self
+                .inner
+                .config
+                .schema
+                .qualify("handoff_enqueue_versioned"),
+            aggregate_type: group.as_ref().map_or("", |g| g.aggregate_type).to_owned(),
+            aggregate_id: group.as_ref().map_or("", |g| g.aggregate_id).to_owned(),
+            first_sequence,
+            event_ids: group
+                .as_ref()
+                .map(|g| g.event_ids.clone())
+                .unwrap_or_default(),
+            event_types: group
+                .as_ref()
+                .map(|g| g.event_types.iter().map(|t| t.to_string()).collect())
+                .unwrap_or_default(),
+            schema_versions: group
+                .as_ref()
+                .map(|g| g.schema_versions.clone())
+                .unwrap_or_default(),
+            payloads: group
+                .as_ref()
+                .map(|g| g.payloads.iter().map(|p| p.to_string()).collect())
+                .unwrap_or_default(),
+            headers: group.map(|g| g.headers).unwrap_or_default(),
+        })
+    }
+
+    /// Sorts a database error from a statement that ran an [`EnqueueCall`] into an
+    /// [`EnqueueError`] (`SequenceTaken`, `DuplicateEventId`, `NotMigrated`, `Conflict`, or
+    /// `Database`).
+    pub fn classify(&self, error: sqlx::Error) -> EnqueueError {
+        self.classify_sqlx(error)
+    }
+
     /// Enqueues `events` in the caller's open tokio-postgres transaction. Never commits.
     ///
     /// Behaves as [`enqueue`](Self::enqueue). The statement is sent with `query_typed`, in one
@@ -477,7 +567,7 @@ impl Outbox {
             .as_database_error()
             .and_then(|e| e.constraint())
             .map(str::to_owned);
-        self.classify(
+        self.classify_code(
             code.as_deref(),
             constraint.as_deref(),
             DriverError::Sqlx(error),
@@ -489,14 +579,14 @@ impl Outbox {
         let db = error.as_db_error();
         let code = db.map(|e| e.code().code().to_owned());
         let constraint = db.and_then(|e| e.constraint()).map(str::to_owned);
-        self.classify(
+        self.classify_code(
             code.as_deref(),
             constraint.as_deref(),
             DriverError::TokioPostgres(error),
         )
     }
 
-    fn classify(
+    fn classify_code(
         &self,
         sqlstate: Option<&str>,
         constraint: Option<&str>,
@@ -519,6 +609,92 @@ impl Outbox {
             (Some("40001" | "40P01"), _) => EnqueueError::Conflict(error),
             _ => EnqueueError::Database(error),
         }
+    }
+}
+
+/// A validated batch as a call to splice into the caller's statement; see
+/// [`Outbox::versioned_call`].
+#[derive(Debug, Clone)]
+pub struct EnqueueCall {
+    function: String,
+    aggregate_type: String,
+    aggregate_id: String,
+    first_sequence: i64,
+    event_ids: Vec<uuid::Uuid>,
+    event_types: Vec<String>,
+    schema_versions: Vec<i32>,
+    payloads: Vec<String>,
+    headers: Vec<String>,
+}
+
+impl EnqueueCall {
+    /// How many placeholders the call takes.
+    pub const PARAMS: usize = 8;
+
+    /// The call, with placeholders `$first` to `$first + 7`, such as
+    /// `handoff_enqueue_versioned($2::text, ..., $9::text[])`.
+    pub fn sql(&self, first: usize) -> String {
+        let types = [
+            "text", "text", "int8", "uuid[]", "text[]", "int4[]", "text[]", "text[]",
+        ];
+        let args: Vec<String> = types
+            .iter()
+            .enumerate()
+            .map(|(i, t)| format!("${}::{t}", first + i))
+            .collect();
+        format!("{}({})", self.function, args.join(", "))
+    }
+
+    /// Binds the call's eight values after the caller's own, in placeholder order. Works on
+    /// `sqlx::query`, `query_as` and `query_scalar`.
+    pub fn bind<'q, Q: Bind<'q>>(&'q self, query: Q) -> Q {
+        query
+            .bind_value(&self.aggregate_type)
+            .bind_value(&self.aggregate_id)
+            .bind_value(self.first_sequence)
+            .bind_value(&self.event_ids)
+            .bind_value(&self.event_types)
+            .bind_value(&self.schema_versions)
+            .bind_value(&self.payloads)
+            .bind_value(&self.headers)
+    }
+}
+
+/// An sqlx query that takes one more bound value; implemented for `Query`, `QueryAs` and
+/// `QueryScalar` so [`EnqueueCall::bind`] works with each.
+pub trait Bind<'q>: Sized {
+    /// Binds `value` to the next placeholder.
+    fn bind_value<T>(self, value: T) -> Self
+    where
+        T: 'q + sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send;
+}
+
+type PgArgs = sqlx::postgres::PgArguments;
+
+impl<'q> Bind<'q> for sqlx::query::Query<'q, sqlx::Postgres, PgArgs> {
+    fn bind_value<T>(self, value: T) -> Self
+    where
+        T: 'q + sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send,
+    {
+        self.bind(value)
+    }
+}
+
+impl<'q, O> Bind<'q> for sqlx::query::QueryAs<'q, sqlx::Postgres, O, PgArgs> {
+    fn bind_value<T>(self, value: T) -> Self
+    where
+        T: 'q + sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send,
+    {
+        self.bind(value)
+    }
+}
+
+impl<'q, O> Bind<'q> for sqlx::query::QueryScalar<'q, sqlx::Postgres, O, PgArgs> {
+    fn bind_value<T>(self, value: T) -> Self
+    where
+        T: 'q + sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send,
+    {
+        self.bind(value)
     }
 }
 

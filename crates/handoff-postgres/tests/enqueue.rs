@@ -301,7 +301,10 @@ async fn a_reused_event_id_is_a_typed_error() {
     let (db, outbox) = migrated("enqueue_duplicate_id").await;
     let event = factory::event("a", 1);
     let mut tx = db.pool.begin().await.unwrap();
-    outbox.enqueue(&mut tx, std::slice::from_ref(&event)).await.unwrap();
+    outbox
+        .enqueue(&mut tx, std::slice::from_ref(&event))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 
     let mut tx = db.pool.begin().await.unwrap();
@@ -350,11 +353,20 @@ async fn a_named_schema_is_used_whatever_the_search_path() {
         .await
         .unwrap();
     tx.commit().await.unwrap();
+    // The function the migrations installed finds its tables in the named schema too.
+    let call = outbox.versioned_call(1, &[factory::event("b", 1)]).unwrap();
+    let sql = format!("SELECT {}", call.sql(1));
+    let last: Option<i64> = call
+        .bind(sqlx::query_scalar(&sql))
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(last, Some(1));
     let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{named}\".outbox"))
         .fetch_one(&mut *conn)
         .await
         .unwrap();
-    assert_eq!(n, 1);
+    assert_eq!(n, 2);
     sqlx::raw_sql(&format!("DROP SCHEMA \"{named}\" CASCADE"))
         .execute(&mut *conn)
         .await
@@ -455,4 +467,109 @@ async fn versioned_enqueue_uses_the_callers_sequences_and_refuses_a_taken_one() 
     assert_eq!(err.kind(), EnqueueErrorKind::Misuse);
     tx.commit().await.unwrap();
     assert_eq!(sequences(&db, "v").await, [1, 2]);
+}
+
+#[tokio::test]
+async fn under_repeatable_read_a_concurrent_writer_is_a_retryable_conflict() {
+    let (db, outbox) = migrated("enqueue_repeatable_read").await;
+    let mut seed = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut seed, &[factory::event("rr", 1)])
+        .await
+        .unwrap();
+    seed.commit().await.unwrap();
+
+    let mut late = db.pool.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *late)
+        .await
+        .unwrap();
+    // The snapshot is taken by the first query.
+    sqlx::query("SELECT 1").execute(&mut *late).await.unwrap();
+    let mut early = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut early, &[factory::event("rr", 2)])
+        .await
+        .unwrap();
+    early.commit().await.unwrap();
+
+    let err = outbox
+        .enqueue(&mut late, &[factory::event("rr", 3)])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), EnqueueErrorKind::Conflict);
+    assert!(err.is_retryable());
+    late.rollback().await.unwrap();
+    assert_eq!(sequences(&db, "rr").await, [1, 2], "no gap, no duplicate");
+}
+
+#[tokio::test]
+async fn a_versioned_call_enqueues_in_the_callers_statement_only_when_the_write_happened() {
+    let (db, outbox) = migrated("enqueue_call").await;
+    sqlx::raw_sql("CREATE TABLE things (id text PRIMARY KEY)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let write = |call: &handoff_postgres::EnqueueCall| {
+        format!(
+            "WITH new_thing AS (
+                 INSERT INTO things (id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING id)
+             SELECT (SELECT {} FROM new_thing)",
+            call.sql(2)
+        )
+    };
+    let call = outbox
+        .versioned_call(1, &[factory::event("t1", 1), factory::event("t1", 2)])
+        .unwrap();
+    let sql = write(&call);
+    let mut tx = db.pool.begin().await.unwrap();
+    let last: Option<i64> = call
+        .bind(sqlx::query_scalar(&sql).bind("t1"))
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(last, Some(2));
+    assert_eq!(sequences(&db, "t1").await, [1, 2]);
+
+    // The business write did nothing (the row exists): no event either.
+    let call = outbox
+        .versioned_call(3, &[factory::event("t1", 3)])
+        .unwrap();
+    let sql = write(&call);
+    let last: Option<i64> = call
+        .bind(sqlx::query_scalar(&sql).bind("t1"))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(last, None);
+    assert_eq!(sequences(&db, "t1").await, [1, 2]);
+
+    // A stale version is classified like enqueue_versioned's.
+    sqlx::raw_sql("DELETE FROM things")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let call = outbox
+        .versioned_call(2, &[factory::event("t1", 9)])
+        .unwrap();
+    let sql = write(&call);
+    let err = call
+        .bind(sqlx::query_scalar::<_, Option<i64>>(&sql).bind("t1"))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_err();
+    assert_eq!(outbox.classify(err).kind(), EnqueueErrorKind::SequenceTaken);
+    assert_eq!(
+        db.count("things").await,
+        0,
+        "the statement failed as a whole"
+    );
+
+    // Refusals come before any SQL, as with every enqueue.
+    let bad = NewEvent::new(factory::AGGREGATE_TYPE, "t1", "Nope", 1, "{}");
+    assert!(matches!(
+        outbox.versioned_call(1, &[bad]).unwrap_err().kind(),
+        EnqueueErrorKind::Invalid(V::UnknownEventType)
+    ));
 }
