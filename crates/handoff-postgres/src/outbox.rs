@@ -336,15 +336,7 @@ impl Outbox {
         first_sequence: i64,
         events: &[NewEvent],
     ) -> Result<Vec<Enqueued>, EnqueueError> {
-        self.validate(events)?;
-        let mut groups = group_by_aggregate(events);
-        if groups.len() > 1 {
-            return Err(EnqueueError::MixedAggregates);
-        }
-        if first_sequence < 1 {
-            return Err(EnqueueError::InvalidSequence(first_sequence));
-        }
-        let Some(group) = groups.pop() else {
+        let Some(group) = self.versioned_batch(first_sequence, events)? else {
             return Ok(Vec::new());
         };
         let rows: Vec<(uuid::Uuid, i64)> = sqlx::query_as(&self.inner.enqueue_versioned_sql)
@@ -409,15 +401,7 @@ impl Outbox {
         first_sequence: i64,
         events: &[NewEvent],
     ) -> Result<EnqueueCall, EnqueueError> {
-        self.validate(events)?;
-        let mut groups = group_by_aggregate(events);
-        if groups.len() > 1 {
-            return Err(EnqueueError::MixedAggregates);
-        }
-        if first_sequence < 1 {
-            return Err(EnqueueError::InvalidSequence(first_sequence));
-        }
-        let group = groups.pop();
+        let group = self.versioned_batch(first_sequence, events)?;
         Ok(EnqueueCall {
             function: self
                 .inner
@@ -526,15 +510,7 @@ impl Outbox {
     {
         use tokio_postgres::types::Type;
 
-        self.validate(events)?;
-        let mut groups = group_by_aggregate(events);
-        if groups.len() > 1 {
-            return Err(EnqueueError::MixedAggregates);
-        }
-        if first_sequence < 1 {
-            return Err(EnqueueError::InvalidSequence(first_sequence));
-        }
-        let Some(group) = groups.pop() else {
+        let Some(group) = self.versioned_batch(first_sequence, events)? else {
             return Ok(Vec::new());
         };
         let rows = client
@@ -556,6 +532,24 @@ impl Outbox {
         let mut enqueued = Vec::with_capacity(rows.len());
         collect(&mut enqueued, tokio_postgres_rows(&rows)?);
         Ok(order_as_given(events, enqueued))
+    }
+
+    /// The checks every caller-versioned enqueue makes before any SQL: the batch is valid, of
+    /// one aggregate, and starts at a sequence of at least 1. `None` for an empty batch.
+    fn versioned_batch<'a>(
+        &self,
+        first_sequence: i64,
+        events: &'a [NewEvent],
+    ) -> Result<Option<AggregateBatch<'a>>, EnqueueError> {
+        self.validate(events)?;
+        let mut groups = group_by_aggregate(events);
+        if groups.len() > 1 {
+            return Err(EnqueueError::MixedAggregates);
+        }
+        if first_sequence < 1 {
+            return Err(EnqueueError::InvalidSequence(first_sequence));
+        }
+        Ok(groups.pop())
     }
 
     fn classify_sqlx(&self, error: sqlx::Error) -> EnqueueError {

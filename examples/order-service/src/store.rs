@@ -123,21 +123,11 @@ impl Store {
         line.validate()?;
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        let order = lock_order(&mut tx, order_id).await?;
-        // The key first: a retry of a command that succeeded gets its stored response, not the
-        // refusal its own success now causes (a retried cancel is not "already cancelled").
-        if let Some(stored) = load_response(&mut tx, key).await? {
-            tx.rollback().await?;
-            return compare(stored, fingerprint);
-        }
-        let mut order = match order {
-            Some(order) if order.status == Status::Open => order,
-            other => {
+        let mut order = match gate(&mut tx, order_id, key, fingerprint).await? {
+            Gate::Run(order) => order,
+            Gate::Answer(answer) => {
                 tx.rollback().await?;
-                return Err(match other {
-                    Some(_) => CommandError::Cancelled,
-                    None => CommandError::NotFound,
-                });
+                return answer;
             }
         };
         order.lines.push(line.clone());
@@ -195,21 +185,11 @@ impl Store {
         request.validate()?;
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        let order = lock_order(&mut tx, order_id).await?;
-        // The key first: a retry of a command that succeeded gets its stored response, not the
-        // refusal its own success now causes (a retried cancel is not "already cancelled").
-        if let Some(stored) = load_response(&mut tx, key).await? {
-            tx.rollback().await?;
-            return compare(stored, fingerprint);
-        }
-        let mut order = match order {
-            Some(order) if order.status == Status::Open => order,
-            other => {
+        let mut order = match gate(&mut tx, order_id, key, fingerprint).await? {
+            Gate::Run(order) => order,
+            Gate::Answer(answer) => {
                 tx.rollback().await?;
-                return Err(match other {
-                    Some(_) => CommandError::Cancelled,
-                    None => CommandError::NotFound,
-                });
+                return answer;
             }
         };
         order.status = Status::Cancelled;
@@ -377,8 +357,32 @@ fn ok_response(order: &Order) -> StoredResponse {
     }
 }
 
-async fn lock_order(conn: &mut PgConnection, order_id: Uuid) -> Result<Option<Order>, sqlx::Error> {
-    read_order(conn, order_id, true).await
+/// Whether a command on an existing order runs.
+enum Gate {
+    /// The order is open and the key is new: run the command on this (locked) order.
+    Run(Order),
+    /// Answer without running: the key's stored response, or a refusal.
+    Answer(Result<Outcome, CommandError>),
+}
+
+/// Takes the order's lock, then decides whether the command runs.
+async fn gate(
+    conn: &mut PgConnection,
+    order_id: Uuid,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+) -> Result<Gate, sqlx::Error> {
+    let order = read_order(conn, order_id, true).await?;
+    // The key first: a retry of a command that succeeded gets its stored response, not the
+    // refusal its own success now causes (a retried cancel is not "already cancelled").
+    if let Some(stored) = load_response(conn, key).await? {
+        return Ok(Gate::Answer(compare(stored, fingerprint)));
+    }
+    Ok(match order {
+        Some(order) if order.status == Status::Open => Gate::Run(order),
+        Some(_) => Gate::Answer(Err(CommandError::Cancelled)),
+        None => Gate::Answer(Err(CommandError::NotFound)),
+    })
 }
 
 async fn read_order(
