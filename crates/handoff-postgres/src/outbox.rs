@@ -709,11 +709,11 @@ fn group_by_aggregate(events: &[NewEvent]) -> Vec<AggregateBatch<'_>> {
     let mut groups: Vec<AggregateBatch<'_>> = Vec::new();
     for event in events {
         let key = (event.aggregate_type(), event.aggregate_id());
-        let group = match groups
-            .iter_mut()
+        let index = match groups
+            .iter()
             .position(|g| (g.aggregate_type, g.aggregate_id) == key)
         {
-            Some(i) => &mut groups[i],
+            Some(i) => i,
             None => {
                 groups.push(AggregateBatch {
                     aggregate_type: key.0,
@@ -724,9 +724,10 @@ fn group_by_aggregate(events: &[NewEvent]) -> Vec<AggregateBatch<'_>> {
                     payloads: Vec::new(),
                     headers: Vec::new(),
                 });
-                groups.last_mut().expect("just pushed")
+                groups.len() - 1
             }
         };
+        let group = &mut groups[index];
         group.event_ids.push(event.event_id());
         group.event_types.push(event.event_type());
         group.schema_versions.push(event.schema_version());

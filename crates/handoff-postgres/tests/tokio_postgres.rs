@@ -74,3 +74,41 @@ async fn tokio_postgres_transactions_commit_and_roll_back_with_their_events() {
     tx.commit().await.unwrap();
     assert_eq!(next[0].aggregate_sequence, 3);
 }
+
+#[tokio::test]
+async fn tokio_postgres_versioned_enqueue_uses_the_callers_sequences() {
+    let db = TestDb::new("tokio_postgres_versioned").await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    Migrator::handoff(Schema::default())
+        .run(&mut conn)
+        .await
+        .unwrap();
+    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
+    let mut client = client(&db).await;
+
+    let tx = client.transaction().await.unwrap();
+    let enqueued = outbox
+        .enqueue_versioned_tokio_postgres(&tx, 1, &[factory::event("v", 1), factory::event("v", 2)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        enqueued
+            .iter()
+            .map(|e| e.aggregate_sequence)
+            .collect::<Vec<_>>(),
+        [1, 2]
+    );
+
+    let tx = client.transaction().await.unwrap();
+    let err = outbox
+        .enqueue_versioned_tokio_postgres(&tx, 2, &[factory::event("v", 3)])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.kind(),
+        handoff_postgres::EnqueueErrorKind::SequenceTaken
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(db.count("outbox").await, 2);
+}
