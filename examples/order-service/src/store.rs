@@ -3,7 +3,9 @@
 
 use handoff::postgres::EnqueueCall;
 use handoff::{EnqueueError, NewEvent, Outbox, ValidationError};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::postgres::PgArguments;
+use sqlx::query::QueryAs;
+use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use uuid::Uuid;
 
 use crate::events::{OrderCancelled, OrderCreated, OrderLineAdded};
@@ -135,25 +137,6 @@ impl Store {
         order.version += 1;
         let line_no = order.lines.len() as i32;
         let response = ok_response(&order);
-        let applied = sqlx::query(ADD_LINE_SQL)
-            .bind(key.as_str())
-            .bind(fingerprint.as_bytes())
-            .bind(response.status as i16)
-            .bind(response.body.to_string())
-            .bind(order_id)
-            .bind(line_no)
-            .bind(&line.sku)
-            .bind(line.quantity)
-            .bind(line.unit_price_cents)
-            .bind(order.total_cents)
-            .bind(order.version)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        if applied == 0 {
-            tx.rollback().await?;
-            return replay(&mut conn, key, fingerprint).await;
-        }
         let event = NewEvent::from_event(
             order_id.to_string(),
             &OrderLineAdded {
@@ -163,11 +146,23 @@ impl Store {
                 total_cents: order.total_cents,
             },
         )?;
-        self.outbox
-            .enqueue_versioned(&mut tx, order.version, &[event])
-            .await?;
-        tx.commit().await?;
-        Ok(Outcome::Applied(response))
+        let call = self.outbox.versioned_call(order.version, &[event])?;
+        let sql = ADD_LINE_SQL.replace("{event}", &call.sql(12));
+        let body = response.body.to_string();
+        let query = sqlx::query_as(&sql)
+            .bind(key.as_str())
+            .bind(fingerprint.as_bytes())
+            .bind(response.status as i16)
+            .bind(&body)
+            .bind(order_id)
+            .bind(line_no)
+            .bind(&line.sku)
+            .bind(line.quantity)
+            .bind(line.unit_price_cents)
+            .bind(order.total_cents)
+            .bind(order.version);
+        let applied = self.apply(&mut tx, &call, query).await?;
+        finish(tx, applied, response, key, fingerprint).await
     }
 
     /// Cancels an open order and emits `OrderCancelled`, once per idempotency key.
@@ -195,20 +190,6 @@ impl Store {
         order.status = Status::Cancelled;
         order.version += 1;
         let response = ok_response(&order);
-        let applied = sqlx::query(CANCEL_ORDER_SQL)
-            .bind(key.as_str())
-            .bind(fingerprint.as_bytes())
-            .bind(response.status as i16)
-            .bind(response.body.to_string())
-            .bind(order_id)
-            .bind(order.version)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        if applied == 0 {
-            tx.rollback().await?;
-            return replay(&mut conn, key, fingerprint).await;
-        }
         let event = NewEvent::from_event(
             order_id.to_string(),
             &OrderCancelled {
@@ -217,11 +198,34 @@ impl Store {
                 lines: order.lines.clone(),
             },
         )?;
-        self.outbox
-            .enqueue_versioned(&mut tx, order.version, &[event])
-            .await?;
-        tx.commit().await?;
-        Ok(Outcome::Applied(response))
+        let call = self.outbox.versioned_call(order.version, &[event])?;
+        let sql = CANCEL_ORDER_SQL.replace("{event}", &call.sql(7));
+        let body = response.body.to_string();
+        let query = sqlx::query_as(&sql)
+            .bind(key.as_str())
+            .bind(fingerprint.as_bytes())
+            .bind(response.status as i16)
+            .bind(&body)
+            .bind(order_id)
+            .bind(order.version);
+        let applied = self.apply(&mut tx, &call, query).await?;
+        finish(tx, applied, response, key, fingerprint).await
+    }
+
+    /// Runs a command statement with its outbox call bound after the command's own values;
+    /// whether the command applied (false: its key already existed, nothing was written).
+    async fn apply<'q>(
+        &self,
+        tx: &mut PgConnection,
+        call: &'q EnqueueCall,
+        query: QueryAs<'q, Postgres, (i64, Option<i64>), PgArguments>,
+    ) -> Result<bool, CommandError> {
+        let (applied, _sequence) = call
+            .bind(query)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(|e| CommandError::Enqueue(self.outbox.classify(e)))?;
+        Ok(applied > 0)
     }
 
     /// Reads an order.
@@ -459,6 +463,27 @@ fn compare(
         Ok(Outcome::Replayed(response))
     } else {
         Err(CommandError::KeyReused)
+    }
+}
+
+/// Commits an applied command, or reads the key's stored response (committed meanwhile by
+/// another request), rolls back and replays it.
+async fn finish(
+    mut tx: sqlx::Transaction<'_, Postgres>,
+    applied: bool,
+    response: StoredResponse,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+) -> Result<Outcome, CommandError> {
+    if applied {
+        tx.commit().await?;
+        return Ok(Outcome::Applied(response));
+    }
+    let stored = load_response(&mut tx, key).await?;
+    tx.rollback().await?;
+    match stored {
+        Some(stored) => compare(stored, fingerprint),
+        None => Err(CommandError::KeyInFlight),
     }
 }
 
