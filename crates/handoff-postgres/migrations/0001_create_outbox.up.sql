@@ -65,7 +65,7 @@ CREATE TABLE outbox_heads (
 
 -- Enqueue at caller-assigned sequences as a function, so an application can call it from inside
 -- its own business statement and the event costs no extra round trip (see
--- Outbox::versioned_call). Same rules as queries/enqueue_versioned.sql; the arguments were
+-- Outbox::versioned_call); Outbox::enqueue_versioned calls it alone. The arguments were
 -- validated by the library. search_path is pinned to the schema this migration ran in, so the
 -- function finds its tables whatever the caller's search_path. Returns the last sequence written.
 CREATE FUNCTION handoff_enqueue_versioned(

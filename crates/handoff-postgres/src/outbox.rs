@@ -190,13 +190,10 @@ struct Inner {
     config: OutboxConfig,
     catalog: EventCatalog,
     enqueue_sql: String,
-    enqueue_versioned_sql: String,
 }
 
 /// The enqueue statement, with `{schema}` to be replaced by the schema prefix.
 const ENQUEUE_SQL: &str = include_str!("../queries/enqueue.sql");
-/// The enqueue statement for caller-assigned sequences.
-const ENQUEUE_VERSIONED_SQL: &str = include_str!("../queries/enqueue_versioned.sql");
 
 impl Outbox {
     /// An outbox accepting the events declared in `catalog`.
@@ -206,15 +203,12 @@ impl Outbox {
     /// [`LimitsError`] when the configuration is invalid.
     pub fn new(config: OutboxConfig, catalog: EventCatalog) -> Result<Self, LimitsError> {
         config.validate()?;
-        let prefix = config.schema.prefix();
-        let enqueue_sql = ENQUEUE_SQL.replace("{schema}", &prefix);
-        let enqueue_versioned_sql = ENQUEUE_VERSIONED_SQL.replace("{schema}", &prefix);
+        let enqueue_sql = ENQUEUE_SQL.replace("{schema}", &config.schema.prefix());
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 catalog,
                 enqueue_sql,
-                enqueue_versioned_sql,
             }),
         })
     }
@@ -336,24 +330,18 @@ impl Outbox {
         first_sequence: i64,
         events: &[NewEvent],
     ) -> Result<Vec<Enqueued>, EnqueueError> {
-        let Some(group) = self.versioned_batch(first_sequence, events)? else {
+        // The same function versioned_call splices into callers' statements, called alone:
+        // the versioned insert is written once, in the migration.
+        let call = self.versioned_call(first_sequence, events)?;
+        if events.is_empty() {
             return Ok(Vec::new());
-        };
-        let rows: Vec<(uuid::Uuid, i64)> = sqlx::query_as(&self.inner.enqueue_versioned_sql)
-            .bind(group.aggregate_type)
-            .bind(group.aggregate_id)
-            .bind(first_sequence)
-            .bind(&group.event_ids)
-            .bind(&group.event_types)
-            .bind(&group.schema_versions)
-            .bind(&group.payloads)
-            .bind(&group.headers)
-            .fetch_all(&mut *conn)
+        }
+        let sql = format!("SELECT {}", call.sql(1));
+        call.bind(sqlx::query_scalar::<_, i64>(&sql))
+            .fetch_one(&mut *conn)
             .await
             .map_err(|e| self.classify_sqlx(e))?;
-        let mut enqueued = Vec::with_capacity(rows.len());
-        collect(&mut enqueued, rows);
-        Ok(order_as_given(events, enqueued))
+        Ok(sequenced(events, first_sequence))
     }
 
     /// Validates a batch for [`enqueue_versioned`](Self::enqueue_versioned) and returns it as a
@@ -508,30 +496,16 @@ impl Outbox {
     where
         C: tokio_postgres::GenericClient + Sync,
     {
-        use tokio_postgres::types::Type;
-
-        let Some(group) = self.versioned_batch(first_sequence, events)? else {
+        let call = self.versioned_call(first_sequence, events)?;
+        if events.is_empty() {
             return Ok(Vec::new());
-        };
-        let rows = client
-            .query_typed(
-                &self.inner.enqueue_versioned_sql,
-                &[
-                    (&group.aggregate_type, Type::TEXT),
-                    (&group.aggregate_id, Type::TEXT),
-                    (&first_sequence, Type::INT8),
-                    (&group.event_ids, Type::UUID_ARRAY),
-                    (&group.event_types, Type::TEXT_ARRAY),
-                    (&group.schema_versions, Type::INT4_ARRAY),
-                    (&group.payloads, Type::TEXT_ARRAY),
-                    (&group.headers, Type::TEXT_ARRAY),
-                ],
-            )
+        }
+        let sql = format!("SELECT {}", call.sql(1));
+        client
+            .query_typed(&sql, &call.tokio_postgres_params())
             .await
             .map_err(|e| self.classify_tokio_postgres(e))?;
-        let mut enqueued = Vec::with_capacity(rows.len());
-        collect(&mut enqueued, tokio_postgres_rows(&rows)?);
-        Ok(order_as_given(events, enqueued))
+        Ok(sequenced(events, first_sequence))
     }
 
     /// The checks every caller-versioned enqueue makes before any SQL: the batch is valid, of
@@ -654,6 +628,29 @@ impl EnqueueCall {
     }
 }
 
+impl EnqueueCall {
+    /// The call's eight values with their types, for tokio-postgres's `query_typed`.
+    #[cfg(feature = "tokio-postgres")]
+    fn tokio_postgres_params(
+        &self,
+    ) -> [(
+        &(dyn tokio_postgres::types::ToSql + Sync),
+        tokio_postgres::types::Type,
+    ); 8] {
+        use tokio_postgres::types::Type;
+        [
+            (&self.aggregate_type, Type::TEXT),
+            (&self.aggregate_id, Type::TEXT),
+            (&self.first_sequence, Type::INT8),
+            (&self.event_ids, Type::UUID_ARRAY),
+            (&self.event_types, Type::TEXT_ARRAY),
+            (&self.schema_versions, Type::INT4_ARRAY),
+            (&self.payloads, Type::TEXT_ARRAY),
+            (&self.headers, Type::TEXT_ARRAY),
+        ]
+    }
+}
+
 /// An sqlx query that takes one more bound value; implemented for `Query`, `QueryAs` and
 /// `QueryScalar` so [`EnqueueCall::bind`] works with each.
 pub trait Bind<'q>: Sized {
@@ -748,6 +745,18 @@ fn tokio_postgres_rows(
         .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
         .collect::<Result<_, tokio_postgres::Error>>()
         .map_err(|e| EnqueueError::Database(DriverError::TokioPostgres(e)))
+}
+
+/// The results of a caller-versioned batch: `first, first + 1, ...` in the order given.
+fn sequenced(events: &[NewEvent], first_sequence: i64) -> Vec<Enqueued> {
+    events
+        .iter()
+        .zip(first_sequence..)
+        .map(|(event, aggregate_sequence)| Enqueued {
+            event_id: event.event_id(),
+            aggregate_sequence,
+        })
+        .collect()
 }
 
 fn collect(enqueued: &mut Vec<Enqueued>, rows: Vec<(uuid::Uuid, i64)>) {
