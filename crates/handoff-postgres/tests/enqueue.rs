@@ -7,16 +7,8 @@ use handoff_postgres::{EnqueueErrorKind, Migrator, Outbox, OutboxConfig, Schema}
 use handoff_test::{factory, TestDb};
 use sqlx::Connection;
 
-async fn migrated(name: &str) -> (TestDb, Outbox) {
-    let db = TestDb::new(name).await;
-    let mut conn = db.pool.acquire().await.unwrap();
-    Migrator::handoff(Schema::default())
-        .run(&mut conn)
-        .await
-        .unwrap();
-    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
-    (db, outbox)
-}
+mod common;
+use common::migrated;
 
 async fn sequences(db: &TestDb, aggregate_id: &str) -> Vec<i64> {
     sqlx::query_scalar(

@@ -1,6 +1,7 @@
 //! Enqueue through a tokio-postgres transaction (feature `tokio-postgres`).
 
-use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
+mod common;
+use common::migrated;
 use handoff_test::{factory, TestDb};
 
 async fn client(db: &TestDb) -> tokio_postgres::Client {
@@ -19,13 +20,7 @@ async fn client(db: &TestDb) -> tokio_postgres::Client {
 
 #[tokio::test]
 async fn tokio_postgres_transactions_commit_and_roll_back_with_their_events() {
-    let db = TestDb::new("tokio_postgres_enqueue").await;
-    let mut conn = db.pool.acquire().await.unwrap();
-    Migrator::handoff(Schema::default())
-        .run(&mut conn)
-        .await
-        .unwrap();
-    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
+    let (db, outbox) = migrated("tokio_postgres_enqueue").await;
     let mut client = client(&db).await;
     client
         .batch_execute("CREATE TABLE things (id text PRIMARY KEY)")
@@ -77,13 +72,7 @@ async fn tokio_postgres_transactions_commit_and_roll_back_with_their_events() {
 
 #[tokio::test]
 async fn tokio_postgres_versioned_enqueue_uses_the_callers_sequences() {
-    let db = TestDb::new("tokio_postgres_versioned").await;
-    let mut conn = db.pool.acquire().await.unwrap();
-    Migrator::handoff(Schema::default())
-        .run(&mut conn)
-        .await
-        .unwrap();
-    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
+    let (db, outbox) = migrated("tokio_postgres_versioned").await;
     let mut client = client(&db).await;
 
     let tx = client.transaction().await.unwrap();
