@@ -269,11 +269,12 @@ pub async fn create_order_in_tx(
     // The order's version is its event sequence, and the order row is the aggregate's lock:
     // a new order's row is invisible to every other transaction until this one commits.
     let call = outbox.versioned_call(order.version, &[event])?;
-    let (written, sequence) = write_new_order(tx, Some(&call), &order, key, fingerprint, request)
+    let response = created_response(&order);
+    let (written, sequence) = write_new_order(tx, Some(&call), &order, &response, key, fingerprint)
         .await
         .map_err(|e| CommandError::Enqueue(outbox.classify(e)))?;
     debug_assert!(!written || sequence == Some(order.version));
-    Ok(written.then(|| created_response(&order)))
+    Ok(written.then_some(response))
 }
 
 /// The business half of [`create_order_in_tx`], the same statement without the outbox call:
@@ -289,11 +290,9 @@ pub async fn insert_order_in_tx(
     request: &CreateOrder,
 ) -> Result<Option<(Order, StoredResponse)>, CommandError> {
     let order = new_order(request);
-    let (written, _) = write_new_order(tx, None, &order, key, fingerprint, request).await?;
-    Ok(written.then(|| {
-        let response = created_response(&order);
-        (order, response)
-    }))
+    let response = created_response(&order);
+    let (written, _) = write_new_order(tx, None, &order, &response, key, fingerprint).await?;
+    Ok(written.then_some((order, response)))
 }
 
 fn new_order(request: &CreateOrder) -> Order {
@@ -314,23 +313,22 @@ fn created_response(order: &Order) -> StoredResponse {
     }
 }
 
-/// Runs `insert_order.sql`, with the outbox call spliced in when given. Returns whether the
-/// order was written and the sequence of the event enqueued.
+/// Runs `insert_order.sql` for `order` and its stored `response`, with the outbox call spliced
+/// in when given. Returns whether the order was written and the sequence of the event enqueued.
 async fn write_new_order(
     tx: &mut PgConnection,
     call: Option<&EnqueueCall>,
     order: &Order,
+    response: &StoredResponse,
     key: &IdempotencyKey,
     fingerprint: &Fingerprint,
-    request: &CreateOrder,
 ) -> Result<(bool, Option<i64>), sqlx::Error> {
     let event_sql = call.map_or_else(|| "NULL::bigint".to_owned(), |c| c.sql(11));
     let sql = INSERT_ORDER_SQL.replace("{event}", &event_sql);
-    let response = created_response(order);
     let body = response.body.to_string();
-    let skus: Vec<&str> = request.lines.iter().map(|l| l.sku.as_str()).collect();
-    let quantities: Vec<i32> = request.lines.iter().map(|l| l.quantity).collect();
-    let prices: Vec<i64> = request.lines.iter().map(|l| l.unit_price_cents).collect();
+    let skus: Vec<&str> = order.lines.iter().map(|l| l.sku.as_str()).collect();
+    let quantities: Vec<i32> = order.lines.iter().map(|l| l.quantity).collect();
+    let prices: Vec<i64> = order.lines.iter().map(|l| l.unit_price_cents).collect();
     let query = sqlx::query_as::<_, (i64, Option<i64>)>(&sql)
         .bind(key.as_str())
         .bind(fingerprint.as_bytes())
