@@ -8,7 +8,9 @@
 //!   an outbox accepts;
 //! - [`Limits`] and [`ValidationError`], the checks an event passes *before* anything reaches the
 //!   database (brief W6);
-//! - [`subject`], the reversible encoding of aggregate ids into broker subject tokens.
+//! - [`subject`], the reversible encoding of aggregate ids into broker subject tokens;
+//! - [`delivery`], the relay's seams: a [`delivery::Source`] of committed events and a
+//!   [`delivery::Transport`] that publishes them.
 //!
 //! The PostgreSQL side lives in `handoff-postgres`; broker adapters live in their own crates so
 //! this one never depends on a broker client.
@@ -40,6 +42,7 @@
 #![warn(missing_docs)]
 
 mod catalog;
+pub mod delivery;
 mod error;
 mod event;
 mod limits;

@@ -7,7 +7,11 @@
 //!   client or transaction. It never commits: the caller's commit makes the business change and
 //!   its events durable together, and a rollback leaves neither (brief W1, W4).
 //!
-//! The relay, consumers and operator commands build on the same tables in their own crates.
+//! - [`PollingSource`] is the relay's source of committed events: it leases rows in short
+//!   `FOR UPDATE SKIP LOCKED` claims, records acknowledgements and failures, and wakes an idle
+//!   relay through LISTEN/NOTIFY (brief P1-P3, P7).
+//!
+//! The relay loop, consumers and operator commands build on the same tables in their own crates.
 //!
 //! # Examples
 //!
@@ -38,6 +42,7 @@
 mod migrate;
 mod outbox;
 mod schema;
+mod source;
 
 pub use migrate::{
     MigrateError, MigrateErrorKind, Migration, MigrationReport, Migrator, HANDOFF_MIGRATIONS,
@@ -46,3 +51,4 @@ pub use outbox::{
     DriverError, EnqueueCall, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig,
 };
 pub use schema::{Schema, SchemaError};
+pub use source::{Backlog, PollingConfig, PollingConfigError, PollingSource, WAKE_CHANNEL};

@@ -40,12 +40,20 @@ impl Migration {
 }
 
 /// handoff's own migrations: the outbox, the sequence heads and the consumer inbox.
-pub const HANDOFF_MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "create_outbox",
-    up: include_str!("../migrations/0001_create_outbox.up.sql"),
-    down: include_str!("../migrations/0001_create_outbox.down.sql"),
-}];
+pub const HANDOFF_MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "create_outbox",
+        up: include_str!("../migrations/0001_create_outbox.up.sql"),
+        down: include_str!("../migrations/0001_create_outbox.down.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "relay_wakeup",
+        up: include_str!("../migrations/0002_relay_wakeup.up.sql"),
+        down: include_str!("../migrations/0002_relay_wakeup.down.sql"),
+    },
+];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its
 /// own transaction.

@@ -1,6 +1,6 @@
 //! The migrator against the real PostgreSQL.
 
-use handoff_postgres::{MigrateErrorKind, Migrator, Schema};
+use handoff_postgres::{MigrateErrorKind, Migrator, Schema, HANDOFF_MIGRATIONS};
 use handoff_test::TestDb;
 
 const SEED_COLUMNS: [&str; 14] = [
@@ -86,8 +86,16 @@ async fn concurrent_migrations_apply_each_file_once() {
         .map(|r| r.unwrap().expect("every concurrent run succeeds"))
         .collect();
     let applied: usize = reports.iter().map(|r| r.applied.len()).sum();
-    assert_eq!(applied, 1, "exactly one run applies 0001: {reports:?}");
-    assert_eq!(db.count("handoff_migrations").await, 1);
+    let all = HANDOFF_MIGRATIONS.len();
+    assert_eq!(
+        applied, all,
+        "each migration is applied by exactly one run: {reports:?}"
+    );
+    assert!(
+        reports.iter().any(|r| r.applied.len() == all),
+        "the run that took the lock first applied them all: {reports:?}"
+    );
+    assert_eq!(db.count("handoff_migrations").await, all as i64);
 }
 
 #[tokio::test]
@@ -142,7 +150,7 @@ async fn a_named_schema_holds_the_tables_and_revert_removes_them() {
         "nothing leaks into the search_path schema"
     );
 
-    assert_eq!(migrator.revert(&mut conn, 0).await.unwrap(), vec![1]);
+    assert_eq!(migrator.revert(&mut conn, 0).await.unwrap(), vec![2, 1]);
     let outbox: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
         .bind(format!("{named}.outbox"))
         .fetch_one(&mut *conn)
@@ -150,7 +158,7 @@ async fn a_named_schema_holds_the_tables_and_revert_removes_them() {
         .unwrap();
     assert_eq!(outbox, None);
     // The down file is right if up applies again on top of it.
-    assert_eq!(migrator.run(&mut conn).await.unwrap().applied, vec![1]);
+    assert_eq!(migrator.run(&mut conn).await.unwrap().applied, vec![1, 2]);
     sqlx::raw_sql(&format!("DROP SCHEMA \"{named}\" CASCADE"))
         .execute(&mut *conn)
         .await

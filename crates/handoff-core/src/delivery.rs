@@ -1,0 +1,246 @@
+//! The two seams of the relay: where committed events come from ([`Source`]) and where they go
+//! ([`Transport`]).
+//!
+//! `handoff-relay` runs ordering lanes, leases, backoff and metrics over any pair of them; the
+//! polling source lives in `handoff-postgres`, the JetStream transport in `handoff-nats`. A CDC
+//! source or another destination slots in by implementing one trait.
+//!
+//! These traits are internal seams between handoff's own crates: they are documented so an
+//! adapter can be written, but they may change between minor versions.
+
+use std::future::Future;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::EventId;
+
+/// One committed outbox event, as a [`Source`] hands it to the relay and the relay hands it to a
+/// [`Transport`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxEvent {
+    /// The stable event id: the broker's dedup id and the consumers' inbox key.
+    pub event_id: EventId,
+    /// The aggregate's kind, such as `"order"`.
+    pub aggregate_type: String,
+    /// The aggregate's id, verbatim (transports encode it where their addressing needs it).
+    pub aggregate_id: String,
+    /// The event's place in its aggregate's history: 1, 2, 3 ...
+    pub aggregate_sequence: i64,
+    /// The event's type name.
+    pub event_type: String,
+    /// The payload's shape version.
+    pub schema_version: i32,
+    /// The payload, as JSON text.
+    pub payload: String,
+    /// Extra headers the writer attached (trace context, caller headers), in name order.
+    pub headers: Vec<(String, String)>,
+    /// When the writer enqueued the event.
+    pub occurred_at: SystemTime,
+    /// Failed publish attempts so far.
+    pub attempt_count: i32,
+}
+
+/// Events a [`Source`] leased to one relay.
+#[derive(Debug, Default)]
+pub struct Claim {
+    /// The leased events, in claim order; the events of one aggregate are in sequence order.
+    pub events: Vec<OutboxEvent>,
+    /// The local instant by which the lease ends (measured from before the claim was sent, so
+    /// it is never later than the database's `claim_until`). An event must not be published
+    /// after it: another relay may own it by then.
+    pub lease_deadline: Option<Instant>,
+}
+
+/// What the relay tells a [`Source`] about one event it could not publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    /// The event that failed.
+    pub event_id: EventId,
+    /// The error, for `last_error` (never holds secrets: transports build it from the broker's
+    /// answer, not from their configuration).
+    pub error: String,
+    /// When the event may be tried again; `None` holds it until an operator acts (the poison
+    /// policy).
+    pub retry_after: Option<Duration>,
+    /// Whether the failure counts against the event's attempt cap. A broker that is down is not
+    /// the event's fault and does not count.
+    pub counts_as_attempt: bool,
+}
+
+/// Why a [`Source`] call failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct SourceError {
+    message: String,
+    #[source]
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl SourceError {
+    /// Wraps a driver error with what the source was doing: `"while claiming"`.
+    pub fn new(
+        context: &str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> SourceError {
+        SourceError {
+            message: format!("{context}: {source}"),
+            source: Some(Box::new(source)),
+        }
+    }
+}
+
+/// Where committed events come from: leases, acknowledgements and wake-ups.
+///
+/// A source must never hand out an event of an aggregate while an earlier event of the same
+/// aggregate is unpublished and not part of the same claim (brief P5); the relay relies on it
+/// to keep per-aggregate order across relays.
+pub trait Source: Send + Sync + 'static {
+    /// Leases up to `max` publishable events to this relay.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached or refused the claim; nothing was leased.
+    fn claim(&self, max: usize) -> impl Future<Output = Result<Claim, SourceError>> + Send;
+
+    /// Records that the broker acknowledged these events.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached; the events stay leased and are published again after
+    /// the lease expires (at least once, brief P4).
+    fn mark_published(
+        &self,
+        event_ids: &[EventId],
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Records failed publishes and when each may be retried (brief P3).
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached; the leases expire on their own.
+    fn record_failures(
+        &self,
+        failures: &[Failure],
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Gives back leased events that were not published, so another relay can take them at once.
+    ///
+    /// # Errors
+    ///
+    /// The store could not be reached; the leases expire on their own.
+    fn release(
+        &self,
+        event_ids: &[EventId],
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Waits until new events may be ready, or `at_most` has passed.
+    ///
+    /// Spurious returns are allowed; a missed wake-up costs at most `at_most` of latency.
+    ///
+    /// # Errors
+    ///
+    /// The wake-up channel failed; the relay falls back to polling.
+    fn wait_for_work(
+        &self,
+        at_most: Duration,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+}
+
+/// The kind of a [`PublishError`], which decides what the relay does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PublishErrorKind {
+    /// The destination cannot be reached (disconnected, no responders). The relay pauses and
+    /// retries later; the event's attempt count is not charged.
+    Unavailable,
+    /// No acknowledgement in time. Ambiguous: the broker may hold the event, so it is retried
+    /// with the same event id.
+    Timeout,
+    /// The destination answered with an error that may pass (overload, leader election).
+    Transient,
+    /// The destination refused this event and always will (too large, not permitted). The
+    /// event goes to the poison policy at once.
+    Rejected,
+}
+
+impl PublishErrorKind {
+    /// Whether trying the same event again can succeed.
+    pub fn is_retryable(self) -> bool {
+        !matches!(self, PublishErrorKind::Rejected)
+    }
+
+    /// Whether the failure says something about the event rather than about the destination.
+    pub fn counts_as_attempt(self) -> bool {
+        !matches!(self, PublishErrorKind::Unavailable)
+    }
+
+    /// A short stable name, for metrics labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PublishErrorKind::Unavailable => "unavailable",
+            PublishErrorKind::Timeout => "timeout",
+            PublishErrorKind::Transient => "transient",
+            PublishErrorKind::Rejected => "rejected",
+        }
+    }
+}
+
+/// A publish that did not end with the destination's acknowledgement.
+#[derive(Debug, thiserror::Error)]
+#[error("{kind:?}: {message}")]
+pub struct PublishError {
+    kind: PublishErrorKind,
+    message: String,
+    #[source]
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl PublishError {
+    /// An error of `kind` described by `message`.
+    pub fn new(kind: PublishErrorKind, message: impl Into<String>) -> PublishError {
+        PublishError {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// An error of `kind` caused by `source`.
+    pub fn with_source(
+        kind: PublishErrorKind,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> PublishError {
+        PublishError {
+            kind,
+            message: source.to_string(),
+            source: Some(Box::new(source)),
+        }
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> PublishErrorKind {
+        self.kind
+    }
+}
+
+/// Where events go: one publish, finished only by the destination's acknowledgement.
+///
+/// The relay runs many publishes at once (across aggregates) and never two of one aggregate at
+/// once, so a transport needs no ordering logic of its own.
+pub trait Transport: Send + Sync + 'static {
+    /// Publishes one event and waits for the destination to acknowledge it durably.
+    ///
+    /// # Errors
+    ///
+    /// See [`PublishErrorKind`]: the kind decides between retry, pause and poison.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future leaves it unknown whether the destination holds the event; the relay
+    /// treats that as a timeout and republishes under the same event id.
+    fn publish(&self, event: &OutboxEvent)
+        -> impl Future<Output = Result<(), PublishError>> + Send;
+
+    /// Waits until the destination looks reachable again, or `at_most` has passed; returns
+    /// whether it is.
+    fn wait_until_ready(&self, at_most: Duration) -> impl Future<Output = bool> + Send;
+}

@@ -1,0 +1,8 @@
+-- The relay's view of the backlog, for metrics and alerts (brief O1, O5). Reads only pending rows,
+-- through outbox_pending_idx's predicate, so its cost follows the backlog, not the history.
+SELECT count(*) AS pending,
+       count(*) FILTER (WHERE available_at = 'infinity') AS held,
+       count(*) FILTER (WHERE claimed_by IS NOT NULL AND claim_until < now()) AS expired_leases,
+       extract(epoch FROM now() - min(occurred_at))::float8 AS oldest_age_seconds
+FROM {schema}outbox
+WHERE published_at IS NULL

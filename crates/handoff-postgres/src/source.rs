@@ -1,0 +1,445 @@
+//! The polling source: committed outbox rows, leased to relays in short claim statements.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use handoff_core::delivery::{Claim, Failure, OutboxEvent, Source, SourceError};
+use handoff_core::EventId;
+use sqlx::postgres::{PgListener, PgPool, PgRow};
+use sqlx::Row;
+use tokio::sync::Mutex;
+
+use crate::Schema;
+
+const CLAIM_SQL: &str = include_str!("../queries/claim.sql");
+const MARK_PUBLISHED_SQL: &str = include_str!("../queries/mark_published.sql");
+const RECORD_FAILURES_SQL: &str = include_str!("../queries/record_failures.sql");
+const RELEASE_SQL: &str = include_str!("../queries/release.sql");
+const RELAY_WAIT_SQL: &str = include_str!("../queries/relay_wait.sql");
+const RELAY_UNWAIT_SQL: &str = include_str!("../queries/relay_unwait.sql");
+const BACKLOG_SQL: &str = include_str!("../queries/backlog.sql");
+
+/// The channel migration 0002's trigger notifies; its payload is the outbox's schema.
+pub const WAKE_CHANNEL: &str = "handoff_outbox";
+
+/// How long a wait for a notification lasts right after the relay registered as waiting.
+///
+/// Writers that inserted before the registration was visible did not notify, and their commits
+/// can land just after the relay's last claim; one more claim after this short wait picks them
+/// up, so the race costs milliseconds instead of a whole poll interval.
+const SETTLE: Duration = Duration::from_millis(20);
+
+/// Settings of a [`PollingSource`].
+#[derive(Debug, Clone)]
+pub struct PollingConfig {
+    /// The schema holding the outbox.
+    pub schema: Schema,
+    /// This relay's name in `claimed_by`. Two live relays must not share one.
+    pub relay_id: String,
+    /// How long a claim keeps its rows away from other relays. A relay that dies holding rows
+    /// delays them by at most this; a relay must publish within it, so it must be well above
+    /// the broker's publish timeout.
+    pub lease: Duration,
+    /// How long a sleeping relay's registration keeps writers notifying before it must be
+    /// renewed; bounds the notifications a relay that died asleep still causes.
+    pub wait_ttl: Duration,
+}
+
+impl Default for PollingConfig {
+    fn default() -> Self {
+        PollingConfig {
+            schema: Schema::default(),
+            relay_id: format!("relay-{}", std::process::id()),
+            lease: Duration::from_secs(30),
+            wait_ttl: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A [`PollingConfig`] that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PollingConfigError {
+    /// The relay id is empty, longer than 255 bytes, or holds control characters.
+    #[error("relay id {0:?} must be 1 to 255 printable characters")]
+    InvalidRelayId(String),
+    /// The lease is shorter than a second.
+    #[error("lease of {0:?} is too short: at least 1s")]
+    LeaseTooShort(Duration),
+    /// The wait registration lives shorter than a second.
+    #[error("wait ttl of {0:?} is too short: at least 1s")]
+    WaitTtlTooShort(Duration),
+}
+
+impl PollingConfig {
+    /// Checks the settings.
+    ///
+    /// # Errors
+    ///
+    /// The first setting that cannot work.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use handoff_postgres::PollingConfig;
+    ///
+    /// assert!(PollingConfig::default().validate().is_ok());
+    /// let bad = PollingConfig { relay_id: String::new(), ..PollingConfig::default() };
+    /// assert!(bad.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), PollingConfigError> {
+        let id = &self.relay_id;
+        if id.is_empty() || id.len() > 255 || id.chars().any(char::is_control) {
+            return Err(PollingConfigError::InvalidRelayId(id.clone()));
+        }
+        if self.lease < Duration::from_secs(1) {
+            return Err(PollingConfigError::LeaseTooShort(self.lease));
+        }
+        if self.wait_ttl < Duration::from_secs(1) {
+            return Err(PollingConfigError::WaitTtlTooShort(self.wait_ttl));
+        }
+        Ok(())
+    }
+}
+
+/// Committed outbox rows as a relay [`Source`]: claims lease rows with `FOR UPDATE SKIP LOCKED`
+/// in one short statement each, acknowledgements set `published_at`, and LISTEN/NOTIFY wakes an
+/// idle relay (brief P1, P2, P7).
+///
+/// It uses up to three connections of the pool at once: claims, acknowledgements (which the
+/// relay runs concurrently) and the listener, which keeps its connection.
+///
+/// # Examples
+///
+/// ```no_run
+/// use handoff_core::delivery::Source;
+/// use handoff_postgres::{PollingConfig, PollingSource};
+///
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let config = PollingConfig { relay_id: "relay-a".into(), ..PollingConfig::default() };
+/// let source = PollingSource::new(pool, config)?;
+/// let claim = source.claim(500).await?;
+/// // ... publish claim.events, then:
+/// let ids: Vec<_> = claim.events.iter().map(|e| e.event_id).collect();
+/// source.mark_published(&ids).await?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct PollingSource {
+    pool: PgPool,
+    config: PollingConfig,
+    sql: Sql,
+    wake: Mutex<Wake>,
+}
+
+struct Sql {
+    claim: String,
+    mark_published: String,
+    record_failures: String,
+    release: String,
+    wait: String,
+    unwait: String,
+    backlog: String,
+}
+
+/// The unpublished part of the outbox, as [`PollingSource::backlog`] reads it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Backlog {
+    /// Unpublished events, including held and leased ones.
+    pub pending: i64,
+    /// Events held for an operator (the poison policy): they and their aggregates' later events
+    /// wait.
+    pub held: i64,
+    /// Leased events whose lease ran out: a relay died or stalled holding them.
+    pub expired_leases: i64,
+    /// Age of the oldest unpublished event; `None` when there is none.
+    pub oldest_age: Option<Duration>,
+}
+
+/// The wake-up state. A tokio mutex: the listener is awaited while held.
+#[derive(Default)]
+struct Wake {
+    listener: Option<PgListener>,
+    /// Until when writers notify on this relay's account, as far as this relay knows.
+    registered_until: Option<Instant>,
+}
+
+impl PollingSource {
+    /// A source over the outbox that `pool` reaches.
+    ///
+    /// # Errors
+    ///
+    /// The configuration does not validate.
+    pub fn new(pool: PgPool, config: PollingConfig) -> Result<Self, PollingConfigError> {
+        config.validate()?;
+        let prefix = config.schema.prefix();
+        let sql = |template: &str| template.replace("{schema}", &prefix);
+        let sql = Sql {
+            claim: sql(CLAIM_SQL),
+            mark_published: sql(MARK_PUBLISHED_SQL),
+            record_failures: sql(RECORD_FAILURES_SQL),
+            release: sql(RELEASE_SQL),
+            wait: sql(RELAY_WAIT_SQL),
+            unwait: sql(RELAY_UNWAIT_SQL),
+            backlog: sql(BACKLOG_SQL),
+        };
+        Ok(PollingSource {
+            pool,
+            config,
+            sql,
+            wake: Mutex::new(Wake::default()),
+        })
+    }
+
+    /// The settings this source runs with.
+    pub fn config(&self) -> &PollingConfig {
+        &self.config
+    }
+
+    /// Stops the writers' notifications on this relay's account (at shutdown).
+    ///
+    /// # Errors
+    ///
+    /// The database could not be reached; the registration then expires after `wait_ttl`.
+    pub async fn unregister(&self) -> Result<(), SourceError> {
+        let mut wake = self.wake.lock().await;
+        sqlx::query(&self.sql.unwait)
+            .bind(&self.config.relay_id)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| SourceError::new("while unregistering the wait", e))?;
+        wake.registered_until = None;
+        Ok(())
+    }
+
+    /// Reads the backlog's size and age.
+    ///
+    /// # Errors
+    ///
+    /// The database could not be reached.
+    pub async fn backlog(&self) -> Result<Backlog, SourceError> {
+        let row = sqlx::query(&self.sql.backlog)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| SourceError::new("while reading the backlog", e))?;
+        let read = |row: &PgRow| -> Result<Backlog, sqlx::Error> {
+            let age: Option<f64> = row.try_get("oldest_age_seconds")?;
+            Ok(Backlog {
+                pending: row.try_get("pending")?,
+                held: row.try_get("held")?,
+                expired_leases: row.try_get("expired_leases")?,
+                oldest_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
+            })
+        };
+        read(&row).map_err(|e| SourceError::new("while reading the backlog", e))
+    }
+
+    fn event_from_row(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
+        let headers: String = row.try_get("headers")?;
+        let occurred_at: chrono::DateTime<chrono::Utc> = row.try_get("occurred_at")?;
+        Ok(OutboxEvent {
+            event_id: row.try_get("event_id")?,
+            aggregate_type: row.try_get("aggregate_type")?,
+            aggregate_id: row.try_get("aggregate_id")?,
+            aggregate_sequence: row.try_get("aggregate_sequence")?,
+            event_type: row.try_get("event_type")?,
+            schema_version: row.try_get("schema_version")?,
+            payload: row.try_get("payload")?,
+            headers: header_pairs(&headers),
+            occurred_at: SystemTime::from(occurred_at),
+            attempt_count: row.try_get("attempt_count")?,
+        })
+    }
+
+    /// Whether a notification's payload concerns this source's outbox. With the default schema
+    /// the name is not known here, so every notification counts (a spurious wake-up is cheap).
+    fn concerns_us(&self, payload: &str) -> bool {
+        self.config.schema.name().is_none_or(|name| name == payload)
+    }
+}
+
+/// The `headers` jsonb object as name/value pairs. Values that outside writers stored as
+/// non-strings are passed on as their JSON text rather than dropped.
+fn header_pairs(json: &str) -> Vec<(String, String)> {
+    match serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(json) {
+        Ok(map) => map
+            .into_iter()
+            .map(|(name, value)| match value {
+                serde_json::Value::String(s) => (name, s),
+                other => (name, other.to_string()),
+            })
+            .collect(),
+        // The column is jsonb, so this is an array or a scalar an outside writer stored.
+        Err(_) => Vec::new(),
+    }
+}
+
+impl Source for PollingSource {
+    async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
+        let started = Instant::now();
+        let max = i64::try_from(max).unwrap_or(i64::MAX);
+        let rows = sqlx::query(&self.sql.claim)
+            .bind(&self.config.relay_id)
+            .bind(max)
+            .bind(self.config.lease.as_secs_f64())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| SourceError::new("while claiming", e))?;
+        let events = rows
+            .iter()
+            .map(Self::event_from_row)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| SourceError::new("while reading a claimed row", e))?;
+
+        // A full batch means a backlog: this relay will not sleep soon, so writers need not
+        // pay for notifying it. (Not under the wake lock's wait: claims never overlap waits.)
+        if events.len() as i64 == max {
+            if let Ok(mut wake) = self.wake.try_lock() {
+                if wake.registered_until.is_some() {
+                    sqlx::query(&self.sql.unwait)
+                        .bind(&self.config.relay_id)
+                        .execute(&self.pool)
+                        .await
+                        .map_err(|e| SourceError::new("while unregistering the wait", e))?;
+                    wake.registered_until = None;
+                }
+            }
+        }
+        Ok(Claim {
+            events,
+            lease_deadline: Some(started + self.config.lease),
+        })
+    }
+
+    async fn mark_published(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
+        sqlx::query(&self.sql.mark_published)
+            .bind(event_ids)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| SourceError::new("while marking events published", e))?;
+        Ok(())
+    }
+
+    async fn record_failures(&self, failures: &[Failure]) -> Result<(), SourceError> {
+        let ids: Vec<EventId> = failures.iter().map(|f| f.event_id).collect();
+        let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+        let delays: Vec<Option<i64>> = failures
+            .iter()
+            .map(|f| {
+                f.retry_after
+                    .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+            })
+            .collect();
+        let charged: Vec<bool> = failures.iter().map(|f| f.counts_as_attempt).collect();
+        sqlx::query(&self.sql.record_failures)
+            .bind(&self.config.relay_id)
+            .bind(ids)
+            .bind(errors)
+            .bind(delays)
+            .bind(charged)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| SourceError::new("while recording failed publishes", e))?;
+        Ok(())
+    }
+
+    async fn release(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
+        sqlx::query(&self.sql.release)
+            .bind(&self.config.relay_id)
+            .bind(event_ids)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| SourceError::new("while releasing leases", e))?;
+        Ok(())
+    }
+
+    async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
+        let mut wake = self.wake.lock().await;
+        if wake.listener.is_none() {
+            let mut listener = PgListener::connect_with(&self.pool)
+                .await
+                .map_err(|e| SourceError::new("while connecting the listener", e))?;
+            listener
+                .listen(WAKE_CHANNEL)
+                .await
+                .map_err(|e| SourceError::new("while listening", e))?;
+            wake.listener = Some(listener);
+            // Notifications sent before LISTEN took effect are gone: poll once more.
+            return Ok(());
+        }
+
+        let now = Instant::now();
+        let mut deadline = now + at_most;
+        // Renew the registration before it could lapse during this wait.
+        if wake
+            .registered_until
+            .is_none_or(|until| until < deadline + at_most)
+        {
+            let fresh = wake.registered_until.is_none();
+            sqlx::query(&self.sql.wait)
+                .bind(&self.config.relay_id)
+                .bind(self.config.wait_ttl.as_secs_f64())
+                .execute(&self.pool)
+                .await
+                .map_err(|e| SourceError::new("while registering the wait", e))?;
+            wake.registered_until = Some(now + self.config.wait_ttl);
+            if fresh {
+                deadline = now + at_most.min(SETTLE);
+            }
+        }
+        let Some(listener) = wake.listener.as_mut() else {
+            return Ok(());
+        };
+
+        loop {
+            match tokio::time::timeout_at(deadline.into(), listener.try_recv()).await {
+                Err(_elapsed) => return Ok(()),
+                Ok(Ok(Some(notification))) => {
+                    if self.concerns_us(notification.payload()) {
+                        // Several commits may have notified: one claim serves them all.
+                        while listener.next_buffered().is_some() {}
+                        return Ok(());
+                    }
+                }
+                // The connection dropped and notifications may have been lost while it was
+                // down: the caller polls again.
+                Ok(Ok(None)) => return Ok(()),
+                Ok(Err(e)) => {
+                    wake.listener = None;
+                    return Err(SourceError::new("while waiting for notifications", e));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_keep_strings_and_pass_other_values_as_json() {
+        let pairs = header_pairs(r#"{"traceparent": "00-ab-cd-01", "n": 3}"#);
+        assert_eq!(
+            pairs,
+            vec![
+                ("n".to_string(), "3".to_string()),
+                ("traceparent".into(), "00-ab-cd-01".into())
+            ]
+        );
+        assert!(header_pairs("[1, 2]").is_empty());
+    }
+
+    #[test]
+    fn relay_ids_must_be_printable() {
+        for bad in [String::new(), "a\nb".to_string(), "x".repeat(256)] {
+            let config = PollingConfig {
+                relay_id: bad,
+                ..PollingConfig::default()
+            };
+            assert!(matches!(
+                config.validate(),
+                Err(PollingConfigError::InvalidRelayId(_))
+            ));
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! The polling source against the real PostgreSQL: leases, per-aggregate order across relays,
+//! failures and wake-ups.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use handoff_core::delivery::{Failure, Source};
+use handoff_postgres::{Outbox, PollingConfig, PollingSource, Schema};
+use handoff_test::{factory, TestDb};
+
+fn source(db: &TestDb, relay_id: &str) -> PollingSource {
+    let config = PollingConfig {
+        // Named, so the wake-up filter ignores the notifications of other tests' schemas.
+        schema: Schema::named(db.schema()).unwrap(),
+        relay_id: relay_id.into(),
+        ..PollingConfig::default()
+    };
+    PollingSource::new(db.pool.clone(), config).unwrap()
+}
+
+/// Enqueues `per_aggregate` events for each aggregate, each event in its own transaction,
+/// round-robin across aggregates (so sequences of one aggregate are spread over the backlog).
+async fn enqueue(db: &TestDb, outbox: &Outbox, aggregates: &[&str], per_aggregate: u64) {
+    for n in 0..per_aggregate {
+        for aggregate in aggregates {
+            let mut tx = db.pool.begin().await.unwrap();
+            outbox
+                .enqueue(&mut tx, &[factory::event(aggregate, n)])
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        }
+    }
+}
+
+fn sequences_of<'a>(
+    events: impl IntoIterator<Item = &'a handoff_core::delivery::OutboxEvent>,
+    aggregate: &str,
+) -> Vec<i64> {
+    let mut seqs: Vec<i64> = events
+        .into_iter()
+        .filter(|e| e.aggregate_id == aggregate)
+        .map(|e| e.aggregate_sequence)
+        .collect();
+    seqs.sort();
+    seqs
+}
+
+#[tokio::test]
+async fn a_claim_leases_rows_that_other_relays_then_skip() {
+    let (db, outbox) = common::migrated("source_lease").await;
+    enqueue(&db, &outbox, &["a", "b", "c"], 2).await;
+    let (a, b) = (source(&db, "relay-a"), source(&db, "relay-b"));
+
+    let claim = a.claim(100).await.unwrap();
+    assert_eq!(claim.events.len(), 6);
+    assert!(claim.lease_deadline.is_some());
+    let leased: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE claimed_by = 'relay-a' AND claim_until > now()",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(leased, 6, "every claimed row carries relay-a's lease");
+    assert!(
+        b.claim(100).await.unwrap().events.is_empty(),
+        "leased rows are not claimable"
+    );
+}
+
+#[tokio::test]
+async fn a_later_event_is_never_claimed_while_an_earlier_one_is_unpublished() {
+    let (db, outbox) = common::migrated("source_order").await;
+    enqueue(&db, &outbox, &["x", "y"], 3).await;
+    let (a, b) = (source(&db, "relay-a"), source(&db, "relay-b"));
+
+    // The two oldest rows: x#1 and y#1.
+    let first = a.claim(2).await.unwrap();
+    assert_eq!(sequences_of(&first.events, "x"), vec![1]);
+    assert_eq!(sequences_of(&first.events, "y"), vec![1]);
+    // relay-b sees x#2.. and y#2.., whose predecessors relay-a holds: it must take none.
+    let second = b.claim(100).await.unwrap();
+    assert!(
+        second.events.is_empty(),
+        "claimed past a leased predecessor: {:?}",
+        second.events
+    );
+
+    // Once x#1 is published, x's rest is claimable, in one claim and in order; y still waits.
+    let x1 = first
+        .events
+        .iter()
+        .find(|e| e.aggregate_id == "x")
+        .unwrap()
+        .event_id;
+    a.mark_published(&[x1]).await.unwrap();
+    let third = b.claim(100).await.unwrap();
+    assert_eq!(sequences_of(&third.events, "x"), vec![2, 3]);
+    assert!(sequences_of(&third.events, "y").is_empty());
+}
+
+#[tokio::test]
+async fn an_expired_lease_lets_another_relay_take_the_rows_over() {
+    let (db, outbox) = common::migrated("source_expiry").await;
+    enqueue(&db, &outbox, &["a"], 2).await;
+    let (a, b) = (source(&db, "relay-a"), source(&db, "relay-b"));
+    assert_eq!(a.claim(100).await.unwrap().events.len(), 2);
+
+    // relay-a dies; its lease runs out (moved into the past rather than waited for).
+    sqlx::query(
+        "UPDATE outbox SET claim_until = now() - interval '1 second', \
+         available_at = now() - interval '1 second' WHERE claimed_by = 'relay-a'",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let taken = b.claim(100).await.unwrap();
+    assert_eq!(sequences_of(&taken.events, "a"), vec![1, 2]);
+    // relay-a, back from the dead, cannot record failures over relay-b's lease.
+    let failure = Failure {
+        event_id: taken.events[0].event_id,
+        error: "late".into(),
+        retry_after: Some(Duration::from_secs(60)),
+        counts_as_attempt: true,
+    };
+    a.record_failures(&[failure]).await.unwrap();
+    let owners: Vec<String> =
+        sqlx::query_scalar("SELECT claimed_by FROM outbox ORDER BY aggregate_sequence")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(owners, vec!["relay-b", "relay-b"]);
+}
+
+#[tokio::test]
+async fn a_failure_backs_off_counts_the_attempt_and_blocks_the_aggregate() {
+    let (db, outbox) = common::migrated("source_failure").await;
+    enqueue(&db, &outbox, &["a", "b"], 2).await;
+    let relay = source(&db, "relay-a");
+    let claim = relay.claim(100).await.unwrap();
+    let a1 = claim
+        .events
+        .iter()
+        .find(|e| e.aggregate_id == "a" && e.aggregate_sequence == 1);
+    let a1 = a1.unwrap().event_id;
+    let rest: Vec<_> = claim
+        .events
+        .iter()
+        .map(|e| e.event_id)
+        .filter(|id| *id != a1)
+        .collect();
+
+    relay
+        .record_failures(&[Failure {
+            event_id: a1,
+            error: "broker said no".into(),
+            retry_after: Some(Duration::from_secs(3600)),
+            counts_as_attempt: true,
+        }])
+        .await
+        .unwrap();
+    relay.release(&rest).await.unwrap();
+
+    let (attempts, error, later): (i32, Option<String>, bool) = sqlx::query_as(
+        "SELECT attempt_count, last_error, available_at > now() + interval '59 minutes' \
+         FROM outbox WHERE event_id = $1",
+    )
+    .bind(a1)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (attempts, error.as_deref(), later),
+        (1, Some("broker said no"), true)
+    );
+
+    // b's events come back at once; a#2 stays behind a#1's backoff.
+    let again = relay.claim(100).await.unwrap();
+    assert_eq!(sequences_of(&again.events, "b"), vec![1, 2]);
+    assert!(sequences_of(&again.events, "a").is_empty());
+
+    let backlog = relay.backlog().await.unwrap();
+    assert_eq!(backlog.pending, 4);
+    assert_eq!(backlog.held, 0);
+}
+
+#[tokio::test]
+async fn a_held_event_stays_out_of_every_claim() {
+    let (db, outbox) = common::migrated("source_held").await;
+    enqueue(&db, &outbox, &["a"], 2).await;
+    let relay = source(&db, "relay-a");
+    let claim = relay.claim(1).await.unwrap();
+    let failure = Failure {
+        event_id: claim.events[0].event_id,
+        error: "payload refused".into(),
+        retry_after: None,
+        counts_as_attempt: true,
+    };
+    relay.record_failures(&[failure]).await.unwrap();
+    assert!(relay.claim(100).await.unwrap().events.is_empty());
+    let backlog = relay.backlog().await.unwrap();
+    assert_eq!((backlog.pending, backlog.held), (2, 1));
+}
+
+#[tokio::test]
+async fn rolled_back_events_are_never_claimed() {
+    let (db, outbox) = common::migrated("source_rollback").await;
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event("a", 1)])
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(source(&db, "relay-a")
+        .claim(100)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+}
+
+#[tokio::test]
+async fn a_commit_wakes_a_waiting_relay() {
+    let (db, outbox) = common::migrated("source_wake").await;
+    let relay = source(&db, "relay-a");
+    // The first waits connect the listener and register the relay as waiting; each returns
+    // early on purpose (see PollingSource::wait_for_work), so the next one truly sleeps.
+    relay.wait_for_work(Duration::from_secs(60)).await.unwrap();
+    relay.wait_for_work(Duration::from_secs(60)).await.unwrap();
+    let registered: i64 = db.count("outbox_relay_waits").await;
+    assert_eq!(registered, 1);
+
+    let writer = {
+        let (pool, outbox) = (db.pool.clone(), outbox.clone());
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap();
+            outbox
+                .enqueue(&mut tx, &[factory::event("a", 1)])
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        })
+    };
+    let started = Instant::now();
+    relay.wait_for_work(Duration::from_secs(60)).await.unwrap();
+    writer.await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "woken by the commit, not the timeout"
+    );
+    assert_eq!(relay.claim(100).await.unwrap().events.len(), 1);
+}

@@ -1,0 +1,154 @@
+//! How a relay runs: batch sizes, in-flight bound, backoff and the attempt cap.
+
+use std::time::Duration;
+
+use rand::Rng;
+
+/// Settings of a [`Relay`](crate::Relay). `Default` is what `handoff relay` runs with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RelayConfig {
+    /// Most events leased in one claim.
+    pub batch_size: usize,
+    /// Most events leased and not yet finished (acknowledged, failed or released) at once. The
+    /// relay claims again only when a whole batch fits under it, so this bounds memory, the
+    /// broker's outstanding acknowledgements, and the rows a crash leaves leased.
+    pub max_in_flight: usize,
+    /// Longest sleep while idle before polling again, whatever the notifications say (brief P7:
+    /// about one query per interval while nothing happens).
+    pub poll_interval: Duration,
+    /// A publish is not started when less than this is left of its lease, so a slow publish
+    /// never ends after another relay took the event over. Must exceed the transport's publish
+    /// timeout.
+    pub lease_margin: Duration,
+    /// Failed attempts after which an event is held for an operator instead of retried (the
+    /// poison policy). Attempts are only charged when the failure concerns the event, not when
+    /// the broker is down.
+    pub max_attempts: i32,
+    /// Delay before an event that failed is tried again, by attempt.
+    pub retry_backoff: Backoff,
+    /// Pause before claiming again after the source or the broker failed.
+    pub outage_backoff: Backoff,
+    /// On shutdown, how long in-flight publishes may take to finish before their events are
+    /// released unfinished.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            batch_size: 500,
+            max_in_flight: 2_000,
+            poll_interval: Duration::from_secs(1),
+            lease_margin: Duration::from_secs(10),
+            max_attempts: 20,
+            retry_backoff: Backoff {
+                initial: Duration::from_millis(500),
+                max: Duration::from_secs(300),
+            },
+            outage_backoff: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(10),
+            },
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A [`RelayConfig`] that cannot work.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayConfigError {
+    /// A zero batch size.
+    #[error("batch size must be at least 1")]
+    ZeroBatch,
+    /// A batch that never fits under the in-flight bound.
+    #[error("max in flight ({max_in_flight}) must be at least the batch size ({batch_size})")]
+    InFlightBelowBatch {
+        /// The configured bound.
+        max_in_flight: usize,
+        /// The configured batch size.
+        batch_size: usize,
+    },
+    /// A poll interval of zero would spin.
+    #[error("poll interval must be at least 10ms, got {0:?}")]
+    PollTooShort(Duration),
+    /// An attempt cap below one.
+    #[error("max attempts must be at least 1, got {0}")]
+    NoAttempts(i32),
+    /// A backoff that starts at zero or ends before it starts.
+    #[error("backoff must start above zero and not end before it starts: {0:?}")]
+    InvalidBackoff(Backoff),
+}
+
+impl RelayConfig {
+    /// Checks the settings.
+    ///
+    /// # Errors
+    ///
+    /// The first setting that cannot work.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use handoff_relay::RelayConfig;
+    ///
+    /// assert!(RelayConfig::default().validate().is_ok());
+    /// let config = RelayConfig { batch_size: 0, ..RelayConfig::default() };
+    /// assert!(config.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), RelayConfigError> {
+        if self.batch_size == 0 {
+            return Err(RelayConfigError::ZeroBatch);
+        }
+        if self.max_in_flight < self.batch_size {
+            return Err(RelayConfigError::InFlightBelowBatch {
+                max_in_flight: self.max_in_flight,
+                batch_size: self.batch_size,
+            });
+        }
+        if self.poll_interval < Duration::from_millis(10) {
+            return Err(RelayConfigError::PollTooShort(self.poll_interval));
+        }
+        if self.max_attempts < 1 {
+            return Err(RelayConfigError::NoAttempts(self.max_attempts));
+        }
+        for backoff in [self.retry_backoff, self.outage_backoff] {
+            if backoff.initial.is_zero() || backoff.max < backoff.initial {
+                return Err(RelayConfigError::InvalidBackoff(backoff));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Exponential backoff with jitter: the `n`th delay (from 1) is drawn between half and all of
+/// `initial * 2^(n-1)`, capped at `max`. The jitter keeps relays that failed together from
+/// retrying together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// The first delay's upper bound.
+    pub initial: Duration,
+    /// The largest delay.
+    pub max: Duration,
+}
+
+impl Backoff {
+    /// The delay before try `n + 1` after `n` failures (`n` from 1).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use handoff_relay::Backoff;
+    ///
+    /// let backoff = Backoff { initial: Duration::from_secs(1), max: Duration::from_secs(60) };
+    /// let third = backoff.delay(3);
+    /// assert!(third >= Duration::from_secs(2) && third <= Duration::from_secs(4));
+    /// assert!(backoff.delay(40) <= Duration::from_secs(60));
+    /// ```
+    pub fn delay(&self, failures: u32) -> Duration {
+        let exponent = failures.saturating_sub(1).min(30);
+        let ceiling = self.initial.saturating_mul(1 << exponent).min(self.max);
+        ceiling.mul_f64(rand::rng().random_range(0.5..=1.0))
+    }
+}

@@ -1,0 +1,50 @@
+//! The relay's metric names (Prometheus format through the `metrics` facade; the binary
+//! installs the exporter).
+
+pub(crate) const CLAIMS: &str = "handoff_relay_claims_total";
+pub(crate) const CLAIMED: &str = "handoff_relay_claimed_events_total";
+pub(crate) const CLAIM_SECONDS: &str = "handoff_relay_claim_seconds";
+pub(crate) const PUBLISHED: &str = "handoff_relay_published_total";
+pub(crate) const PUBLISH_FAILURES: &str = "handoff_relay_publish_failures_total";
+pub(crate) const HELD: &str = "handoff_relay_held_events_total";
+pub(crate) const ACK_SECONDS: &str = "handoff_relay_ack_seconds";
+pub(crate) const COMMIT_TO_ACK_SECONDS: &str = "handoff_relay_commit_to_ack_seconds";
+pub(crate) const IN_FLIGHT: &str = "handoff_relay_in_flight_events";
+pub(crate) const BROKER_UP: &str = "handoff_relay_broker_up";
+pub(crate) const SOURCE_ERRORS: &str = "handoff_relay_source_errors_total";
+
+/// The histograms, for exporters that need bucket settings per metric.
+pub const HISTOGRAMS: &[&str] = &[CLAIM_SECONDS, ACK_SECONDS, COMMIT_TO_ACK_SECONDS];
+
+pub(crate) fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(CLAIMS, "Claim statements run");
+    describe_counter!(CLAIMED, "Events leased by claims");
+    describe_histogram!(
+        CLAIM_SECONDS,
+        Unit::Seconds,
+        "Duration of one claim statement"
+    );
+    describe_counter!(PUBLISHED, "Events the broker acknowledged");
+    describe_counter!(PUBLISH_FAILURES, "Publishes that failed, by error kind");
+    describe_counter!(
+        HELD,
+        "Events held for an operator (attempt cap or permanent refusal)"
+    );
+    describe_histogram!(
+        ACK_SECONDS,
+        Unit::Seconds,
+        "Publish to broker acknowledgement"
+    );
+    describe_histogram!(
+        COMMIT_TO_ACK_SECONDS,
+        Unit::Seconds,
+        "Event occurred_at (writer's commit) to broker acknowledgement"
+    );
+    describe_gauge!(IN_FLIGHT, "Events leased by this relay and not yet settled");
+    describe_gauge!(
+        BROKER_UP,
+        "1 while the broker answers, 0 while claims are paused"
+    );
+    describe_counter!(SOURCE_ERRORS, "Failed source operations, by operation");
+}

@@ -1,0 +1,613 @@
+//! The relay loop: claim, publish in ordered lanes, record outcomes, shut down cleanly.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use handoff_core::delivery::{
+    Claim, Failure, OutboxEvent, PublishError, PublishErrorKind, Source, SourceError, Transport,
+};
+use handoff_core::EventId;
+use tokio::sync::{mpsc, watch, Notify, Semaphore};
+use tracing::{debug, error, info, warn};
+
+use crate::metrics as m;
+use crate::{RelayConfig, RelayConfigError};
+
+/// Moves committed events from a [`Source`] to a [`Transport`] at least once, in order per
+/// aggregate (brief P1-P6).
+///
+/// - Claims are leased batches; while one batch is being published the next is claimed, up to
+///   [`RelayConfig::max_in_flight`] events.
+/// - Each claim is split into one lane per aggregate. Lanes run concurrently; inside a lane an
+///   event is published only after its predecessor's acknowledgement. The source never leases an
+///   event whose predecessor is unpublished and outside the claim, so no relay, this one or
+///   another, can overtake a lane.
+/// - Acknowledgements, failures and releases are written back in batches by one task, apart
+///   from publishing, so a database round trip never stalls the broker pipeline.
+/// - A broker that is down pauses claiming (no tight loop, no database load) until the
+///   transport says it is reachable again.
+///
+/// # Examples
+///
+/// ```no_run
+/// use handoff_relay::{Relay, RelayConfig};
+/// # use handoff_core::delivery::{Source, Transport};
+///
+/// # async fn example(source: impl Source, transport: impl Transport) -> Result<(), Box<dyn std::error::Error>> {
+/// let relay = Relay::new(source, transport, RelayConfig::default())?;
+/// let report = relay.run(async { tokio::signal::ctrl_c().await.ok(); }).await;
+/// println!("published {}", report.published);
+/// # Ok(())
+/// # }
+/// ```
+pub struct Relay<S, T> {
+    source: Arc<S>,
+    transport: Arc<T>,
+    config: RelayConfig,
+}
+
+/// What a relay did before it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayReport {
+    /// Events the broker acknowledged.
+    pub published: u64,
+    /// Publishes that failed and were scheduled for a retry.
+    pub retried: u64,
+    /// Events held for an operator (attempt cap reached, or refused by the broker for good).
+    pub held: u64,
+    /// Leased events given back unpublished.
+    pub released: u64,
+}
+
+/// An event's fate, written back to the source by the bookkeeper.
+enum Outcome {
+    Published(EventId),
+    Failed(Failure),
+    Released(EventId),
+}
+
+/// State the claim loop, the lanes and the bookkeeper share. std mutex: never held across an
+/// `.await`.
+struct Shared {
+    /// Leased events whose outcome is not decided yet; released on shutdown.
+    in_flight: Mutex<HashSet<EventId>>,
+    /// Set by a lane that saw the broker unreachable; the claim loop pauses until it is back.
+    broker_down: AtomicBool,
+    /// Woken after every batch of outcomes is written: predecessors got marked, so events the
+    /// last claim had to leave behind may be claimable now.
+    progress: Notify,
+    published: AtomicU64,
+    retried: AtomicU64,
+    held: AtomicU64,
+    released: AtomicU64,
+}
+
+impl Shared {
+    fn finish(&self, event_id: &EventId) {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(event_id);
+    }
+}
+
+/// How a lane ended.
+struct LaneEnd {
+    /// The event that failed and why; the lane stopped there.
+    failed: Option<(OutboxEvent, PublishError)>,
+    /// Events after the failure, or left because the lease ran short, in sequence order.
+    unstarted: Vec<EventId>,
+}
+
+impl<S: Source, T: Transport> Relay<S, T> {
+    /// A relay over `source` and `transport`.
+    ///
+    /// # Errors
+    ///
+    /// The configuration does not validate.
+    pub fn new(source: S, transport: T, config: RelayConfig) -> Result<Self, RelayConfigError> {
+        Self::from_shared(Arc::new(source), Arc::new(transport), config)
+    }
+
+    /// A relay over a source and transport the caller keeps handles to (for status queries or
+    /// tests).
+    ///
+    /// # Errors
+    ///
+    /// The configuration does not validate.
+    pub fn from_shared(
+        source: Arc<S>,
+        transport: Arc<T>,
+        config: RelayConfig,
+    ) -> Result<Self, RelayConfigError> {
+        config.validate()?;
+        m::describe();
+        Ok(Relay {
+            source,
+            transport,
+            config,
+        })
+    }
+
+    /// Runs until `shutdown` completes, then stops claiming, lets in-flight publishes finish
+    /// (for at most [`RelayConfig::shutdown_grace`]), writes their outcomes, releases what is
+    /// left and returns.
+    ///
+    /// Errors of the source or the transport never end the run: they are logged, counted and
+    /// retried with backoff.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future abandons leased events to their lease expiry; they are published
+    /// again then (at least once). Prefer completing `shutdown`.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> RelayReport {
+        let shared = Arc::new(Shared {
+            in_flight: Mutex::new(HashSet::new()),
+            broker_down: AtomicBool::new(false),
+            progress: Notify::new(),
+            published: AtomicU64::new(0),
+            retried: AtomicU64::new(0),
+            held: AtomicU64::new(0),
+            released: AtomicU64::new(0),
+        });
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (outcome_tx, outcome_rx) = mpsc::unbounded_channel();
+        let (claim_tx, mut claim_rx) = mpsc::channel::<Claim>(1);
+        let capacity = Arc::new(Semaphore::new(self.config.max_in_flight));
+
+        let bookkeeper = tokio::spawn(bookkeep(
+            self.source.clone(),
+            outcome_rx,
+            shared.clone(),
+            self.config.clone(),
+            stop_rx.clone(),
+        ));
+        let claimer = tokio::spawn(claim_loop(
+            self.source.clone(),
+            self.transport.clone(),
+            capacity.clone(),
+            claim_tx,
+            shared.clone(),
+            self.config.clone(),
+            stop_rx,
+        ));
+
+        let mut lanes = FuturesUnordered::new();
+        let mut stopping: Option<tokio::time::Instant> = None;
+        let mut claims_open = true;
+        let shutdown = std::pin::pin!(shutdown);
+        let mut shutdown = futures::FutureExt::fuse(shutdown);
+        loop {
+            if !claims_open && lanes.is_empty() {
+                break;
+            }
+            let grace_end = stopping.unwrap_or_else(tokio::time::Instant::now);
+            tokio::select! {
+                () = &mut shutdown, if stopping.is_none() => {
+                    info!(in_flight = lanes.len(), "shutting down: no new claims");
+                    let _ = stop_tx.send(true);
+                    stopping = Some(tokio::time::Instant::now() + self.config.shutdown_grace);
+                }
+                claim = claim_rx.recv(), if claims_open => match claim {
+                    Some(claim) => {
+                        for lane in lanes_of(claim.events) {
+                            lanes.push(run_lane(
+                                lane,
+                                self.transport.clone(),
+                                claim.lease_deadline,
+                                self.config.lease_margin,
+                                outcome_tx.clone(),
+                                shared.clone(),
+                            ));
+                        }
+                    }
+                    None => claims_open = false,
+                },
+                Some((end, size)) = lanes.next() => {
+                    capacity.add_permits(size);
+                    self.settle(end, &outcome_tx, &shared);
+                    metrics::gauge!(m::IN_FLIGHT).set(in_flight(&shared) as f64);
+                }
+                () = tokio::time::sleep_until(grace_end), if stopping.is_some() => {
+                    warn!(lanes = lanes.len(), "shutdown grace over: releasing unfinished events");
+                    break;
+                }
+            }
+        }
+        drop(lanes);
+        let _ = claimer.await;
+
+        // Whatever is still leased was not acknowledged (or its publish was cut short and may
+        // or may not have reached the broker: a later republish is deduplicated).
+        let leftovers: Vec<EventId> = shared
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .collect();
+        for event_id in leftovers {
+            let _ = outcome_tx.send(Outcome::Released(event_id));
+        }
+        drop(outcome_tx);
+        let _ = bookkeeper.await;
+        let report = RelayReport {
+            published: shared.published.load(Ordering::Relaxed),
+            retried: shared.retried.load(Ordering::Relaxed),
+            held: shared.held.load(Ordering::Relaxed),
+            released: shared.released.load(Ordering::Relaxed),
+        };
+        info!(?report, "relay stopped");
+        report
+    }
+
+    /// Turns a lane's end into outcomes: the failure with its retry decision, and releases for
+    /// the events behind it.
+    fn settle(&self, end: LaneEnd, outcomes: &mpsc::UnboundedSender<Outcome>, shared: &Shared) {
+        if let Some((event, error)) = end.failed {
+            let kind = error.kind();
+            metrics::counter!(m::PUBLISH_FAILURES, "kind" => kind.as_str()).increment(1);
+            if matches!(
+                kind,
+                PublishErrorKind::Unavailable | PublishErrorKind::Timeout
+            ) {
+                shared.broker_down.store(true, Ordering::Relaxed);
+            }
+            let failure = self.decide(&event, &error);
+            if failure.retry_after.is_none() {
+                shared.held.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(m::HELD).increment(1);
+                error!(
+                    event_id = %event.event_id,
+                    aggregate_type = %event.aggregate_type,
+                    aggregate_id = %event.aggregate_id,
+                    sequence = event.aggregate_sequence,
+                    attempts = event.attempt_count + i32::from(failure.counts_as_attempt),
+                    error = %error,
+                    "event held for an operator: it will not be retried, and the later events \
+                     of its aggregate wait behind it"
+                );
+            } else {
+                shared.retried.fetch_add(1, Ordering::Relaxed);
+                debug!(event_id = %event.event_id, error = %error, "publish failed; will retry");
+            }
+            shared.finish(&event.event_id);
+            let _ = outcomes.send(Outcome::Failed(failure));
+        }
+        for event_id in end.unstarted {
+            shared.finish(&event_id);
+            let _ = outcomes.send(Outcome::Released(event_id));
+        }
+    }
+
+    /// The retry decision for one failed publish (brief P3, P8).
+    fn decide(&self, event: &OutboxEvent, error: &PublishError) -> Failure {
+        let kind = error.kind();
+        let charged = kind.counts_as_attempt();
+        let attempts = event.attempt_count.saturating_add(i32::from(charged));
+        let retry_after = if !kind.is_retryable() || attempts >= self.config.max_attempts {
+            None
+        } else if charged {
+            Some(self.config.retry_backoff.delay(attempts.max(1) as u32))
+        } else {
+            // The broker is down: the claim loop's pause paces the retry, not the event.
+            Some(self.config.outage_backoff.delay(1))
+        };
+        Failure {
+            event_id: event.event_id,
+            error: error.to_string(),
+            retry_after,
+            counts_as_attempt: charged,
+        }
+    }
+}
+
+fn in_flight(shared: &Shared) -> usize {
+    shared
+        .in_flight
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .len()
+}
+
+/// Splits a claim into one lane per aggregate, each in sequence order.
+fn lanes_of(events: Vec<OutboxEvent>) -> Vec<Vec<OutboxEvent>> {
+    let mut lanes: HashMap<(String, String), Vec<OutboxEvent>> = HashMap::new();
+    for event in events {
+        lanes
+            .entry((event.aggregate_type.clone(), event.aggregate_id.clone()))
+            .or_default()
+            .push(event);
+    }
+    lanes
+        .into_values()
+        .map(|mut lane| {
+            lane.sort_by_key(|e| e.aggregate_sequence);
+            lane
+        })
+        .collect()
+}
+
+/// Publishes one aggregate's events, each only after the previous one's acknowledgement.
+/// Returns how it ended and how many events it held (for the in-flight bound).
+async fn run_lane<T: Transport>(
+    lane: Vec<OutboxEvent>,
+    transport: Arc<T>,
+    lease_deadline: Option<Instant>,
+    lease_margin: Duration,
+    outcomes: mpsc::UnboundedSender<Outcome>,
+    shared: Arc<Shared>,
+) -> (LaneEnd, usize) {
+    let size = lane.len();
+    let mut events = lane.into_iter();
+    while let Some(event) = events.next() {
+        // Past this point another relay may own the event: leave it to that relay rather than
+        // publish it late (a late publish outside the broker's dedup window is a duplicate).
+        if lease_deadline.is_some_and(|deadline| Instant::now() + lease_margin >= deadline) {
+            let mut unstarted = vec![event.event_id];
+            unstarted.extend(events.map(|e| e.event_id));
+            return (
+                LaneEnd {
+                    failed: None,
+                    unstarted,
+                },
+                size,
+            );
+        }
+        let started = Instant::now();
+        match transport.publish(&event).await {
+            Ok(()) => {
+                metrics::histogram!(m::ACK_SECONDS).record(started.elapsed().as_secs_f64());
+                if let Ok(age) = SystemTime::now().duration_since(event.occurred_at) {
+                    metrics::histogram!(m::COMMIT_TO_ACK_SECONDS).record(age.as_secs_f64());
+                }
+                metrics::counter!(m::PUBLISHED).increment(1);
+                shared.published.fetch_add(1, Ordering::Relaxed);
+                shared.finish(&event.event_id);
+                let _ = outcomes.send(Outcome::Published(event.event_id));
+            }
+            Err(error) => {
+                let unstarted = events.map(|e| e.event_id).collect();
+                return (
+                    LaneEnd {
+                        failed: Some((event, error)),
+                        unstarted,
+                    },
+                    size,
+                );
+            }
+        }
+    }
+    (
+        LaneEnd {
+            failed: None,
+            unstarted: Vec::new(),
+        },
+        size,
+    )
+}
+
+/// Claims batches while there is room in flight, pausing while the broker is down and sleeping
+/// on the source's wake-up while there is nothing to claim.
+async fn claim_loop<S: Source, T: Transport>(
+    source: Arc<S>,
+    transport: Arc<T>,
+    capacity: Arc<Semaphore>,
+    claims: mpsc::Sender<Claim>,
+    shared: Arc<Shared>,
+    config: RelayConfig,
+    mut stop: watch::Receiver<bool>,
+) {
+    let batch = config.batch_size;
+    let mut outage = 0u32;
+    let mut source_failures = 0u32;
+    loop {
+        if *stop.borrow() {
+            break;
+        }
+        if shared.broker_down.load(Ordering::Relaxed) {
+            outage += 1;
+            if outage == 1 {
+                warn!("broker unreachable: claims paused until it answers again");
+                metrics::gauge!(m::BROKER_UP).set(0.0);
+            }
+            let delay = config.outage_backoff.delay(outage);
+            tokio::select! {
+                _ = stop.changed() => break,
+                ready = transport.wait_until_ready(delay) => {
+                    if !ready {
+                        continue;
+                    }
+                    info!(paused_rounds = outage, "broker reachable again: claiming");
+                    metrics::gauge!(m::BROKER_UP).set(1.0);
+                    shared.broker_down.store(false, Ordering::Relaxed);
+                    outage = 0;
+                }
+            }
+        }
+
+        let permits = tokio::select! {
+            _ = stop.changed() => break,
+            permits = capacity.clone().acquire_many_owned(batch as u32) => match permits {
+                Ok(permits) => permits,
+                Err(_closed) => break,
+            },
+        };
+        permits.forget();
+
+        let started = Instant::now();
+        let result = source.claim(batch).await;
+        metrics::histogram!(m::CLAIM_SECONDS).record(started.elapsed().as_secs_f64());
+        let claim = match result {
+            Ok(claim) => claim,
+            Err(error) => {
+                capacity.add_permits(batch);
+                source_failures += 1;
+                let delay = config.outage_backoff.delay(source_failures);
+                metrics::counter!(m::SOURCE_ERRORS, "op" => "claim").increment(1);
+                warn!(error = %error, retry_in = ?delay, "claim failed");
+                tokio::select! {
+                    _ = stop.changed() => break,
+                    () = tokio::time::sleep(delay) => continue,
+                }
+            }
+        };
+        source_failures = 0;
+        let claimed = claim.events.len();
+        capacity.add_permits(batch - claimed);
+        metrics::counter!(m::CLAIMS).increment(1);
+        metrics::counter!(m::CLAIMED).increment(claimed as u64);
+        if claimed > 0 {
+            shared
+                .in_flight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(claim.events.iter().map(|e| e.event_id));
+            metrics::gauge!(m::IN_FLIGHT).set(in_flight(&shared) as f64);
+            if claims.send(claim).await.is_err() {
+                break;
+            }
+        }
+        if claimed < batch {
+            // No backlog, or the rest of it waits behind events in flight: sleep until a
+            // writer commits, our own outcomes unblock something, or the poll interval ends.
+            tokio::select! {
+                _ = stop.changed() => break,
+                () = shared.progress.notified(), if claimed > 0 || in_flight(&shared) > 0 => {}
+                woke = source.wait_for_work(config.poll_interval) => {
+                    if let Err(error) = woke {
+                        warn!(error = %error, "wake-up channel failed: polling");
+                        tokio::select! {
+                            _ = stop.changed() => break,
+                            () = tokio::time::sleep(config.poll_interval) => {}
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Writes outcomes back to the source in batches: whatever arrived while the previous write
+/// ran goes in the next one.
+async fn bookkeep<S: Source>(
+    source: Arc<S>,
+    mut outcomes: mpsc::UnboundedReceiver<Outcome>,
+    shared: Arc<Shared>,
+    config: RelayConfig,
+    stop: watch::Receiver<bool>,
+) {
+    let mut buffer = Vec::with_capacity(4096);
+    while outcomes.recv_many(&mut buffer, 4096).await > 0 {
+        let mut published = Vec::new();
+        let mut failures = Vec::new();
+        let mut released = Vec::new();
+        for outcome in buffer.drain(..) {
+            match outcome {
+                Outcome::Published(id) => published.push(id),
+                Outcome::Failed(failure) => failures.push(failure),
+                Outcome::Released(id) => released.push(id),
+            }
+        }
+        if !published.is_empty() {
+            persist("mark_published", &config, &stop, || {
+                source.mark_published(&published)
+            })
+            .await;
+        }
+        if !failures.is_empty() {
+            persist("record_failures", &config, &stop, || {
+                source.record_failures(&failures)
+            })
+            .await;
+        }
+        if !released.is_empty() {
+            shared
+                .released
+                .fetch_add(released.len() as u64, Ordering::Relaxed);
+            persist("release", &config, &stop, || source.release(&released)).await;
+        }
+        shared.progress.notify_one();
+    }
+}
+
+/// Retries one write with backoff: for as long as it takes while running (an unwritten mark
+/// only costs a duplicate publish later, but a bounded number of them is better), a few times
+/// once shutdown began.
+async fn persist<F, Fut>(
+    op: &'static str,
+    config: &RelayConfig,
+    stop: &watch::Receiver<bool>,
+    write: F,
+) where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<(), SourceError>>,
+{
+    for attempt in 1u32.. {
+        match write().await {
+            Ok(()) => return,
+            Err(error) => {
+                metrics::counter!(m::SOURCE_ERRORS, "op" => op).increment(1);
+                if *stop.borrow() && attempt >= 3 {
+                    error!(error = %error, op, "giving up at shutdown; the leases expire instead");
+                    return;
+                }
+                let delay = config.outage_backoff.delay(attempt);
+                warn!(error = %error, op, retry_in = ?delay, "write-back failed");
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(aggregate: &str, sequence: i64) -> OutboxEvent {
+        OutboxEvent {
+            event_id: uuid::Uuid::now_v7(),
+            aggregate_type: "thing".into(),
+            aggregate_id: aggregate.into(),
+            aggregate_sequence: sequence,
+            event_type: "ThingHappened".into(),
+            schema_version: 1,
+            payload: "{}".into(),
+            headers: Vec::new(),
+            occurred_at: SystemTime::now(),
+            attempt_count: 0,
+        }
+    }
+
+    #[test]
+    fn lanes_hold_one_aggregate_each_in_sequence_order() {
+        let claim = vec![
+            event("a", 3),
+            event("b", 1),
+            event("a", 1),
+            event("a", 2),
+            event("b", 2),
+        ];
+        let mut lanes = lanes_of(claim);
+        lanes.sort_by(|x, y| x[0].aggregate_id.cmp(&y[0].aggregate_id));
+        let shape: Vec<Vec<(String, i64)>> = lanes
+            .iter()
+            .map(|lane| {
+                lane.iter()
+                    .map(|e| (e.aggregate_id.clone(), e.aggregate_sequence))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                vec![("a".into(), 1), ("a".into(), 2), ("a".into(), 3)],
+                vec![("b".into(), 1), ("b".into(), 2)],
+            ]
+        );
+    }
+}
