@@ -1,12 +1,15 @@
 //! The `handoff` command: operate a handoff outbox.
 //!
-//! `handoff migrate` applies the embedded schema migrations. Later capabilities add the relay and
-//! the operator commands (status, quarantine, replay, cleanup) as further subcommands.
+//! `handoff migrate` applies the embedded schema migrations; `handoff relay` publishes committed
+//! outbox events to NATS JetStream. Later capabilities add the operator commands (status,
+//! quarantine, replay, cleanup) as further subcommands.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use handoff_postgres::{Migrator, Schema};
 use sqlx::Connection;
+
+mod relay;
 
 #[derive(Parser)]
 #[command(
@@ -23,6 +26,8 @@ struct Cli {
 enum Command {
     /// Apply pending schema migrations (idempotent; safe to run from several processes at once).
     Migrate(MigrateArgs),
+    /// Publish committed outbox events to NATS JetStream until SIGTERM/SIGINT.
+    Relay(relay::RelayArgs),
 }
 
 #[derive(clap::Args)]
@@ -57,9 +62,11 @@ async fn run() -> Result<()> {
                 .unwrap_or_else(|_| "info,sqlx=warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match Cli::parse().command {
         Command::Migrate(args) => migrate(args).await,
+        Command::Relay(args) => relay::run(args).await,
     }
 }
 

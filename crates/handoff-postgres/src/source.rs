@@ -42,6 +42,9 @@ pub struct PollingConfig {
     /// How long a sleeping relay's registration keeps writers notifying before it must be
     /// renewed; bounds the notifications a relay that died asleep still causes.
     pub wait_ttl: Duration,
+    /// Whether an idle relay is woken by LISTEN/NOTIFY. Off, it only polls: every wait lasts
+    /// the relay's whole poll interval (for measuring, or where NOTIFY is not allowed).
+    pub listen: bool,
 }
 
 impl Default for PollingConfig {
@@ -51,6 +54,7 @@ impl Default for PollingConfig {
             relay_id: format!("relay-{}", std::process::id()),
             lease: Duration::from_secs(30),
             wait_ttl: Duration::from_secs(60),
+            listen: true,
         }
     }
 }
@@ -353,6 +357,10 @@ impl Source for PollingSource {
     }
 
     async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
+        if !self.config.listen {
+            tokio::time::sleep(at_most).await;
+            return Ok(());
+        }
         let mut wake = self.wake.lock().await;
         if wake.listener.is_none() {
             let mut listener = PgListener::connect_with(&self.pool)

@@ -1,0 +1,401 @@
+//! `handoff relay`: the polling source, the JetStream transport and the relay loop, wired
+//! together from flags, environment and a config file.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
+use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
+use handoff_relay::{Backoff, Relay, RelayConfig};
+use serde::Deserialize;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+use tracing::{info, warn};
+
+/// Flags of `handoff relay`. Each also comes from its environment variable, then from the
+/// config file, then from the default; a flag wins over the variable, which wins over the file.
+#[derive(clap::Args, Debug, Default)]
+pub struct RelayArgs {
+    /// TOML file with any of the settings below (keys as the flags, with `_` for `-`).
+    #[arg(long, env = "HANDOFF_CONFIG")]
+    config: Option<PathBuf>,
+    /// PostgreSQL URL. The password, if any, is never logged.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+    /// NATS URL [default: nats://127.0.0.1:4222].
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    nats_url: Option<String>,
+    /// JetStream stream to publish into; created when missing [default: OUTBOX].
+    #[arg(long, env = "HANDOFF_STREAM")]
+    stream: Option<String>,
+    /// First subject tokens: events go to <prefix>.<aggregate_type>.<aggregate_id>
+    /// [default: outbox].
+    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX")]
+    subject_prefix: Option<String>,
+    /// This relay's name in claimed_by; unique per live relay [default: <host>-<pid>].
+    #[arg(long, env = "HANDOFF_RELAY_ID")]
+    relay_id: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
+    #[arg(long, env = "HANDOFF_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
+    /// Schema of handoff's tables [default: the connection's search_path].
+    #[arg(long, env = "HANDOFF_SCHEMA")]
+    schema: Option<String>,
+    /// Most events leased per claim [default: 500].
+    #[arg(long, env = "HANDOFF_BATCH_SIZE")]
+    batch_size: Option<usize>,
+    /// Most events leased and unsettled at once [default: 2000].
+    #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT")]
+    max_in_flight: Option<usize>,
+    /// Lease length, e.g. 30s [default: 30s].
+    #[arg(long, env = "HANDOFF_LEASE", value_parser = humantime::parse_duration)]
+    lease: Option<Duration>,
+    /// Idle poll interval, e.g. 1s [default: 1s].
+    #[arg(long, env = "HANDOFF_POLL_INTERVAL", value_parser = humantime::parse_duration)]
+    poll_interval: Option<Duration>,
+    /// Time to wait for the broker's acknowledgement [default: 5s].
+    #[arg(long, env = "HANDOFF_PUBLISH_TIMEOUT", value_parser = humantime::parse_duration)]
+    publish_timeout: Option<Duration>,
+    /// JetStream duplicate window for a stream this relay creates [default: 2m].
+    #[arg(long, env = "HANDOFF_DUPLICATE_WINDOW", value_parser = humantime::parse_duration)]
+    duplicate_window: Option<Duration>,
+    /// Failed attempts before an event is held for an operator [default: 20].
+    #[arg(long, env = "HANDOFF_MAX_ATTEMPTS")]
+    max_attempts: Option<i32>,
+    /// CloudEvents ce-source of the published events [default: handoff].
+    #[arg(long, env = "HANDOFF_CE_SOURCE")]
+    ce_source: Option<String>,
+}
+
+/// The config file: the same settings as the flags.
+#[derive(Deserialize, Default, Debug)]
+#[serde(deny_unknown_fields)]
+struct RelayFile {
+    database_url: Option<String>,
+    nats_url: Option<String>,
+    stream: Option<String>,
+    subject_prefix: Option<String>,
+    relay_id: Option<String>,
+    metrics_addr: Option<SocketAddr>,
+    schema: Option<String>,
+    batch_size: Option<usize>,
+    max_in_flight: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    lease: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    poll_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    publish_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    duplicate_window: Option<Duration>,
+    max_attempts: Option<i32>,
+    ce_source: Option<String>,
+}
+
+/// Everything the relay runs with, checked.
+#[derive(Debug)]
+struct Settings {
+    database: PgConnectOptions,
+    nats_url: String,
+    metrics_addr: Option<SocketAddr>,
+    polling: PollingConfig,
+    jetstream: JetStreamConfig,
+    relay: RelayConfig,
+}
+
+impl Settings {
+    fn resolve(args: RelayArgs) -> Result<Settings> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => RelayFile::default(),
+        };
+        let Some(database_url) = args.database_url.or(file.database_url) else {
+            bail!("no database: set --database-url, DATABASE_URL or database_url in the config");
+        };
+        let database = PgConnectOptions::from_str(&database_url)
+            .map_err(|e| anyhow::anyhow!("invalid database url: {}", redact(&e.to_string())))?
+            .application_name("handoff-relay");
+        let schema = match args.schema.or(file.schema) {
+            Some(name) => Schema::named(name)?,
+            None => Schema::default(),
+        };
+        let relay_id = args.relay_id.or(file.relay_id).unwrap_or_else(default_relay_id);
+        let lease = args.lease.or(file.lease).unwrap_or(Duration::from_secs(30));
+        let defaults = JetStreamConfig::default();
+        let jetstream = JetStreamConfig {
+            stream: args.stream.or(file.stream).unwrap_or(defaults.stream),
+            subject_prefix: args
+                .subject_prefix
+                .or(file.subject_prefix)
+                .unwrap_or(defaults.subject_prefix),
+            duplicate_window: args
+                .duplicate_window
+                .or(file.duplicate_window)
+                .unwrap_or(defaults.duplicate_window),
+            publish_timeout: args
+                .publish_timeout
+                .or(file.publish_timeout)
+                .unwrap_or(defaults.publish_timeout),
+            source: args.ce_source.or(file.ce_source).unwrap_or(defaults.source),
+        };
+        jetstream.validate()?;
+        let base = RelayConfig::default();
+        let relay = RelayConfig {
+            batch_size: args.batch_size.or(file.batch_size).unwrap_or(base.batch_size),
+            max_in_flight: args.max_in_flight.or(file.max_in_flight).unwrap_or(base.max_in_flight),
+            poll_interval: args.poll_interval.or(file.poll_interval).unwrap_or(base.poll_interval),
+            max_attempts: args.max_attempts.or(file.max_attempts).unwrap_or(base.max_attempts),
+            // A publish must be able to time out and be recorded before the lease ends.
+            lease_margin: jetstream.publish_timeout * 2,
+            ..base
+        };
+        relay.validate()?;
+        if lease <= relay.lease_margin + Duration::from_secs(1) {
+            bail!(
+                "lease of {} is too short for a publish timeout of {}: it must exceed twice \
+                 the timeout plus 1s",
+                humantime::format_duration(lease),
+                humantime::format_duration(jetstream.publish_timeout)
+            );
+        }
+        if jetstream.duplicate_window <= lease {
+            bail!(
+                "duplicate window of {} must be longer than the lease of {}: a republish after \
+                 a lease expiry would not be deduplicated",
+                humantime::format_duration(jetstream.duplicate_window),
+                humantime::format_duration(lease)
+            );
+        }
+        let polling = PollingConfig { schema, relay_id, lease, ..PollingConfig::default() };
+        polling.validate()?;
+        Ok(Settings {
+            database,
+            nats_url: args.nats_url.or(file.nats_url).unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
+            metrics_addr: args.metrics_addr.or(file.metrics_addr),
+            polling,
+            jetstream,
+            relay,
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<RelayFile> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("while reading the config file {}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("in the config file {}", path.display()))
+}
+
+/// `<host>-<pid>`: unique per live process on a host, and readable in `claimed_by`.
+fn default_relay_id() -> String {
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    format!("{host}-{}", std::process::id())
+}
+
+/// Hides anything between `://` and `@` (user and password) in a message that may quote a URL.
+fn redact(message: &str) -> String {
+    match (message.find("://"), message.rfind('@')) {
+        (Some(start), Some(at)) if at > start => {
+            format!("{}://***{}", &message[..start], &message[at..])
+        }
+        _ => message.to_owned(),
+    }
+}
+
+pub async fn run(args: RelayArgs) -> Result<()> {
+    let settings = Settings::resolve(args)?;
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+
+    if let Some(addr) = settings.metrics_addr {
+        install_metrics(addr)?;
+    }
+
+    let pool = tokio::select! {
+        pool = connect_postgres(&settings.database) => pool,
+        () = &mut shutdown => return Ok(()),
+    };
+    Migrator::handoff(settings.polling.schema.clone())
+        .check(&mut *pool.acquire().await?)
+        .await
+        .context("the outbox schema is not ready (run `handoff migrate` first)")?;
+    let transport = tokio::select! {
+        transport = connect_nats(&settings.nats_url, &settings.jetstream) => transport?,
+        () = &mut shutdown => return Ok(()),
+    };
+    let stream = transport.ensure_stream().await.context("while ensuring the stream")?;
+    info!(
+        relay_id = %settings.polling.relay_id,
+        stream = ?stream,
+        "relay started"
+    );
+
+    let source = std::sync::Arc::new(PollingSource::new(pool, settings.polling)?);
+    if settings.metrics_addr.is_some() {
+        tokio::spawn(report_backlog(source.clone()));
+    }
+    let relay = Relay::from_shared(source.clone(), std::sync::Arc::new(transport), settings.relay)?;
+    let report = relay.run(shutdown).await;
+    if let Err(error) = source.unregister().await {
+        warn!(error = %error, "could not unregister the wait; it expires by itself");
+    }
+    info!(
+        published = report.published,
+        retried = report.retried,
+        held = report.held,
+        released = report.released,
+        "relay exited"
+    );
+    Ok(())
+}
+
+/// Connects, retrying with backoff (and saying what it waits for) while PostgreSQL is down.
+async fn connect_postgres(options: &PgConnectOptions) -> PgPool {
+    let backoff = Backoff { initial: Duration::from_millis(200), max: Duration::from_secs(10) };
+    for attempt in 1u32.. {
+        // Claims, write-back and the listener each hold one; the backlog gauge borrows one.
+        match PgPoolOptions::new().max_connections(4).connect_with(options.clone()).await {
+            Ok(pool) => return pool,
+            Err(error) => {
+                let delay = backoff.delay(attempt);
+                warn!(
+                    host = options.get_host(),
+                    port = options.get_port(),
+                    error = %error,
+                    retry_in = ?delay,
+                    "waiting for PostgreSQL"
+                );
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+    unreachable!("the retry loop only ends by returning")
+}
+
+/// Connects, retrying while the server is unreachable; a malformed URL or configuration ends
+/// the command at once.
+async fn connect_nats(url: &str, config: &JetStreamConfig) -> Result<JetStreamTransport> {
+    let backoff = Backoff { initial: Duration::from_millis(200), max: Duration::from_secs(10) };
+    for attempt in 1u32.. {
+        match JetStreamTransport::connect(url, config.clone()).await {
+            Ok(transport) => return Ok(transport),
+            Err(error) if error.kind() == ConnectErrorKind::Unreachable => {
+                let delay = backoff.delay(attempt);
+                warn!(error = %error, retry_in = ?delay, "waiting for NATS");
+                tokio::time::sleep(delay).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    unreachable!("the retry loop only ends by returning")
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
+        // Without signal handlers the relay can only be killed; its leases expire then.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM received"),
+        _ = int.recv() => info!("SIGINT received"),
+    }
+}
+
+fn install_metrics(addr: SocketAddr) -> Result<()> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let mut builder = PrometheusBuilder::new().with_http_listener(addr);
+    let buckets = [
+        0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+    ];
+    for name in handoff_relay::metrics::HISTOGRAMS {
+        builder = builder.set_buckets_for_metric(Matcher::Full((*name).to_owned()), &buckets)?;
+    }
+    builder
+        .install()
+        .with_context(|| format!("while serving metrics on {addr}"))?;
+    info!(%addr, "metrics at http://{addr}/metrics");
+    Ok(())
+}
+
+/// Backlog gauges every 5 s (brief O1): one cheap query over the pending index.
+async fn report_backlog(source: std::sync::Arc<PollingSource>) {
+    metrics::describe_gauge!("handoff_outbox_pending_events", "Unpublished outbox events");
+    metrics::describe_gauge!("handoff_outbox_held_events", "Events held for an operator");
+    metrics::describe_gauge!("handoff_outbox_expired_leases", "Leases that ran out unsettled");
+    metrics::describe_gauge!(
+        "handoff_outbox_oldest_pending_age_seconds",
+        metrics::Unit::Seconds,
+        "Age of the oldest unpublished event"
+    );
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tick.tick().await;
+        match source.backlog().await {
+            Ok(backlog) => {
+                metrics::gauge!("handoff_outbox_pending_events").set(backlog.pending as f64);
+                metrics::gauge!("handoff_outbox_held_events").set(backlog.held as f64);
+                metrics::gauge!("handoff_outbox_expired_leases").set(backlog.expired_leases as f64);
+                metrics::gauge!("handoff_outbox_oldest_pending_age_seconds")
+                    .set(backlog.oldest_age.map_or(0.0, |age| age.as_secs_f64()));
+            }
+            Err(error) => warn!(error = %error, "could not read the backlog"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(database_url: &str) -> RelayArgs {
+        RelayArgs { database_url: Some(database_url.into()), ..RelayArgs::default() }
+    }
+
+    #[test]
+    fn defaults_resolve() {
+        let settings = Settings::resolve(args("postgres://u:secret@localhost/db")).unwrap();
+        assert_eq!(settings.jetstream.stream, "OUTBOX");
+        assert_eq!(settings.polling.lease, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_lease_inside_the_duplicate_window_is_required() {
+        let mut bad = args("postgres://localhost/db");
+        bad.lease = Some(Duration::from_secs(600));
+        let error = Settings::resolve(bad).unwrap_err().to_string();
+        assert!(error.contains("duplicate window"), "{error}");
+    }
+
+    #[test]
+    fn the_file_fills_what_flags_leave_open_and_flags_win() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\nstream = \"FROM_FILE\"\n\
+             subject_prefix = \"file\"\nlease = \"40s\"\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path),
+            subject_prefix: Some("flag".into()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        assert_eq!(settings.jetstream.stream, "FROM_FILE");
+        assert_eq!(settings.jetstream.subject_prefix, "flag");
+        assert_eq!(settings.polling.lease, Duration::from_secs(40));
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("bad url postgres://u:pw@h/db"), "bad url postgres://***@h/db");
+        assert_eq!(redact("no url here"), "no url here");
+    }
+}
