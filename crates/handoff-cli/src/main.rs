@@ -45,6 +45,9 @@ struct MigrateArgs {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    // Test builds only: reads FAILPOINTS (see handoff_relay::failpoints).
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     // One line per cause, never a backtrace: this is an operator's tool.
     match run().await {
         Ok(()) => std::process::ExitCode::SUCCESS,

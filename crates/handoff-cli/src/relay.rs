@@ -122,7 +122,10 @@ impl Settings {
             Some(name) => Schema::named(name)?,
             None => Schema::default(),
         };
-        let relay_id = args.relay_id.or(file.relay_id).unwrap_or_else(default_relay_id);
+        let relay_id = args
+            .relay_id
+            .or(file.relay_id)
+            .unwrap_or_else(default_relay_id);
         let lease = args.lease.or(file.lease).unwrap_or(Duration::from_secs(30));
         let defaults = JetStreamConfig::default();
         let jetstream = JetStreamConfig {
@@ -144,10 +147,22 @@ impl Settings {
         jetstream.validate()?;
         let base = RelayConfig::default();
         let relay = RelayConfig {
-            batch_size: args.batch_size.or(file.batch_size).unwrap_or(base.batch_size),
-            max_in_flight: args.max_in_flight.or(file.max_in_flight).unwrap_or(base.max_in_flight),
-            poll_interval: args.poll_interval.or(file.poll_interval).unwrap_or(base.poll_interval),
-            max_attempts: args.max_attempts.or(file.max_attempts).unwrap_or(base.max_attempts),
+            batch_size: args
+                .batch_size
+                .or(file.batch_size)
+                .unwrap_or(base.batch_size),
+            max_in_flight: args
+                .max_in_flight
+                .or(file.max_in_flight)
+                .unwrap_or(base.max_in_flight),
+            poll_interval: args
+                .poll_interval
+                .or(file.poll_interval)
+                .unwrap_or(base.poll_interval),
+            max_attempts: args
+                .max_attempts
+                .or(file.max_attempts)
+                .unwrap_or(base.max_attempts),
             // A publish must be able to time out and be recorded before the lease ends.
             lease_margin: jetstream.publish_timeout * 2,
             ..base
@@ -169,11 +184,19 @@ impl Settings {
                 humantime::format_duration(lease)
             );
         }
-        let polling = PollingConfig { schema, relay_id, lease, ..PollingConfig::default() };
+        let polling = PollingConfig {
+            schema,
+            relay_id,
+            lease,
+            ..PollingConfig::default()
+        };
         polling.validate()?;
         Ok(Settings {
             database,
-            nats_url: args.nats_url.or(file.nats_url).unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
+            nats_url: args
+                .nats_url
+                .or(file.nats_url)
+                .unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
             metrics_addr: args.metrics_addr.or(file.metrics_addr),
             polling,
             jetstream,
@@ -213,19 +236,23 @@ pub async fn run(args: RelayArgs) -> Result<()> {
         install_metrics(addr)?;
     }
 
+    // NATS first: a malformed NATS URL must end the command before anything waits.
+    let transport = tokio::select! {
+        transport = connect_nats(&settings.nats_url, &settings.jetstream) => transport?,
+        () = &mut shutdown => return Ok(()),
+    };
     let pool = tokio::select! {
-        pool = connect_postgres(&settings.database) => pool,
+        pool = connect_postgres(&settings.database) => pool?,
         () = &mut shutdown => return Ok(()),
     };
     Migrator::handoff(settings.polling.schema.clone())
         .check(&mut *pool.acquire().await?)
         .await
         .context("the outbox schema is not ready (run `handoff migrate` first)")?;
-    let transport = tokio::select! {
-        transport = connect_nats(&settings.nats_url, &settings.jetstream) => transport?,
-        () = &mut shutdown => return Ok(()),
-    };
-    let stream = transport.ensure_stream().await.context("while ensuring the stream")?;
+    let stream = transport
+        .ensure_stream()
+        .await
+        .context("while ensuring the stream")?;
     info!(
         relay_id = %settings.polling.relay_id,
         stream = ?stream,
@@ -236,7 +263,11 @@ pub async fn run(args: RelayArgs) -> Result<()> {
     if settings.metrics_addr.is_some() {
         tokio::spawn(report_backlog(source.clone()));
     }
-    let relay = Relay::from_shared(source.clone(), std::sync::Arc::new(transport), settings.relay)?;
+    let relay = Relay::from_shared(
+        source.clone(),
+        std::sync::Arc::new(transport),
+        settings.relay,
+    )?;
     let report = relay.run(shutdown).await;
     if let Err(error) = source.unregister().await {
         warn!(error = %error, "could not unregister the wait; it expires by itself");
@@ -251,14 +282,22 @@ pub async fn run(args: RelayArgs) -> Result<()> {
     Ok(())
 }
 
-/// Connects, retrying with backoff (and saying what it waits for) while PostgreSQL is down.
-async fn connect_postgres(options: &PgConnectOptions) -> PgPool {
-    let backoff = Backoff { initial: Duration::from_millis(200), max: Duration::from_secs(10) };
+/// Connects, retrying with backoff (and saying what it waits for) while PostgreSQL cannot be
+/// reached; an answer that refuses us (authentication, missing database) ends the command.
+async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
+    let backoff = Backoff {
+        initial: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+    };
     for attempt in 1u32.. {
         // Claims, write-back and the listener each hold one; the backlog gauge borrows one.
-        match PgPoolOptions::new().max_connections(4).connect_with(options.clone()).await {
-            Ok(pool) => return pool,
-            Err(error) => {
+        match PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.clone())
+            .await
+        {
+            Ok(pool) => return Ok(pool),
+            Err(error @ (sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Tls(_))) => {
                 let delay = backoff.delay(attempt);
                 warn!(
                     host = options.get_host(),
@@ -269,6 +308,13 @@ async fn connect_postgres(options: &PgConnectOptions) -> PgPool {
                 );
                 tokio::time::sleep(delay).await;
             }
+            Err(error) => {
+                return Err(error).context(format!(
+                    "PostgreSQL at {}:{} refused the connection",
+                    options.get_host(),
+                    options.get_port()
+                ))
+            }
         }
     }
     unreachable!("the retry loop only ends by returning")
@@ -277,7 +323,10 @@ async fn connect_postgres(options: &PgConnectOptions) -> PgPool {
 /// Connects, retrying while the server is unreachable; a malformed URL or configuration ends
 /// the command at once.
 async fn connect_nats(url: &str, config: &JetStreamConfig) -> Result<JetStreamTransport> {
-    let backoff = Backoff { initial: Duration::from_millis(200), max: Duration::from_secs(10) };
+    let backoff = Backoff {
+        initial: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+    };
     for attempt in 1u32.. {
         match JetStreamTransport::connect(url, config.clone()).await {
             Ok(transport) => return Ok(transport),
@@ -295,9 +344,10 @@ async fn connect_nats(url: &str, config: &JetStreamConfig) -> Result<JetStreamTr
 /// Completes on SIGTERM or SIGINT.
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) =
-        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-    else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         // Without signal handlers the relay can only be killed; its leases expire then.
         return std::future::pending().await;
     };
@@ -327,7 +377,10 @@ fn install_metrics(addr: SocketAddr) -> Result<()> {
 async fn report_backlog(source: std::sync::Arc<PollingSource>) {
     metrics::describe_gauge!("handoff_outbox_pending_events", "Unpublished outbox events");
     metrics::describe_gauge!("handoff_outbox_held_events", "Events held for an operator");
-    metrics::describe_gauge!("handoff_outbox_expired_leases", "Leases that ran out unsettled");
+    metrics::describe_gauge!(
+        "handoff_outbox_expired_leases",
+        "Leases that ran out unsettled"
+    );
     metrics::describe_gauge!(
         "handoff_outbox_oldest_pending_age_seconds",
         metrics::Unit::Seconds,
@@ -354,7 +407,10 @@ mod tests {
     use super::*;
 
     fn args(database_url: &str) -> RelayArgs {
-        RelayArgs { database_url: Some(database_url.into()), ..RelayArgs::default() }
+        RelayArgs {
+            database_url: Some(database_url.into()),
+            ..RelayArgs::default()
+        }
     }
 
     #[test]
@@ -395,7 +451,10 @@ mod tests {
 
     #[test]
     fn passwords_are_redacted() {
-        assert_eq!(redact("bad url postgres://u:pw@h/db"), "bad url postgres://***@h/db");
+        assert_eq!(
+            redact("bad url postgres://u:pw@h/db"),
+            "bad url postgres://***@h/db"
+        );
         assert_eq!(redact("no url here"), "no url here");
     }
 }

@@ -24,6 +24,7 @@
 #![warn(missing_docs)]
 
 mod config;
+pub mod failpoints;
 pub mod metrics;
 mod relay;
 

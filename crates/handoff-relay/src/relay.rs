@@ -14,6 +14,7 @@ use handoff_core::EventId;
 use tokio::sync::{mpsc, watch, Notify, Semaphore};
 use tracing::{debug, error, info, warn};
 
+use crate::failpoints::{self as fp, freeze_if_fired};
 use crate::metrics as m;
 use crate::{RelayConfig, RelayConfigError};
 
@@ -358,9 +359,11 @@ async fn run_lane<T: Transport>(
                 size,
             );
         }
+        freeze_if_fired(fp::BEFORE_PUBLISH).await;
         let started = Instant::now();
         match transport.publish(&event).await {
             Ok(()) => {
+                freeze_if_fired(fp::AFTER_ACK).await;
                 metrics::histogram!(m::ACK_SECONDS).record(started.elapsed().as_secs_f64());
                 if let Ok(age) = SystemTime::now().duration_since(event.occurred_at) {
                     metrics::histogram!(m::COMMIT_TO_ACK_SECONDS).record(age.as_secs_f64());
@@ -458,6 +461,9 @@ async fn claim_loop<S: Source, T: Transport>(
         };
         source_failures = 0;
         let claimed = claim.events.len();
+        if claimed > 0 {
+            freeze_if_fired(fp::CLAIM).await;
+        }
         capacity.add_permits(batch - claimed);
         metrics::counter!(m::CLAIMS).increment(1);
         metrics::counter!(m::CLAIMED).increment(claimed as u64);

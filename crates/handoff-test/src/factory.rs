@@ -1,5 +1,8 @@
 //! Events and catalogs for tests.
 
+use std::time::SystemTime;
+
+use handoff_core::delivery::OutboxEvent;
 use handoff_core::{EventCatalog, NewEvent};
 
 /// The aggregate type test events use.
@@ -21,4 +24,29 @@ pub fn event(aggregate_id: &str, n: u64) -> NewEvent {
         1,
         format!(r#"{{"n":{n}}}"#),
     )
+}
+
+/// A committed event as a source hands it to a transport: aggregate `aggregate_id`, sequence
+/// `n`, payload `{"n":n}`, a fresh UUIDv7 id, enqueued now, no headers and no attempts yet.
+///
+/// # Examples
+///
+/// ```
+/// let event = handoff_test::factory::outbox_event("a-1", 3);
+/// assert_eq!(event.aggregate_sequence, 3);
+/// assert_eq!(event.payload, r#"{"n":3}"#);
+/// ```
+pub fn outbox_event(aggregate_id: &str, n: u64) -> OutboxEvent {
+    OutboxEvent {
+        event_id: uuid::Uuid::now_v7(),
+        aggregate_type: AGGREGATE_TYPE.to_owned(),
+        aggregate_id: aggregate_id.to_owned(),
+        aggregate_sequence: i64::try_from(n).unwrap_or(i64::MAX),
+        event_type: EVENT_TYPE.to_owned(),
+        schema_version: 1,
+        payload: format!(r#"{{"n":{n}}}"#),
+        headers: Vec::new(),
+        occurred_at: SystemTime::now(),
+        attempt_count: 0,
+    }
 }

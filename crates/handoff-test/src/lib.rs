@@ -4,6 +4,8 @@
 //!   (default `postgres://postgres@127.0.0.1:5432/test`), so tests run in parallel without
 //!   sharing rows; dropped (with everything in it) when the test ends.
 //! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
+//! - [`nats`]: the shared NATS server's URL, a private `nats-server` to stop and kill, and
+//!   reading a stream back.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -13,6 +15,7 @@ use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 pub mod cluster;
 pub mod factory;
+pub mod nats;
 
 /// The server tests run against when `DATABASE_URL` is not set.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -31,6 +34,8 @@ pub struct TestDb {
     pub pool: PgPool,
     schema: String,
     options: PgConnectOptions,
+    /// The database URL the schema lives in.
+    url: String,
 }
 
 impl TestDb {
@@ -45,6 +50,16 @@ impl TestDb {
 
     /// As [`new`](Self::new), with at most `max_connections` pooled connections.
     pub async fn with_pool_size(name: &str, max_connections: u32) -> Self {
+        Self::create(&database_url(), name, max_connections).await
+    }
+
+    /// As [`new`](Self::new), in the database `url` names instead of `DATABASE_URL`'s (for a
+    /// test that needs a database of its own, such as one that reads per-database statistics).
+    pub async fn in_database(url: &str, name: &str) -> Self {
+        Self::create(url, name, 20).await
+    }
+
+    async fn create(url: &str, name: &str, max_connections: u32) -> Self {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let mut clean: String = name
             .chars()
@@ -62,12 +77,12 @@ impl TestDb {
             std::process::id(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
         );
-        let base = PgConnectOptions::from_str(&database_url())
+        let base = PgConnectOptions::from_str(url)
             .expect("DATABASE_URL is a valid PostgreSQL URL")
             .disable_statement_logging();
         let mut admin = PgConnection::connect_with(&base)
             .await
-            .unwrap_or_else(|e| panic!("PostgreSQL at {} is unreachable: {e}", database_url()));
+            .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"));
         sqlx::raw_sql(&format!(
             "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE; CREATE SCHEMA \"{schema}\""
         ))
@@ -84,6 +99,7 @@ impl TestDb {
             pool,
             schema,
             options,
+            url: url.to_owned(),
         }
     }
 
@@ -99,7 +115,7 @@ impl TestDb {
 
     /// A URL that selects this schema, for a child process that reads `DATABASE_URL`.
     pub fn url(&self) -> String {
-        let base = database_url();
+        let base = &self.url;
         let sep = if base.contains('?') { '&' } else { '?' };
         format!("{base}{sep}options=-c%20search_path%3D{}", self.schema)
     }

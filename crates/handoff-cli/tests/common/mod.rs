@@ -1,0 +1,227 @@
+//! Running `handoff relay` as a real process, and reading what reached the stream.
+
+#![allow(dead_code)] // each test binary uses a part
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
+use handoff_test::nats::StoredMessage;
+use handoff_test::{factory, TestDb};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// A fresh schema with handoff's migrations, and an outbox for the test events.
+pub async fn migrated(name: &str) -> (TestDb, Outbox) {
+    let db = TestDb::new(name).await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    Migrator::handoff(Schema::default())
+        .run(&mut conn)
+        .await
+        .unwrap();
+    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
+    (db, outbox)
+}
+
+/// Where one relay process publishes.
+#[derive(Clone)]
+pub struct Target {
+    pub database_url: String,
+    pub nats_url: String,
+    pub stream: String,
+    pub prefix: String,
+}
+
+/// A `handoff relay` child process; its stderr goes to a file kept for failure messages.
+pub struct RelayProcess {
+    pub id: String,
+    child: Child,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl RelayProcess {
+    /// Starts a relay with a short lease and publish timeout (so takeovers in tests are quick),
+    /// plus `extra` flags and `env`.
+    pub fn start(target: &Target, id: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join(format!("{id}.log"));
+        let stderr = std::fs::File::create(&log).unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_handoff"));
+        command
+            .args(["relay", "--database-url", &target.database_url])
+            .args(["--nats-url", &target.nats_url, "--stream", &target.stream])
+            .args(["--subject-prefix", &target.prefix, "--relay-id", id])
+            .args(["--lease", "4s", "--publish-timeout", "1s"])
+            .args(extra)
+            .env("RUST_LOG", "info,handoff_relay=debug")
+            .env_remove("FAILPOINTS")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let child = command.spawn().expect("spawn handoff relay");
+        RelayProcess {
+            id: id.into(),
+            child,
+            log,
+            _dir: dir,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, and wait (at most 30 s) for the exit status.
+    pub fn terminate(&mut self) -> ExitStatus {
+        // SAFETY: sending a signal to our own child's pid has no memory-safety preconditions.
+        unsafe { libc::kill(self.pid(), libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "relay {} ignored SIGTERM:\n{}",
+                self.id,
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether it exited, and how.
+    pub fn try_status(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+
+    /// What it logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits (at most `timeout`) until its log holds `needle`.
+    pub async fn wait_for_log(&self, needle: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let file = std::fs::File::open(&self.log).unwrap();
+            if BufReader::new(file)
+                .lines()
+                .any(|l| l.is_ok_and(|l| l.contains(needle)))
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} in the log of {}:\n{}",
+                self.id,
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Unpublished outbox rows.
+pub async fn pending(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Waits until every outbox row is published, or panics after `timeout` with `context()`.
+pub async fn wait_drained(pool: &PgPool, timeout: Duration, context: impl Fn() -> String) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = pending(pool).await;
+        if left == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{left} events still unpublished\n{}",
+            context()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// What the stream holds, checked against the outbox: the report of a run.
+#[derive(Debug)]
+pub struct StreamCheck {
+    pub messages: usize,
+    pub duplicates: usize,
+}
+
+/// Checks the stream against the outbox: every outbox event is in the stream, nothing else is,
+/// and per aggregate the first copies come in sequence order 1, 2, 3 ... (brief P5).
+pub async fn check_stream(pool: &PgPool, messages: &[StoredMessage]) -> StreamCheck {
+    let rows: Vec<(Uuid, String, i64)> =
+        sqlx::query_as("SELECT event_id, aggregate_id, aggregate_sequence FROM outbox")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    let expected: HashMap<Uuid, (String, i64)> = rows
+        .into_iter()
+        .map(|(id, agg, seq)| (id, (agg, seq)))
+        .collect();
+
+    let mut seen = HashSet::new();
+    let mut duplicates = 0;
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for message in messages {
+        let id: Uuid = message
+            .header("Nats-Msg-Id")
+            .expect("Nats-Msg-Id")
+            .parse()
+            .unwrap();
+        let Some((aggregate, sequence)) = expected.get(&id) else {
+            panic!(
+                "message {} for event {id} that the outbox does not hold",
+                message.sequence
+            );
+        };
+        if !seen.insert(id) {
+            duplicates += 1;
+            continue;
+        }
+        let previous = last.insert(aggregate.clone(), *sequence).unwrap_or(0);
+        assert_eq!(
+            *sequence,
+            previous + 1,
+            "aggregate {aggregate}: sequence {sequence} reached the stream (at {}) after {previous}",
+            message.sequence
+        );
+    }
+    let missing: Vec<_> = expected.keys().filter(|id| !seen.contains(id)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} events never reached the stream: {:?}",
+        missing.len(),
+        &missing[..missing.len().min(5)]
+    );
+    StreamCheck {
+        messages: messages.len(),
+        duplicates,
+    }
+}

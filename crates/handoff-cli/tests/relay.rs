@@ -1,0 +1,368 @@
+//! `handoff relay` as a real process against the real PostgreSQL and nats-server: the message
+//! contract, crash windows, several relays under kills, a broker outage, bad configuration.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{check_stream, migrated, wait_drained, RelayProcess, Target};
+use handoff_core::NewEvent;
+use handoff_test::nats::{
+    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
+};
+use handoff_test::{factory, TestDb};
+
+async fn shared_target(
+    db: &TestDb,
+    name: &str,
+) -> (Target, async_nats::Client, DeleteStreamOnDrop) {
+    let client = prepare_shared_server().await;
+    let stream = unique_name(name);
+    let cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
+    let target = Target {
+        database_url: db.url(),
+        nats_url: shared_url(),
+        stream: stream.clone(),
+        prefix: stream,
+    };
+    (target, client, cleanup)
+}
+
+#[tokio::test]
+async fn committed_events_reach_the_stream_with_the_contract_headers_and_rolled_back_ones_never() {
+    let (db, outbox) = migrated("relay_contract").await;
+    let (target, client, _cleanup) = shared_target(&db, "contract").await;
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let traced = factory::event("order-1", 1).with_header(
+        "traceparent",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    );
+    let events = [
+        traced,
+        factory::event("order-1", 2),
+        factory::event("eu.west/42", 3),
+    ];
+    outbox.enqueue(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event("ghost", 4)])
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    let mut relay = RelayProcess::start(&target, "contract-relay", &[], &[]);
+    wait_drained(&db.pool, Duration::from_secs(30), || relay.log()).await;
+    assert!(
+        relay.terminate().success(),
+        "exit 0 on SIGTERM:\n{}",
+        relay.log()
+    );
+
+    let messages = read_stream(&client, &target.stream).await;
+    let report = check_stream(&db.pool, &messages).await;
+    assert_eq!((report.messages, report.duplicates), (3, 0));
+
+    let first = messages
+        .iter()
+        .find(|m| m.subject.ends_with(".order-1"))
+        .unwrap();
+    let row: (uuid::Uuid, String) = sqlx::query_as(
+        "SELECT event_id, payload::text FROM outbox WHERE aggregate_id = 'order-1' AND aggregate_sequence = 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let id = row.0.to_string();
+    assert_eq!(first.subject, format!("{}.thing.order-1", target.prefix));
+    assert_eq!(first.header("Nats-Msg-Id"), Some(id.as_str()));
+    assert_eq!(first.header("ce-id"), Some(id.as_str()));
+    assert_eq!(first.header("ce-specversion"), Some("1.0"));
+    assert_eq!(first.header("ce-type"), Some(factory::EVENT_TYPE));
+    assert_eq!(first.header("ce-source"), Some("handoff"));
+    let time = first.header("ce-time").expect("ce-time");
+    assert!(
+        chrono::DateTime::parse_from_rfc3339(time).is_ok(),
+        "ce-time {time:?} is RFC 3339"
+    );
+    assert_eq!(
+        first.header("Handoff-Aggregate-Type"),
+        Some(factory::AGGREGATE_TYPE)
+    );
+    assert_eq!(first.header("Handoff-Aggregate-Id"), Some("order-1"));
+    assert_eq!(first.header("Handoff-Sequence"), Some("1"));
+    assert_eq!(first.header("Handoff-Schema-Version"), Some("1"));
+    assert_eq!(
+        first.header("traceparent"),
+        Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    );
+    let body: serde_json::Value = serde_json::from_slice(&first.payload).unwrap();
+    assert_eq!(
+        body,
+        serde_json::from_str::<serde_json::Value>(&row.1).unwrap()
+    );
+    let second = messages
+        .iter()
+        .find(|m| m.subject.ends_with(".order-1") && m.header("Handoff-Sequence") == Some("2"));
+    assert_eq!(
+        second.unwrap().header("traceparent"),
+        None,
+        "only the writer's own headers travel"
+    );
+
+    // An id that is not a plain token is encoded reversibly in the subject.
+    let odd = messages
+        .iter()
+        .find(|m| m.header("Handoff-Sequence") == Some("1") && m.subject.ends_with("42"))
+        .unwrap();
+    assert_eq!(
+        odd.subject,
+        format!("{}.thing.eu%2Ewest%2F42", target.prefix)
+    );
+    assert!(messages.iter().all(|m| !m.subject.contains("ghost")));
+}
+
+#[tokio::test]
+async fn events_written_by_another_writer_with_explicit_sequences_are_published() {
+    let (db, _outbox) = migrated("relay_foreign").await;
+    let (target, client, _cleanup) = shared_target(&db, "foreign").await;
+    sqlx::query(
+        "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_sequence, \
+         event_type, schema_version, payload) \
+         SELECT gen_random_uuid(), 'invoice', 'inv-7', s, 'InvoiceIssued', 2, \
+                jsonb_build_object('line', s) FROM generate_series(1, 5) s",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut relay = RelayProcess::start(&target, "foreign-relay", &[], &[]);
+    wait_drained(&db.pool, Duration::from_secs(30), || relay.log()).await;
+    assert!(relay.terminate().success());
+    let messages = read_stream(&client, &target.stream).await;
+    check_stream(&db.pool, &messages).await;
+    assert_eq!(messages.len(), 5);
+    assert_eq!(messages[4].header("Handoff-Schema-Version"), Some("2"));
+    assert_eq!(
+        messages[4].subject,
+        format!("{}.invoice.inv-7", target.prefix)
+    );
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test]
+async fn a_relay_killed_after_the_ack_is_republished_after_lease_expiry_and_deduplicated() {
+    let (db, outbox) = migrated("relay_after_ack").await;
+    let (target, client, _cleanup) = shared_target(&db, "after_ack").await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let enqueued = outbox
+        .enqueue(&mut tx, &[factory::event("a", 1)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let event_id = enqueued[0].event_id;
+
+    // Relay A stops dead right after the broker's ack, before published_at is written.
+    let mut a = RelayProcess::start(
+        &target,
+        "relay-a",
+        &[],
+        &[("FAILPOINTS", "relay.after_ack=return")],
+    );
+    a.wait_for_log("failpoint fired", Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        read_stream(&client, &target.stream).await.len(),
+        1,
+        "the broker holds it"
+    );
+    let (published, owner): (bool, Option<String>) = sqlx::query_as(
+        "SELECT published_at IS NOT NULL, claimed_by FROM outbox WHERE event_id = $1",
+    )
+    .bind(event_id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((published, owner.as_deref()), (false, Some("relay-a")));
+    a.kill();
+
+    // Its lease runs out (moved into the past rather than waited for).
+    sqlx::query("UPDATE outbox SET claim_until = now() - interval '1s', available_at = now() - interval '1s'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut b = RelayProcess::start(&target, "relay-b", &[], &[]);
+    wait_drained(&db.pool, Duration::from_secs(30), || b.log()).await;
+    assert!(b.terminate().success());
+    assert!(
+        b.log().contains("published: 1") || b.log().contains("published=1"),
+        "relay-b republished it:\n{}",
+        b.log()
+    );
+
+    let messages = read_stream(&client, &target.stream).await;
+    assert_eq!(
+        messages.len(),
+        1,
+        "JetStream dropped the republish by its Nats-Msg-Id"
+    );
+    let owner: String = sqlx::query_scalar("SELECT claimed_by FROM outbox WHERE event_id = $1")
+        .bind(event_id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(owner, "relay-b");
+}
+
+#[tokio::test]
+async fn three_relays_keep_per_aggregate_order_while_one_is_killed_again_and_again() {
+    const AGGREGATES: usize = 40;
+    const TRANSACTIONS: usize = 900;
+    let (db, outbox) = migrated("relay_three_kills").await;
+    let (target, client, _cleanup) = shared_target(&db, "three_kills").await;
+    let mut relays: Vec<RelayProcess> = ["relay-a", "relay-b", "relay-c"]
+        .iter()
+        .map(|id| RelayProcess::start(&target, id, &[], &[]))
+        .collect();
+
+    // Writers: transactions of 1 to 3 events of one aggregate, four connections at once.
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let (pool, outbox) = (db.pool.clone(), outbox.clone());
+            tokio::spawn(async move {
+                let mut rng = fastrand::Rng::with_seed(w);
+                for n in 0..TRANSACTIONS / 4 {
+                    let aggregate = format!("agg-{}", rng.usize(..AGGREGATES));
+                    let events: Vec<NewEvent> = (0..rng.u64(1..=3))
+                        .map(|k| factory::event(&aggregate, (n as u64) * 10 + k))
+                        .collect();
+                    let mut tx = pool.begin().await.unwrap();
+                    outbox.enqueue(&mut tx, &events).await.unwrap();
+                    tx.commit().await.unwrap();
+                    if n % 25 == 0 {
+                        tokio::time::sleep(Duration::from_millis(10)).await; // spread the load
+                    }
+                }
+            })
+        })
+        .collect();
+
+    // Meanwhile relay-a is SIGKILLed and restarted, at seeded random moments.
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut kills = 0;
+    let started = Instant::now();
+    while kills < 6 {
+        tokio::time::sleep(Duration::from_millis(rng.u64(200..700))).await;
+        relays[0].kill();
+        kills += 1;
+        relays[0] = RelayProcess::start(&target, "relay-a", &[], &[]);
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let logs = || {
+        relays
+            .iter()
+            .map(|r| format!("--- {}\n{}", r.id, r.log()))
+            .collect::<String>()
+    };
+    wait_drained(&db.pool, Duration::from_secs(60), logs).await;
+    let elapsed = started.elapsed();
+    for relay in &mut relays {
+        assert!(
+            relay.terminate().success(),
+            "{} exits 0:\n{}",
+            relay.id,
+            relay.log()
+        );
+    }
+
+    let messages = read_stream(&client, &target.stream).await;
+    let report = check_stream(&db.pool, &messages).await;
+    eprintln!(
+        "{kills} kills, {} messages, {} duplicates, {elapsed:?}",
+        report.messages, report.duplicates
+    );
+    let events: i64 = db.count("outbox").await;
+    assert!(events as usize >= TRANSACTIONS);
+}
+
+#[tokio::test]
+async fn bad_configuration_stops_at_once_with_one_clear_line() {
+    let cases: [(&[&str], &str); 5] = [
+        (&["--database-url", "not a url"], "invalid database url"),
+        (
+            &[
+                "--database-url",
+                "postgres://x@127.0.0.1/db",
+                "--stream",
+                "a b",
+            ],
+            "invalid stream name",
+        ),
+        (
+            &[
+                "--database-url",
+                "postgres://x@127.0.0.1/db",
+                "--subject-prefix",
+                "out.*",
+            ],
+            "subject prefix",
+        ),
+        (
+            &[
+                "--database-url",
+                "postgres://x@127.0.0.1/db",
+                "--nats-url",
+                "http://[::1",
+            ],
+            "nats url",
+        ),
+        (
+            &[
+                "--database-url",
+                "postgres://x@127.0.0.1/db",
+                "--lease",
+                "10m",
+            ],
+            "duplicate window",
+        ),
+    ];
+    for (args, needle) in cases {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+            .arg("relay")
+            .args(args)
+            .env_remove("DATABASE_URL")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} must fail");
+        assert!(
+            stderr.to_lowercase().contains(needle),
+            "{args:?}: {needle:?} not in {stderr:?}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        let lines: Vec<_> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(lines.len(), 1, "one error line: {stderr}");
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_database_at_start_is_waited_for_and_said() {
+    let target = Target {
+        database_url: "postgres://postgres:secret-pw@127.0.0.1:1/none".into(),
+        nats_url: shared_url(),
+        stream: unique_name("unreachable"),
+        prefix: unique_name("unreachable"),
+    };
+    let mut relay = RelayProcess::start(&target, "waiting-relay", &[], &[]);
+    relay
+        .wait_for_log("waiting for PostgreSQL", Duration::from_secs(30))
+        .await;
+    assert!(relay.try_status().is_none(), "it keeps trying");
+    assert!(
+        !relay.log().contains("secret-pw"),
+        "the password never reaches the log"
+    );
+    assert!(relay.terminate().success());
+}

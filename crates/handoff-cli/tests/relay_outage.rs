@@ -1,0 +1,148 @@
+//! A broker outage: the relay must not hammer PostgreSQL while nats-server is down, and must
+//! publish everything once it is back (brief P3).
+
+mod common;
+
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use common::{check_stream, wait_drained, RelayProcess, Target};
+use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
+use handoff_test::nats::{read_stream, unique_name, NatsServer};
+use handoff_test::{database_url, factory, TestDb};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+
+/// Transactions committed in `database` so far, as PostgreSQL counts them.
+async fn transactions(admin: &mut PgConnection, database: &str) -> i64 {
+    // Counters are flushed by each backend at most once a second (and when it goes idle):
+    // drop the snapshot cache so every read sees the latest flushed values.
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut *admin)
+        .await
+        .unwrap();
+    sqlx::query_scalar(
+        "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database WHERE datname = $1",
+    )
+    .bind(database)
+    .fetch_one(admin)
+    .await
+    .unwrap()
+}
+
+async fn enqueue_batch(pool: &PgPool, outbox: &Outbox, from: u64, count: u64) {
+    for n in from..from + count {
+        let mut tx = pool.begin().await.unwrap();
+        outbox
+            .enqueue(&mut tx, &[factory::event(&format!("agg-{}", n % 10), n)])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_pauses_claims_and_everything_is_published_after_it() {
+    // A database of its own, so its transaction counter is the relay's alone.
+    let database = format!("t_outage_{}", std::process::id());
+    let base = PgConnectOptions::from_str(&database_url())
+        .unwrap()
+        .disable_statement_logging();
+    let mut admin = PgConnection::connect_with(&base).await.unwrap();
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {database}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!("CREATE DATABASE {database}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let own = base.clone().database(&database);
+    let url = {
+        let mut url = database_url();
+        let slash = url.rfind('/').unwrap();
+        url.truncate(slash + 1);
+        url + &database
+    };
+    let db = TestDb::in_database(&url, "outage").await;
+    Migrator::handoff(Schema::default())
+        .run(&mut *db.pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
+    let _ = own;
+    // The test's own work before the window goes through a pool that is closed before the
+    // window opens: a backend flushes its statistics when it exits, so none of them are
+    // counted late, inside the window, as if the relay had run them.
+    db.pool.close().await;
+    let setup = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(db.connect_options())
+        .await
+        .unwrap();
+
+    let mut nats = NatsServer::start().unwrap();
+    let stream = unique_name("outage");
+    let target = Target {
+        database_url: db.url(),
+        nats_url: nats.url(),
+        stream: stream.clone(),
+        prefix: stream.clone(),
+    };
+    let mut relay = RelayProcess::start(&target, "outage-relay", &[], &[]);
+
+    enqueue_batch(&setup, &outbox, 0, 50).await;
+    wait_drained(&setup, Duration::from_secs(30), || relay.log()).await;
+
+    // The broker dies; events keep being committed.
+    nats.kill().unwrap();
+    enqueue_batch(&setup, &outbox, 50, 50).await;
+    relay
+        .wait_for_log("broker unreachable", Duration::from_secs(30))
+        .await;
+    // Autovacuum would count too: the migration and the writes left it work (catalog tables
+    // included) that it would do during the window. Done now, it has none left.
+    sqlx::query("VACUUM ANALYZE").execute(&setup).await.unwrap();
+    setup.close().await;
+    // An idle backend flushes its counters only after 10 s (PGSTAT_IDLE_INTERVAL), so what the
+    // relay and the setup pool did before the outage shows up that late: count from 11 s into
+    // the outage to its end, 30 s after it began.
+    let outage = Instant::now();
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let before = transactions(&mut admin, &database).await;
+    let window = Instant::now();
+    tokio::time::sleep(Duration::from_secs(30).saturating_sub(outage.elapsed())).await;
+    let during = transactions(&mut admin, &database).await;
+    let per_second = (during - before) as f64 / window.elapsed().as_secs_f64();
+    eprintln!(
+        "{} transactions in {:?} while the broker was down",
+        during - before,
+        window.elapsed()
+    );
+    assert!(
+        per_second <= 2.0,
+        "{per_second:.1} transactions/s while the broker was down:\n{}",
+        relay.log()
+    );
+
+    nats.start_again().unwrap();
+    let after = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(db.connect_options())
+        .await
+        .unwrap();
+    wait_drained(&after, Duration::from_secs(60), || relay.log()).await;
+    assert!(relay.terminate().success());
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let messages = read_stream(&client, &stream).await;
+    let report = check_stream(&after, &messages).await;
+    after.close().await;
+    assert_eq!(report.messages - report.duplicates, 100);
+
+    drop(db);
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+}

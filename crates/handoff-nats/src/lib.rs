@@ -1,0 +1,45 @@
+//! `handoff-nats`: the NATS JetStream transport of the handoff relay.
+//!
+//! This is the only handoff crate with a NATS client. [`JetStreamTransport`] implements
+//! [`handoff_core::delivery::Transport`]: `handoff-relay` hands it committed outbox events and it
+//! publishes each one to a JetStream stream, finished only by the stream's acknowledgement.
+//!
+//! - [`JetStreamConfig`]: the stream, the subject prefix, the duplicate window and timeouts;
+//! - [`JetStreamTransport::connect`] and [`JetStreamTransport::ensure_stream`]: connect, and
+//!   create or check the stream;
+//! - [`header`]: the names of the headers every event carries (the consumers' contract).
+//!
+//! Delivery is at least once: the event id travels as `Nats-Msg-Id`, so a republish inside the
+//! stream's duplicate window is dropped by JetStream, and consumers deduplicate the rest by the
+//! same id in their inbox.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use handoff_core::delivery::Transport;
+//! use handoff_nats::{JetStreamConfig, JetStreamTransport};
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = JetStreamConfig { stream: "ORDERS".into(), ..JetStreamConfig::default() };
+//! let transport = JetStreamTransport::connect("nats://127.0.0.1:4222", config).await?;
+//! transport.ensure_stream().await?;
+//! assert!(transport.wait_until_ready(std::time::Duration::from_secs(1)).await);
+//! # Ok(())
+//! # }
+//! ```
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
+
+mod config;
+mod error;
+pub mod header;
+mod transport;
+mod url;
+
+/// The NATS client crate this one is built on, for callers that need its types (such as
+/// [`async_nats::Client`] from [`JetStreamTransport::client`]) at the same version.
+pub use async_nats;
+pub use config::{ConfigError, JetStreamConfig};
+pub use error::{ConnectError, ConnectErrorKind, StreamError, StreamErrorKind};
+pub use transport::{JetStreamTransport, StreamSummary};
