@@ -3,45 +3,82 @@
 -- One statement, so one short transaction: the row locks live only until it returns, and the
 -- lease written into the rows is what keeps other relays off them afterwards.
 --
+-- What is publishable: an aggregate's head, i.e. an available event whose predecessor is not
+-- unpublished (published, or missing: a gap an outside writer left is the consumers' gap
+-- policy, brief C3), followed by the unbroken run of available events after it. So sequence
+-- k+1 is never leased while k is unpublished outside the same claim, whichever relay holds k.
+--
 -- The lease also moves available_at to its end. Leased rows thereby leave the front of
 -- outbox_pending_idx, so the next claim (by this relay or another) does not wade through them,
 -- and a lease that expires makes its rows available again with no extra step.
-WITH candidate AS MATERIALIZED (
-    -- Oldest available first, in the pending index's own order so the scan reads the index
-    -- front and stops after $2 rows; rows another claim holds right now are skipped.
-    SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence
-    FROM {schema}outbox
-    WHERE published_at IS NULL
-      AND available_at <= now()
-    ORDER BY available_at, occurred_at
+WITH head AS MATERIALIZED (
+    -- Oldest available heads first, in the pending index's order, so the scan reads the index
+    -- front and stops after $2 heads. Events waiting behind an unpublished predecessor are
+    -- skipped by the scan instead of filling the batch: a backlog of them can never starve
+    -- the heads that would unblock them. Rows another claim holds right now are skipped too.
+    SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
+           o.available_at, o.occurred_at
+    FROM {schema}outbox o
+    WHERE o.published_at IS NULL
+      AND o.available_at <= now()
+      AND NOT EXISTS (
+          SELECT 1
+          FROM {schema}outbox p
+          WHERE p.aggregate_type = o.aggregate_type
+            AND p.aggregate_id = o.aggregate_id
+            AND p.aggregate_sequence = o.aggregate_sequence - 1
+            AND p.published_at IS NULL
+      )
+    ORDER BY o.available_at, o.occurred_at
     LIMIT $2
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF o SKIP LOCKED
 ),
-blocked AS (
-    -- Per aggregate, the first candidate whose predecessor is unpublished and not a candidate
-    -- itself: leased to another relay, backing off, or held as poison. It and every later
-    -- candidate of its aggregate stay where they are, so sequence k+1 never goes out while k is
-    -- unpublished. A missing predecessor (a gap left by an outside writer) does not block: the
-    -- consumers' gap policy owns that case (brief C3).
-    SELECT c.aggregate_type, c.aggregate_id, min(c.aggregate_sequence) AS from_sequence
-    FROM candidate c
-    JOIN {schema}outbox p
-      ON p.aggregate_type = c.aggregate_type
-     AND p.aggregate_id = c.aggregate_id
-     AND p.aggregate_sequence = c.aggregate_sequence - 1
-    WHERE p.published_at IS NULL
-      AND NOT EXISTS (SELECT 1 FROM candidate q WHERE q.event_id = p.event_id)
-    GROUP BY c.aggregate_type, c.aggregate_id
+run AS MATERIALIZED (
+    -- When the heads leave room in the batch, the events right behind each head ride along in
+    -- its lane (a busy aggregate then moves a run per claim, not one event). Only the unbroken
+    -- prefix counts: the first missing, unavailable or locked sequence ends the run.
+    SELECT n.event_id, h.available_at, h.occurred_at, n.aggregate_type, n.aggregate_id,
+           n.aggregate_sequence,
+           n.aggregate_sequence - h.aggregate_sequence
+               = row_number() OVER (PARTITION BY h.event_id ORDER BY n.aggregate_sequence)
+               AS unbroken
+    FROM head h
+    CROSS JOIN LATERAL (
+        SELECT s.event_id, s.aggregate_type, s.aggregate_id, s.aggregate_sequence
+        FROM {schema}outbox s
+        WHERE s.aggregate_type = h.aggregate_type
+          AND s.aggregate_id = h.aggregate_id
+          AND s.aggregate_sequence > h.aggregate_sequence
+          AND s.published_at IS NULL
+          AND s.available_at <= now()
+        ORDER BY s.aggregate_sequence
+        LIMIT greatest(0, $2 - (SELECT count(*) FROM head))
+        FOR UPDATE SKIP LOCKED
+    ) n
+),
+picked AS (
+    -- Heads and runs, cut to $2 events. The order keeps each aggregate's events together and
+    -- in sequence, so the cut leaves every lane an unbroken prefix.
+    SELECT c.event_id
+    FROM (
+        SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
+               aggregate_sequence
+        FROM head
+        UNION ALL
+        SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
+               aggregate_sequence
+        FROM run
+        WHERE unbroken
+    ) c
+    ORDER BY c.available_at, c.occurred_at, c.aggregate_type, c.aggregate_id,
+             c.aggregate_sequence
+    LIMIT $2
 )
 UPDATE {schema}outbox o
 SET claimed_by = $1,
     claim_until = now() + make_interval(secs => $3),
     available_at = now() + make_interval(secs => $3)
-FROM candidate c
-LEFT JOIN blocked b
-  ON b.aggregate_type = c.aggregate_type
- AND b.aggregate_id = c.aggregate_id
-WHERE o.event_id = c.event_id
-  AND (b.from_sequence IS NULL OR c.aggregate_sequence < b.from_sequence)
+FROM picked
+WHERE o.event_id = picked.event_id
 RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
           o.schema_version, o.payload::text, o.headers::text, o.occurred_at, o.attempt_count

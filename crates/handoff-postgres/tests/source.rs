@@ -251,3 +251,53 @@ async fn a_commit_wakes_a_waiting_relay() {
     );
     assert_eq!(relay.claim(100).await.unwrap().events.len(), 1);
 }
+
+#[tokio::test]
+async fn events_stuck_behind_a_failed_head_never_starve_other_aggregates() {
+    let (db, outbox) = common::migrated("source_starvation").await;
+    enqueue(&db, &outbox, &["a"], 3).await;
+    enqueue(&db, &outbox, &["b"], 1).await;
+    let relay = source(&db, "relay-a");
+    let head = relay.claim(1).await.unwrap();
+    assert_eq!(sequences_of(&head.events, "a"), vec![1]);
+    relay
+        .record_failures(&[Failure {
+            event_id: head.events[0].event_id,
+            error: "timeout".into(),
+            retry_after: Some(Duration::from_secs(3600)),
+            counts_as_attempt: true,
+        }])
+        .await
+        .unwrap();
+    // a#2 and a#3 are the oldest available rows, but wait behind a#1: a batch of one must
+    // still reach b#1 past them.
+    let next = relay.claim(1).await.unwrap();
+    assert_eq!(
+        sequences_of(&next.events, "b"),
+        vec![1],
+        "{:?}",
+        next.events
+    );
+}
+
+#[tokio::test]
+async fn a_busy_aggregate_moves_a_whole_run_per_claim_in_order() {
+    let (db, outbox) = common::migrated("source_run").await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let events: Vec<_> = (0..50).map(|n| factory::event("hot", n)).collect();
+    outbox.enqueue(&mut tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    let relay = source(&db, "relay-a");
+    let claim = relay.claim(20).await.unwrap();
+    assert_eq!(
+        sequences_of(&claim.events, "hot"),
+        (1..=20).collect::<Vec<_>>()
+    );
+    // The rest waits behind the leased run, for this relay and any other.
+    assert!(source(&db, "relay-b")
+        .claim(100)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+}

@@ -433,6 +433,12 @@ async fn claim_loop<S: Source, T: Transport>(
             }
         }
 
+        if capacity.available_permits() < batch {
+            debug!(
+                in_flight = in_flight(&shared),
+                "in-flight bound reached: waiting for room"
+            );
+        }
         let permits = tokio::select! {
             _ = stop.changed() => break,
             permits = capacity.clone().acquire_many_owned(batch as u32) => match permits {
@@ -465,6 +471,7 @@ async fn claim_loop<S: Source, T: Transport>(
             freeze_if_fired(fp::CLAIM).await;
         }
         capacity.add_permits(batch - claimed);
+        debug!(claimed, "claimed");
         metrics::counter!(m::CLAIMS).increment(1);
         metrics::counter!(m::CLAIMED).increment(claimed as u64);
         if claimed > 0 {
