@@ -12,7 +12,7 @@ use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
 use serde::Deserialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::PgPool;
+use sqlx::{Connection, PgPool};
 use tracing::{info, warn};
 
 /// Flags of `handoff relay`. Each also comes from its environment variable, then from the
@@ -290,13 +290,18 @@ async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
         max: Duration::from_secs(10),
     };
     for attempt in 1u32.. {
-        // Claims, write-back and the listener each hold one; the backlog gauge borrows one.
-        match PgPoolOptions::new()
-            .max_connections(4)
-            .connect_with(options.clone())
-            .await
-        {
-            Ok(pool) => return Ok(pool),
+        // A single connection first: the pool's own connect retries silently until its acquire
+        // timeout, and an operator should hear at once what the relay waits for.
+        match sqlx::PgConnection::connect_with(options).await {
+            Ok(probe) => {
+                let _ = probe.close().await;
+                // Claims, write-back and the listener each hold one; the backlog gauge borrows
+                // one.
+                return Ok(PgPoolOptions::new()
+                    .max_connections(4)
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect_lazy_with(options.clone()));
+            }
             Err(error @ (sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Tls(_))) => {
                 let delay = backoff.delay(attempt);
                 warn!(
