@@ -6,7 +6,11 @@
 //!
 //! - [`core`] (`handoff-core`): [`Event`], [`NewEvent`], [`EventCatalog`], validation limits;
 //! - [`postgres`] (`handoff-postgres`): [`Migrator`], [`Outbox`] and its enqueue in the caller's
-//!   transaction.
+//!   transaction, and the relay's polling source;
+//! - `relay` (`handoff-relay`, feature `relay`): the relay loop over any source and transport;
+//! - `nats` (`handoff-nats`, feature `nats`): the NATS JetStream transport.
+//!
+//! Most deployments run the relay as the `handoff relay` command rather than embedding it.
 //!
 //! # Examples
 //!
@@ -37,6 +41,12 @@
 
 pub use handoff_core as core;
 pub use handoff_postgres as postgres;
+#[cfg(feature = "relay")]
+#[cfg_attr(docsrs, doc(cfg(feature = "relay")))]
+pub use handoff_relay as relay;
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub use handoff_nats as nats;
 
 pub use handoff_core::{Event, EventCatalog, EventId, Limits, NewEvent, ValidationError};
 pub use handoff_postgres::{
