@@ -27,7 +27,7 @@ enum Command {
     /// Apply pending schema migrations (idempotent; safe to run from several processes at once).
     Migrate(MigrateArgs),
     /// Publish committed outbox events to NATS JetStream until SIGTERM/SIGINT.
-    Relay(relay::RelayArgs),
+    Relay(Box<relay::RelayArgs>),
 }
 
 #[derive(clap::Args)]
@@ -69,7 +69,7 @@ async fn run() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::Migrate(args) => migrate(args).await,
-        Command::Relay(args) => relay::run(args).await,
+        Command::Relay(args) => relay::run(*args).await,
     }
 }
 

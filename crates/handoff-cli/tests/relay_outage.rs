@@ -67,7 +67,7 @@ async fn a_broker_outage_pauses_claims_and_everything_is_published_after_it() {
     };
     let db = TestDb::in_database(&url, "outage").await;
     Migrator::handoff(Schema::default())
-        .run(&mut *db.pool.acquire().await.unwrap())
+        .run(&mut db.pool.acquire().await.unwrap())
         .await
         .unwrap();
     let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();

@@ -15,6 +15,10 @@ use handoff_test::nats::{
 };
 use handoff_test::{factory, TestDb};
 
+/// An unpublished row, for the failure message: aggregate, sequence, lease holder, attempts,
+/// last error, time until available.
+type Stuck = (String, i64, Option<String>, i32, Option<String>, String);
+
 /// The real transport, with seeded faults: some publishes fail before reaching the broker,
 /// some reach it and are then reported as timed out.
 struct Faulty {
@@ -53,7 +57,7 @@ async fn order_per_aggregate_survives_transient_errors_and_lost_acks_with_two_re
         .try_init();
     let db = TestDb::new("relay_broker_errors").await;
     Migrator::handoff(Schema::default())
-        .run(&mut *db.pool.acquire().await.unwrap())
+        .run(&mut db.pool.acquire().await.unwrap())
         .await
         .unwrap();
     let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
@@ -127,7 +131,7 @@ async fn order_per_aggregate_survives_transient_errors_and_lost_acks_with_two_re
             break;
         }
         if tokio::time::Instant::now() >= deadline {
-            let rows: Vec<(String, i64, Option<String>, i32, Option<String>, String)> = sqlx::query_as(
+            let rows: Vec<Stuck> = sqlx::query_as(
                 "SELECT aggregate_id, aggregate_sequence, claimed_by, attempt_count, last_error, \
                  (available_at - now())::text FROM outbox WHERE published_at IS NULL \
                  ORDER BY aggregate_id, aggregate_sequence LIMIT 20",
