@@ -1,21 +1,17 @@
 //! The order service as a child process, on a port of its choosing.
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use crate::process::{shown, sibling_binary, Stderr};
+
 /// How long the service may take to migrate and bind before the demo gives up.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// How many of the service's last stderr lines an error shows.
-const STDERR_TAIL: usize = 20;
 
 /// The line the service prints once it serves requests.
 const READY_PREFIX: &str = "listening on ";
@@ -23,11 +19,12 @@ const READY_PREFIX: &str = "listening on ";
 /// Starts `order-service` on `database_url`, stores the child in `slot` (so it is killed at exit
 /// whatever happens next) and returns the address it listens on.
 pub async fn start(database_url: &str, slot: &mut Option<Child>) -> Result<SocketAddr> {
-    let exe = binary()?;
+    let exe = sibling_binary("order-service", "order service")?;
     let mut child = Command::new(&exe)
         .args(["--listen", "127.0.0.1:0"])
         .env("DATABASE_URL", database_url)
         .env("RUST_LOG", "warn")
+        .env("NO_COLOR", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -41,23 +38,7 @@ pub async fn start(database_url: &str, slot: &mut Option<Child>) -> Result<Socke
     let child = slot.insert(child);
 
     // Its warnings go to our stderr as they come; the last lines are kept for error messages.
-    // std Mutex: never held across an `.await`.
-    let tail = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL)));
-    let stderr_task = tokio::spawn({
-        let tail = Arc::clone(&tail);
-        async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("   [order-service] {line}");
-                if let Ok(mut tail) = tail.lock() {
-                    if tail.len() == STDERR_TAIL {
-                        tail.pop_front();
-                    }
-                    tail.push_back(line);
-                }
-            }
-        }
-    });
+    let mut stderr = Stderr::forward(stderr, "order-service");
 
     let mut stdout = BufReader::new(stdout).lines();
     let ready = tokio::time::timeout(READY_TIMEOUT, async {
@@ -85,19 +66,7 @@ pub async fn start(database_url: &str, slot: &mut Option<Child>) -> Result<Socke
                 },
             };
             let _ = child.kill().await;
-            // The pipe is closed once the child is gone, so this ends promptly.
-            let _ = tokio::time::timeout(Duration::from_secs(2), stderr_task).await;
-            let last: Vec<String> = tail
-                .lock()
-                .map(|t| t.iter().cloned().collect())
-                .unwrap_or_default();
-            if last.is_empty() {
-                bail!("order-service {why}");
-            }
-            bail!(
-                "order-service {why}; its last messages:\n{}",
-                last.join("\n")
-            );
+            return Err(stderr.explain(format!("order-service {why}")).await);
         }
     };
     let addr: SocketAddr = addr
@@ -116,30 +85,4 @@ pub async fn start(database_url: &str, slot: &mut Option<Child>) -> Result<Socke
         child.id().unwrap_or(0)
     );
     Ok(addr)
-}
-
-/// `order-service` next to our own executable: `cargo build --release --workspace` puts both in
-/// `target/release`.
-fn binary() -> Result<PathBuf> {
-    let own = std::env::current_exe().context("while locating the demo's own executable")?;
-    let dir = own
-        .parent()
-        .context("the demo's executable has no directory")?;
-    let exe = dir.join("order-service");
-    if !exe.is_file() {
-        bail!(
-            "the order service binary is missing at {}; build the whole workspace first: \
-             cargo build --release --workspace",
-            exe.display()
-        );
-    }
-    Ok(exe)
-}
-
-/// A path relative to the working directory when it is below it: shorter to read.
-fn shown(path: &std::path::Path) -> String {
-    std::env::current_dir()
-        .ok()
-        .and_then(|cwd| path.strip_prefix(cwd).ok().map(|p| p.display().to_string()))
-        .unwrap_or_else(|| path.display().to_string())
 }

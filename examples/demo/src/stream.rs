@@ -1,0 +1,240 @@
+//! What reached JetStream: the demo's stream read back in stream order, printed, and checked
+//! against the outbox.
+
+use std::collections::{BTreeMap, HashMap};
+
+use anyhow::{bail, ensure, Context, Result};
+use handoff_test::nats::{read_stream, StoredMessage};
+
+use crate::broker::Broker;
+use crate::table::{self, Align};
+use crate::walkthrough::{short_id, OutboxRow, Report};
+
+/// How many characters of each payload the listing shows.
+const PAYLOAD_EXCERPT: usize = 44;
+
+/// What the stream was found to hold, for the summary.
+pub struct StreamCheck {
+    /// Messages in the stream.
+    pub messages: usize,
+}
+
+/// Every message of the demo's stream, in stream order.
+pub async fn read(broker: &Broker) -> Result<Vec<StoredMessage>> {
+    let client = broker.client.clone();
+    let stream = broker.stream.clone();
+    // It panics on failure: in a task of its own, a panic becomes an error we can report.
+    tokio::spawn(async move { read_stream(&client, &stream).await })
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .with_context(|| format!("while reading the stream {}", broker.stream))
+}
+
+/// Prints one line per message: where it is in the stream, where it was published, and what
+/// it carries.
+pub fn print(messages: &[StoredMessage]) {
+    let cells: Vec<Vec<String>> = messages
+        .iter()
+        .map(|message| {
+            vec![
+                message.sequence.to_string(),
+                short_subject(&message.subject),
+                message.header("Handoff-Sequence").unwrap_or("-").to_owned(),
+                message.header("ce-type").unwrap_or("-").to_owned(),
+                excerpt(&message.payload),
+            ]
+        })
+        .collect();
+    table::print(
+        &[
+            "STREAM SEQ",
+            "SUBJECT",
+            "HANDOFF-SEQUENCE",
+            "CE-TYPE",
+            "PAYLOAD",
+        ],
+        &[
+            Align::Right,
+            Align::Left,
+            Align::Right,
+            Align::Left,
+            Align::Left,
+        ],
+        &cells,
+    );
+}
+
+/// Checks the stream against the outbox and prints the result per order: each order's
+/// messages carry `Handoff-Sequence` 1, 2, 3 ... in stream order with no gap and no duplicate,
+/// each message is one committed outbox event, and every committed event is there.
+pub fn check(
+    messages: &[StoredMessage],
+    rows: &[OutboxRow],
+    report: &Report,
+) -> Result<StreamCheck> {
+    let committed: HashMap<(&str, i64), &str> = rows
+        .iter()
+        .map(|row| {
+            (
+                (row.aggregate_id.as_str(), row.aggregate_sequence),
+                row.event_type.as_str(),
+            )
+        })
+        .collect();
+    // Per order, the sequences in the order the stream holds them.
+    let mut per_order: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for message in messages {
+        let header = |name: &str| {
+            message.header(name).with_context(|| {
+                format!(
+                    "stream message {} ({}) has no {name} header",
+                    message.sequence, message.subject
+                )
+            })
+        };
+        let order = header("Handoff-Aggregate-Id")?;
+        let sequence: i64 = header("Handoff-Sequence")?.parse().with_context(|| {
+            format!(
+                "stream message {} has a Handoff-Sequence that is not a number",
+                message.sequence
+            )
+        })?;
+        let event_type = header("ce-type")?;
+        match committed.get(&(order, sequence)) {
+            Some(committed_type) if *committed_type == event_type => {}
+            Some(committed_type) => bail!(
+                "stream message {} is {event_type} for order {order} sequence {sequence}, but the \
+                 outbox committed {committed_type} there",
+                message.sequence
+            ),
+            None => bail!(
+                "stream message {} ({event_type}, order {order}, sequence {sequence}) is no \
+                 committed outbox event",
+                message.sequence
+            ),
+        }
+        per_order.entry(order).or_default().push(sequence);
+    }
+    for (order, sequences) in &per_order {
+        let expected: Vec<i64> = (1..=sequences.len() as i64).collect();
+        if *sequences != expected {
+            bail!(
+                "order {order}: the stream holds Handoff-Sequence {} in this order; expected {}: \
+                 {}",
+                list(sequences),
+                list(&expected),
+                what_is_wrong(sequences)
+            );
+        }
+    }
+    for (order, _) in &report.orders {
+        let in_outbox = rows.iter().filter(|r| r.aggregate_id == *order).count();
+        let sequences = per_order
+            .get(order.as_str())
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        ensure!(
+            sequences.len() == in_outbox,
+            "order {order}: {} message(s) in the stream for {in_outbox} committed event(s); \
+             missing: {}",
+            sequences.len(),
+            list(&((sequences.len() as i64 + 1)..=in_outbox as i64).collect::<Vec<_>>())
+        );
+        let plural = if in_outbox == 1 { "" } else { "s" };
+        println!(
+            "   order {}: Handoff-Sequence {}: its {in_outbox} committed event{plural}, in order, \
+             no gap, no duplicate",
+            short_id(order),
+            list(sequences),
+        );
+    }
+    ensure!(
+        messages.len() == rows.len(),
+        "the stream holds {} message(s) for {} committed event(s)",
+        messages.len(),
+        rows.len()
+    );
+    println!(
+        "   nothing else: the replayed retry and the {} refused commands put no message in the \
+         stream",
+        report.refused
+    );
+    Ok(StreamCheck {
+        messages: messages.len(),
+    })
+}
+
+/// `1, 2, 3`.
+fn list(sequences: &[i64]) -> String {
+    if sequences.is_empty() {
+        return "(none)".to_owned();
+    }
+    sequences
+        .iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Why `sequences` is not 1..n: a duplicate, a gap, or the right numbers out of order.
+fn what_is_wrong(sequences: &[i64]) -> String {
+    let mut seen: BTreeMap<i64, usize> = BTreeMap::new();
+    for sequence in sequences {
+        *seen.entry(*sequence).or_default() += 1;
+    }
+    let duplicates: Vec<i64> = seen
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(s, _)| *s)
+        .collect();
+    if !duplicates.is_empty() {
+        return format!("duplicate {}", list(&duplicates));
+    }
+    let last = seen.keys().next_back().copied().unwrap_or(0);
+    let missing: Vec<i64> = (1..=last).filter(|s| !seen.contains_key(s)).collect();
+    if !missing.is_empty() {
+        return format!("gap, {} missing", list(&missing));
+    }
+    "published out of order".to_owned()
+}
+
+/// The subject with its last token (the order id) shortened as everywhere else in the demo.
+fn short_subject(subject: &str) -> String {
+    match subject.rsplit_once('.') {
+        Some((head, id)) => format!("{head}.{}", short_id(id)),
+        None => subject.to_owned(),
+    }
+}
+
+/// The payload's first characters, on one line.
+fn excerpt(payload: &[u8]) -> String {
+    let text = String::from_utf8_lossy(payload);
+    let flat: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if flat.chars().count() <= PAYLOAD_EXCERPT {
+        return flat;
+    }
+    let cut: String = flat.chars().take(PAYLOAD_EXCERPT - 1).collect();
+    format!("{cut}…")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mismatches_are_named() {
+        assert_eq!(what_is_wrong(&[1, 1, 2]), "duplicate 1");
+        assert_eq!(what_is_wrong(&[1, 3]), "gap, 2 missing");
+        assert_eq!(what_is_wrong(&[2, 1]), "published out of order");
+    }
+
+    #[test]
+    fn excerpts_are_cut_by_characters() {
+        assert_eq!(excerpt(b"{\"a\": 1}"), "{\"a\": 1}");
+        let long = "é".repeat(60);
+        assert_eq!(excerpt(long.as_bytes()).chars().count(), PAYLOAD_EXCERPT);
+    }
+}
