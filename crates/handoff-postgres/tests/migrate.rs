@@ -27,10 +27,10 @@ async fn migrate_creates_the_seed_schema_in_the_default_schema_and_is_idempotent
     let migrator = Migrator::handoff(Schema::default());
 
     let first = migrator.run(&mut conn).await.unwrap();
-    assert_eq!(first.applied, vec![1]);
+    assert_eq!(first.applied, vec![1, 2]);
     let second = migrator.run(&mut conn).await.unwrap();
     assert!(second.applied.is_empty());
-    assert_eq!(second.already_applied, vec![1]);
+    assert_eq!(second.already_applied, vec![1, 2]);
 
     let columns: Vec<String> = sqlx::query_scalar(
         "SELECT column_name::text FROM information_schema.columns
