@@ -6,13 +6,13 @@ mod common;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use common::{check_stream, wait_drained, RelayProcess, Target};
+use common::{check_stream, enqueue_spread, wait_drained, RelayProcess, Target};
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
 use handoff_test::nats::{read_stream, unique_name, NatsServer};
 use handoff_test::{database_url, factory, TestDb};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+use sqlx::{ConnectOptions, Connection, PgConnection};
 
 /// Transactions committed in `database` so far, as PostgreSQL counts them.
 async fn transactions(admin: &mut PgConnection, database: &str) -> i64 {
@@ -29,17 +29,6 @@ async fn transactions(admin: &mut PgConnection, database: &str) -> i64 {
     .fetch_one(admin)
     .await
     .unwrap()
-}
-
-async fn enqueue_batch(pool: &PgPool, outbox: &Outbox, from: u64, count: u64) {
-    for n in from..from + count {
-        let mut tx = pool.begin().await.unwrap();
-        outbox
-            .enqueue(&mut tx, &[factory::event(&format!("agg-{}", n % 10), n)])
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,12 +81,12 @@ async fn a_broker_outage_pauses_claims_and_everything_is_published_after_it() {
     };
     let mut relay = RelayProcess::start(&target, "outage-relay", &[], &[]);
 
-    enqueue_batch(&setup, &outbox, 0, 50).await;
+    enqueue_spread(&setup, &outbox, 0, 50, 10).await;
     wait_drained(&setup, Duration::from_secs(30), || relay.log()).await;
 
     // The broker dies; events keep being committed.
     nats.kill().unwrap();
-    enqueue_batch(&setup, &outbox, 50, 50).await;
+    enqueue_spread(&setup, &outbox, 50, 50, 10).await;
     relay
         .wait_for_log("broker unreachable", Duration::from_secs(30))
         .await;

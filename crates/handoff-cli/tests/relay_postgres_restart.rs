@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{check_stream, wait_drained, RelayProcess, Target};
+use common::{check_stream, enqueue_spread, wait_drained, RelayProcess, Target};
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
 use handoff_test::cluster::PrivatePostgres;
 use handoff_test::factory;
@@ -13,18 +13,6 @@ use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
 use sqlx::postgres::PgPoolOptions;
-use sqlx::PgPool;
-
-async fn enqueue(pool: &PgPool, outbox: &Outbox, from: u64, count: u64) {
-    for n in from..from + count {
-        let mut tx = pool.begin().await.unwrap();
-        outbox
-            .enqueue(&mut tx, &[factory::event(&format!("agg-{}", n % 7), n)])
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_crash_under_the_relay_is_ridden_out() {
@@ -55,7 +43,7 @@ async fn a_postgres_crash_under_the_relay_is_ridden_out() {
     };
     let mut relay = RelayProcess::start(&target, "pg-restart-relay", &[], &[]);
 
-    enqueue(&pool, &outbox, 0, 30).await;
+    enqueue_spread(&pool, &outbox, 0, 30, 7).await;
     wait_drained(&pool, Duration::from_secs(30), || relay.log()).await;
     pool.close().await;
 
@@ -79,7 +67,7 @@ async fn a_postgres_crash_under_the_relay_is_ridden_out() {
         .connect(&url)
         .await
         .unwrap();
-    enqueue(&pool, &outbox, 30, 30).await;
+    enqueue_spread(&pool, &outbox, 30, 30, 7).await;
     wait_drained(&pool, Duration::from_secs(60), || relay.log()).await;
     assert!(relay.terminate().success(), "{}", relay.log());
     let messages = read_stream(&client, &stream).await;

@@ -26,6 +26,23 @@ pub async fn migrated(name: &str) -> (TestDb, Outbox) {
     (db, outbox)
 }
 
+/// Commits events `from..from + count`, one per transaction, spread over `aggregates`
+/// aggregates `agg-0`, `agg-1`, ...
+pub async fn enqueue_spread(
+    pool: &PgPool,
+    outbox: &Outbox,
+    from: u64,
+    count: u64,
+    aggregates: u64,
+) {
+    for n in from..from + count {
+        let mut tx = pool.begin().await.unwrap();
+        let event = factory::event(&format!("agg-{}", n % aggregates), n);
+        outbox.enqueue(&mut tx, &[event]).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+}
+
 /// Where one relay process publishes.
 #[derive(Clone)]
 pub struct Target {
