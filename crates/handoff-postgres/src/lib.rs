@@ -51,4 +51,6 @@ pub use outbox::{
     DriverError, EnqueueCall, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig,
 };
 pub use schema::{Schema, SchemaError};
-pub use source::{Backlog, PollingConfig, PollingConfigError, PollingSource, WAKE_CHANNEL};
+pub use source::{
+    read_outbox_event, Backlog, PollingConfig, PollingConfigError, PollingSource, WAKE_CHANNEL,
+};

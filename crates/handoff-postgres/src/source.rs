@@ -237,28 +237,36 @@ impl PollingSource {
         read(&row).map_err(|e| SourceError::new("while reading the backlog", e))
     }
 
-    fn event_from_row(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
-        let headers: String = row.try_get("headers")?;
-        let occurred_at: chrono::DateTime<chrono::Utc> = row.try_get("occurred_at")?;
-        Ok(OutboxEvent {
-            event_id: row.try_get("event_id")?,
-            aggregate_type: row.try_get("aggregate_type")?,
-            aggregate_id: row.try_get("aggregate_id")?,
-            aggregate_sequence: row.try_get("aggregate_sequence")?,
-            event_type: row.try_get("event_type")?,
-            schema_version: row.try_get("schema_version")?,
-            payload: row.try_get("payload")?,
-            headers: header_pairs(&headers),
-            occurred_at: SystemTime::from(occurred_at),
-            attempt_count: row.try_get("attempt_count")?,
-        })
-    }
-
     /// Whether a notification's payload concerns this source's outbox. With the default schema
     /// the name is not known here, so every notification counts (a spurious wake-up is cheap).
     fn concerns_us(&self, payload: &str) -> bool {
         self.config.schema.name().is_none_or(|name| name == payload)
     }
+}
+
+/// Reads one outbox row as the relay gets it: the columns `claim.sql` returns (`event_id`,
+/// `aggregate_type`, `aggregate_id`, `aggregate_sequence`, `event_type`, `schema_version`,
+/// `payload` and `headers` as text, `occurred_at`, `attempt_count`), for tools that select rows
+/// the same way (benchmarks, replays).
+///
+/// # Errors
+///
+/// A column is missing or of another type.
+pub fn read_outbox_event(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
+    let headers: String = row.try_get("headers")?;
+    let occurred_at: chrono::DateTime<chrono::Utc> = row.try_get("occurred_at")?;
+    Ok(OutboxEvent {
+        event_id: row.try_get("event_id")?,
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        aggregate_sequence: row.try_get("aggregate_sequence")?,
+        event_type: row.try_get("event_type")?,
+        schema_version: row.try_get("schema_version")?,
+        payload: row.try_get("payload")?,
+        headers: header_pairs(&headers),
+        occurred_at: SystemTime::from(occurred_at),
+        attempt_count: row.try_get("attempt_count")?,
+    })
 }
 
 /// The `headers` jsonb object as name/value pairs. Values that outside writers stored as
@@ -294,7 +302,7 @@ impl Source for PollingSource {
             .map_err(|e| SourceError::new("while claiming", e))?;
         let events = rows
             .iter()
-            .map(Self::event_from_row)
+            .map(read_outbox_event)
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| SourceError::new("while reading a claimed row", e))?;
 

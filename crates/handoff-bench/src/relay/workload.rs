@@ -8,11 +8,9 @@
 //! every preload writes identical rows and the in-memory copy for the JetStream bound matches
 //! them byte for byte.
 
-use std::time::SystemTime;
-
 use anyhow::{Context, Result};
 use handoff_core::delivery::OutboxEvent;
-use sqlx::{Executor, PgConnection, Row};
+use sqlx::{Executor, PgConnection};
 
 /// Size of the preloaded backlog.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
@@ -99,32 +97,10 @@ pub async fn load(conn: &mut PgConnection) -> Result<Vec<OutboxEvent>> {
     )
     .fetch_all(&mut *conn)
     .await?;
-    rows.iter()
-        .map(|row| {
-            let headers: String = row.try_get("headers")?;
-            let headers: serde_json::Map<String, serde_json::Value> =
-                serde_json::from_str(&headers)?;
-            let occurred_at: chrono::DateTime<chrono::Utc> = row.try_get("occurred_at")?;
-            Ok(OutboxEvent {
-                event_id: row.try_get("event_id")?,
-                aggregate_type: row.try_get("aggregate_type")?,
-                aggregate_id: row.try_get("aggregate_id")?,
-                aggregate_sequence: row.try_get("aggregate_sequence")?,
-                event_type: row.try_get("event_type")?,
-                schema_version: row.try_get("schema_version")?,
-                payload: row.try_get("payload")?,
-                headers: headers
-                    .into_iter()
-                    .map(|(name, value)| match value {
-                        serde_json::Value::String(s) => (name, s),
-                        other => (name, other.to_string()),
-                    })
-                    .collect(),
-                occurred_at: SystemTime::from(occurred_at),
-                attempt_count: row.try_get("attempt_count")?,
-            })
-        })
-        .collect()
+    Ok(rows
+        .iter()
+        .map(handoff_postgres::read_outbox_event)
+        .collect::<Result<_, _>>()?)
 }
 
 /// Events not yet marked published.
