@@ -61,17 +61,7 @@ impl TestDb {
 
     async fn create(url: &str, name: &str, max_connections: u32) -> Self {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
-        let mut clean: String = name
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() {
-                    c.to_ascii_lowercase()
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        clean.truncate(40);
+        let clean = sanitize(name, 40);
         let schema = format!(
             "t_{clean}_{}_{}",
             std::process::id(),
@@ -148,6 +138,23 @@ impl Drop for TestDb {
         })
         .join();
     }
+}
+
+/// `name` lowercased, reduced to `[a-z0-9_]` (anything else becomes `_`) and cut to `max`
+/// characters: a piece of a schema, stream or subject name made from a test's name.
+pub(crate) fn sanitize(name: &str, max: usize) -> String {
+    let mut clean: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    clean.truncate(max);
+    clean
 }
 
 fn tokio_runtime() -> tokio::runtime::Runtime {

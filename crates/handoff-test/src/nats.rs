@@ -146,17 +146,7 @@ pub async fn prepare_shared_server() -> async_nats::Client {
 /// ```
 pub fn unique_name(prefix: &str) -> String {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
-    let mut clean: String = prefix
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_lowercase()
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    clean.truncate(32);
+    let clean = crate::sanitize(prefix, 32);
     // A process-random hasher over pid, counter and time: unique within a process by the
     // counter, across processes by the pid and the random keys.
     let nanos = std::time::SystemTime::now()
