@@ -10,7 +10,9 @@
 //!   database (brief W6);
 //! - [`subject`], the reversible encoding of aggregate ids into broker subject tokens;
 //! - [`delivery`], the relay's seams: a [`delivery::Source`] of committed events and a
-//!   [`delivery::Transport`] that publishes them.
+//!   [`delivery::Transport`] that publishes them;
+//! - [`intake`], the consumer's seam: an [`intake::Intake`] of delivered events, each settled
+//!   through [`intake::Settle`].
 //!
 //! The PostgreSQL side lives in `handoff-postgres`; broker adapters live in their own crates so
 //! this one never depends on a broker client.
@@ -41,13 +43,16 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+mod backoff;
 mod catalog;
 pub mod delivery;
 mod error;
 mod event;
+pub mod intake;
 mod limits;
 pub mod subject;
 
+pub use backoff::Backoff;
 pub use catalog::EventCatalog;
 pub use error::{ValidationError, ValidationErrorKind};
 pub use event::{Event, EventId, NewEvent};

@@ -7,6 +7,8 @@
 //! - [`JetStreamConfig`]: the stream, the subject prefix, the duplicate window and timeouts;
 //! - [`JetStreamTransport::connect`] and [`JetStreamTransport::ensure_stream`]: connect, and
 //!   create or check the stream;
+//! - [`JetStreamIntake`]: the consumers' side, a durable pull consumer that hands deliveries to
+//!   `handoff-consumer` and settles them (ack after commit, nak with delay, term);
 //! - [`header`]: the names of the headers every event carries (the consumers' contract).
 //!
 //! Delivery is at least once: the event id travels as `Nats-Msg-Id`, so a republish inside the
@@ -34,6 +36,7 @@
 mod config;
 mod error;
 pub mod header;
+mod intake;
 mod transport;
 mod url;
 
@@ -42,4 +45,5 @@ mod url;
 pub use async_nats;
 pub use config::{ConfigError, JetStreamConfig};
 pub use error::{ConnectError, ConnectErrorKind, StreamError, StreamErrorKind};
+pub use intake::{IntakeConfig, IntakeConnectError, JetStreamIntake, JetStreamSettle, REPLAY};
 pub use transport::{JetStreamTransport, StreamSummary};

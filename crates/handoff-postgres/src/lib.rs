@@ -11,6 +11,10 @@
 //!   `FOR UPDATE SKIP LOCKED` claims, records acknowledgements and failures, and wakes an idle
 //!   relay through LISTEN/NOTIFY (brief P1-P3, P7).
 //!
+//! - [`Inbox`] is the consumer side (brief C1-C5): the dedup row and the per-aggregate sequence
+//!   written in the consumer's own transaction, the consumer quarantine, and the record of
+//!   outside calls made under an idempotency key.
+//!
 //! The relay loop, consumers and operator commands build on the same tables in their own crates.
 //!
 //! # Examples
@@ -39,11 +43,16 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+mod inbox;
 mod migrate;
 mod outbox;
 mod schema;
 mod source;
 
+pub use inbox::{
+    validate_consumer_name, Admission, CallRecord, CallResponse, CallStatus, Inbox, InboxError,
+    InboxErrorKind, QuarantineKind, MAX_CONSUMER_NAME_BYTES,
+};
 pub use migrate::{
     MigrateError, MigrateErrorKind, Migration, MigrationReport, Migrator, HANDOFF_MIGRATIONS,
 };

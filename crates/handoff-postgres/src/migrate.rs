@@ -53,6 +53,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0002_relay_wakeup.up.sql"),
         down: include_str!("../migrations/0002_relay_wakeup.down.sql"),
     },
+    Migration {
+        version: 3,
+        name: "consumer_inbox",
+        up: include_str!("../migrations/0003_consumer_inbox.up.sql"),
+        down: include_str!("../migrations/0003_consumer_inbox.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

@@ -1,0 +1,295 @@
+//! [`ConsumerConfig`]: how a consumer runs, and the checks it must pass.
+
+use std::time::Duration;
+
+use handoff_core::Backoff;
+use handoff_postgres::{validate_consumer_name, InboxError, Schema};
+
+/// What a consumer does with an event that is not next in its aggregate's line (brief C3).
+///
+/// An event *ahead* of its aggregate (sequence k+2 while k+1 is not applied) is a gap; the
+/// policies differ in how they wait for k+1. An event *behind* it (a new event id at a place
+/// already applied: an old event replayed after its dedup row was cleaned up) is stale; it is
+/// recorded and skipped under `Reject` and `Buffer`, and given to the hook under `Reconcile`.
+/// Both are counted (`handoff_consumer_gaps_total`, `handoff_consumer_stale_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GapPolicy {
+    /// Leave the event with the broker and have it delivered again after `retry_after`; after
+    /// the delivery cap it goes to the quarantine with reason `gap`.
+    Reject {
+        /// How long the broker waits before the next delivery.
+        retry_after: Duration,
+    },
+    /// Hold the event (unacknowledged) in memory until its predecessor is applied, then apply
+    /// it at once. Bounded: past `max_per_aggregate` held events of one aggregate, or
+    /// `max_total` in all, or after `max_wait`, the event falls back to `Reject` with
+    /// `retry_after = max_wait`. `max_wait` must be shorter than the broker's ack wait.
+    Buffer {
+        /// Most events held for one aggregate.
+        max_per_aggregate: usize,
+        /// Most events held in all.
+        max_total: usize,
+        /// Longest an event is held before it is handed back to the broker.
+        max_wait: Duration,
+    },
+    /// Ask [`Handler::reconcile`](crate::Handler::reconcile), which may apply, skip or retry;
+    /// a retry is delivered again after `retry_after`.
+    Reconcile {
+        /// How long the broker waits before the next delivery, on
+        /// [`GapDecision::RetryLater`](crate::GapDecision::RetryLater).
+        retry_after: Duration,
+    },
+}
+
+impl GapPolicy {
+    /// A short stable name, for logs and flags: `reject`, `buffer`, `reconcile`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            GapPolicy::Reject { .. } => "reject",
+            GapPolicy::Buffer { .. } => "buffer",
+            GapPolicy::Reconcile { .. } => "reconcile",
+        }
+    }
+}
+
+impl Default for GapPolicy {
+    fn default() -> Self {
+        GapPolicy::Reject {
+            retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+/// How a [`Consumer`](crate::Consumer) runs. `Default` gives everything but the name.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use handoff_consumer::{ConsumerConfig, GapPolicy};
+///
+/// let config = ConsumerConfig {
+///     name: "inventory".into(),
+///     gap_policy: GapPolicy::Buffer {
+///         max_per_aggregate: 16,
+///         max_total: 1000,
+///         max_wait: Duration::from_secs(5),
+///     },
+///     ..ConsumerConfig::default()
+/// };
+/// assert!(config.validate().is_ok());
+///
+/// // Dedup rows must outlive the replay horizon (brief C5).
+/// let short = ConsumerConfig {
+///     dedup_retention: Duration::from_secs(3600),
+///     replay_horizon: Duration::from_secs(86_400),
+///     ..config
+/// };
+/// assert!(short.validate().is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConsumerConfig {
+    /// The consumer's name: its key in `processed_events` and the other inbox tables, and its
+    /// durable subscription's name. Every instance of one consumer uses the same name.
+    pub name: String,
+    /// Where the inbox tables live.
+    pub schema: Schema,
+    /// Most events applied at once (each on its own connection), across aggregates. Default 16.
+    pub max_concurrency: usize,
+    /// Deliveries after which an event that still fails (retryable handler error, or a gap
+    /// under `Reject`) goes to the quarantine. Default 10.
+    pub max_deliveries: u64,
+    /// Delay before the next delivery after a retryable handler error, by delivery count.
+    /// Default 500 ms doubling to 30 s.
+    pub retry_backoff: Backoff,
+    /// What to do with an event that is not next in its aggregate's line.
+    pub gap_policy: GapPolicy,
+    /// How long dedup rows are kept. Must be at least [`replay_horizon`](Self::replay_horizon):
+    /// an event replayed after its dedup row is gone is caught only by the sequence check.
+    /// Default 7 days.
+    pub dedup_retention: Duration,
+    /// How far back the outbox can replay events (its retention of published rows, or the
+    /// broker's retention, whichever is longer). Default 7 days.
+    pub replay_horizon: Duration,
+    /// At shutdown, how long events being applied may take to finish. Default 10 s.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            schema: Schema::default(),
+            max_concurrency: 16,
+            max_deliveries: 10,
+            retry_backoff: Backoff {
+                initial: Duration::from_millis(500),
+                max: Duration::from_secs(30),
+            },
+            gap_policy: GapPolicy::default(),
+            dedup_retention: Duration::from_secs(7 * 86_400),
+            replay_horizon: Duration::from_secs(7 * 86_400),
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Why a [`ConsumerConfig`] is unusable.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The name breaks the consumer name rules.
+    #[error(transparent)]
+    Name(#[from] InboxError),
+    /// Dedup rows would be deleted while their events can still be replayed (brief C5).
+    #[error(
+        "dedup retention {} is shorter than the replay horizon {}: a replayed event could be \
+         applied twice",
+        humanize(*dedup_retention),
+        humanize(*replay_horizon)
+    )]
+    RetentionShorterThanReplay {
+        /// The configured dedup retention.
+        dedup_retention: Duration,
+        /// The configured replay horizon.
+        replay_horizon: Duration,
+    },
+    /// `max_concurrency` is 0.
+    #[error("max concurrency must be at least 1")]
+    NoConcurrency,
+    /// `max_deliveries` is 0.
+    #[error("max deliveries must be at least 1")]
+    NoDeliveries,
+    /// A backoff starts at zero or ends below its start.
+    #[error("invalid retry backoff {0:?}: it must start above zero and end at or above its start")]
+    InvalidBackoff(Backoff),
+    /// The buffer policy cannot hold anything or never hands events back.
+    #[error("invalid buffer policy: {0}")]
+    InvalidBuffer(&'static str),
+}
+
+impl ConsumerConfig {
+    /// Checks the configuration.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`]: an invalid name, a dedup retention shorter than the replay horizon,
+    /// zero concurrency or deliveries, a broken backoff or buffer bound.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        validate_consumer_name(&self.name)?;
+        if self.dedup_retention < self.replay_horizon {
+            return Err(ConfigError::RetentionShorterThanReplay {
+                dedup_retention: self.dedup_retention,
+                replay_horizon: self.replay_horizon,
+            });
+        }
+        if self.max_concurrency == 0 {
+            return Err(ConfigError::NoConcurrency);
+        }
+        if self.max_deliveries == 0 {
+            return Err(ConfigError::NoDeliveries);
+        }
+        let backoff = self.retry_backoff;
+        if backoff.initial.is_zero() || backoff.max < backoff.initial {
+            return Err(ConfigError::InvalidBackoff(backoff));
+        }
+        if let GapPolicy::Buffer {
+            max_per_aggregate,
+            max_total,
+            max_wait,
+        } = self.gap_policy
+        {
+            if max_per_aggregate == 0 || max_total == 0 {
+                return Err(ConfigError::InvalidBuffer("it holds no event"));
+            }
+            if max_wait.is_zero() {
+                return Err(ConfigError::InvalidBuffer("max_wait is zero"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whole days, hours, minutes or seconds, whichever is largest and exact enough.
+fn humanize(d: Duration) -> String {
+    let secs = d.as_secs();
+    match secs {
+        s if s >= 86_400 && s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if s >= 3_600 && s % 3_600 == 0 => format!("{}h", s / 3_600),
+        s if s >= 60 && s % 60 == 0 => format!("{}m", s / 60),
+        _ => format!("{:?}", d),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named() -> ConsumerConfig {
+        ConsumerConfig {
+            name: "c".into(),
+            ..ConsumerConfig::default()
+        }
+    }
+
+    #[test]
+    fn dedup_retention_shorter_than_replay_horizon_is_refused() {
+        let config = ConsumerConfig {
+            dedup_retention: Duration::from_secs(86_400),
+            replay_horizon: Duration::from_secs(2 * 86_400),
+            ..named()
+        };
+        let error = config.validate().unwrap_err();
+        assert!(matches!(
+            error,
+            ConfigError::RetentionShorterThanReplay { .. }
+        ));
+        assert_eq!(
+            error.to_string(),
+            "dedup retention 1d is shorter than the replay horizon 2d: a replayed event could \
+             be applied twice"
+        );
+        let equal = ConsumerConfig {
+            dedup_retention: Duration::from_secs(2 * 86_400),
+            ..config
+        };
+        assert!(equal.validate().is_ok());
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        assert!(ConsumerConfig::default().validate().is_err(), "no name");
+        let bad = [
+            ConsumerConfig {
+                max_concurrency: 0,
+                ..named()
+            },
+            ConsumerConfig {
+                max_deliveries: 0,
+                ..named()
+            },
+            ConsumerConfig {
+                retry_backoff: Backoff {
+                    initial: Duration::ZERO,
+                    max: Duration::from_secs(1),
+                },
+                ..named()
+            },
+            ConsumerConfig {
+                gap_policy: GapPolicy::Buffer {
+                    max_per_aggregate: 0,
+                    max_total: 10,
+                    max_wait: Duration::from_secs(1),
+                },
+                ..named()
+            },
+            ConsumerConfig {
+                name: "a.b".into(),
+                ..named()
+            },
+        ];
+        for config in bad {
+            assert!(config.validate().is_err(), "{config:?}");
+        }
+    }
+}

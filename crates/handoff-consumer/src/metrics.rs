@@ -1,0 +1,77 @@
+//! The consumer's Prometheus metrics, registered once per consumer through the `metrics` facade.
+//!
+//! Every series carries the label `consumer`:
+//!
+//! | name | type | what |
+//! |---|---|---|
+//! | `handoff_consumer_applied_total` | counter | events whose effect was committed |
+//! | `handoff_consumer_duplicates_total` | counter | deliveries of an already applied event, acknowledged without applying |
+//! | `handoff_consumer_gaps_total` | counter | deliveries ahead of their aggregate (sequence > last + 1) |
+//! | `handoff_consumer_stale_total` | counter | new event ids at an already applied place (sequence <= last) |
+//! | `handoff_consumer_skipped_total` | counter | events recorded as processed without applying (stale, or a reconcile skip) |
+//! | `handoff_consumer_retries_total` | counter | deliveries handed back for a later redelivery |
+//! | `handoff_consumer_handler_errors_total{kind}` | counter | handler failures, `retryable` or `permanent` |
+//! | `handoff_consumer_quarantined_total{reason}` | counter | events put in the consumer quarantine |
+//! | `handoff_consumer_buffered_events` | gauge | events held by the buffer gap policy |
+//! | `handoff_consumer_apply_seconds` | histogram | from taking a delivery to its acknowledgement |
+
+use handoff_postgres::QuarantineKind;
+use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
+
+use crate::HandlerErrorKind;
+
+pub(crate) struct ConsumerMetrics {
+    name: String,
+    pub(crate) applied: Counter,
+    pub(crate) duplicates: Counter,
+    pub(crate) gaps: Counter,
+    pub(crate) stale: Counter,
+    pub(crate) skipped: Counter,
+    pub(crate) retries: Counter,
+    pub(crate) buffered: Gauge,
+    pub(crate) apply_seconds: Histogram,
+}
+
+impl ConsumerMetrics {
+    pub(crate) fn new(name: &str) -> Self {
+        let label = ("consumer", name.to_owned());
+        Self {
+            name: name.to_owned(),
+            applied: counter!(
+                "handoff_consumer_applied_total",
+                std::slice::from_ref(&label)
+            ),
+            duplicates: counter!(
+                "handoff_consumer_duplicates_total",
+                std::slice::from_ref(&label)
+            ),
+            gaps: counter!("handoff_consumer_gaps_total", std::slice::from_ref(&label)),
+            stale: counter!("handoff_consumer_stale_total", std::slice::from_ref(&label)),
+            skipped: counter!(
+                "handoff_consumer_skipped_total",
+                std::slice::from_ref(&label)
+            ),
+            retries: counter!(
+                "handoff_consumer_retries_total",
+                std::slice::from_ref(&label)
+            ),
+            buffered: gauge!(
+                "handoff_consumer_buffered_events",
+                std::slice::from_ref(&label)
+            ),
+            apply_seconds: histogram!("handoff_consumer_apply_seconds", &[label]),
+        }
+    }
+
+    pub(crate) fn handler_error(&self, kind: HandlerErrorKind) {
+        counter!("handoff_consumer_handler_errors_total",
+            "consumer" => self.name.clone(), "kind" => kind.as_str())
+        .increment(1);
+    }
+
+    pub(crate) fn quarantined(&self, kind: QuarantineKind) {
+        counter!("handoff_consumer_quarantined_total",
+            "consumer" => self.name.clone(), "reason" => kind.as_str())
+        .increment(1);
+    }
+}

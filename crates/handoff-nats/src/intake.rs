@@ -1,0 +1,349 @@
+//! [`JetStreamIntake`]: a consumer's [`Intake`] from a durable JetStream pull consumer.
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::pull::{Config as PullConfig, Stream as PullStream};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy};
+use async_nats::jetstream::message::{AckKind, Acker};
+use futures::StreamExt;
+use handoff_core::intake::{Delivery, Intake, IntakeError, MalformedEvent, ReceivedEvent, Settle};
+use handoff_core::subject::decode_token;
+use uuid::Uuid;
+
+use crate::{header, ConnectError, JetStreamConfig, JetStreamTransport, StreamError};
+
+/// The header a replay (`handoff replay`) adds to a republished event.
+pub const REPLAY: &str = "Handoff-Replay";
+
+/// Where and how a [`JetStreamIntake`] subscribes.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use handoff_nats::IntakeConfig;
+///
+/// let config = IntakeConfig {
+///     durable_name: "inventory".into(),
+///     ack_wait: Duration::from_secs(10),
+///     ..IntakeConfig::default()
+/// };
+/// assert_eq!(config.filter(), "outbox.>");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IntakeConfig {
+    /// The stream the relay publishes into; created (as the relay would) when missing, so a
+    /// consumer may start first. Default `"OUTBOX"`.
+    pub stream: String,
+    /// The relay's subject prefix. Default `"outbox"`.
+    pub subject_prefix: String,
+    /// The durable consumer's name: every instance of one consumer shares it (and the messages
+    /// it holds). Use the consumer's name.
+    pub durable_name: String,
+    /// Only these subjects, such as `outbox.order.*`; default `<subject_prefix>.>`.
+    pub filter_subject: Option<String>,
+    /// How long the server waits for an acknowledgement before it redelivers. Longer than the
+    /// slowest handler (outside calls included). Default 30 s.
+    pub ack_wait: Duration,
+    /// Most messages delivered and not yet acknowledged, across instances: the bound on what a
+    /// consumer holds in memory. Default 1000.
+    pub max_ack_pending: i64,
+    /// Messages asked for per pull request. Default 256.
+    pub batch: usize,
+}
+
+impl Default for IntakeConfig {
+    fn default() -> Self {
+        Self {
+            stream: "OUTBOX".to_owned(),
+            subject_prefix: "outbox".to_owned(),
+            durable_name: String::new(),
+            filter_subject: None,
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: 1000,
+            batch: 256,
+        }
+    }
+}
+
+impl IntakeConfig {
+    /// The subject filter the durable consumer uses.
+    pub fn filter(&self) -> String {
+        self.filter_subject
+            .clone()
+            .unwrap_or_else(|| format!("{}.>", self.subject_prefix))
+    }
+}
+
+/// Why [`JetStreamIntake::connect`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IntakeConnectError {
+    /// The server could not be reached, or refused the credentials or configuration.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The stream could not be found or created.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    /// The configuration is unusable.
+    #[error("invalid intake configuration: {0}")]
+    Invalid(&'static str),
+    /// The durable consumer could not be created or read.
+    #[error("while creating durable consumer {name} on stream {stream}: {message}")]
+    Consumer {
+        /// The durable name.
+        name: String,
+        /// The stream.
+        stream: String,
+        /// The server's or client's error.
+        message: String,
+    },
+}
+
+/// Deliveries from a durable JetStream pull consumer with explicit acknowledgements.
+///
+/// The durable consumer is created on first use with `AckPolicy::Explicit`, the configured ack
+/// wait and max-ack-pending, no delivery limit of its own (the consumer's delivery cap decides,
+/// and quarantines instead of letting the server drop the message), and delivery from the
+/// stream's start. An existing durable consumer is used as it is.
+///
+/// Each message is read back from the relay's contract: `ce-id` (the event id; not
+/// `Nats-Msg-Id`, which a second publish may change), `Handoff-Aggregate-Type`,
+/// `Handoff-Aggregate-Id` (decoded), `Handoff-Sequence`, `ce-type`, `Handoff-Schema-Version` and
+/// [`REPLAY`]. A message without them is handed over as a [`MalformedEvent`].
+///
+/// # Examples
+///
+/// ```no_run
+/// use handoff_core::intake::Intake;
+/// use handoff_nats::{IntakeConfig, JetStreamIntake};
+///
+/// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+/// let config = IntakeConfig { durable_name: "audit".into(), ..IntakeConfig::default() };
+/// let mut intake = JetStreamIntake::connect("nats://127.0.0.1:4222", config).await?;
+/// let delivery = intake.next().await?;
+/// println!("delivery {} of {:?}", delivery.delivery_count, delivery.event.map(|e| e.event_id));
+/// # Ok(())
+/// # }
+/// ```
+pub struct JetStreamIntake {
+    messages: PullStream,
+    transport: JetStreamTransport,
+}
+
+impl JetStreamIntake {
+    /// Connects to `url` (as [`JetStreamTransport::connect`]), makes sure the stream exists, and
+    /// creates or opens the durable consumer.
+    ///
+    /// # Errors
+    ///
+    /// [`IntakeConnectError`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future may leave the stream or durable consumer created; a later call uses
+    /// them.
+    pub async fn connect(url: &str, config: IntakeConfig) -> Result<Self, IntakeConnectError> {
+        if config.durable_name.is_empty() {
+            return Err(IntakeConnectError::Invalid("durable_name is empty"));
+        }
+        if config.max_ack_pending < 1 || config.batch == 0 {
+            return Err(IntakeConnectError::Invalid(
+                "max_ack_pending and batch must be at least 1",
+            ));
+        }
+        let transport = JetStreamTransport::connect(
+            url,
+            JetStreamConfig {
+                stream: config.stream.clone(),
+                subject_prefix: config.subject_prefix.clone(),
+                ..JetStreamConfig::default()
+            },
+        )
+        .await?;
+        transport.ensure_stream().await?;
+        let consumer_error = |message: String| IntakeConnectError::Consumer {
+            name: config.durable_name.clone(),
+            stream: config.stream.clone(),
+            message,
+        };
+        let context = async_nats::jetstream::new(transport.client().clone());
+        let stream = context
+            .get_stream(&config.stream)
+            .await
+            .map_err(|e| consumer_error(e.to_string()))?;
+        let consumer = stream
+            .get_or_create_consumer::<PullConfig>(
+                &config.durable_name,
+                PullConfig {
+                    durable_name: Some(config.durable_name.clone()),
+                    ack_policy: AckPolicy::Explicit,
+                    ack_wait: config.ack_wait,
+                    max_ack_pending: config.max_ack_pending,
+                    max_deliver: -1,
+                    deliver_policy: DeliverPolicy::All,
+                    filter_subject: config.filter(),
+                    ..PullConfig::default()
+                },
+            )
+            .await
+            .map_err(|e| consumer_error(e.to_string()))?;
+        let existing = &consumer.cached_info().config;
+        if existing.ack_wait != config.ack_wait || existing.filter_subject != config.filter() {
+            tracing::warn!(durable = %config.durable_name, existing_ack_wait = ?existing.ack_wait,
+                existing_filter = %existing.filter_subject,
+                "the durable consumer exists with other settings; using it as it is");
+        }
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(config.batch)
+            .messages()
+            .await
+            .map_err(|e| consumer_error(e.to_string()))?;
+        Ok(Self {
+            messages,
+            transport,
+        })
+    }
+
+    /// The NATS client, for tools and tests.
+    pub fn client(&self) -> &async_nats::Client {
+        self.transport.client()
+    }
+}
+
+impl Intake for JetStreamIntake {
+    type Settle = JetStreamSettle;
+
+    async fn next(&mut self) -> Result<Delivery<JetStreamSettle>, IntakeError> {
+        let message = match self.messages.next().await {
+            Some(Ok(message)) => message,
+            Some(Err(error)) => return Err(IntakeError::new("while pulling messages", error)),
+            None => return Err(IntakeError::message("the pull subscription ended")),
+        };
+        let delivery_count = message
+            .info()
+            .map(|info| u64::try_from(info.delivered).unwrap_or(1))
+            .unwrap_or(1);
+        let (message, acker) = message.split();
+        Ok(Delivery {
+            event: read_event(&message),
+            delivery_count,
+            settle: JetStreamSettle { acker },
+        })
+    }
+}
+
+/// Settles one JetStream delivery (`+ACK`, `-NAK` with a delay, `+TERM`, `+WPI`).
+pub struct JetStreamSettle {
+    acker: Acker,
+}
+
+impl JetStreamSettle {
+    async fn send(&self, kind: AckKind, what: &str) -> Result<(), IntakeError> {
+        self.acker
+            .ack_with(kind)
+            .await
+            .map_err(|e| IntakeError::message(format!("while {what}: {e}")))
+    }
+}
+
+impl Settle for JetStreamSettle {
+    async fn ack(&self) -> Result<(), IntakeError> {
+        self.send(AckKind::Ack, "acknowledging").await
+    }
+
+    async fn nak(&self, delay: Duration) -> Result<(), IntakeError> {
+        let delay = (!delay.is_zero()).then_some(delay);
+        self.send(AckKind::Nak(delay), "handing a message back")
+            .await
+    }
+
+    async fn term(&self) -> Result<(), IntakeError> {
+        self.send(AckKind::Term, "terminating a message").await
+    }
+
+    async fn in_progress(&self) -> Result<(), IntakeError> {
+        self.send(AckKind::Progress, "extending the ack wait").await
+    }
+}
+
+/// Reads handoff's message contract back from a message.
+fn read_event(message: &async_nats::Message) -> Result<ReceivedEvent, MalformedEvent> {
+    let headers: Vec<(String, String)> = message
+        .headers
+        .iter()
+        .flat_map(|map| map.iter())
+        .flat_map(|(name, values)| {
+            values
+                .iter()
+                .map(move |value| (name.to_string(), value.as_str().to_owned()))
+        })
+        .collect();
+    let get = |name: &str| {
+        headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    };
+    let event_id = get(header::CE_ID).and_then(|v| Uuid::parse_str(v).ok());
+    let malformed = |reason: String| MalformedEvent {
+        reason,
+        event_id,
+        location: message.subject.to_string(),
+        headers: headers.clone(),
+        payload: String::from_utf8_lossy(&message.payload).into_owned(),
+    };
+    let required =
+        |name: &str| get(name).ok_or_else(|| malformed(format!("header {name} is missing")));
+    let event_id = match event_id {
+        Some(id) => id,
+        None => {
+            return Err(malformed(match get(header::CE_ID) {
+                Some(v) => format!("header ce-id {v:?} is not a UUID"),
+                None => "header ce-id is missing".to_owned(),
+            }))
+        }
+    };
+    let aggregate_type = required(header::AGGREGATE_TYPE)?.to_owned();
+    let encoded_id = required(header::AGGREGATE_ID)?;
+    let aggregate_id = decode_token(encoded_id)
+        .map_err(|e| malformed(format!("header {}: {e}", header::AGGREGATE_ID)))?
+        .into_owned();
+    let sequence: i64 = required(header::SEQUENCE)?
+        .parse()
+        .ok()
+        .filter(|s| *s >= 1)
+        .ok_or_else(|| {
+            malformed(format!(
+                "header {} is not a positive integer",
+                header::SEQUENCE
+            ))
+        })?;
+    let event_type = required(header::CE_TYPE)?.to_owned();
+    let schema_version: i32 = required(header::SCHEMA_VERSION)?
+        .parse()
+        .ok()
+        .filter(|v| *v >= 1)
+        .ok_or_else(|| {
+            malformed(format!(
+                "header {} is not a positive integer",
+                header::SCHEMA_VERSION
+            ))
+        })?;
+    let payload = std::str::from_utf8(&message.payload)
+        .map_err(|_| malformed("the body is not UTF-8".to_owned()))?
+        .to_owned();
+    let replayed = get(REPLAY).is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    Ok(ReceivedEvent {
+        event_id,
+        aggregate_type,
+        aggregate_id,
+        sequence,
+        event_type,
+        schema_version,
+        payload,
+        headers,
+        replayed,
+    })
+}

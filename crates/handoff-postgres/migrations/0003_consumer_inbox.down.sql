@@ -1,0 +1,3 @@
+DROP TABLE external_calls;
+DROP TABLE consumer_quarantine;
+DROP TABLE consumer_sequences;

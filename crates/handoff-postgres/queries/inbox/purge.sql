@@ -1,0 +1,8 @@
+-- Deletes at most $3 dedup rows of consumer $1 processed before $2: one bounded batch, its own
+-- short transaction (brief C5, O2). The caller loops until fewer than $3 are deleted.
+DELETE FROM {schema}processed_events
+WHERE ctid = ANY (ARRAY(
+    SELECT ctid FROM {schema}processed_events
+    WHERE consumer_name = $1 AND processed_at < $2
+    LIMIT $3
+))
