@@ -6,9 +6,12 @@
 //!   through its bounds (the claim/mark SQL alone, JetStream alone, a naive one-at-a-time loop),
 //!   checks order and completeness in the stream, and measures commit-to-ack latency under a
 //!   live writer.
+//! - `handoff-bench consumer` ([`consumer`]) measures msgs/s of a consumer applying events
+//!   through the inbox, against the same consumer and handler without it.
 
 use clap::{Parser, Subcommand};
 
+mod consumer;
 mod relay;
 mod scratch;
 mod write_path;
@@ -29,6 +32,8 @@ enum Command {
     WritePath(write_path::WritePathArgs),
     /// Relay drain rate against its bounds, order checks, commit-to-ack latency.
     Relay(relay::RelayArgs),
+    /// Consumer msgs/s with the inbox vs the same handler without it.
+    Consumer(consumer::ConsumerArgs),
 }
 
 #[tokio::main]
@@ -44,6 +49,7 @@ async fn main() -> std::process::ExitCode {
     let result = match Cli::parse().command {
         Command::WritePath(args) => write_path::write_path(args).await,
         Command::Relay(args) => relay::relay(args).await,
+        Command::Consumer(args) => consumer::consumer(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

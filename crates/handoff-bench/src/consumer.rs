@@ -1,0 +1,903 @@
+//! `handoff-bench consumer`: messages/s of a consumer that applies events through the inbox,
+//! against the same consumer and handler without it
+//! (`Consumer::without_inbox_for_benchmarks`), in the same run.
+//!
+//! One stream is preloaded once with N events over K aggregates, each aggregate's events in
+//! sequence order 1..n, published through the relay's own transport
+//! (`JetStreamTransport::publish`, which sets the contract headers). Every run then reads the
+//! whole stream from its start through a fresh durable consumer (`JetStreamIntake`), so every run
+//! sees the identical stream. The handler is the same in both variants: it parses the payload and
+//! reserves stock with one upsert into `bench_stock`, in the consumer's transaction. With the
+//! inbox, that transaction also runs the admit statement (`processed_events` row and
+//! `consumer_sequences` advance); without it, only the upsert.
+//!
+//! A run ends when the handler has applied all N events and the consumer has stopped (its
+//! shutdown future completes on the N-th effect, then it lets the transactions in flight
+//! commit). Variants alternate within every round (inbox first in odd rounds), the business and
+//! inbox tables are truncated and checkpointed before every run, and the median per variant is
+//! reported with the ratio inbox / no inbox. After every run the effects are checked: the sum of
+//! reservations is the expected total, and with the inbox every event has its dedup row and
+//! every aggregate stands at its last sequence; a mismatch fails the bench.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context, Result};
+use futures::stream::{self, StreamExt, TryStreamExt};
+use handoff_consumer::{Consumer, ConsumerConfig, Handler, HandlerError, HandlerErrorKind};
+use handoff_core::delivery::{OutboxEvent, Transport};
+use handoff_core::intake::ReceivedEvent;
+use handoff_nats::async_nats::jetstream;
+use handoff_nats::{IntakeConfig, JetStreamConfig, JetStreamIntake, JetStreamTransport};
+use handoff_postgres::{Migrator, Schema};
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+use crate::scratch::ScratchDatabase;
+
+// The relay bench's CPU accounting, compiled in here as well: the `relay` module keeps it
+// private, and the two benches report CPU the same way.
+#[path = "relay/cpu.rs"]
+mod cpu;
+
+/// The stream the benchmark owns: created at the start, deleted at the end.
+const STREAM: &str = "BENCH_CONSUMER";
+
+/// Its subject prefix.
+const SUBJECT_PREFIX: &str = "bench_consumer";
+
+/// Publishes outstanding while the stream is preloaded.
+const PUBLISH_OUTSTANDING: usize = 256;
+
+/// The consumer's name (its key in the inbox tables, which are truncated between runs).
+const CONSUMER_NAME: &str = "bench";
+
+/// Goal of the issue: inbox msgs/s at least this share of no-inbox msgs/s.
+const GOAL_RATIO: f64 = 0.8;
+
+/// The handler's business effect: reserve the ordered quantity of one SKU.
+const RESERVE_SQL: &str = "INSERT INTO bench_stock (sku, reserved) VALUES ($1, $2)
+     ON CONFLICT ON CONSTRAINT bench_stock_pkey
+     DO UPDATE SET reserved = bench_stock.reserved + excluded.reserved";
+
+/// Flags of `handoff-bench consumer`.
+#[derive(clap::Args)]
+pub struct ConsumerArgs {
+    /// Server to benchmark on; a scratch database is created there and dropped afterwards.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    database_url: String,
+    /// JetStream server; the benchmark creates and deletes its own stream, BENCH_CONSUMER.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+    /// Events in the stream (a multiple of --aggregates).
+    #[arg(long, default_value_t = 50_000)]
+    events: usize,
+    /// Aggregates the events are spread over.
+    #[arg(long, default_value_t = 5_000)]
+    aggregates: usize,
+    /// Rounds; each runs both variants, and the median per variant is reported.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// The consumer's `max_concurrency` (events applied at once), in both variants.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// SKUs the reservations are spread over (aggregate number modulo this).
+    #[arg(long, default_value_t = 1_000)]
+    skus: usize,
+    /// The durable consumer's max-ack-pending.
+    #[arg(long, default_value_t = 4_096)]
+    max_ack_pending: i64,
+    /// Messages per pull request.
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// A run that has not applied every event after this long fails the bench.
+    #[arg(long, default_value_t = 300)]
+    run_timeout_seconds: u64,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Which consumer applied the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Variant {
+    /// `Consumer::new` as shipped: admit statement, then the handler, in one transaction.
+    Inbox,
+    /// The same consumer with `without_inbox_for_benchmarks()`: the handler alone.
+    NoInbox,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Inbox => "inbox",
+            Variant::NoInbox => "no inbox",
+        }
+    }
+
+    /// For durable consumer names.
+    fn slug(self) -> &'static str {
+        match self {
+            Variant::Inbox => "inbox",
+            Variant::NoInbox => "no-inbox",
+        }
+    }
+}
+
+/// The payload of every event: one order line whose stock the handler reserves.
+#[derive(Debug, Serialize, Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+    customer_id: String,
+    sku: String,
+    quantity: i64,
+    unit_price_cents: i64,
+    placed_at: String,
+}
+
+/// The stream's content, as published.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Workload {
+    events: usize,
+    aggregates: usize,
+    per_aggregate: usize,
+    skus: usize,
+    /// Mean payload size, in bytes.
+    payload_bytes: usize,
+    /// The sum of every event's quantity: what `bench_stock` must add up to after a run.
+    expected_reserved: i64,
+}
+
+/// How both variants' consumers run.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Settings {
+    max_concurrency: usize,
+    /// Connections in the consumer's pool: `max_concurrency` + 1, as `Consumer::new` asks.
+    pool_connections: u32,
+    max_ack_pending: i64,
+    batch: usize,
+    ack_wait_seconds: u64,
+}
+
+/// One variant's run in one round.
+#[derive(Debug, Clone, Serialize)]
+struct Run {
+    variant: Variant,
+    round: usize,
+    events: usize,
+    /// From connecting the intake until the consumer stopped with every event committed.
+    seconds: f64,
+    /// From connecting the intake until the handler applied the last event (not yet committed).
+    seconds_to_last_effect: f64,
+    msgs_per_second: f64,
+    /// The handler's upsert, as timed inside the handler.
+    upsert_p50_ms: f64,
+    upsert_p99_ms: f64,
+    /// WAL written during the run (the whole server's), per event.
+    wal_bytes_per_event: f64,
+    cpu: cpu::CpuShare,
+    check: Check,
+}
+
+/// The consumer's database after a run.
+#[derive(Debug, Clone, Serialize)]
+struct Check {
+    /// Handler calls that returned Ok.
+    handler_calls: u64,
+    reserved_total: i64,
+    expected_reserved: i64,
+    processed_events: i64,
+    /// Aggregates in `consumer_sequences`, and those at their last sequence.
+    sequence_rows: i64,
+    sequences_at_last: i64,
+    quarantined: i64,
+}
+
+#[derive(Serialize)]
+struct Results {
+    machine: Machine,
+    workload: Workload,
+    settings: Settings,
+    rounds: usize,
+    preload_seconds: f64,
+    /// Per variant, the run with the median rate.
+    median: Vec<Run>,
+    /// Every run, in the order they ran.
+    runs: Vec<Run>,
+    /// Median inbox msgs/s over median no-inbox msgs/s.
+    ratio: f64,
+    /// Per round, inbox over no-inbox.
+    ratio_per_round: Vec<f64>,
+    goal: Goal,
+}
+
+#[derive(Serialize)]
+struct Goal {
+    goal: String,
+    value: f64,
+    met: bool,
+}
+
+#[derive(Serialize)]
+struct Machine {
+    cores: usize,
+    memory_gib: Option<f64>,
+    load_average_at_start: Option<String>,
+    postgres: BTreeMap<String, String>,
+    nats_server_version: String,
+    /// Median time of a one-row autocommit INSERT, in ms, at the start and at the end: the
+    /// disk's flush latency, which bounds every commit of both variants.
+    commit_ms_at_start: f64,
+    commit_ms_at_end: f64,
+}
+
+/// What every run shares.
+struct Bench {
+    options: PgConnectOptions,
+    nats_url: String,
+    workload: Workload,
+    settings: Settings,
+    nats_pid: Option<u32>,
+    run_timeout: Duration,
+}
+
+/// Runs both variants for every round, prints the table, writes the JSON.
+pub async fn consumer(args: ConsumerArgs) -> Result<()> {
+    anyhow::ensure!(
+        args.aggregates > 0 && args.events >= args.aggregates && args.events % args.aggregates == 0,
+        "--events must be a positive multiple of --aggregates"
+    );
+    anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    anyhow::ensure!(
+        args.concurrency > 0 && args.skus > 0,
+        "--concurrency and --skus must be at least 1"
+    );
+    let server = PgConnectOptions::from_str(&args.database_url)
+        .context("invalid --database-url")?
+        .disable_statement_logging();
+    let jetstream = JetStreamConfig {
+        stream: STREAM.to_owned(),
+        subject_prefix: SUBJECT_PREFIX.to_owned(),
+        ..JetStreamConfig::default()
+    };
+    let transport = JetStreamTransport::connect(&args.nats_url, jetstream)
+        .await
+        .context("while connecting to NATS (check --nats-url / NATS_URL)")?;
+    let scratch = ScratchDatabase::create(&server).await?;
+    let result = run(&args, &scratch, &transport).await;
+    // Cleaned up whatever happened, so a failed run leaves nothing behind.
+    let deleted = jetstream::new(transport.client().clone())
+        .delete_stream(STREAM)
+        .await
+        .map(|_| ())
+        .context("while deleting the bench stream");
+    let dropped = scratch.drop_database().await;
+    result.and(deleted).and(dropped)
+}
+
+async fn run(
+    args: &ConsumerArgs,
+    scratch: &ScratchDatabase,
+    transport: &JetStreamTransport,
+) -> Result<()> {
+    let mut admin = PgConnection::connect_with(&scratch.options).await?;
+    Migrator::handoff(Schema::default())
+        .run(&mut admin)
+        .await
+        .context("while migrating the scratch database")?;
+    admin
+        .execute(
+            "CREATE TABLE bench_stock (
+                 sku      text   NOT NULL,
+                 reserved bigint NOT NULL,
+                 CONSTRAINT bench_stock_pkey PRIMARY KEY (sku)
+             )",
+        )
+        .await?;
+
+    let events = events(args.aggregates, args.events / args.aggregates, args.skus)?;
+    let payload_bytes = events
+        .iter()
+        .flatten()
+        .map(|e| e.payload.len())
+        .sum::<usize>()
+        / args.events;
+    let expected_reserved = events
+        .iter()
+        .flatten()
+        .map(|e| Ok(serde_json::from_str::<OrderPlaced>(&e.payload)?.quantity))
+        .sum::<Result<i64>>()?;
+    let workload = Workload {
+        events: args.events,
+        aggregates: args.aggregates,
+        per_aggregate: args.events / args.aggregates,
+        skus: args.skus,
+        payload_bytes,
+        expected_reserved,
+    };
+    let settings = Settings {
+        max_concurrency: args.concurrency,
+        pool_connections: u32::try_from(args.concurrency + 1)?,
+        max_ack_pending: args.max_ack_pending,
+        batch: args.batch,
+        ack_wait_seconds: 60,
+    };
+    let bench = Bench {
+        options: scratch.options.clone(),
+        nats_url: args.nats_url.clone(),
+        workload,
+        settings,
+        nats_pid: cpu::find_nats_server(nats_port(&args.nats_url)),
+        run_timeout: Duration::from_secs(args.run_timeout_seconds),
+    };
+    let mut machine = machine(&mut admin, transport).await?;
+    println!(
+        "consumer: {} events over {} aggregates ({} each, ~{payload_bytes} B payloads, {} SKUs), \
+         concurrency {}, pool {}, max_ack_pending {}, batch {}, {} round(s); {} cores, load {}; \
+         postgres {}; nats-server {}; one-row commit p50 {:.2} ms",
+        workload.events,
+        workload.aggregates,
+        workload.per_aggregate,
+        workload.skus,
+        settings.max_concurrency,
+        settings.pool_connections,
+        settings.max_ack_pending,
+        settings.batch,
+        args.rounds,
+        machine.cores,
+        machine.load_average_at_start.as_deref().unwrap_or("?"),
+        machine
+            .postgres
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        machine.nats_server_version,
+        machine.commit_ms_at_start,
+    );
+
+    let preload_seconds = preload(transport, &events).await?;
+    eprintln!(
+        "  preloaded {} events in {preload_seconds:.2} s ({:.0}/s)",
+        workload.events,
+        workload.events as f64 / preload_seconds
+    );
+    drop(events);
+
+    let mut runs = Vec::new();
+    for round in 1..=args.rounds {
+        // Alternate which variant goes first, so neither always runs on a warmer server.
+        let order = if round % 2 == 1 {
+            [Variant::Inbox, Variant::NoInbox]
+        } else {
+            [Variant::NoInbox, Variant::Inbox]
+        };
+        for variant in order {
+            let run = measure(&bench, &mut admin, variant, round).await?;
+            eprintln!(
+                "  round {round} {}: {} events in {:.2} s = {:.0} msgs/s (upsert p50 {:.2} ms, \
+                 WAL {:.0} B/event, CPU bench {} / nats {} / pg {:.2} / machine {})",
+                variant.name(),
+                run.events,
+                run.seconds,
+                run.msgs_per_second,
+                run.upsert_p50_ms,
+                run.wal_bytes_per_event,
+                cores(run.cpu.bench),
+                cores(run.cpu.nats_server),
+                run.cpu.postgres_backends,
+                cores(run.cpu.machine_busy),
+            );
+            runs.push(run);
+        }
+    }
+    machine.commit_ms_at_end = commit_probe(&mut admin).await?;
+
+    let median: Vec<Run> = [Variant::Inbox, Variant::NoInbox]
+        .into_iter()
+        .map(|variant| median(&runs, variant))
+        .collect();
+    let ratio = median[0].msgs_per_second / median[1].msgs_per_second;
+    let ratio_per_round: Vec<f64> = (1..=args.rounds)
+        .map(|round| {
+            let rate = |variant| {
+                runs.iter()
+                    .find(|r| r.round == round && r.variant == variant)
+                    .map_or(f64::NAN, |r| r.msgs_per_second)
+            };
+            rate(Variant::Inbox) / rate(Variant::NoInbox)
+        })
+        .collect();
+    let goal = Goal {
+        goal: format!("inbox msgs/s / no-inbox msgs/s >= {GOAL_RATIO}"),
+        value: ratio,
+        met: ratio >= GOAL_RATIO,
+    };
+
+    println!(
+        "one-row commit p50: {:.2} ms at the start, {:.2} ms at the end",
+        machine.commit_ms_at_start, machine.commit_ms_at_end
+    );
+    print_table(&median, &runs, &ratio_per_round, &goal);
+    if let Some(path) = &args.json {
+        let results = Results {
+            machine,
+            workload,
+            settings,
+            rounds: args.rounds,
+            preload_seconds,
+            median,
+            runs,
+            ratio,
+            ratio_per_round,
+            goal,
+        };
+        std::fs::write(path, serde_json::to_vec_pretty(&results)?)
+            .with_context(|| format!("while writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The events, grouped by sequence: `events[s - 1]` holds every aggregate's event at sequence
+/// `s`. Aggregate `a` (from 1) reserves SKU `a % skus`, a quantity of 1 to 3 that varies with
+/// the sequence.
+fn events(aggregates: usize, per_aggregate: usize, skus: usize) -> Result<Vec<Vec<OutboxEvent>>> {
+    let at = SystemTime::now();
+    (1..=per_aggregate)
+        .map(|sequence| {
+            (1..=aggregates)
+                .map(|aggregate| {
+                    let order_id = format!("o-{aggregate:07}");
+                    let payload = OrderPlaced {
+                        order_id: order_id.clone(),
+                        customer_id: format!("c-{:06}", aggregate * 7919 % 100_000),
+                        sku: format!("sku-{:04}", aggregate % skus),
+                        quantity: 1 + ((aggregate + sequence) % 3) as i64,
+                        unit_price_cents: 500,
+                        placed_at: "2026-12-03T10:00:00.000000Z".to_owned(),
+                    };
+                    let event_id = Uuid::now_v7();
+                    Ok(OutboxEvent {
+                        event_id,
+                        aggregate_type: "order".to_owned(),
+                        aggregate_id: order_id,
+                        aggregate_sequence: i64::try_from(sequence)?,
+                        event_type: "OrderPlaced".to_owned(),
+                        schema_version: 1,
+                        payload: serde_json::to_string(&payload)?,
+                        headers: vec![(
+                            "traceparent".to_owned(),
+                            format!("00-{}-{:016x}-01", event_id.simple(), aggregate),
+                        )],
+                        occurred_at: at,
+                        attempt_count: 0,
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Replaces the stream by an empty one and publishes every event into it, sequence by
+/// sequence: all aggregates' events at sequence `s` concurrently, and sequence `s + 1` only
+/// after every one of them was acknowledged, so each aggregate's events are stored in order.
+/// Returns the time the publishing took.
+async fn preload(transport: &JetStreamTransport, events: &[Vec<OutboxEvent>]) -> Result<f64> {
+    let context = jetstream::new(transport.client().clone());
+    // A stream that does not exist is fine: the create below tells whether it is gone.
+    let _ = context.delete_stream(STREAM).await;
+    let mut attempt = 1;
+    loop {
+        match transport.ensure_stream().await {
+            Ok(stream) => {
+                anyhow::ensure!(
+                    stream.created && stream.messages == 0,
+                    "stream {} survived its deletion",
+                    stream.name
+                );
+                break;
+            }
+            // nats-server 2.9 can refuse a create right after the account's last stream was
+            // deleted (the store directory is being removed); it passes at once.
+            Err(_) if attempt < 10 => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(error) => return Err(error).context("while creating the bench stream"),
+        }
+    }
+    let started = Instant::now();
+    for at_sequence in events {
+        stream::iter(at_sequence)
+            .map(|event| transport.publish(event))
+            .buffer_unordered(PUBLISH_OUTSTANDING)
+            .try_collect::<Vec<()>>()
+            .await
+            .context("while preloading the stream")?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let total: usize = events.iter().map(Vec::len).sum();
+    let stored = context
+        .get_stream(STREAM)
+        .await?
+        .info()
+        .await?
+        .state
+        .messages;
+    anyhow::ensure!(
+        stored == total as u64,
+        "the stream holds {stored} messages after the preload, expected {total}"
+    );
+    Ok(seconds)
+}
+
+/// What the handler shares with the bench: how many events it applied, and when the last one.
+struct Progress {
+    applied: AtomicU64,
+    target: u64,
+    /// Notified once, when `applied` reaches `target`.
+    done: Notify,
+    /// Set with `done`: the instant the last event was applied.
+    last_effect: Mutex<Option<Instant>>,
+    /// The upsert's duration, in µs. std Mutex: never held across an `.await`.
+    upserts: Mutex<Histogram<u64>>,
+}
+
+impl Progress {
+    fn new(target: usize) -> Result<Arc<Self>> {
+        Ok(Arc::new(Progress {
+            applied: AtomicU64::new(0),
+            target: target as u64,
+            done: Notify::new(),
+            last_effect: Mutex::new(None),
+            upserts: Mutex::new(Histogram::new(3)?),
+        }))
+    }
+
+    fn applied(&self, upsert: Duration) {
+        lock(&self.upserts).saturating_record(upsert.as_micros() as u64);
+        if self.applied.fetch_add(1, Ordering::SeqCst) + 1 == self.target {
+            *lock(&self.last_effect) = Some(Instant::now());
+            // notify_one keeps the wake-up if the shutdown future is not waiting yet.
+            self.done.notify_one();
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The business effect both variants run: reserve the event's quantity of its SKU.
+struct ReserveStock {
+    progress: Arc<Progress>,
+}
+
+impl Handler for ReserveStock {
+    async fn handle(
+        &self,
+        tx: &mut PgConnection,
+        event: &ReceivedEvent,
+    ) -> Result<(), HandlerError> {
+        let order: OrderPlaced = serde_json::from_str(&event.payload)
+            .map_err(|e| HandlerError::with_source(HandlerErrorKind::Permanent, e))?;
+        let started = Instant::now();
+        sqlx::query(RESERVE_SQL)
+            .bind(&order.sku)
+            .bind(order.quantity)
+            .execute(&mut *tx)
+            .await?;
+        self.progress.applied(started.elapsed());
+        Ok(())
+    }
+}
+
+/// One run: empty tables, a fresh durable consumer reading the whole stream, the consumer until
+/// every event is applied, then the checks.
+async fn measure(
+    bench: &Bench,
+    admin: &mut PgConnection,
+    variant: Variant,
+    round: usize,
+) -> Result<Run> {
+    admin
+        .execute(
+            "TRUNCATE bench_stock, processed_events, consumer_sequences, consumer_quarantine; \
+             CHECKPOINT",
+        )
+        .await?;
+    let settings = bench.settings;
+    let pool = PgPoolOptions::new()
+        .max_connections(settings.pool_connections)
+        .connect_with(bench.options.clone())
+        .await?;
+    // Open every connection before the clock starts.
+    let warm =
+        futures::future::try_join_all((0..settings.pool_connections).map(|_| pool.acquire()))
+            .await?;
+    drop(warm);
+
+    let progress = Progress::new(bench.workload.events)?;
+    let config = ConsumerConfig {
+        name: CONSUMER_NAME.to_owned(),
+        max_concurrency: settings.max_concurrency,
+        ..ConsumerConfig::default()
+    };
+    let handler = ReserveStock {
+        progress: progress.clone(),
+    };
+    let consumer = Consumer::new(config, pool.clone(), handler)?;
+    let consumer = match variant {
+        Variant::Inbox => consumer,
+        Variant::NoInbox => consumer.without_inbox_for_benchmarks(),
+    };
+    let durable = format!("bench-r{round}-{}", variant.slug());
+    let intake_config = IntakeConfig {
+        stream: STREAM.to_owned(),
+        subject_prefix: SUBJECT_PREFIX.to_owned(),
+        durable_name: durable.clone(),
+        ack_wait: Duration::from_secs(settings.ack_wait_seconds),
+        max_ack_pending: settings.max_ack_pending,
+        batch: settings.batch,
+        ..IntakeConfig::default()
+    };
+
+    let wal_start = wal_lsn(admin).await?;
+    let cpu_start = cpu::snapshot(admin, bench.nats_pid).await?;
+    let started = Instant::now();
+    let intake = JetStreamIntake::connect(&bench.nats_url, intake_config)
+        .await
+        .context("while connecting the intake")?;
+    let shutdown = {
+        let progress = progress.clone();
+        let timeout = bench.run_timeout;
+        async move {
+            tokio::select! {
+                () = progress.done.notified() => {}
+                () = tokio::time::sleep(timeout) => {}
+            }
+        }
+    };
+    consumer.run(intake, shutdown).await;
+    let seconds = started.elapsed().as_secs_f64();
+    let cpu = cpu::share(&cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
+    let wal_bytes: f64 = sqlx::query_scalar(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8",
+    )
+    .bind(&wal_start)
+    .fetch_one(&mut *admin)
+    .await?;
+    drop(consumer);
+    pool.close().await;
+    jetstream::new(nats_client(bench).await?)
+        .get_stream(STREAM)
+        .await?
+        .delete_consumer(&durable)
+        .await
+        .context("while deleting the run's durable consumer")?;
+
+    let handler_calls = progress.applied.load(Ordering::SeqCst);
+    anyhow::ensure!(
+        handler_calls >= progress.target,
+        "{} round {round}: only {handler_calls} of {} events applied after {:?}",
+        variant.name(),
+        progress.target,
+        bench.run_timeout
+    );
+    let last_effect =
+        lock(&progress.last_effect).map_or(seconds, |at| at.duration_since(started).as_secs_f64());
+    let check = check(admin, bench, variant, handler_calls).await?;
+    let upserts = lock(&progress.upserts).clone();
+    Ok(Run {
+        variant,
+        round,
+        events: bench.workload.events,
+        seconds,
+        seconds_to_last_effect: last_effect,
+        msgs_per_second: bench.workload.events as f64 / seconds,
+        upsert_p50_ms: upserts.value_at_quantile(0.5) as f64 / 1000.0,
+        upsert_p99_ms: upserts.value_at_quantile(0.99) as f64 / 1000.0,
+        wal_bytes_per_event: wal_bytes / bench.workload.events as f64,
+        cpu,
+        check,
+    })
+}
+
+/// Reads the effects back and fails unless every event was applied exactly once.
+async fn check(
+    admin: &mut PgConnection,
+    bench: &Bench,
+    variant: Variant,
+    handler_calls: u64,
+) -> Result<Check> {
+    let workload = bench.workload;
+    let reserved_total: i64 =
+        sqlx::query_scalar("SELECT coalesce(sum(reserved), 0)::bigint FROM bench_stock")
+            .fetch_one(&mut *admin)
+            .await?;
+    let processed_events: i64 = sqlx::query_scalar("SELECT count(*) FROM processed_events")
+        .fetch_one(&mut *admin)
+        .await?;
+    let (sequence_rows, sequences_at_last): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE last_sequence = $1) FROM consumer_sequences",
+    )
+    .bind(i64::try_from(workload.per_aggregate)?)
+    .fetch_one(&mut *admin)
+    .await?;
+    let quarantined: i64 = sqlx::query_scalar("SELECT count(*) FROM consumer_quarantine")
+        .fetch_one(&mut *admin)
+        .await?;
+    let check = Check {
+        handler_calls,
+        reserved_total,
+        expected_reserved: workload.expected_reserved,
+        processed_events,
+        sequence_rows,
+        sequences_at_last,
+        quarantined,
+    };
+    let events = workload.events as i64;
+    let aggregates = workload.aggregates as i64;
+    let ok = reserved_total == workload.expected_reserved
+        && handler_calls == events as u64
+        && quarantined == 0
+        && match variant {
+            Variant::Inbox => {
+                processed_events == events
+                    && sequence_rows == aggregates
+                    && sequences_at_last == aggregates
+            }
+            Variant::NoInbox => processed_events == 0 && sequence_rows == 0,
+        };
+    anyhow::ensure!(
+        ok,
+        "{} run did not apply every event exactly once: {check:?}",
+        variant.name()
+    );
+    Ok(check)
+}
+
+async fn nats_client(bench: &Bench) -> Result<handoff_nats::async_nats::Client> {
+    let transport = JetStreamTransport::connect(
+        &bench.nats_url,
+        JetStreamConfig {
+            stream: STREAM.to_owned(),
+            subject_prefix: SUBJECT_PREFIX.to_owned(),
+            ..JetStreamConfig::default()
+        },
+    )
+    .await?;
+    Ok(transport.client().clone())
+}
+
+async fn wal_lsn(admin: &mut PgConnection) -> Result<String> {
+    Ok(sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&mut *admin)
+        .await?)
+}
+
+/// The run of `variant` with the median rate.
+fn median(runs: &[Run], variant: Variant) -> Run {
+    let mut of: Vec<&Run> = runs.iter().filter(|r| r.variant == variant).collect();
+    of.sort_by(|a, b| a.msgs_per_second.total_cmp(&b.msgs_per_second));
+    of[of.len() / 2].clone()
+}
+
+fn cores(value: Option<f64>) -> String {
+    value.map_or("?".to_owned(), |v| format!("{v:.2}"))
+}
+
+fn print_table(median: &[Run], runs: &[Run], ratio_per_round: &[f64], goal: &Goal) {
+    println!();
+    println!("| variant | msgs/s (median) | rounds (msgs/s) | seconds | upsert p50 / p99 ms | WAL B/event | CPU cores: bench / nats / pg backends / others / machine |");
+    println!("|---------|----------------:|-----------------|--------:|--------------------:|------------:|---------------------------------------------------------|");
+    for run in median {
+        let rounds: Vec<String> = runs
+            .iter()
+            .filter(|r| r.variant == run.variant)
+            .map(|r| format!("{:.0}", r.msgs_per_second))
+            .collect();
+        println!(
+            "| {} | {:.0} | {} | {:.2} | {:.2} / {:.2} | {:.0} | {} / {} / {:.2} / {} / {} |",
+            run.variant.name(),
+            run.msgs_per_second,
+            rounds.join(", "),
+            run.seconds,
+            run.upsert_p50_ms,
+            run.upsert_p99_ms,
+            run.wal_bytes_per_event,
+            cores(run.cpu.bench),
+            cores(run.cpu.nats_server),
+            run.cpu.postgres_backends,
+            cores(run.cpu.others),
+            cores(run.cpu.machine_busy),
+        );
+    }
+    println!();
+    println!(
+        "inbox / no inbox = {:.2} (per round: {}; goal >= {GOAL_RATIO}: {})",
+        goal.value,
+        ratio_per_round
+            .iter()
+            .map(|r| format!("{r:.2}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        if goal.met { "met" } else { "NOT met" }
+    );
+}
+
+/// The port of the first server in a NATS URL; 4222 when it names none.
+fn nats_port(url: &str) -> u16 {
+    let first = url.split(',').next().unwrap_or(url);
+    let host_port = first.rsplit('@').next().unwrap_or(first);
+    let host_port = host_port.split("://").last().unwrap_or(host_port);
+    host_port
+        .rsplit_once(':')
+        .and_then(|(_, port)| port.trim_end_matches('/').parse().ok())
+        .unwrap_or(4222)
+}
+
+async fn machine(admin: &mut PgConnection, transport: &JetStreamTransport) -> Result<Machine> {
+    let settings: Vec<(String, String)> = sqlx::query_as(
+        "SELECT name, setting FROM pg_settings
+         WHERE name IN ('server_version', 'fsync', 'synchronous_commit', 'shared_buffers',
+                        'max_connections')
+         ORDER BY name",
+    )
+    .fetch_all(&mut *admin)
+    .await?;
+    let memory_gib = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let kib: f64 = m
+            .lines()
+            .find(|l| l.starts_with("MemTotal:"))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        Some(kib / 1024.0 / 1024.0)
+    });
+    Ok(Machine {
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        memory_gib,
+        load_average_at_start: std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")),
+        postgres: settings.into_iter().collect(),
+        nats_server_version: transport.client().server_info().version,
+        commit_ms_at_start: commit_probe(admin).await?,
+        commit_ms_at_end: f64::NAN,
+    })
+}
+
+/// Median of 200 one-row autocommit INSERTs, in ms: one WAL flush each.
+async fn commit_probe(admin: &mut PgConnection) -> Result<f64> {
+    admin
+        .execute("CREATE TABLE IF NOT EXISTS bench_commit_probe (n int)")
+        .await?;
+    let mut times = Histogram::<u64>::new(3)?;
+    for n in 0..200 {
+        let started = Instant::now();
+        sqlx::query("INSERT INTO bench_commit_probe VALUES ($1)")
+            .bind(n)
+            .execute(&mut *admin)
+            .await?;
+        times.saturating_record(started.elapsed().as_micros() as u64);
+    }
+    admin.execute("DROP TABLE bench_commit_probe").await?;
+    Ok(times.value_at_quantile(0.5) as f64 / 1000.0)
+}
