@@ -8,7 +8,9 @@
 //! - [`postgres`] (`handoff-postgres`): [`Migrator`], [`Outbox`] and its enqueue in the caller's
 //!   transaction, and the relay's polling source;
 //! - `relay` (`handoff-relay`, feature `relay`): the relay loop over any source and transport;
-//! - `nats` (`handoff-nats`, feature `nats`): the NATS JetStream transport.
+//! - `nats` (`handoff-nats`, feature `nats`): the NATS JetStream transport and intake;
+//! - `consumer` (`handoff-consumer`, feature `consumer`): the consumer loop with its inbox, gap
+//!   policy, quarantine and idempotent outside calls.
 //!
 //! Most deployments run the relay as the `handoff relay` command rather than embedding it.
 //!
@@ -47,6 +49,9 @@ pub use handoff_relay as relay;
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use handoff_nats as nats;
+#[cfg(feature = "consumer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
+pub use handoff_consumer as consumer;
 
 pub use handoff_core::{Event, EventCatalog, EventId, Limits, NewEvent, ValidationError};
 pub use handoff_postgres::{
