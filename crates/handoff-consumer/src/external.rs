@@ -153,6 +153,11 @@ pub struct ExternalCalls {
 impl ExternalCalls {
     /// Calls recorded in `inbox`'s tables on connections from `pool` (not the consumer's
     /// transaction), retried by `policy`.
+    ///
+    /// Each call takes a connection for its record while the handler holds the consumer's
+    /// transaction: give this helper a small pool of its own, or size a shared pool to twice the
+    /// consumer's [`max_concurrency`](crate::ConsumerConfig::max_concurrency) plus one, or
+    /// handlers can wait on each other for connections.
     pub fn new(pool: PgPool, inbox: Inbox, policy: CallPolicy) -> Self {
         Self {
             pool,

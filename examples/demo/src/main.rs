@@ -7,16 +7,27 @@
 //! still pending. Then it starts `handoff relay`, waits until the relay has published every
 //! event to a stream of the demo's own and marked it in the outbox, stops the relay with
 //! SIGTERM, and reads the stream back: one message per committed event, per order in sequence
-//! order with no gap and no duplicate, and nothing for the refused commands. It removes
-//! everything it created when it ends, also on Ctrl-C.
+//! order with no gap and no duplicate, and nothing for the refused commands.
+//!
+//! Then the receiving side: a fake payment provider over HTTP that honours Idempotency-Key and
+//! times out on purpose after committing some charges, and the two reference consumers,
+//! `inventory` (reserves stock) and `payments` (charges each order at the provider), each on a
+//! database of its own. It waits until both have applied every event, shows their tables next
+//! to what the order service's tables say they should hold, makes JetStream deliver everything
+//! again to show that nothing is applied twice, and ends with a reconciliation line: orders,
+//! charges and reservations agree (or the demo exits 1). It removes everything it created when
+//! it ends, also on Ctrl-C.
 //!
 //! Place in the layout: an example binary at the edge of the workspace, so it uses `anyhow`;
-//! it talks to the service over HTTP only, runs the relay as the `handoff` binary an operator
-//! would, reads the outbox with plain SQL and the stream with `handoff-test`'s reader.
+//! it talks to the services over HTTP only, runs the relay and the consumers as the binaries an
+//! operator would, reads the databases with plain SQL and the stream with `handoff-test`'s
+//! reader.
 
 mod broker;
+mod consumers;
 mod database;
 mod process;
+mod reconcile;
 mod relay;
 mod service;
 mod stream;
@@ -26,10 +37,12 @@ mod walkthrough;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 
 use crate::broker::DemoNats;
+use crate::consumers::Databases;
 use crate::database::DemoDatabase;
+use crate::reconcile::{Ledger, Sources};
 
 /// What the demo created and must remove at exit, whatever happens in between.
 #[derive(Default)]
@@ -42,16 +55,26 @@ pub struct Resources {
     pub service: Option<tokio::process::Child>,
     /// The relay child process, until it has been stopped with SIGTERM.
     pub relay: Option<tokio::process::Child>,
+    /// The payment provider child process, until it has been stopped with SIGTERM.
+    pub provider: Option<tokio::process::Child>,
+    /// The inventory consumer child process, until it has been stopped with SIGTERM.
+    pub inventory: Option<tokio::process::Child>,
+    /// The payments consumer child process, until it has been stopped with SIGTERM.
+    pub payments: Option<tokio::process::Child>,
 }
 
 impl Resources {
-    /// Kills the relay and the service, deletes the stream or stops the private NATS server,
-    /// then drops the database or stops the private PostgreSQL server. Never fails: cleanup
+    /// Kills the child processes, deletes the stream or stops the private NATS server, then
+    /// drops the databases or stops the private PostgreSQL server. Never fails: cleanup
     /// problems are reported and the demo still exits.
     async fn clean_up(&mut self) {
-        // The relay first: it holds connections to both servers.
+        // The consumers and the relay first: they hold connections to both servers; payments
+        // before the provider it calls.
         for (child, name) in [
+            (&mut self.payments, "payments"),
+            (&mut self.inventory, "inventory"),
             (&mut self.relay, "the relay"),
+            (&mut self.provider, "payment-provider"),
             (&mut self.service, "order-service"),
         ] {
             if let Some(mut child) = child.take() {
@@ -85,7 +108,11 @@ async fn main() -> ExitCode {
     };
     resources.clean_up().await;
     match outcome {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(reconciliation) => {
+            // Last, after the cleanup lines: the one line that says whether it all adds up.
+            println!("{reconciliation}");
+            ExitCode::SUCCESS
+        }
         Err(error) => {
             // One line per cause, never a backtrace.
             eprintln!("error: {error:#}");
@@ -94,14 +121,28 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(resources: &mut Resources) -> Result<()> {
+/// The demo's steps; returns the reconciliation line, printed last.
+async fn run(resources: &mut Resources) -> Result<String> {
     println!(
         "handoff demo: orders and their events, committed in one transaction, relayed to NATS \
-         JetStream\n"
+         JetStream,\napplied by two consumers\n"
     );
 
     println!("1. PostgreSQL");
     let (database_url, pool) = DemoDatabase::prepare(&mut resources.database).await?;
+    let database = resources
+        .database
+        .as_mut()
+        .context("the demo database is gone")?;
+    let inventory_url = database.create_sibling("inventory").await?;
+    let payments_url = database.create_sibling("payments").await?;
+    let provider_url = database.create_sibling("provider").await?;
+    let name = database.name();
+    println!(
+        "   created the databases {name}_inventory, {name}_payments and {name}_provider: the \
+         two\n   consumers and the payment provider each own a database, as separate services \
+         would"
+    );
 
     println!("\n2. NATS JetStream");
     let broker = DemoNats::prepare(&mut resources.nats).await?;
@@ -163,8 +204,78 @@ async fn run(resources: &mut Resources) -> Result<()> {
     stream::print(&messages);
     let checked = stream::check(&messages, &rows, &report)?;
 
-    println!("\n8. Summary");
-    walkthrough::print_summary(&report, &rows, &checked);
+    println!("\n8. The consumers, and the payment provider that payments calls over HTTP");
+    println!(
+        "   Started only now, after the relay has stopped: the events wait in the stream. Each \
+         consumer\n   is a durable JetStream consumer, so one started later, or restarted, \
+         gets every event it\n   has not acknowledged"
+    );
+    let mut receivers = consumers::start(
+        resources,
+        &Databases {
+            inventory: &inventory_url,
+            payments: &payments_url,
+            provider: &provider_url,
+        },
+        &broker,
+    )
+    .await?;
+    let inventory_pool = database::pool(&inventory_url).await?;
+    let payments_pool = database::pool(&payments_url).await?;
+
+    println!("\n9. Waiting until both consumers have applied every event");
+    let took = receivers
+        .wait_until_applied(
+            resources,
+            &inventory_pool,
+            &payments_pool,
+            rows.len(),
+            report.orders.len(),
+        )
+        .await?;
+
+    let provider_api = receivers.provider_url.clone();
+    let sources = Sources {
+        orders: &pool,
+        inventory: &inventory_pool,
+        payments: &payments_pool,
+        provider_url: &provider_api,
+    };
+    let ledger = Ledger::read(&sources).await?;
+    println!("\n10. Inventory: what it reserved, next to what the open orders need");
+    ledger.print_inventory();
+
+    println!("\n11. Payments, and what the provider saw");
+    ledger.print_payments();
+
+    println!("\n12. Everything again: a redelivery of every event to both consumers");
+    let redelivered = receivers.redeliver(resources, rows.len()).await?;
+    let after = Ledger::read(&sources).await?;
+    let changed = after.changes_since(&ledger);
+    ensure!(
+        changed.is_empty(),
+        "the redelivery changed {}: a consumer applied an event twice",
+        changed.join(", ")
+    );
+    println!(
+        "   JetStream delivered {} messages to inventory and {} to payments again; both \
+         acknowledged them\n   all. Each event id was in their processed_events already, so \
+         nothing was applied: stock,\n   payments, external_calls, the provider's charges and \
+         its request count are unchanged",
+        redelivered[0], redelivered[1]
+    );
+    receivers.stop(resources).await?;
+
+    println!("\n13. Summary");
+    walkthrough::print_summary(
+        &report,
+        &rows,
+        &checked,
+        &after.summary(rows.len(), took, redelivered),
+    );
+    let reconciliation = after.reconcile(rows.len());
+    inventory_pool.close().await;
+    payments_pool.close().await;
     pool.close().await;
-    Ok(())
+    reconciliation
 }

@@ -1,19 +1,24 @@
-//! What the demo's two child processes (`order-service` and `handoff relay`) share: where their
-//! binaries are, how their stderr reaches ours, and how they are stopped.
+//! What the demo's child processes (`order-service`, `handoff relay`, `payment-provider`,
+//! `inventory`, `payments`) share: where their binaries are, how they are started and seen to
+//! be ready, how their stderr reaches ours, and how they are stopped.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::process::ExitStatus;
+use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, ChildStderr};
+use tokio::process::{Child, ChildStderr, Command};
 use tokio::task::JoinHandle;
 
 /// How many of a child's last stderr lines an error shows.
 const STDERR_TAIL: usize = 20;
+
+/// How long a child may take to print its ready line (after migrating, binding, connecting)
+/// before the demo gives up.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a child may take to exit after SIGTERM before it counts as hung.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -42,6 +47,81 @@ pub fn shown(path: &Path) -> String {
         .ok()
         .and_then(|cwd| path.strip_prefix(cwd).ok().map(|p| p.display().to_string()))
         .unwrap_or_else(|| path.display().to_string())
+}
+
+/// A child started by [`spawn_ready`], which stored the child itself in the caller's slot.
+pub struct Ready {
+    /// The rest of its ready line, after the prefix: an address, a stream name.
+    pub rest: String,
+    /// Its process id, for the output.
+    pub pid: u32,
+    /// Its stderr, for error messages.
+    pub stderr: Stderr,
+}
+
+/// Starts `command` as the child `label`, stores it in `slot` (so it is killed at exit whatever
+/// happens next) and waits until it prints a stdout line starting with `prefix`. Its stdout is
+/// read to the end afterwards, so a chatty child never blocks on a full pipe; its stderr goes to
+/// ours as [`Stderr::forward`] says.
+pub async fn spawn_ready(
+    mut command: Command,
+    label: &'static str,
+    prefix: &str,
+    slot: &mut Option<Child>,
+) -> Result<Ready> {
+    let exe = command.as_std().get_program().to_owned();
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("while starting {}", Path::new(&exe).display()))?;
+    let (stdout, stderr) = match (child.stdout.take(), child.stderr.take()) {
+        (Some(out), Some(err)) => (out, err),
+        _ => bail!("{label} started without its output pipes"),
+    };
+    let child = slot.insert(child);
+    let mut stderr = Stderr::forward(stderr, label);
+
+    let mut stdout = BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(READY_TIMEOUT, async {
+        while let Some(line) = stdout.next_line().await? {
+            if let Some(rest) = line.trim().strip_prefix(prefix) {
+                return Ok(Some(rest.to_owned()));
+            }
+        }
+        Ok::<_, std::io::Error>(None)
+    })
+    .await;
+    let rest = match ready {
+        Ok(Ok(Some(rest))) => rest,
+        outcome => {
+            let why = match outcome {
+                Err(_) => format!(
+                    "did not print \"{prefix}...\" within {}s",
+                    READY_TIMEOUT.as_secs()
+                ),
+                Ok(Err(error)) => format!("could not be read from ({error})"),
+                _ => match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
+                    Ok(Ok(status)) => format!("exited ({status}) before it was ready"),
+                    _ => "closed its stdout before it was ready".to_owned(),
+                },
+            };
+            let _ = child.kill().await;
+            return Err(stderr.explain(format!("{label} {why}")).await);
+        }
+    };
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = stdout.next_line().await {
+            tracing::debug!(%line, "{label} stdout");
+        }
+    });
+    Ok(Ready {
+        rest,
+        pid: child.id().unwrap_or(0),
+        stderr,
+    })
 }
 
 /// A child's stderr, copied to ours line by line as `   [label] line` while it runs, with the
@@ -76,6 +156,14 @@ impl Stderr {
         Self {
             tail,
             task: Some(task),
+        }
+    }
+
+    /// No child's stderr yet: a placeholder until one is started.
+    pub fn none() -> Self {
+        Self {
+            tail: Arc::new(Mutex::new(VecDeque::new())),
+            task: None,
         }
     }
 

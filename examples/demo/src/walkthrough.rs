@@ -234,6 +234,29 @@ pub async fn drive(base: &str) -> Result<Report> {
         &order.describe(false),
     );
 
+    // A line of the cancelled order's SKU on another order, which stays open: a consumer that
+    // reserves stock must release what the cancelled order held, and only that.
+    let Some((second_id, _)) = report.orders.get(1).cloned() else {
+        bail!("the demo created fewer than two orders");
+    };
+    let key = Uuid::now_v7().to_string();
+    let line = json!({"sku": "sku-1", "quantity": 4, "unit_price_cents": 500});
+    let path = format!("/orders/{second_id}/lines");
+    let reply = api
+        .send(Method::POST, &path, Some(&key), Some(&line))
+        .await?;
+    expect(&reply, StatusCode::OK, "POST /orders/{id}/lines")?;
+    let order = Order::from_json(&reply.json, "POST /orders/{id}/lines")?;
+    show(
+        "POST",
+        &format!("/orders/{}/lines", short_id(&second_id)),
+        reply.status,
+        &order.describe(false),
+    );
+    if let Some(entry) = report.orders.iter_mut().find(|(id, _)| *id == order.id) {
+        entry.1 = order.version;
+    }
+
     let reply = api
         .send(Method::GET, &format!("/orders/{order_id}"), None, None)
         .await?;
@@ -344,8 +367,9 @@ pub fn check_outbox(report: &Report, rows: &[OutboxRow]) -> Result<()> {
     Ok(())
 }
 
-/// Prints the summary of a run whose checks all passed.
-pub fn print_summary(report: &Report, rows: &[OutboxRow], stream: &StreamCheck) {
+/// Prints the summary of a run whose checks all passed; `more` are the receivers' lines, in
+/// the same form.
+pub fn print_summary(report: &Report, rows: &[OutboxRow], stream: &StreamCheck, more: &[String]) {
     let published = rows.iter().filter(|r| r.published_at.is_some()).count();
     println!("   orders created:               {}", report.orders.len());
     println!(
@@ -362,12 +386,16 @@ pub fn print_summary(report: &Report, rows: &[OutboxRow], stream: &StreamCheck) 
          message",
         report.replayed, report.refused
     );
+    for line in more {
+        println!("   {line}");
+    }
     println!();
     for line in [
         "Delivery is at least once: had the relay crashed between JetStream's ack and marking the",
         "row, the next relay would publish again, and the stream would drop the copy by its",
         "Nats-Msg-Id (the event id) within its duplicate window. Consumers make the effect",
-        "exactly-once by recording that id in an inbox table.",
+        "exactly-once by recording that id in their inbox (processed_events) in the transaction",
+        "of the effect, and an outside call by retrying it only under the same Idempotency-Key.",
     ] {
         println!("   {line}");
     }
