@@ -1,0 +1,20 @@
+//! `inventory`: the reference consumer that reserves stock for orders, exactly once per event
+//! (see [`reference_consumers::inventory`]).
+
+use std::process::ExitCode;
+
+use reference_consumers::common;
+use reference_consumers::inventory::{self, InventoryArgs};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    // Test builds only: reads FAILPOINTS (see handoff_consumer::failpoints).
+    #[cfg(feature = "failpoints")]
+    let _scenario = fail::FailScenario::setup();
+    let args = match common::parse_args::<InventoryArgs>(inventory::DEFAULT_NAME) {
+        Ok(args) => args,
+        Err(code) => return code,
+    };
+    common::init_logging();
+    common::exit_code(inventory::run(args).await)
+}

@@ -1,0 +1,20 @@
+//! `payments`: the reference consumer that charges each created order once at the payment
+//! provider, through Idempotency-Key (see [`reference_consumers::payments`]).
+
+use std::process::ExitCode;
+
+use reference_consumers::common;
+use reference_consumers::payments::{self, PaymentsArgs};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    // Test builds only: reads FAILPOINTS (see handoff_consumer::failpoints).
+    #[cfg(feature = "failpoints")]
+    let _scenario = fail::FailScenario::setup();
+    let args = match common::parse_args::<PaymentsArgs>(payments::DEFAULT_NAME) {
+        Ok(args) => args,
+        Err(code) => return code,
+    };
+    common::init_logging();
+    common::exit_code(payments::run(args).await)
+}

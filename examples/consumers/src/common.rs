@@ -1,0 +1,629 @@
+//! What the reference consumers (`inventory`, `payments`) share: their flags, their logging, and
+//! [`run`], which migrates the consumer's own database, subscribes to the order events and runs
+//! a [`Consumer`] until SIGTERM or SIGINT.
+//!
+//! Start-up is deliberately strict: an unreachable PostgreSQL or NATS, or a configuration the
+//! consumer library refuses, ends the process with one `error: ...` line and exit status 1, so
+//! a supervisor restarts it and an operator reads why. Once running, failures are the
+//! consumer's business (retries, redeliveries, quarantine).
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::Parser;
+use handoff_consumer::{ConfigError, Consumer, ConsumerConfig, GapPolicy, Handler, HandlerError};
+use handoff_core::intake::ReceivedEvent;
+use handoff_core::Event;
+use handoff_nats::{IntakeConfig, IntakeConnectError, JetStreamIntake};
+use handoff_postgres::{Inbox, InboxError, MigrateError, Migration, Migrator, Schema, SchemaError};
+use serde::de::DeserializeOwned;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgPool};
+use tracing::{debug, info, warn};
+
+/// The aggregate type whose events the reference consumers take: they subscribe to
+/// `<subject-prefix>.order.*`.
+pub const AGGREGATE_TYPE: &str = order_service::events::AGGREGATE_TYPE;
+
+/// How long the first connection to PostgreSQL may take before the start is given up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often dedup rows older than the retention are deleted.
+const PURGE_INTERVAL: Duration = Duration::from_secs(600);
+
+/// Dedup rows deleted per statement: short transactions that never hold many locks.
+const PURGE_BATCH: i64 = 5_000;
+
+/// Longest time a held event waits under `--gap-policy buffer`; shorter when the ack wait is.
+const MAX_BUFFER_WAIT: Duration = Duration::from_secs(5);
+
+/// Buckets of `handoff_consumer_apply_seconds`, in seconds.
+const APPLY_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+];
+
+/// The flags both reference consumers take. Each also comes from the environment variable
+/// named in its help.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CommonArgs {
+    /// PostgreSQL URL of the consumer's own database; its tables are created at start. The
+    /// password, if any, is never logged.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// NATS URL.
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
+    )]
+    pub nats_url: String,
+    /// JetStream stream the relay publishes into; created when missing.
+    #[arg(long, env = "HANDOFF_STREAM", default_value = "OUTBOX")]
+    pub stream: String,
+    /// The relay's subject prefix: order events arrive on PREFIX.order.ORDER_ID.
+    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX", default_value = "outbox")]
+    pub subject_prefix: String,
+    /// The consumer's name: its key in the inbox tables and its JetStream durable name; every
+    /// instance of one consumer uses the same. The default is the binary's name.
+    #[arg(long, env = "HANDOFF_CONSUMER_NAME")]
+    pub consumer_name: String,
+    /// How long JetStream waits for an acknowledgement before it redelivers (e.g. 30s); longer
+    /// than the slowest event takes to apply.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub ack_wait: Duration,
+    /// Deliveries after which an event that still fails goes to the consumer quarantine.
+    #[arg(long, default_value_t = 10)]
+    pub max_deliveries: u64,
+    /// Most events applied at once, across orders (each holds a database connection).
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: usize,
+    /// What to do with an event that arrives before its predecessor: `reject` hands it back
+    /// to the broker for a later delivery, `buffer` holds it until the gap fills (bounded).
+    #[arg(long, value_enum, default_value_t = GapPolicyArg::Reject)]
+    pub gap_policy: GapPolicyArg,
+    /// How long dedup rows are kept (e.g. 7d); at least the replay horizon.
+    #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
+    pub dedup_retention: Duration,
+    /// How far back events can be replayed to this consumer (e.g. 7d): the longer of the
+    /// outbox's and the stream's retention.
+    #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
+    pub replay_horizon: Duration,
+    /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
+    #[arg(long, env = "HANDOFF_METRICS_ADDR", value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Schema of the consumer's tables (inbox and its own) [default: the connection's
+    /// search_path].
+    #[arg(long, env = "HANDOFF_SCHEMA")]
+    pub schema: Option<String>,
+}
+
+/// The `--gap-policy` values.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GapPolicyArg {
+    /// Hand the early event back to the broker, delivered again after 1 s.
+    Reject,
+    /// Hold the early event in memory until its predecessor is applied (bounded).
+    Buffer,
+}
+
+impl CommonArgs {
+    /// The consumer configuration these flags describe; [`run`] validates it.
+    ///
+    /// # Errors
+    ///
+    /// [`RunError::Schema`] for a `--schema` that is not a plain identifier.
+    pub fn consumer_config(&self) -> Result<ConsumerConfig, RunError> {
+        let gap_policy = match self.gap_policy {
+            GapPolicyArg::Reject => GapPolicy::default(),
+            GapPolicyArg::Buffer => GapPolicy::Buffer {
+                max_per_aggregate: 64,
+                // Held events are unacknowledged, so the intake's max-ack-pending (1000) bounds
+                // them anyway; this keeps the same bound explicit.
+                max_total: 1_000,
+                // The library requires the hold to end before the broker's ack wait does.
+                max_wait: MAX_BUFFER_WAIT.min(self.ack_wait / 2),
+            },
+        };
+        Ok(ConsumerConfig {
+            name: self.consumer_name.clone(),
+            schema: self.schema()?,
+            max_concurrency: self.concurrency,
+            max_deliveries: self.max_deliveries,
+            gap_policy,
+            dedup_retention: self.dedup_retention,
+            replay_horizon: self.replay_horizon,
+            ..ConsumerConfig::default()
+        })
+    }
+
+    /// The schema named by `--schema`, or the connection's default.
+    ///
+    /// # Errors
+    ///
+    /// [`RunError::Schema`] for a name that is not a plain identifier.
+    pub fn schema(&self) -> Result<Schema, RunError> {
+        match &self.schema {
+            Some(name) => Ok(Schema::named(name.as_str())?),
+            None => Ok(Schema::default()),
+        }
+    }
+
+    /// The JetStream subscription these flags describe: a durable pull consumer named after
+    /// the consumer, filtered to the order events.
+    pub fn intake_config(&self) -> IntakeConfig {
+        IntakeConfig {
+            stream: self.stream.clone(),
+            subject_prefix: self.subject_prefix.clone(),
+            durable_name: self.consumer_name.clone(),
+            filter_subject: Some(format!("{}.{AGGREGATE_TYPE}.*", self.subject_prefix)),
+            ack_wait: self.ack_wait,
+            ..IntakeConfig::default()
+        }
+    }
+}
+
+/// The consumer's own tables, applied after handoff's inbox tables by their own migrator.
+#[derive(Debug, Clone, Copy)]
+pub struct OwnTables {
+    /// The history table of these migrations, apart from handoff's `handoff_migrations`.
+    pub history_table: &'static str,
+    /// The migrations, in version order.
+    pub migrations: &'static [Migration],
+}
+
+/// What a consumer's handler is built from, once the database is ready.
+#[derive(Debug, Clone)]
+pub struct Context {
+    /// The consumer's pool (also the one the [`Consumer`] applies events on).
+    pub pool: PgPool,
+    /// Where the consumer's tables live.
+    pub schema: Schema,
+    /// The consumer's inbox, for [`ExternalCalls`](handoff_consumer::ExternalCalls).
+    pub inbox: Inbox,
+}
+
+/// Why a reference consumer did not start (or could not run).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    /// The consumer library refused the configuration.
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// `--schema` is not a plain identifier.
+    #[error("invalid --schema: {0}")]
+    Schema(#[from] SchemaError),
+    /// A flag's value cannot work.
+    #[error("invalid {flag}: {reason}")]
+    InvalidFlag {
+        /// The flag, such as `--ack-wait`.
+        flag: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The database URL does not parse (the message has any credentials removed).
+    #[error("invalid database url: {0}")]
+    DatabaseUrl(String),
+    /// PostgreSQL could not be reached or refused the connection.
+    #[error("while connecting to PostgreSQL at {host}:{port}: {source}")]
+    Postgres {
+        /// The server's host.
+        host: String,
+        /// The server's port.
+        port: u16,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// PostgreSQL did not answer within the connect timeout.
+    #[error("while connecting to PostgreSQL at {host}:{port}: no answer within {timeout:?}")]
+    PostgresTimeout {
+        /// The server's host.
+        host: String,
+        /// The server's port.
+        port: u16,
+        /// How long the start waited.
+        timeout: Duration,
+    },
+    /// The consumer's tables could not be created.
+    #[error("while migrating the consumer's database: {0}")]
+    Migrate(#[from] MigrateError),
+    /// The inbox could not be opened (an invalid consumer name).
+    #[error("{0}")]
+    Inbox(#[from] InboxError),
+    /// NATS could not be reached, or the stream or durable consumer could not be set up.
+    #[error("while subscribing to NATS: {0}")]
+    Nats(#[from] IntakeConnectError),
+    /// The metrics endpoint could not be served.
+    #[error("while serving metrics on {addr}: {source}")]
+    Metrics {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The exporter's error.
+        #[source]
+        source: metrics_exporter_prometheus::BuildError,
+    },
+    /// The HTTP client for an outside API could not be built.
+    #[error("while building the HTTP client: {0}")]
+    HttpClient(#[source] reqwest::Error),
+    /// Signal handlers could not be installed, or the ready line could not be written.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Parses the command line of a reference consumer whose `--consumer-name` defaults to
+/// `default_consumer_name`.
+///
+/// # Errors
+///
+/// The exit code to leave with: success after `--help` or `--version` (printed), failure after
+/// a bad command line, which is reported as one `error: ...` line like every other failure.
+pub fn parse_args<A: Parser>(default_consumer_name: &'static str) -> Result<A, ExitCode> {
+    let command = A::command().mut_arg("consumer_name", |arg| {
+        arg.default_value(default_consumer_name).required(false)
+    });
+    let parsed = command
+        .try_get_matches()
+        .and_then(|mut matches| A::from_arg_matches_mut(&mut matches));
+    match parsed {
+        Ok(args) => Ok(args),
+        Err(error) if !error.use_stderr() => {
+            let _ = error.print();
+            Err(ExitCode::SUCCESS)
+        }
+        Err(error) => {
+            eprintln!("error: {}", one_line(&error));
+            Err(ExitCode::FAILURE)
+        }
+    }
+}
+
+/// A clap error on one line: its message without the usage and help hints clap adds.
+fn one_line(error: &clap::Error) -> String {
+    let rendered = error.render().to_string();
+    let message = rendered
+        .lines()
+        .map(str::trim)
+        .take_while(|line| !line.starts_with("Usage:") && !line.starts_with("For more information"))
+        .filter(|line| !line.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    message
+        .strip_prefix("error: ")
+        .unwrap_or(&message)
+        .to_owned()
+}
+
+/// Logs to stderr (stdout carries only the ready line), filtered by `RUST_LOG`, by default
+/// `info,sqlx=warn`.
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn,async_nats=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
+/// The process's exit code for `result`; a failure is printed as one `error: ...` line.
+pub fn exit_code(result: Result<(), RunError>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs a reference consumer until SIGTERM or SIGINT:
+///
+/// 1. checks the configuration (before touching anything);
+/// 2. serves metrics when `--metrics-addr` is set;
+/// 3. connects to PostgreSQL, applies handoff's migrations (the inbox tables) and then `own`;
+/// 4. builds the handler with `make_handler`;
+/// 5. connects to NATS and creates (or opens) the durable consumer;
+/// 6. prints `consuming <stream> as <consumer-name>` on stdout, and runs.
+///
+/// `connections_per_event` is how many pooled connections applying one event may hold at once
+/// (1, plus 1 for a handler that records outside calls on their own connections).
+///
+/// # Errors
+///
+/// [`RunError`] when the consumer cannot start; once it runs, it only stops on a signal.
+///
+/// # Cancel safety
+///
+/// As [`Consumer::run`]: dropping the future aborts the events being applied (their
+/// transactions roll back, the broker redelivers them).
+pub async fn run<H, F>(
+    args: &CommonArgs,
+    own: OwnTables,
+    connections_per_event: u32,
+    make_handler: F,
+) -> Result<(), RunError>
+where
+    H: Handler,
+    F: FnOnce(&Context) -> H,
+{
+    let config = args.consumer_config()?;
+    config.validate()?;
+    if args.ack_wait < Duration::from_secs(1) {
+        return Err(RunError::InvalidFlag {
+            flag: "--ack-wait",
+            reason: format!(
+                "{} is shorter than 1s",
+                humantime::format_duration(args.ack_wait)
+            ),
+        });
+    }
+    if let Some(addr) = args.metrics_addr {
+        install_metrics(addr)?;
+    }
+
+    let options = PgConnectOptions::from_str(&args.database_url)
+        .map_err(|e| RunError::DatabaseUrl(redact(&e.to_string())))?
+        .application_name(&config.name);
+    migrate(&options, &config.schema, own).await?;
+    let per_event = u32::try_from(config.max_concurrency)
+        .unwrap_or(u32::MAX)
+        .saturating_mul(connections_per_event.max(1));
+    // Beyond the events being applied: one for quarantine writes, one for the dedup purge.
+    let pool = PgPoolOptions::new()
+        .max_connections(per_event.saturating_add(2))
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_lazy_with(options);
+    let inbox = Inbox::new(config.schema.clone(), &config.name)?;
+    let context = Context {
+        pool: pool.clone(),
+        schema: config.schema.clone(),
+        inbox: inbox.clone(),
+    };
+    let handler = make_handler(&context);
+    let dedup_retention = config.dedup_retention;
+    let consumer = Consumer::new(config, pool.clone(), handler)?;
+
+    let intake_config = args.intake_config();
+    let filter = intake_config.filter();
+    let intake = JetStreamIntake::connect(&args.nats_url, intake_config).await?;
+    // Installed before the ready line, so a signal sent as soon as it is read stops the
+    // consumer gracefully instead of killing it.
+    let shutdown = shutdown_signal()?;
+    tokio::spawn(purge_dedup_rows(pool, inbox, dedup_retention));
+
+    info!(stream = %args.stream, consumer = %args.consumer_name, %filter, "consuming");
+    // The one line on stdout: scripts and tests wait for it to know the consumer is ready.
+    let mut stdout = std::io::stdout().lock();
+    writeln!(
+        stdout,
+        "consuming {} as {}",
+        args.stream, args.consumer_name
+    )
+    .and_then(|()| stdout.flush())
+    .map_err(|source| RunError::Io {
+        context: "while writing the ready line",
+        source,
+    })?;
+    drop(stdout);
+
+    consumer.run(intake, shutdown).await;
+    info!("consumer stopped");
+    Ok(())
+}
+
+/// Connects once (an unreachable server fails the start at once) and applies handoff's
+/// migrations, then the consumer's own.
+async fn migrate(
+    options: &PgConnectOptions,
+    schema: &Schema,
+    own: OwnTables,
+) -> Result<(), RunError> {
+    let host = options.get_host().to_owned();
+    let port = options.get_port();
+    let mut conn = match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        sqlx::PgConnection::connect_with(options),
+    )
+    .await
+    {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(source)) => return Err(RunError::Postgres { host, port, source }),
+        Err(_elapsed) => {
+            return Err(RunError::PostgresTimeout {
+                host,
+                port,
+                timeout: CONNECT_TIMEOUT,
+            })
+        }
+    };
+    Migrator::handoff(schema.clone()).run(&mut conn).await?;
+    Migrator::new(schema.clone(), own.history_table, own.migrations)
+        .run(&mut conn)
+        .await?;
+    if let Err(error) = conn.close().await {
+        debug!(%error, "closing the migration connection failed");
+    }
+    Ok(())
+}
+
+/// A future that completes on SIGTERM or SIGINT, with its handlers installed now.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()> + Send, RunError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let io = |source| RunError::Io {
+        context: "while installing signal handlers",
+        source,
+    };
+    let mut term = signal(SignalKind::terminate()).map_err(io)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(io)?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM received; stopping"),
+            _ = int.recv() => info!("SIGINT received; stopping"),
+        }
+    })
+}
+
+fn install_metrics(addr: SocketAddr) -> Result<(), RunError> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let error = |source| RunError::Metrics { addr, source };
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(
+            Matcher::Full("handoff_consumer_apply_seconds".to_owned()),
+            APPLY_BUCKETS,
+        )
+        .map_err(error)?
+        .install()
+        .map_err(error)?;
+    info!(%addr, "metrics at http://{addr}/metrics");
+    Ok(())
+}
+
+/// Deletes dedup rows older than the retention, every [`PURGE_INTERVAL`]. The configuration
+/// check guarantees the retention covers the replay horizon; an event replayed after its row is
+/// gone is still caught by its aggregate's sequence.
+async fn purge_dedup_rows(pool: PgPool, inbox: Inbox, retention: Duration) {
+    let Ok(retention) = chrono::Duration::from_std(retention) else {
+        // Longer than chrono can count: nothing is ever old enough.
+        return;
+    };
+    let mut tick = tokio::time::interval(PURGE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(before) = chrono::Utc::now().checked_sub_signed(retention) else {
+            continue;
+        };
+        let mut purged = 0;
+        loop {
+            let deleted = match pool.acquire().await {
+                Ok(mut conn) => inbox.purge_processed(&mut conn, before, PURGE_BATCH).await,
+                Err(source) => Err(InboxError::Database {
+                    context: "taking a connection to purge dedup rows",
+                    source,
+                }),
+            };
+            match deleted {
+                Ok(n) => {
+                    purged += n;
+                    if n < PURGE_BATCH.unsigned_abs() {
+                        break;
+                    }
+                }
+                Err(error) => {
+                    warn!(%error, "purging dedup rows failed; trying again later");
+                    break;
+                }
+            }
+        }
+        if purged > 0 {
+            info!(purged, %before, "purged dedup rows past the retention");
+        }
+    }
+}
+
+/// The payload of `event` as `E`, in the one schema version the reference consumers read.
+///
+/// # Errors
+///
+/// A permanent [`HandlerError`] (the event goes to the quarantine): another schema version,
+/// or a payload that does not parse as `E`.
+pub fn read_payload<E: Event + DeserializeOwned>(event: &ReceivedEvent) -> Result<E, HandlerError> {
+    if event.schema_version != E::SCHEMA_VERSION {
+        return Err(HandlerError::permanent(format!(
+            "{} schema version {} is not supported (this consumer reads version {})",
+            E::EVENT_TYPE,
+            event.schema_version,
+            E::SCHEMA_VERSION
+        )));
+    }
+    serde_json::from_str(&event.payload).map_err(|error| {
+        HandlerError::permanent(format!("{} payload does not parse: {error}", E::EVENT_TYPE))
+    })
+}
+
+/// Hides anything between `://` and `@` (user and password) in a message that may quote a URL.
+fn redact(message: &str) -> String {
+    match (message.find("://"), message.rfind('@')) {
+        (Some(start), Some(at)) if at > start => {
+            format!("{}://***{}", &message[..start], &message[at..])
+        }
+        _ => message.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+
+    #[derive(Parser, Debug)]
+    struct Args {
+        #[command(flatten)]
+        common: CommonArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<CommonArgs, clap::Error> {
+        let command = Args::command().mut_arg("consumer_name", |arg| {
+            arg.default_value("c").required(false)
+        });
+        let mut matches = command.try_get_matches_from(
+            std::iter::once("c")
+                .chain(["--database-url", "postgres://u:p@h/db"])
+                .chain(args.iter().copied()),
+        )?;
+        Ok(Args::from_arg_matches_mut(&mut matches)?.common)
+    }
+
+    #[test]
+    fn defaults_describe_the_documented_consumer() {
+        let args = parse(&[]).unwrap();
+        assert_eq!(args.consumer_name, "c");
+        assert_eq!(args.ack_wait, Duration::from_secs(30));
+        assert_eq!(args.dedup_retention, Duration::from_secs(7 * 86_400));
+        let config = args.consumer_config().unwrap();
+        assert!(config.validate().is_ok());
+        assert_eq!(config.gap_policy, GapPolicy::default());
+        let intake = args.intake_config();
+        assert_eq!(intake.filter(), "outbox.order.*");
+        assert_eq!(intake.durable_name, "c");
+    }
+
+    #[test]
+    fn buffer_policy_waits_less_than_the_ack_wait() {
+        let args = parse(&["--gap-policy", "buffer", "--ack-wait", "2s"]).unwrap();
+        let GapPolicy::Buffer { max_wait, .. } = args.consumer_config().unwrap().gap_policy else {
+            panic!("not a buffer policy");
+        };
+        assert_eq!(max_wait, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn retention_shorter_than_the_horizon_is_refused() {
+        let args = parse(&["--dedup-retention", "1d", "--replay-horizon", "7d"]).unwrap();
+        let error = args.consumer_config().unwrap().validate().unwrap_err();
+        let message = RunError::from(error).to_string();
+        assert!(message.contains("dedup retention 1d"), "{message}");
+    }
+
+    #[test]
+    fn credentials_are_redacted() {
+        assert_eq!(
+            redact("bad url postgres://user:secret@host/db"),
+            "bad url postgres://***@host/db"
+        );
+        assert_eq!(redact("no url here"), "no url here");
+    }
+}

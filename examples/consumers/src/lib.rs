@@ -1,0 +1,10 @@
+//! `reference-consumers`: reference consumers of the order service's events and the external
+//! system they call.
+//!
+//! - [`provider`]: a fake payment provider that honours `Idempotency-Key` and can fail after
+//!   applying a charge (the `payment-provider` binary).
+
+pub mod common;
+pub mod inventory;
+pub mod payments;
+pub mod provider;

@@ -1,0 +1,4 @@
+-- Every charge, in creation order.
+SELECT charge_id, order_id, amount_cents
+FROM provider_charges
+ORDER BY seq
