@@ -111,6 +111,10 @@ pub struct ConsumerConfig {
     /// How far back the outbox can replay events (its retention of published rows, or the
     /// broker's retention, whichever is longer). Default 7 days.
     pub replay_horizon: Duration,
+    /// While a handler runs, the broker's ack wait is restarted this often (`in_progress`), so
+    /// a slow handler (an outside call with retries) is not redelivered while it still runs.
+    /// Keep it below the broker's ack wait. Default 10 s.
+    pub progress_interval: Duration,
     /// At shutdown, how long events being applied may take to finish. Default 10 s.
     pub shutdown_grace: Duration,
 }
@@ -129,6 +133,7 @@ impl Default for ConsumerConfig {
             gap_policy: GapPolicy::default(),
             dedup_retention: Duration::from_secs(7 * 86_400),
             replay_horizon: Duration::from_secs(7 * 86_400),
+            progress_interval: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(10),
         }
     }
@@ -160,6 +165,9 @@ pub enum ConfigError {
     /// `max_deliveries` is 0.
     #[error("max deliveries must be at least 1")]
     NoDeliveries,
+    /// `progress_interval` is 0.
+    #[error("progress interval must be above zero")]
+    NoProgressInterval,
     /// A backoff starts at zero or ends below its start.
     #[error("invalid retry backoff {0:?}: it must start above zero and end at or above its start")]
     InvalidBackoff(Backoff),
@@ -174,7 +182,7 @@ impl ConsumerConfig {
     /// # Errors
     ///
     /// [`ConfigError`]: an invalid name, a dedup retention shorter than the replay horizon,
-    /// zero concurrency or deliveries, a broken backoff or buffer bound.
+    /// zero concurrency, deliveries or progress interval, a broken backoff or buffer bound.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_consumer_name(&self.name)?;
         if self.dedup_retention < self.replay_horizon {
@@ -188,6 +196,9 @@ impl ConsumerConfig {
         }
         if self.max_deliveries == 0 {
             return Err(ConfigError::NoDeliveries);
+        }
+        if self.progress_interval.is_zero() {
+            return Err(ConfigError::NoProgressInterval);
         }
         let backoff = self.retry_backoff;
         if backoff.initial.is_zero() || backoff.max < backoff.initial {

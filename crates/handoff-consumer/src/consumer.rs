@@ -144,7 +144,8 @@ impl<H: Handler> Consumer<H> {
     /// A consumer that applies events with `handler` on connections from `pool`.
     ///
     /// The pool should hold at least [`max_concurrency`](ConsumerConfig::max_concurrency)
-    /// connections, plus one for quarantine writes. The inbox tables must exist: run
+    /// connections, plus one for quarantine writes. The consumer's metrics are registered here:
+    /// install the `metrics` recorder (such as the Prometheus exporter) before calling it. The inbox tables must exist: run
     /// `handoff_postgres::Migrator::handoff` on the consumer's database first.
     ///
     /// # Errors
@@ -520,7 +521,13 @@ impl<H: Handler> Shared<H> {
         }
         let decision = match self.config.gap_policy {
             GapPolicy::Reconcile { .. } => {
-                match self.handler.reconcile(&mut tx, event, gap).await {
+                let decided = keep_alive(
+                    self.handler.reconcile(&mut tx, event, gap),
+                    &item.settle,
+                    self.config.progress_interval,
+                )
+                .await;
+                match decided {
                     Ok(decision) => decision,
                     Err(error) => {
                         drop(tx);
@@ -589,7 +596,13 @@ impl<H: Handler> Shared<H> {
         advance: bool,
         started: Instant,
     ) -> Step<S> {
-        if let Err(error) = self.handler.handle(&mut tx, &item.event).await {
+        let handled = keep_alive(
+            self.handler.handle(&mut tx, &item.event),
+            &item.settle,
+            self.config.progress_interval,
+        )
+        .await;
+        if let Err(error) = handled {
             drop(tx);
             return self.failed(item, error).await;
         }
@@ -701,6 +714,22 @@ impl<H: Handler> Shared<H> {
                 if let Err(error) = settle.nak(delay).await {
                     warn!(%error, "could not hand the event back; the broker redelivers it \
                                    after its ack wait");
+                }
+            }
+        }
+    }
+}
+
+/// Runs `work`, restarting the broker's ack wait every `every` until it ends.
+async fn keep_alive<F: Future, S: Settle>(work: F, settle: &S, every: Duration) -> F::Output {
+    let mut work = std::pin::pin!(work);
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            _ = ticker.tick() => {
+                if let Err(error) = settle.in_progress().await {
+                    debug!(%error, "could not extend the ack wait");
                 }
             }
         }

@@ -189,8 +189,10 @@ impl ExternalCalls {
     /// Makes the call `purpose` for `event` through `send`, which gets the idempotency key and
     /// must send it with the request.
     ///
-    /// A call the record shows as already succeeded (with its body kept) is not sent again:
-    /// its recorded answer comes back with [`CallSuccess::from_record`]. An ambiguous attempt
+    /// A call the record shows as already succeeded is not sent again when its body was kept
+    /// (up to 64 KiB): its recorded answer comes back with [`CallSuccess::from_record`]. A larger
+    /// answer was not kept, so that call is sent again under the same key, and the downstream's
+    /// idempotency answers it. An ambiguous attempt
     /// is retried with the same key up to [`CallPolicy::attempts_per_delivery`] times, then the
     /// delivery fails as retryable and the broker's redelivery goes on with the same key.
     ///

@@ -115,3 +115,33 @@ async fn two_instances_apply_every_event_once_in_order_per_aggregate() {
             .unwrap();
     assert_eq!(applied_sequences, AGGREGATES);
 }
+
+#[tokio::test]
+async fn a_handler_slower_than_the_ack_wait_is_not_redelivered_while_it_runs() {
+    let setup = Setup::new("slow_handler_keeps_alive").await;
+    setup.publish(&event("o-1", 1)).await;
+    // Stands for a slow outside call: three ack waits long.
+    let mut recorder = Recorder::new();
+    recorder.delay = std::time::Duration::from_secs(3);
+    let config = handoff_consumer::ConsumerConfig {
+        progress_interval: std::time::Duration::from_millis(300),
+        ..setup.config("slow")
+    };
+    let running = setup
+        .start_with_ack_wait(config, recorder, std::time::Duration::from_secs(1))
+        .await;
+    setup
+        .wait_count("SELECT count(*) FROM processed_events", 1)
+        .await;
+    running.stop().await;
+    let context = async_nats::jetstream::new(setup.transport.client().clone());
+    let stream = context.get_stream(&setup.stream).await.unwrap();
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+        stream.get_consumer("slow").await.unwrap();
+    let info = consumer.info().await.unwrap();
+    assert_eq!(
+        info.delivered.consumer_sequence, 1,
+        "delivered once: the ack wait was extended"
+    );
+    assert_eq!(setup.applied().await.len(), 1);
+}

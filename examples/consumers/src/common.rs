@@ -136,6 +136,8 @@ impl CommonArgs {
             gap_policy,
             dedup_retention: self.dedup_retention,
             replay_horizon: self.replay_horizon,
+            // Three times per ack wait: a slow handler is never redelivered while it runs.
+            progress_interval: (self.ack_wait / 3).max(std::time::Duration::from_millis(10)),
             ..ConsumerConfig::default()
         })
     }

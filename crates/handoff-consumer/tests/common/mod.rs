@@ -110,13 +110,24 @@ impl Setup {
 
     /// Starts `handler` under `config` on a durable consumer named as the consumer.
     pub async fn start<H: Handler>(&self, config: ConsumerConfig, handler: H) -> Running {
+        self.start_with_ack_wait(config, handler, Duration::from_secs(10))
+            .await
+    }
+
+    /// As [`start`](Self::start), with the durable consumer's ack wait.
+    pub async fn start_with_ack_wait<H: Handler>(
+        &self,
+        config: ConsumerConfig,
+        handler: H,
+        ack_wait: Duration,
+    ) -> Running {
         let intake = JetStreamIntake::connect(
             &shared_url(),
             IntakeConfig {
                 stream: self.stream.clone(),
                 subject_prefix: self.stream.clone(),
                 durable_name: config.name.clone(),
-                ack_wait: Duration::from_secs(10),
+                ack_wait,
                 ..IntakeConfig::default()
             },
         )
@@ -220,6 +231,8 @@ pub struct Recorder {
     pub behaviour: Behaviour,
     pub reconciled: Arc<Mutex<Vec<(i64, Gap)>>>,
     pub decide: Arc<dyn Fn(Gap) -> GapDecision + Send + Sync>,
+    /// How long each application takes (a stand-in for a slow outside call).
+    pub delay: Duration,
 }
 
 impl Recorder {
@@ -234,6 +247,7 @@ impl Recorder {
             behaviour: Arc::new(behaviour),
             reconciled: Arc::default(),
             decide: Arc::new(|_| GapDecision::RetryLater),
+            delay: Duration::ZERO,
         }
     }
 }
@@ -250,6 +264,9 @@ impl Handler for Recorder {
             .bind(event.sequence)
             .execute(&mut *tx)
             .await?;
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
         (self.behaviour)(event)
     }
 
