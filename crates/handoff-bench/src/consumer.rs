@@ -36,15 +36,16 @@ use handoff_nats::{IntakeConfig, JetStreamConfig, JetStreamIntake, JetStreamTran
 use handoff_postgres::{Migrator, Schema};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 use tokio::sync::Notify;
 use uuid::Uuid;
 
 use crate::scratch::ScratchDatabase;
 
-// The relay bench's CPU accounting, compiled in here as well: the `relay` module keeps it
-// private, and the two benches report CPU the same way.
+// The relay bench's CPU accounting, compiled in a second time here: the `relay` module keeps
+// it private, and the two benches must report CPU the same way.
+#[allow(clippy::duplicate_mod)]
 #[path = "relay/cpu.rs"]
 mod cpu;
 
@@ -257,7 +258,9 @@ struct Bench {
 /// Runs both variants for every round, prints the table, writes the JSON.
 pub async fn consumer(args: ConsumerArgs) -> Result<()> {
     anyhow::ensure!(
-        args.aggregates > 0 && args.events >= args.aggregates && args.events % args.aggregates == 0,
+        args.aggregates > 0
+            && args.events >= args.aggregates
+            && args.events.is_multiple_of(args.aggregates),
         "--events must be a positive multiple of --aggregates"
     );
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
@@ -563,7 +566,7 @@ impl Progress {
             target: target as u64,
             done: Notify::new(),
             last_effect: Mutex::new(None),
-            upserts: Mutex::new(Histogram::new(3)?),
+            upserts: Mutex::new(Histogram::new_with_bounds(1, 3_600_000_000, 3)?),
         }))
     }
 
@@ -889,7 +892,7 @@ async fn commit_probe(admin: &mut PgConnection) -> Result<f64> {
     admin
         .execute("CREATE TABLE IF NOT EXISTS bench_commit_probe (n int)")
         .await?;
-    let mut times = Histogram::<u64>::new(3)?;
+    let mut times = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3)?;
     for n in 0..200 {
         let started = Instant::now();
         sqlx::query("INSERT INTO bench_commit_probe VALUES ($1)")
