@@ -105,7 +105,8 @@ pub enum IntakeConnectError {
 /// The durable consumer is created on first use with `AckPolicy::Explicit`, the configured ack
 /// wait and max-ack-pending, no delivery limit of its own (the consumer's delivery cap decides,
 /// and quarantines instead of letting the server drop the message), and delivery from the
-/// stream's start. An existing durable consumer is used as it is.
+/// stream's start. An existing durable consumer gets the configured ack wait and max-ack-pending;
+/// one with another subject filter is refused (the server cannot change it).
 ///
 /// Each message is read back from the relay's contract: `ce-id` (the event id; not
 /// `Nats-Msg-Id`, which a second publish may change), `Handoff-Aggregate-Type`,
@@ -172,27 +173,39 @@ impl JetStreamIntake {
             .get_stream(&config.stream)
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
-        let consumer = stream
-            .get_or_create_consumer::<PullConfig>(
-                &config.durable_name,
-                PullConfig {
-                    durable_name: Some(config.durable_name.clone()),
-                    ack_policy: AckPolicy::Explicit,
-                    ack_wait: config.ack_wait,
-                    max_ack_pending: config.max_ack_pending,
-                    max_deliver: -1,
-                    deliver_policy: DeliverPolicy::All,
-                    filter_subject: config.filter(),
-                    ..PullConfig::default()
-                },
-            )
+        let wanted = PullConfig {
+            durable_name: Some(config.durable_name.clone()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: config.ack_wait,
+            max_ack_pending: config.max_ack_pending,
+            max_deliver: -1,
+            deliver_policy: DeliverPolicy::All,
+            filter_subject: config.filter(),
+            ..PullConfig::default()
+        };
+        let mut consumer = stream
+            .get_or_create_consumer::<PullConfig>(&config.durable_name, wanted.clone())
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
         let existing = &consumer.cached_info().config;
-        if existing.ack_wait != config.ack_wait || existing.filter_subject != config.filter() {
-            tracing::warn!(durable = %config.durable_name, existing_ack_wait = ?existing.ack_wait,
-                existing_filter = %existing.filter_subject,
-                "the durable consumer exists with other settings; using it as it is");
+        if existing.filter_subject != wanted.filter_subject {
+            // Not editable on the server, and consuming another filter than asked for would
+            // silently skip or add events.
+            return Err(consumer_error(format!(
+                "it exists with filter {:?}, not {:?}; delete it or use another name",
+                existing.filter_subject, wanted.filter_subject
+            )));
+        }
+        if existing.ack_wait != wanted.ack_wait
+            || existing.max_ack_pending != wanted.max_ack_pending
+        {
+            // Both are editable: a second create with the same durable name updates them.
+            consumer = stream
+                .create_consumer(wanted)
+                .await
+                .map_err(|e| consumer_error(format!("while updating its settings: {e}")))?;
+            tracing::info!(durable = %config.durable_name, ack_wait = ?config.ack_wait,
+                max_ack_pending = config.max_ack_pending, "updated the durable consumer");
         }
         let messages = consumer
             .stream()
