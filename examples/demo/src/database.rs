@@ -239,13 +239,19 @@ impl DemoDatabase {
             Ok(dropped)
         };
         match dropped.await {
-            Ok(dropped) => {
-                let plural = if dropped.len() == 1 { "" } else { "s" };
-                println!(
-                    "cleaned up: dropped the database{plural} {}",
-                    dropped.join(", ")
-                )
+            Ok(_) if self.siblings.is_empty() => {
+                println!("cleaned up: dropped the database {}", self.name)
             }
+            // `handoff_demo_1, handoff_demo_1_{inventory,payments}`: shorter than every name.
+            Ok(_) => println!(
+                "cleaned up: dropped the databases {0}, {0}_{{{1}}}",
+                self.name,
+                self.siblings
+                    .iter()
+                    .map(|s| s.strip_prefix(&format!("{}_", self.name)).unwrap_or(s))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
             Err((error, dropped)) => {
                 let left: Vec<&str> = names
                     .iter()

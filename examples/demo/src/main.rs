@@ -139,9 +139,9 @@ async fn run(resources: &mut Resources) -> Result<String> {
     let provider_url = database.create_sibling("provider").await?;
     let name = database.name();
     println!(
-        "   created the databases {name}_inventory, {name}_payments and {name}_provider: the \
-         two\n   consumers and the payment provider each own a database, as separate services \
-         would"
+        "   created the databases {name}_inventory, {name}_payments and\n   {name}_provider \
+         (removed at exit): the two consumers and the payment provider\n   each own a database, \
+         as separate services would"
     );
 
     println!("\n2. NATS JetStream");

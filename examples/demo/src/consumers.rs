@@ -1,0 +1,481 @@
+//! The receiving side as child processes: the payment provider, and the two reference consumers
+//! (`inventory`, `payments`), each on a database of its own; the wait until both have applied
+//! every event; and their stop with SIGTERM.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use sqlx::PgPool;
+use tokio::process::{Child, Command};
+
+use crate::broker::Broker;
+use crate::process::{shown, sibling_binary, spawn_ready, terminate, Stderr};
+use crate::Resources;
+
+/// How long both consumers may take to apply every event before the demo gives up. The
+/// injected timeouts cost the payments consumer about a second each at most.
+const APPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How often the consumers' databases are asked how far they are.
+const POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How often, at most, the wait prints a progress line.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(500);
+
+/// The consumer names: in `processed_events` and `external_calls`, and the durable JetStream
+/// consumers' names.
+pub const INVENTORY: &str = "inventory";
+/// See [`INVENTORY`].
+pub const PAYMENTS: &str = "payments";
+
+/// The provider's fault injection: after committing the charge, 30% of the requests hold their
+/// answer for 3 s, longer than the payments consumer waits. The seed fixes the draws: with 21,
+/// the first two of the three first charges time out and their retries do not, in every run
+/// (seed 1 draws no fault in the first three, so the demo would not show the ambiguous case).
+const PROVIDER_FAULTS: [&str; 8] = [
+    "--fail-after-apply",
+    "0.3",
+    "--fail-mode",
+    "timeout",
+    "--hang",
+    "3s",
+    "--seed",
+    "21",
+];
+
+/// How long the payments consumer waits for the provider's answer.
+pub const PROVIDER_TIMEOUT: &str = "500ms";
+
+/// How long JetStream waits for the payments consumer's ack before it redelivers: longer than
+/// a delivery's attempts (three, with backoff) at the provider, so that those retries, not a
+/// redelivery, resolve an ambiguous call.
+const PAYMENTS_ACK_WAIT: &str = "15s";
+
+/// The running receivers' stderr, for error messages, and what it takes to start the
+/// consumers again; the children are in [`Resources`].
+pub struct Receivers {
+    provider: Stderr,
+    inventory: Stderr,
+    payments: Stderr,
+    /// `http://127.0.0.1:<port>`: the provider's API, which the demo reads too.
+    pub provider_url: String,
+    /// The inventory consumer's database.
+    inventory_url: String,
+    /// The payments consumer's database.
+    payments_url: String,
+    /// The demo's stream.
+    broker: Broker,
+}
+
+/// Where the receivers keep their data.
+pub struct Databases<'a> {
+    /// The inventory consumer's database.
+    pub inventory: &'a str,
+    /// The payments consumer's database.
+    pub payments: &'a str,
+    /// The payment provider's database.
+    pub provider: &'a str,
+}
+
+/// Starts the payment provider, then the two consumers on the demo's stream, each stored in
+/// its slot of `resources` before it is waited for.
+pub async fn start(
+    resources: &mut Resources,
+    databases: &Databases<'_>,
+    broker: &Broker,
+) -> Result<Receivers> {
+    let exe = sibling_binary("payment-provider", "payment provider")?;
+    let mut command = Command::new(&exe);
+    command
+        .args(["--listen", "127.0.0.1:0"])
+        .args(PROVIDER_FAULTS)
+        .env("DATABASE_URL", databases.provider);
+    quiet(&mut command);
+    let ready = spawn_ready(
+        command,
+        "payment-provider",
+        "listening on ",
+        &mut resources.provider,
+    )
+    .await?;
+    let provider_url = format!("http://{}", ready.rest);
+    println!(
+        "   started {} (pid {}), listening on {}, with its own\n   database: a fake payment \
+         API that honours Idempotency-Key. Its faults: 30% of the charges\n   are committed, \
+         then their answer is held 3 s (seeded: the same draws in every run)",
+        shown(&exe),
+        ready.pid,
+        ready.rest
+    );
+    let provider = ready.stderr;
+
+    let mut receivers = Receivers {
+        provider,
+        inventory: Stderr::none(),
+        payments: Stderr::none(),
+        provider_url,
+        inventory_url: databases.inventory.to_owned(),
+        payments_url: databases.payments.to_owned(),
+        broker: broker.clone(),
+    };
+    for name in [INVENTORY, PAYMENTS] {
+        let (exe, pid) = receivers.start_consumer(resources, name).await?;
+        println!(
+            "\n   started {exe} (pid {pid}) on its own database, consuming\n   {} as the \
+             durable consumer {name}",
+            broker.stream
+        );
+        if name == INVENTORY {
+            println!(
+                "   it reserves stock: OrderCreated and OrderLineAdded add, OrderCancelled releases"
+            );
+        }
+    }
+    println!(
+        "   it charges each created order once at the provider, with the event id as \
+         Idempotency-Key;\n   it waits {PROVIDER_TIMEOUT} for an answer, so a held answer is a \
+         timeout: charged or not? It can only\n   retry with the same key. Both log a \
+         warning per injected timeout and per retry (the\n   [payment-provider] and [payments] \
+         lines on stderr)"
+    );
+    Ok(receivers)
+}
+
+/// A consumer that consumes.
+struct Started {
+    /// Its binary, as shown.
+    exe: String,
+    /// Its process id.
+    pid: u32,
+    /// Its stderr, for error messages.
+    stderr: Stderr,
+}
+
+/// Starts the consumer `name` (also its binary's name) on `database_url` and the demo's
+/// stream, and waits until it consumes.
+async fn consumer(
+    name: &'static str,
+    database_url: &str,
+    broker: &Broker,
+    extra: &[&str],
+    slot: &mut Option<Child>,
+) -> Result<Started> {
+    let exe = sibling_binary(name, name)?;
+    let mut command = Command::new(&exe);
+    command
+        .args(["--stream", &broker.stream])
+        .args(["--subject-prefix", &broker.prefix])
+        .args(["--consumer-name", name])
+        .args(extra)
+        // URLs by environment rather than flags: they may hold passwords, which `ps` would show.
+        .env("DATABASE_URL", database_url)
+        .env("NATS_URL", &broker.url);
+    quiet(&mut command);
+    let ready = spawn_ready(command, name, "consuming ", slot).await?;
+    let expected = format!("{} as {name}", broker.stream);
+    ensure!(
+        ready.rest == expected,
+        "{name} printed \"consuming {}\", expected \"consuming {expected}\"",
+        ready.rest
+    );
+    Ok(Started {
+        exe: shown(&exe),
+        pid: ready.pid,
+        stderr: ready.stderr,
+    })
+}
+
+/// Warnings and errors only, without colours; and none of the user's own handoff settings.
+fn quiet(command: &mut Command) {
+    command.env("RUST_LOG", "warn").env("NO_COLOR", "1");
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("HANDOFF_") {
+            command.env_remove(name);
+        }
+    }
+}
+
+/// How far the consumers are.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Progress {
+    /// Events inventory has recorded in its `processed_events`.
+    inventory: i64,
+    /// Events payments has recorded in its `processed_events`.
+    payments: i64,
+    /// Rows of payments' `payments` table: orders charged.
+    charged: i64,
+}
+
+impl Progress {
+    async fn read(inventory: &PgPool, payments: &PgPool) -> Result<Self> {
+        Ok(Self {
+            inventory: processed(inventory, INVENTORY).await?,
+            payments: processed(payments, PAYMENTS).await?,
+            charged: sqlx::query_scalar("SELECT count(*) FROM payments")
+                .fetch_one(payments)
+                .await
+                .context("while counting the rows of payments' table payments")?,
+        })
+    }
+
+    fn describe(&self, events: usize, orders: usize) -> String {
+        format!(
+            "inventory {}/{events} events, payments {}/{events} events and {}/{orders} orders \
+             charged",
+            self.inventory, self.payments, self.charged
+        )
+    }
+}
+
+/// The events consumer `name` has recorded as processed in its database.
+pub async fn processed(pool: &PgPool, name: &str) -> Result<i64> {
+    sqlx::query_scalar("SELECT count(*) FROM processed_events WHERE consumer_name = $1")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .with_context(|| format!("while counting {name}'s processed_events"))
+}
+
+impl Receivers {
+    /// Starts the consumer `name` ([`INVENTORY`] or [`PAYMENTS`]) and keeps its stderr.
+    /// Returns its binary, as shown, and its process id.
+    async fn start_consumer(
+        &mut self,
+        resources: &mut Resources,
+        name: &str,
+    ) -> Result<(String, u32)> {
+        let started = if name == INVENTORY {
+            let slot = &mut resources.inventory;
+            consumer(INVENTORY, &self.inventory_url, &self.broker, &[], slot).await?
+        } else {
+            let extra = [
+                "--provider-url",
+                &self.provider_url,
+                "--provider-timeout",
+                PROVIDER_TIMEOUT,
+                "--ack-wait",
+                PAYMENTS_ACK_WAIT,
+            ];
+            let slot = &mut resources.payments;
+            consumer(PAYMENTS, &self.payments_url, &self.broker, &extra, slot).await?
+        };
+        let Started { exe, pid, stderr } = started;
+        if name == INVENTORY {
+            self.inventory = stderr;
+        } else {
+            self.payments = stderr;
+        }
+        Ok((exe, pid))
+    }
+
+    /// Waits until inventory has processed all `events`, and payments too, with one row per
+    /// created order (`orders`); prints progress meanwhile and fails when a receiver exits.
+    pub async fn wait_until_applied(
+        &mut self,
+        resources: &mut Resources,
+        inventory: &PgPool,
+        payments: &PgPool,
+        events: usize,
+        orders: usize,
+    ) -> Result<Duration> {
+        let started = Instant::now();
+        let mut tick = tokio::time::interval(POLL_INTERVAL);
+        let mut shown: Option<(Progress, Instant)> = None;
+        loop {
+            tick.tick().await;
+            self.check_running(resources).await?;
+            let progress = Progress::read(inventory, payments).await?;
+            let done = progress.inventory == events as i64
+                && progress.payments == events as i64
+                && progress.charged == orders as i64;
+            let due = match shown {
+                None => true,
+                Some((last, at)) => last != progress && at.elapsed() >= PROGRESS_INTERVAL,
+            };
+            if due || done {
+                println!(
+                    "   after {:>4} ms: {}",
+                    started.elapsed().as_millis(),
+                    progress.describe(events, orders)
+                );
+                shown = Some((progress, Instant::now()));
+            }
+            if done {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() >= APPLY_TIMEOUT {
+                let quarantined = quarantine_note(inventory, payments).await;
+                let consumers = [(&self.inventory, INVENTORY), (&self.payments, PAYMENTS)];
+                let tails: Vec<String> = consumers
+                    .into_iter()
+                    .map(|(stderr, name)| format!("{:#}", stderr.explain_now(name.to_owned())))
+                    .collect();
+                bail!(
+                    "after {}s the consumers are not done: {}{quarantined}\n{}",
+                    APPLY_TIMEOUT.as_secs(),
+                    progress.describe(events, orders),
+                    tails.join("\n")
+                );
+            }
+        }
+    }
+
+    /// Makes JetStream deliver every event to both consumers again: stops them with SIGTERM,
+    /// deletes their durable consumers (so the broker forgets what they acknowledged), starts
+    /// them again, and waits until they have acknowledged the whole stream once more. Returns
+    /// the messages delivered to each.
+    pub async fn redeliver(
+        &mut self,
+        resources: &mut Resources,
+        events: usize,
+    ) -> Result<[u64; 2]> {
+        for (slot, stderr, name) in [
+            (&mut resources.inventory, &mut self.inventory, INVENTORY),
+            (&mut resources.payments, &mut self.payments, PAYMENTS),
+        ] {
+            let Some(child) = slot.as_mut() else {
+                bail!("{name} is not running");
+            };
+            let status = terminate(child, name).await?;
+            *slot = None;
+            if !status.success() {
+                return Err(stderr
+                    .explain(format!("{name} exited with {status} after SIGTERM"))
+                    .await);
+            }
+        }
+        let context = async_nats::jetstream::new(self.broker.client.clone());
+        let mut stream = context
+            .get_stream(&self.broker.stream)
+            .await
+            .with_context(|| format!("while looking up the stream {}", self.broker.stream))?;
+        for name in [INVENTORY, PAYMENTS] {
+            stream
+                .delete_consumer(name)
+                .await
+                .with_context(|| format!("while deleting the durable consumer {name}"))?;
+        }
+        println!(
+            "   stopped inventory and payments with SIGTERM (each exited with status 0), and \
+             deleted their\n   durable consumers: JetStream forgot what they had acknowledged"
+        );
+        let last = stream
+            .info()
+            .await
+            .context("while reading the stream's last sequence")?
+            .state
+            .last_sequence;
+        for name in [INVENTORY, PAYMENTS] {
+            let (_, pid) = self.start_consumer(resources, name).await?;
+            println!("   started {name} again (pid {pid}): a new durable consumer, from the first message");
+        }
+
+        let started = Instant::now();
+        let mut tick = tokio::time::interval(POLL_INTERVAL);
+        loop {
+            tick.tick().await;
+            self.check_running(resources).await?;
+            let mut delivered = [0; 2];
+            let mut done = true;
+            for (index, name) in [INVENTORY, PAYMENTS].into_iter().enumerate() {
+                let info = stream
+                    .consumer_info(name)
+                    .await
+                    .with_context(|| format!("while reading the consumer {name}'s state"))?;
+                delivered[index] = info.delivered.consumer_sequence;
+                done &= info.ack_floor.stream_sequence >= last
+                    && info.num_ack_pending == 0
+                    && info.num_pending == 0;
+            }
+            if done {
+                return Ok(delivered);
+            }
+            if started.elapsed() >= APPLY_TIMEOUT {
+                bail!(
+                    "after {}s the restarted consumers have not acknowledged the stream's {events} \
+                     messages (delivered: inventory {}, payments {})",
+                    APPLY_TIMEOUT.as_secs(),
+                    delivered[0],
+                    delivered[1]
+                );
+            }
+        }
+    }
+
+    /// Fails with the child's last messages when one of the receivers has exited.
+    async fn check_running(&mut self, resources: &mut Resources) -> Result<()> {
+        for (slot, stderr, name) in [
+            (
+                &mut resources.provider,
+                &mut self.provider,
+                "payment-provider",
+            ),
+            (&mut resources.inventory, &mut self.inventory, INVENTORY),
+            (&mut resources.payments, &mut self.payments, PAYMENTS),
+        ] {
+            let Some(child) = slot.as_mut() else {
+                bail!("{name} is not running");
+            };
+            if let Some(status) = child.try_wait()? {
+                *slot = None;
+                return Err(stderr.explain(format!("{name} exited ({status})")).await);
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops the consumers, then the provider, with SIGTERM and checks that each exited with
+    /// status 0.
+    pub async fn stop(mut self, resources: &mut Resources) -> Result<()> {
+        for (slot, stderr, name) in [
+            (&mut resources.payments, &mut self.payments, PAYMENTS),
+            (&mut resources.inventory, &mut self.inventory, INVENTORY),
+            (
+                &mut resources.provider,
+                &mut self.provider,
+                "payment-provider",
+            ),
+        ] {
+            let Some(child) = slot.as_mut() else {
+                bail!("{name} is not running");
+            };
+            let status = terminate(child, name).await?;
+            *slot = None;
+            if !status.success() {
+                return Err(stderr
+                    .explain(format!("{name} exited with {status} after SIGTERM"))
+                    .await);
+            }
+        }
+        println!(
+            "   stopped payments, inventory and payment-provider with SIGTERM: each exited with \
+             status 0"
+        );
+        Ok(())
+    }
+}
+
+/// `; quarantined: ...` when a consumer gave up on events, for the timeout's message.
+async fn quarantine_note(inventory: &PgPool, payments: &PgPool) -> String {
+    let mut notes = Vec::new();
+    for (pool, name) in [(inventory, INVENTORY), (payments, PAYMENTS)] {
+        let rows: Vec<(String, String, String)> = sqlx::query_as(
+            "SELECT event_type, reason_kind, reason FROM consumer_quarantine \
+             WHERE consumer_name = $1 ORDER BY quarantine_id LIMIT 3",
+        )
+        .bind(name)
+        .fetch_all(pool)
+        .await
+        .unwrap_or_default();
+        for (event_type, kind, reason) in rows {
+            notes.push(format!(
+                "{name} quarantined {event_type} ({kind}: {reason})"
+            ));
+        }
+    }
+    if notes.is_empty() {
+        String::new()
+    } else {
+        format!("; {}", notes.join("; "))
+    }
+}
