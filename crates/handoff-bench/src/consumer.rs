@@ -189,6 +189,10 @@ struct Run {
     upsert_p99_ms: f64,
     /// WAL written during the run (the whole server's), per event.
     wal_bytes_per_event: f64,
+    /// CPU time of the bench process, the nats-server and the PostgreSQL backends together, per
+    /// event, in ms. Unlike the rate, this hardly moves when something else on the host takes
+    /// CPU away from the run.
+    cpu_ms_per_event: Option<f64>,
     cpu: cpu::CpuShare,
     check: Check,
 }
@@ -222,7 +226,20 @@ struct Results {
     ratio: f64,
     /// Per round, inbox over no-inbox.
     ratio_per_round: Vec<f64>,
+    /// The median of `ratio_per_round`: each round's pair ran back to back, so this one is less
+    /// moved by load that comes and goes on the host.
+    ratio_median_of_rounds: f64,
+    cpu_per_event: CpuPerEvent,
     goal: Goal,
+}
+
+/// Median CPU per event of each variant (bench, nats-server and backends together).
+#[derive(Serialize)]
+struct CpuPerEvent {
+    inbox_ms: f64,
+    no_inbox_ms: f64,
+    /// What the rate ratio would be if the run were bound by these processes' CPU alone.
+    no_inbox_over_inbox: f64,
 }
 
 #[derive(Serialize)]
@@ -392,7 +409,7 @@ async fn run(
             let run = measure(&bench, &mut admin, variant, round).await?;
             eprintln!(
                 "  round {round} {}: {} events in {:.2} s = {:.0} msgs/s (upsert p50 {:.2} ms, \
-                 WAL {:.0} B/event, CPU bench {} / nats {} / pg {:.2} / machine {})",
+                 WAL {:.0} B/event, CPU bench {} / nats {} / pg {:.2} / machine {}, {} ms/event)",
                 variant.name(),
                 run.events,
                 run.seconds,
@@ -403,6 +420,7 @@ async fn run(
                 cores(run.cpu.nats_server),
                 run.cpu.postgres_backends,
                 cores(run.cpu.machine_busy),
+                cores(run.cpu_ms_per_event),
             );
             runs.push(run);
         }
@@ -424,6 +442,20 @@ async fn run(
             rate(Variant::Inbox) / rate(Variant::NoInbox)
         })
         .collect();
+    let ratio_median_of_rounds = median_of(ratio_per_round.clone());
+    let cpu_per_event = |variant| {
+        median_of(
+            runs.iter()
+                .filter(|r| r.variant == variant)
+                .filter_map(|r| r.cpu_ms_per_event)
+                .collect(),
+        )
+    };
+    let cpu = CpuPerEvent {
+        inbox_ms: cpu_per_event(Variant::Inbox),
+        no_inbox_ms: cpu_per_event(Variant::NoInbox),
+        no_inbox_over_inbox: cpu_per_event(Variant::NoInbox) / cpu_per_event(Variant::Inbox),
+    };
     let goal = Goal {
         goal: format!("inbox msgs/s / no-inbox msgs/s >= {GOAL_RATIO}"),
         value: ratio,
@@ -434,7 +466,14 @@ async fn run(
         "one-row commit p50: {:.2} ms at the start, {:.2} ms at the end",
         machine.commit_ms_at_start, machine.commit_ms_at_end
     );
-    print_table(&median, &runs, &ratio_per_round, &goal);
+    print_table(
+        &median,
+        &runs,
+        &ratio_per_round,
+        ratio_median_of_rounds,
+        &cpu,
+        &goal,
+    );
     if let Some(path) = &args.json {
         let results = Results {
             machine,
@@ -446,6 +485,8 @@ async fn run(
             runs,
             ratio,
             ratio_per_round,
+            ratio_median_of_rounds,
+            cpu_per_event: cpu,
             goal,
         };
         std::fs::write(path, serde_json::to_vec_pretty(&results)?)
@@ -716,6 +757,7 @@ async fn measure(
         upsert_p50_ms: upserts.value_at_quantile(0.5) as f64 / 1000.0,
         upsert_p99_ms: upserts.value_at_quantile(0.99) as f64 / 1000.0,
         wal_bytes_per_event: wal_bytes / bench.workload.events as f64,
+        cpu_ms_per_event: cpu_ms_per_event(&cpu, seconds, bench.workload.events),
         cpu,
         check,
     })
@@ -794,6 +836,12 @@ async fn wal_lsn(admin: &mut PgConnection) -> Result<String> {
         .await?)
 }
 
+/// CPU of the bench, the nats-server and the backends together, in ms per event.
+fn cpu_ms_per_event(cpu: &cpu::CpuShare, seconds: f64, events: usize) -> Option<f64> {
+    let cores = cpu.bench? + cpu.nats_server? + cpu.postgres_backends;
+    Some(cores * seconds * 1000.0 / events as f64)
+}
+
 /// The run of `variant` with the median rate.
 fn median(runs: &[Run], variant: Variant) -> Run {
     let mut of: Vec<&Run> = runs.iter().filter(|r| r.variant == variant).collect();
@@ -801,14 +849,27 @@ fn median(runs: &[Run], variant: Variant) -> Run {
     of[of.len() / 2].clone()
 }
 
+/// The median of `values` (the upper one of an even count); NaN when empty.
+fn median_of(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 fn cores(value: Option<f64>) -> String {
     value.map_or("?".to_owned(), |v| format!("{v:.2}"))
 }
 
-fn print_table(median: &[Run], runs: &[Run], ratio_per_round: &[f64], goal: &Goal) {
+fn print_table(
+    median: &[Run],
+    runs: &[Run],
+    ratio_per_round: &[f64],
+    ratio_median_of_rounds: f64,
+    cpu: &CpuPerEvent,
+    goal: &Goal,
+) {
     println!();
-    println!("| variant | msgs/s (median) | rounds (msgs/s) | seconds | upsert p50 / p99 ms | WAL B/event | CPU cores: bench / nats / pg backends / others / machine |");
-    println!("|---------|----------------:|-----------------|--------:|--------------------:|------------:|---------------------------------------------------------|");
+    println!("| variant | msgs/s (median) | rounds (msgs/s) | seconds | upsert p50 / p99 ms | WAL B/event | CPU ms/event | CPU cores: bench / nats / pg backends / others / machine |");
+    println!("|---------|----------------:|-----------------|--------:|--------------------:|------------:|-------------:|---------------------------------------------------------|");
     for run in median {
         let rounds: Vec<String> = runs
             .iter()
@@ -816,7 +877,7 @@ fn print_table(median: &[Run], runs: &[Run], ratio_per_round: &[f64], goal: &Goa
             .map(|r| format!("{:.0}", r.msgs_per_second))
             .collect();
         println!(
-            "| {} | {:.0} | {} | {:.2} | {:.2} / {:.2} | {:.0} | {} / {} / {:.2} / {} / {} |",
+            "| {} | {:.0} | {} | {:.2} | {:.2} / {:.2} | {:.0} | {} | {} / {} / {:.2} / {} / {} |",
             run.variant.name(),
             run.msgs_per_second,
             rounds.join(", "),
@@ -824,6 +885,7 @@ fn print_table(median: &[Run], runs: &[Run], ratio_per_round: &[f64], goal: &Goa
             run.upsert_p50_ms,
             run.upsert_p99_ms,
             run.wal_bytes_per_event,
+            cores(run.cpu_ms_per_event),
             cores(run.cpu.bench),
             cores(run.cpu.nats_server),
             run.cpu.postgres_backends,
@@ -833,14 +895,20 @@ fn print_table(median: &[Run], runs: &[Run], ratio_per_round: &[f64], goal: &Goa
     }
     println!();
     println!(
-        "inbox / no inbox = {:.2} (per round: {}; goal >= {GOAL_RATIO}: {})",
+        "inbox / no inbox = {:.2} (median rates; goal >= {GOAL_RATIO}: {}); per round: {} \
+         (median {ratio_median_of_rounds:.2})",
         goal.value,
+        if goal.met { "met" } else { "NOT met" },
         ratio_per_round
             .iter()
             .map(|r| format!("{r:.2}"))
             .collect::<Vec<_>>()
             .join(", "),
-        if goal.met { "met" } else { "NOT met" }
+    );
+    println!(
+        "CPU per event (bench + nats-server + backends, median): inbox {:.3} ms, no inbox \
+         {:.3} ms; no inbox / inbox = {:.2}",
+        cpu.inbox_ms, cpu.no_inbox_ms, cpu.no_inbox_over_inbox
     );
 }
 

@@ -46,7 +46,9 @@ CREATE TABLE payments (
     order_id     uuid        NOT NULL,
     charge_id    text        NOT NULL,
     amount_cents bigint      NOT NULL,
-    charged_at   timestamptz NOT NULL DEFAULT now(),
+    -- clock_timestamp(), not now(): the row is written after the provider answered, while now()
+    -- is when the consumer's transaction began, before the call.
+    charged_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
     CONSTRAINT payments_pkey PRIMARY KEY (order_id),
     -- One charge pays one order.
     CONSTRAINT payments_charge_id_key UNIQUE (charge_id)
