@@ -270,6 +270,8 @@ struct Bench {
     settings: Settings,
     nats_pid: Option<u32>,
     run_timeout: Duration,
+    /// On the bench's own NATS connection, to delete each run's durable consumer.
+    jetstream: jetstream::Context,
 }
 
 /// Runs both variants for every round, prints the table, writes the JSON.
@@ -362,6 +364,7 @@ async fn run(
         settings,
         nats_pid: cpu::find_nats_server(nats_port(&args.nats_url)),
         run_timeout: Duration::from_secs(args.run_timeout_seconds),
+        jetstream: jetstream::new(transport.client().clone()),
     };
     let mut machine = machine(&mut admin, transport).await?;
     println!(
@@ -728,7 +731,8 @@ async fn measure(
     .await?;
     drop(consumer);
     pool.close().await;
-    jetstream::new(nats_client(bench).await?)
+    bench
+        .jetstream
         .get_stream(STREAM)
         .await?
         .delete_consumer(&durable)
@@ -815,19 +819,6 @@ async fn check(
         variant.name()
     );
     Ok(check)
-}
-
-async fn nats_client(bench: &Bench) -> Result<handoff_nats::async_nats::Client> {
-    let transport = JetStreamTransport::connect(
-        &bench.nats_url,
-        JetStreamConfig {
-            stream: STREAM.to_owned(),
-            subject_prefix: SUBJECT_PREFIX.to_owned(),
-            ..JetStreamConfig::default()
-        },
-    )
-    .await?;
-    Ok(transport.client().clone())
 }
 
 async fn wal_lsn(admin: &mut PgConnection) -> Result<String> {
