@@ -43,11 +43,8 @@ use uuid::Uuid;
 
 use crate::scratch::ScratchDatabase;
 
-// The relay bench's CPU accounting, compiled in a second time here: the `relay` module keeps
-// it private, and the two benches must report CPU the same way.
-#[allow(clippy::duplicate_mod)]
-#[path = "relay/cpu.rs"]
-mod cpu;
+// The relay bench's CPU accounting: the two benches must report CPU the same way.
+use crate::relay::cpu;
 
 /// The stream the benchmark owns: created at the start, deleted at the end.
 const STREAM: &str = "BENCH_CONSUMER";

@@ -87,7 +87,7 @@ struct Shared<H> {
     buffered: AtomicUsize,
     metrics: ConsumerMetrics,
     /// Benchmarks only: apply without the inbox, to measure what it costs.
-    bypass_inbox: bool,
+    bypass_inbox: AtomicBool,
 }
 
 /// What one processed delivery leaves for its lane.
@@ -163,7 +163,7 @@ impl<H: Handler> Consumer<H> {
                 inbox,
                 handler,
                 buffered: AtomicUsize::new(0),
-                bypass_inbox: false,
+                bypass_inbox: AtomicBool::new(false),
             }),
         })
     }
@@ -172,11 +172,8 @@ impl<H: Handler> Consumer<H> {
     /// applies the effect again. For benchmarks that measure the inbox's cost; never for use.
     #[doc(hidden)]
     pub fn without_inbox_for_benchmarks(self) -> Self {
-        let mut shared = Arc::into_inner(self.shared).expect("not running yet");
-        shared.bypass_inbox = true;
-        Self {
-            shared: Arc::new(shared),
-        }
+        self.shared.bypass_inbox.store(true, Ordering::Relaxed);
+        self
     }
 
     /// Takes deliveries from `intake` until `shutdown` completes, then stops taking, hands held
@@ -474,7 +471,7 @@ impl<H: Handler> Shared<H> {
                 return Step::Done;
             }
         };
-        if self.bypass_inbox {
+        if self.bypass_inbox.load(Ordering::Relaxed) {
             return self.apply(tx, item, false, started).await;
         }
         let admission = match self.inbox.admit(&mut tx, &item.event).await {

@@ -41,17 +41,17 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+#[cfg(feature = "consumer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
+pub use handoff_consumer as consumer;
 pub use handoff_core as core;
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub use handoff_nats as nats;
 pub use handoff_postgres as postgres;
 #[cfg(feature = "relay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "relay")))]
 pub use handoff_relay as relay;
-#[cfg(feature = "nats")]
-#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
-pub use handoff_nats as nats;
-#[cfg(feature = "consumer")]
-#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
-pub use handoff_consumer as consumer;
 
 pub use handoff_core::{Event, EventCatalog, EventId, Limits, NewEvent, ValidationError};
 pub use handoff_postgres::{

@@ -31,7 +31,7 @@ use drain::{DrainRun, DrainVariant};
 use latency::LatencyRun;
 use workload::Workload;
 
-mod cpu;
+pub(crate) mod cpu;
 mod drain;
 mod latency;
 mod probe;
