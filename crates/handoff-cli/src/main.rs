@@ -1,15 +1,21 @@
 //! The `handoff` command: operate a handoff outbox.
 //!
 //! `handoff migrate` applies the embedded schema migrations; `handoff relay` publishes committed
-//! outbox events to NATS JetStream. Later capabilities add the operator commands (status,
-//! quarantine, replay, cleanup) as further subcommands.
+//! outbox events to NATS JetStream; `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
+//! are the operator's commands. Each lives in its own module.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use handoff_postgres::{Migrator, Schema};
 use sqlx::Connection;
 
+mod args;
+mod cleanup;
+mod quarantine;
+mod reconcile;
 mod relay;
+mod replay;
+mod status;
 
 #[derive(Parser)]
 #[command(
@@ -28,6 +34,17 @@ enum Command {
     Migrate(MigrateArgs),
     /// Publish committed outbox events to NATS JetStream until SIGTERM/SIGINT.
     Relay(Box<relay::RelayArgs>),
+    /// The outbox at a glance: backlog, quarantine, stuck aggregates, table sizes, last cleanup.
+    /// Exits 2 when an alert condition holds.
+    Status(status::StatusArgs),
+    /// Events held for an operator: list, show, retry, repair, skip.
+    Quarantine(quarantine::QuarantineArgs),
+    /// Republish retained events (by aggregate, event type, time range) with a replay marker.
+    Replay(replay::ReplayArgs),
+    /// Check that every retained published event is in the stream; republish the missing ones.
+    Reconcile(reconcile::ReconcileArgs),
+    /// Delete (or archive) published rows and dedup rows past their retention, in short batches.
+    Cleanup(cleanup::CleanupArgs),
 }
 
 #[derive(clap::Args)]
@@ -70,6 +87,11 @@ async fn run() -> Result<()> {
     match Cli::parse().command {
         Command::Migrate(args) => migrate(args).await,
         Command::Relay(args) => relay::run(*args).await,
+        Command::Status(args) => status::run(args).await,
+        Command::Quarantine(args) => quarantine::run(args).await,
+        Command::Replay(args) => replay::run(args).await,
+        Command::Reconcile(args) => reconcile::run(args).await,
+        Command::Cleanup(args) => cleanup::run(args).await,
     }
 }
 

@@ -15,6 +15,8 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 use tracing::{info, warn};
 
+use crate::args::redact;
+
 /// Flags of `handoff relay`. Each also comes from its environment variable, then from the
 /// config file, then from the default; a flag wins over the variable, which wins over the file.
 #[derive(clap::Args, Debug, Default)]
@@ -68,6 +70,10 @@ pub struct RelayArgs {
     /// CloudEvents ce-source of the published events [default: handoff].
     #[arg(long, env = "HANDOFF_CE_SOURCE")]
     ce_source: Option<String>,
+    /// An aggregate whose oldest pending event is older than this counts in
+    /// handoff_outbox_stuck_aggregates [default: 60s].
+    #[arg(long, env = "HANDOFF_STUCK_AFTER", value_parser = humantime::parse_duration)]
+    stuck_after: Option<Duration>,
 }
 
 /// The config file: the same settings as the flags.
@@ -93,6 +99,8 @@ struct RelayFile {
     duplicate_window: Option<Duration>,
     max_attempts: Option<i32>,
     ce_source: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    stuck_after: Option<Duration>,
 }
 
 /// Everything the relay runs with, checked.
@@ -188,6 +196,10 @@ impl Settings {
             schema,
             relay_id,
             lease,
+            stuck_after: args
+                .stuck_after
+                .or(file.stuck_after)
+                .unwrap_or(Duration::from_secs(60)),
             ..PollingConfig::default()
         };
         polling.validate()?;
@@ -215,16 +227,6 @@ fn read_file(path: &Path) -> Result<RelayFile> {
 fn default_relay_id() -> String {
     let host = gethostname::gethostname().to_string_lossy().into_owned();
     format!("{host}-{}", std::process::id())
-}
-
-/// Hides anything between `://` and `@` (user and password) in a message that may quote a URL.
-fn redact(message: &str) -> String {
-    match (message.find("://"), message.rfind('@')) {
-        (Some(start), Some(at)) if at > start => {
-            format!("{}://***{}", &message[..start], &message[at..])
-        }
-        _ => message.to_owned(),
-    }
 }
 
 pub async fn run(args: RelayArgs) -> Result<()> {
@@ -380,27 +382,36 @@ fn install_metrics(addr: SocketAddr) -> Result<()> {
 
 /// Backlog gauges every 5 s (brief O1): one cheap query over the pending index.
 async fn report_backlog(source: std::sync::Arc<PollingSource>) {
-    metrics::describe_gauge!("handoff_outbox_pending_events", "Unpublished outbox events");
-    metrics::describe_gauge!("handoff_outbox_held_events", "Events held for an operator");
-    metrics::describe_gauge!(
+    use metrics::{describe_gauge, gauge, Unit};
+    describe_gauge!("handoff_outbox_pending", "Unpublished outbox events");
+    describe_gauge!(
+        "handoff_quarantined_events",
+        "Events held for an operator (attempt cap or permanent refusal)"
+    );
+    describe_gauge!(
         "handoff_outbox_expired_leases",
         "Leases that ran out unsettled"
     );
-    metrics::describe_gauge!(
+    describe_gauge!(
         "handoff_outbox_oldest_pending_age_seconds",
-        metrics::Unit::Seconds,
+        Unit::Seconds,
         "Age of the oldest unpublished event"
+    );
+    describe_gauge!(
+        "handoff_outbox_stuck_aggregates",
+        "Aggregates whose oldest unpublished event is older than --stuck-after"
     );
     let mut tick = tokio::time::interval(Duration::from_secs(5));
     loop {
         tick.tick().await;
         match source.backlog().await {
             Ok(backlog) => {
-                metrics::gauge!("handoff_outbox_pending_events").set(backlog.pending as f64);
-                metrics::gauge!("handoff_outbox_held_events").set(backlog.held as f64);
-                metrics::gauge!("handoff_outbox_expired_leases").set(backlog.expired_leases as f64);
-                metrics::gauge!("handoff_outbox_oldest_pending_age_seconds")
+                gauge!("handoff_outbox_pending").set(backlog.pending as f64);
+                gauge!("handoff_quarantined_events").set(backlog.held as f64);
+                gauge!("handoff_outbox_expired_leases").set(backlog.expired_leases as f64);
+                gauge!("handoff_outbox_oldest_pending_age_seconds")
                     .set(backlog.oldest_age.map_or(0.0, |age| age.as_secs_f64()));
+                gauge!("handoff_outbox_stuck_aggregates").set(backlog.stuck_aggregates as f64);
             }
             Err(error) => warn!(error = %error, "could not read the backlog"),
         }

@@ -3,6 +3,9 @@
 SELECT count(*) AS pending,
        count(*) FILTER (WHERE available_at = 'infinity') AS held,
        count(*) FILTER (WHERE claimed_by IS NOT NULL AND claim_until < now()) AS expired_leases,
+       -- $1: seconds after which an aggregate's oldest pending event makes it stuck.
+       count(DISTINCT (aggregate_type, aggregate_id))
+           FILTER (WHERE occurred_at < now() - make_interval(secs => $1)) AS stuck_aggregates,
        extract(epoch FROM now() - min(occurred_at))::float8 AS oldest_age_seconds
 FROM {schema}outbox
 WHERE published_at IS NULL

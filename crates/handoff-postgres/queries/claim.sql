@@ -80,5 +80,12 @@ SET claimed_by = $1,
     available_at = now() + make_interval(secs => $3)
 FROM picked
 WHERE o.event_id = picked.event_id
+-- A skipped event (`handoff quarantine skip`) goes out as a marker in its place: no payload, and
+-- a Handoff-Skipped header with the operator's reason, so consumers advance past its sequence.
 RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
-          o.schema_version, o.payload::text, o.headers::text, o.occurred_at, o.attempt_count
+          o.schema_version,
+          CASE WHEN o.skip_reason IS NULL THEN o.payload::text ELSE 'null' END AS payload,
+          CASE WHEN o.skip_reason IS NULL THEN o.headers::text
+               ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
+          END AS headers,
+          o.occurred_at, o.attempt_count

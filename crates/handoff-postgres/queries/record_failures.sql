@@ -7,6 +7,7 @@ SET available_at = CASE
         WHEN f.delay_ms IS NULL THEN 'infinity'::timestamptz
         ELSE now() + f.delay_ms * interval '1 millisecond'
     END,
+    quarantined_at = CASE WHEN f.delay_ms IS NULL THEN now() END,
     attempt_count = o.attempt_count + f.charged::int,
     last_error = f.error,
     claimed_by = NULL,

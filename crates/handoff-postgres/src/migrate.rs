@@ -39,7 +39,8 @@ impl Migration {
     }
 }
 
-/// handoff's own migrations: the outbox, the sequence heads and the consumer inbox.
+/// handoff's own migrations: the outbox, the sequence heads, the consumer inbox and the
+/// operators' tables (quarantine audit, cleanup archive and log).
 pub const HANDOFF_MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -58,6 +59,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         name: "consumer_inbox",
         up: include_str!("../migrations/0003_consumer_inbox.up.sql"),
         down: include_str!("../migrations/0003_consumer_inbox.down.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "operations",
+        up: include_str!("../migrations/0004_operations.up.sql"),
+        down: include_str!("../migrations/0004_operations.down.sql"),
     },
 ];
 

@@ -45,6 +45,10 @@ pub struct PollingConfig {
     /// Whether an idle relay is woken by LISTEN/NOTIFY. Off, it only polls: every wait lasts
     /// the relay's whole poll interval (for measuring, or where NOTIFY is not allowed).
     pub listen: bool,
+    /// An aggregate whose oldest unpublished event is older than this counts as stuck in
+    /// [`Backlog::stuck_aggregates`]: one key stalled behind a poison event shows even while the
+    /// totals look healthy.
+    pub stuck_after: Duration,
 }
 
 impl Default for PollingConfig {
@@ -55,6 +59,7 @@ impl Default for PollingConfig {
             lease: Duration::from_secs(30),
             wait_ttl: Duration::from_secs(60),
             listen: true,
+            stuck_after: Duration::from_secs(60),
         }
     }
 }
@@ -150,9 +155,12 @@ struct Sql {
 pub struct Backlog {
     /// Unpublished events, including held and leased ones.
     pub pending: i64,
-    /// Events held for an operator (the poison policy): they and their aggregates' later events
-    /// wait.
+    /// Events held for an operator (quarantined, the poison policy): they and their aggregates'
+    /// later events wait.
     pub held: i64,
+    /// Aggregates whose oldest unpublished event is older than
+    /// [`PollingConfig::stuck_after`].
+    pub stuck_aggregates: i64,
     /// Leased events whose lease ran out: a relay died or stalled holding them.
     pub expired_leases: i64,
     /// Age of the oldest unpublished event; `None` when there is none.
@@ -222,6 +230,7 @@ impl PollingSource {
     /// The database could not be reached.
     pub async fn backlog(&self) -> Result<Backlog, SourceError> {
         let row = sqlx::query(&self.sql.backlog)
+            .bind(self.config.stuck_after.as_secs_f64())
             .fetch_one(&self.pool)
             .await
             .map_err(|e| SourceError::new("while reading the backlog", e))?;
@@ -230,6 +239,7 @@ impl PollingSource {
             Ok(Backlog {
                 pending: row.try_get("pending")?,
                 held: row.try_get("held")?,
+                stuck_aggregates: row.try_get("stuck_aggregates")?,
                 expired_leases: row.try_get("expired_leases")?,
                 oldest_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
             })

@@ -4,7 +4,7 @@
 pub(crate) const CLAIMS: &str = "handoff_relay_claims_total";
 pub(crate) const CLAIMED: &str = "handoff_relay_claimed_events_total";
 pub(crate) const CLAIM_SECONDS: &str = "handoff_relay_claim_seconds";
-pub(crate) const PUBLISHED: &str = "handoff_relay_published_total";
+pub(crate) const PUBLISHED: &str = "handoff_events_published_total";
 pub(crate) const PUBLISH_FAILURES: &str = "handoff_relay_publish_failures_total";
 pub(crate) const HELD: &str = "handoff_relay_held_events_total";
 pub(crate) const ACK_SECONDS: &str = "handoff_relay_ack_seconds";

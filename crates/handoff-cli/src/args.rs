@@ -1,0 +1,147 @@
+//! Flags the operator commands share, and the parsing of times they accept.
+
+use std::str::FromStr;
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, Result};
+use chrono::{DateTime, Utc};
+use handoff_nats::JetStreamConfig;
+use handoff_postgres::Schema;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Connection, PgConnection};
+
+/// Where handoff's tables are.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DatabaseArgs {
+    /// PostgreSQL URL. The password, if any, is never logged.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Schema of handoff's tables [default: the connection's search_path].
+    #[arg(long, env = "HANDOFF_SCHEMA")]
+    pub schema: Option<String>,
+}
+
+impl DatabaseArgs {
+    /// The configured schema, checked.
+    pub fn schema(&self) -> Result<Schema> {
+        Ok(match &self.schema {
+            Some(name) => Schema::named(name.clone())?,
+            None => Schema::default(),
+        })
+    }
+
+    /// One connection, named after the command in `pg_stat_activity`.
+    pub async fn connect(&self, application: &str) -> Result<PgConnection> {
+        let options = self.options(application)?;
+        PgConnection::connect_with(&options)
+            .await
+            .context("while connecting to PostgreSQL (check --database-url / DATABASE_URL)")
+    }
+
+    /// The connection options, for commands that need a pool.
+    pub fn options(&self, application: &str) -> Result<PgConnectOptions> {
+        Ok(PgConnectOptions::from_str(&self.database_url)
+            .map_err(|e| anyhow::anyhow!("invalid database url: {}", redact(&e.to_string())))?
+            .application_name(application)
+            .log_statements(tracing::log::LevelFilter::Debug))
+    }
+}
+
+/// The relay's broker settings, for the commands that publish or read the stream.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BrokerArgs {
+    /// NATS URL.
+    #[arg(
+        long,
+        env = "NATS_URL",
+        hide_env_values = true,
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    pub nats_url: String,
+    /// The relay's JetStream stream.
+    #[arg(long, env = "HANDOFF_STREAM", default_value = "OUTBOX")]
+    pub stream: String,
+    /// The relay's subject prefix: events are on <prefix>.<aggregate_type>.<aggregate_id>.
+    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX", default_value = "outbox")]
+    pub subject_prefix: String,
+}
+
+impl BrokerArgs {
+    /// The relay's JetStream settings with these three replaced.
+    pub fn jetstream(&self) -> JetStreamConfig {
+        JetStreamConfig {
+            stream: self.stream.clone(),
+            subject_prefix: self.subject_prefix.clone(),
+            ..JetStreamConfig::default()
+        }
+    }
+}
+
+/// An instant given as an RFC 3339 timestamp (`2026-12-04T10:00:00Z`) or as a duration back from
+/// now (`15m`, `2h`, `7d`).
+///
+/// # Examples
+///
+/// `--since 2h` is two hours before the command started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Instant(pub DateTime<Utc>);
+
+impl FromStr for Instant {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Ok(at) = DateTime::parse_from_rfc3339(s) {
+            return Ok(Instant(at.with_timezone(&Utc)));
+        }
+        match humantime::parse_duration(s) {
+            Ok(back) => SystemTime::now()
+                .checked_sub(back)
+                .map(|at| Instant(at.into()))
+                .ok_or_else(|| format!("{s} back from now is before the epoch")),
+            Err(_) => Err(format!(
+                "{s:?} is neither an RFC 3339 timestamp (2026-12-04T10:00:00Z) \
+                 nor a duration back from now (15m, 2h, 7d)"
+            )),
+        }
+    }
+}
+
+/// A duration flag such as `7d` or `90s`.
+pub fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e} (e.g. 15m, 2h, 7d)"))
+}
+
+/// Hides anything between `://` and `@` (user and password) in a message that may quote a URL.
+pub fn redact(message: &str) -> String {
+    match (message.find("://"), message.rfind('@')) {
+        (Some(start), Some(at)) if at > start => {
+            format!("{}://***{}", &message[..start], &message[at..])
+        }
+        _ => message.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn instants_are_timestamps_or_durations_back() {
+        let at: Instant = "2026-12-04T10:00:00Z".parse().unwrap();
+        assert_eq!(at.0.to_rfc3339(), "2026-12-04T10:00:00+00:00");
+        let before = Utc::now();
+        let back: Instant = "2h".parse().unwrap();
+        let age = before - back.0;
+        assert!(age >= chrono::Duration::minutes(119) && age <= chrono::Duration::minutes(121));
+        assert!("yesterday".parse::<Instant>().is_err());
+        assert!("".parse::<Instant>().is_err());
+    }
+
+    #[test]
+    fn urls_lose_their_credentials() {
+        assert_eq!(
+            redact("bad url postgres://me:secret@db/x"),
+            "bad url postgres://***@db/x"
+        );
+    }
+}
