@@ -11,6 +11,7 @@ use sqlx::Connection;
 
 mod args;
 mod cleanup;
+mod format;
 mod quarantine;
 mod reconcile;
 mod relay;
@@ -67,7 +68,7 @@ async fn main() -> std::process::ExitCode {
     let _failpoints = fail::FailScenario::setup();
     // One line per cause, never a backtrace: this is an operator's tool.
     match run().await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(error) => {
             eprintln!("error: {error:#}");
             std::process::ExitCode::FAILURE
@@ -75,7 +76,7 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run() -> Result<()> {
+async fn run() -> Result<std::process::ExitCode> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -84,14 +85,16 @@ async fn run() -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    let success = |()| std::process::ExitCode::SUCCESS;
     match Cli::parse().command {
-        Command::Migrate(args) => migrate(args).await,
-        Command::Relay(args) => relay::run(*args).await,
+        Command::Migrate(args) => migrate(args).await.map(success),
+        Command::Relay(args) => relay::run(*args).await.map(success),
+        // These two tell a script by their exit code whether something needs a person.
         Command::Status(args) => status::run(args).await,
-        Command::Quarantine(args) => quarantine::run(args).await,
-        Command::Replay(args) => replay::run(args).await,
         Command::Reconcile(args) => reconcile::run(args).await,
-        Command::Cleanup(args) => cleanup::run(args).await,
+        Command::Quarantine(args) => quarantine::run(args).await.map(success),
+        Command::Replay(args) => replay::run(args).await.map(success),
+        Command::Cleanup(args) => cleanup::run(args).await.map(success),
     }
 }
 

@@ -1,15 +1,276 @@
-//! `handoff quarantine`: list, show, retry, repair, skip held events (brief P8). Being built.
+//! `handoff quarantine`: the events the relay held for an operator (brief P8). `list` and
+//! `show` read; `retry`, `repair` and `skip` release one event each, resuming its aggregate in
+//! order, and record who did what in `outbox_quarantine_actions`.
 
-use anyhow::{bail, Result};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use handoff_postgres::{EventDetail, Quarantine, QuarantinedEvent};
+use uuid::Uuid;
 
 use crate::args::DatabaseArgs;
+use crate::format::since;
 
 #[derive(clap::Args, Debug)]
 pub struct QuarantineArgs {
-    #[command(flatten)]
-    database: DatabaseArgs,
+    #[command(subcommand)]
+    command: QuarantineCommand,
 }
 
-pub async fn run(_args: QuarantineArgs) -> Result<()> {
-    bail!("not built yet")
+#[derive(clap::Subcommand, Debug)]
+enum QuarantineCommand {
+    /// Held events, the longest held first.
+    List {
+        #[command(flatten)]
+        database: DatabaseArgs,
+        /// Most events shown.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print a JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One event in full: state, payload, headers, and every action taken on it.
+    Show {
+        #[command(flatten)]
+        database: DatabaseArgs,
+        /// The event id.
+        event_id: Uuid,
+        /// Print a JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish a held event as it is (its cause is fixed), with a fresh attempt budget.
+    Retry {
+        #[command(flatten)]
+        database: DatabaseArgs,
+        /// The event id.
+        event_id: Uuid,
+        #[command(flatten)]
+        actor: ActorArgs,
+    },
+    /// Replace a held event's payload from a file (checked like any enqueue), then publish it.
+    Repair {
+        #[command(flatten)]
+        database: DatabaseArgs,
+        /// The event id.
+        event_id: Uuid,
+        /// The corrected payload: a JSON file.
+        #[arg(long)]
+        payload_file: PathBuf,
+        /// The payload limit of the application's outbox, in bytes [default: NATS's 1 MiB
+        /// minus the header room].
+        #[arg(long)]
+        max_payload_bytes: Option<usize>,
+        #[command(flatten)]
+        actor: ActorArgs,
+    },
+    /// Never apply a held event: a skip marker (no payload, header Handoff-Skipped) goes out
+    /// in its place, so consumers record it and its aggregate moves on.
+    Skip {
+        #[command(flatten)]
+        database: DatabaseArgs,
+        /// The event id.
+        event_id: Uuid,
+        /// Why; kept in the audit and sent to consumers in the marker. Required.
+        #[arg(long)]
+        reason: String,
+        #[command(flatten)]
+        actor: ActorArgs,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct ActorArgs {
+    /// Who acts, for the audit [default: $USER@<host>].
+    #[arg(long, env = "HANDOFF_ACTOR")]
+    actor: Option<String>,
+}
+
+impl ActorArgs {
+    fn name(&self) -> String {
+        self.actor.clone().unwrap_or_else(|| {
+            let user = std::env::var("USER")
+                .or_else(|_| std::env::var("LOGNAME"))
+                .unwrap_or_else(|_| "unknown".to_owned());
+            format!("{user}@{}", gethostname::gethostname().to_string_lossy())
+        })
+    }
+}
+
+pub async fn run(args: QuarantineArgs) -> Result<()> {
+    match args.command {
+        QuarantineCommand::List {
+            database,
+            limit,
+            json,
+        } => {
+            let mut conn = database.connect("handoff-quarantine").await?;
+            let held = Quarantine::new(&database.schema()?)
+                .list(&mut conn, limit)
+                .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&held)?);
+            } else {
+                print_list(&held);
+            }
+        }
+        QuarantineCommand::Show {
+            database,
+            event_id,
+            json,
+        } => {
+            let mut conn = database.connect("handoff-quarantine").await?;
+            let detail = Quarantine::new(&database.schema()?)
+                .show(&mut conn, event_id)
+                .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&detail)?);
+            } else {
+                print_detail(event_id, &detail)?;
+            }
+        }
+        QuarantineCommand::Retry {
+            database,
+            event_id,
+            actor,
+        } => {
+            let mut conn = database.connect("handoff-quarantine").await?;
+            let record = Quarantine::new(&database.schema()?)
+                .retry(&mut conn, event_id, &actor.name())
+                .await?;
+            println!(
+                "released {event_id} for publishing as it is (action {})",
+                record.action_id
+            );
+        }
+        QuarantineCommand::Repair {
+            database,
+            event_id,
+            payload_file,
+            max_payload_bytes,
+            actor,
+        } => {
+            let payload = std::fs::read_to_string(&payload_file)
+                .with_context(|| format!("while reading {}", payload_file.display()))?;
+            let mut quarantine = Quarantine::new(&database.schema()?);
+            if let Some(max) = max_payload_bytes {
+                quarantine = quarantine.with_limits(handoff_core::Limits {
+                    max_payload_bytes: max,
+                    ..handoff_core::Limits::default()
+                });
+            }
+            let mut conn = database.connect("handoff-quarantine").await?;
+            let record = quarantine
+                .repair(&mut conn, event_id, &payload, &actor.name())
+                .await?;
+            println!(
+                "repaired {event_id} and released it for publishing (action {})",
+                record.action_id
+            );
+        }
+        QuarantineCommand::Skip {
+            database,
+            event_id,
+            reason,
+            actor,
+        } => {
+            let mut conn = database.connect("handoff-quarantine").await?;
+            let record = Quarantine::new(&database.schema()?)
+                .skip(&mut conn, event_id, &reason, &actor.name())
+                .await?;
+            println!(
+                "skipped {event_id}: a skip marker goes out in its place (action {})",
+                record.action_id
+            );
+        }
+    }
+    Ok(())
+}
+
+fn print_list(held: &[QuarantinedEvent]) {
+    if held.is_empty() {
+        println!("no quarantined events");
+        return;
+    }
+    println!(
+        "{:<36}  {:<28}  {:>5}  {:<20}  {:>8}  {:>9}  {:>6}  REASON",
+        "EVENT ID", "AGGREGATE", "SEQ", "TYPE", "ATTEMPTS", "HELD FOR", "BEHIND"
+    );
+    for event in held {
+        println!(
+            "{:<36}  {:<28}  {:>5}  {:<20}  {:>8}  {:>9}  {:>6}  {}",
+            event.event_id,
+            format!("{}/{}", event.aggregate_type, event.aggregate_id),
+            event.aggregate_sequence,
+            event.event_type,
+            event.attempts,
+            event.quarantined_at.map_or("?".to_owned(), since),
+            event.held_behind,
+            event.reason.as_deref().unwrap_or("-"),
+        );
+    }
+}
+
+fn print_detail(event_id: Uuid, detail: &EventDetail) -> Result<()> {
+    println!("event        {event_id}");
+    println!("state        {}", detail.state.as_str());
+    if let Some(event) = &detail.event {
+        println!(
+            "aggregate    {}/{} #{}",
+            event.aggregate_type, event.aggregate_id, event.aggregate_sequence
+        );
+        println!(
+            "type         {} v{}",
+            event.event_type, event.schema_version
+        );
+        println!(
+            "occurred     {} ({})",
+            event.occurred_at.to_rfc3339(),
+            since(event.occurred_at)
+        );
+        if let Some(at) = event.quarantined_at {
+            println!("held since   {} ({})", at.to_rfc3339(), since(at));
+        }
+        println!("attempts     {}", event.attempts);
+        println!("last error   {}", event.reason.as_deref().unwrap_or("-"));
+        println!(
+            "held behind  {} later event(s) of its aggregate",
+            event.held_behind
+        );
+    }
+    if let Some(at) = detail.published_at {
+        println!("published    {}", at.to_rfc3339());
+    }
+    if let Some(reason) = &detail.skip_reason {
+        println!("skipped      {reason}");
+    }
+    if let Some(headers) = &detail.headers {
+        println!("headers      {headers}");
+    }
+    if let Some(payload) = &detail.payload {
+        println!("payload");
+        println!("{}", serde_json::to_string_pretty(payload)?);
+    }
+    if detail.actions.is_empty() {
+        println!("actions      none");
+    } else {
+        println!("actions");
+        for action in &detail.actions {
+            println!(
+                "  #{} {} by {} at {}{}",
+                action.action_id,
+                action.action,
+                action.actor,
+                action.acted_at.to_rfc3339(),
+                action
+                    .reason
+                    .as_deref()
+                    .map_or(String::new(), |r| format!(": {r}")),
+            );
+            println!("     before {}", action.before);
+            println!("     after  {}", action.after);
+        }
+    }
+    Ok(())
 }

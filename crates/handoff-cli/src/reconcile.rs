@@ -12,6 +12,6 @@ pub struct ReconcileArgs {
     broker: BrokerArgs,
 }
 
-pub async fn run(_args: ReconcileArgs) -> Result<()> {
+pub async fn run(_args: ReconcileArgs) -> Result<std::process::ExitCode> {
     bail!("not built yet")
 }

@@ -1,15 +1,183 @@
-//! `handoff status`: the outbox at a glance (brief O1, O5). Being built.
+//! `handoff status`: the outbox at a glance (brief O1, O5), for a person or a script. Exits 2
+//! when an alert condition holds, so a cron job or a health check can act on it.
 
-use anyhow::{bail, Result};
+use std::process::ExitCode;
+use std::time::Duration;
 
-use crate::args::DatabaseArgs;
+use anyhow::Result;
+use handoff_postgres::{Status, StatusReport};
+use serde::Serialize;
+
+use crate::args::{duration, DatabaseArgs};
+use crate::format::{age, bytes, since};
+
+/// The exit code when an alert condition holds.
+const ALERTING: u8 = 2;
 
 #[derive(clap::Args, Debug)]
 pub struct StatusArgs {
     #[command(flatten)]
     database: DatabaseArgs,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+    /// An aggregate whose first pending event is older than this is listed as stuck.
+    #[arg(long, value_parser = duration, default_value = "1m")]
+    stuck_after: Duration,
+    /// Most stuck aggregates listed.
+    #[arg(long, default_value_t = 10)]
+    top: i64,
+    /// Alert when the oldest pending event is older than this.
+    #[arg(long, value_parser = duration, default_value = "5m")]
+    max_pending_age: Duration,
 }
 
-pub async fn run(_args: StatusArgs) -> Result<()> {
-    bail!("not built yet")
+/// The report as printed with `--json`: the numbers, the alerts that hold, and the verdict.
+#[derive(Serialize)]
+struct Output<'a> {
+    #[serde(flatten)]
+    report: &'a StatusReport,
+    alerts: Vec<Alert>,
+    healthy: bool,
+}
+
+/// One alert condition that holds.
+#[derive(Serialize)]
+struct Alert {
+    name: &'static str,
+    message: String,
+}
+
+pub async fn run(args: StatusArgs) -> Result<ExitCode> {
+    let mut conn = args.database.connect("handoff-status").await?;
+    let report = Status::new(&args.database.schema()?)
+        .read(&mut conn, args.stuck_after, args.top)
+        .await?;
+    let alerts = alerts(&report, &args);
+    if args.json {
+        let output = Output {
+            report: &report,
+            healthy: alerts.is_empty(),
+            alerts,
+        };
+        println!("{}", serde_json::to_string_pretty(&output)?);
+        return Ok(exit_code(output.healthy));
+    }
+    print_report(&report, &args);
+    if alerts.is_empty() {
+        println!("healthy");
+    }
+    for alert in &alerts {
+        println!("ALERT {}: {}", alert.name, alert.message);
+    }
+    Ok(exit_code(alerts.is_empty()))
+}
+
+fn exit_code(healthy: bool) -> ExitCode {
+    if healthy {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(ALERTING)
+    }
+}
+
+/// The conditions `deploy/prometheus/alerts.yml` also watches, judged from one reading.
+fn alerts(report: &StatusReport, args: &StatusArgs) -> Vec<Alert> {
+    let mut alerts = Vec::new();
+    if report.quarantined > 0 {
+        alerts.push(Alert {
+            name: "quarantine_not_empty",
+            message: format!(
+                "{} event(s) held for an operator; see `handoff quarantine list`",
+                report.quarantined
+            ),
+        });
+    }
+    if report.oldest_pending_age_seconds > args.max_pending_age.as_secs_f64() {
+        alerts.push(Alert {
+            name: "oldest_pending_too_old",
+            message: format!(
+                "the oldest pending event is {} old (limit {})",
+                age(report.oldest_pending_age_seconds),
+                age(args.max_pending_age.as_secs_f64())
+            ),
+        });
+    }
+    if report.stuck_aggregate_count > 0 {
+        alerts.push(Alert {
+            name: "stuck_aggregates",
+            message: format!(
+                "{} aggregate(s) waiting longer than {}",
+                report.stuck_aggregate_count,
+                age(args.stuck_after.as_secs_f64())
+            ),
+        });
+    }
+    if report.expired_leases > 0 {
+        alerts.push(Alert {
+            name: "expired_leases",
+            message: format!(
+                "{} leased event(s) past their lease: is any relay running?",
+                report.expired_leases
+            ),
+        });
+    }
+    alerts
+}
+
+fn print_report(report: &StatusReport, args: &StatusArgs) {
+    println!("pending              {}", report.pending);
+    println!(
+        "oldest pending age   {}",
+        age(report.oldest_pending_age_seconds)
+    );
+    println!("quarantined          {}", report.quarantined);
+    println!("expired leases       {}", report.expired_leases);
+    println!(
+        "stuck aggregates     {} (first pending event older than {})",
+        report.stuck_aggregate_count,
+        age(args.stuck_after.as_secs_f64())
+    );
+    for stuck in &report.stuck_aggregates {
+        println!(
+            "  {}/{}  waiting {}  {} pending  head #{} {} {} ({}, {} attempt(s)){}",
+            stuck.aggregate_type,
+            stuck.aggregate_id,
+            age(stuck.oldest_pending_age_seconds),
+            stuck.pending,
+            stuck.head_sequence,
+            stuck.head_event_type,
+            stuck.head_event_id,
+            stuck.head_state,
+            stuck.head_attempts,
+            stuck
+                .head_last_error
+                .as_deref()
+                .map_or(String::new(), |e| format!(": {e}")),
+        );
+    }
+    println!("tables");
+    for table in &report.tables {
+        println!(
+            "  {:<26} {:>10}  ~{} rows",
+            table.table,
+            bytes(table.bytes),
+            table.estimated_rows.max(0.0) as i64
+        );
+    }
+    match &report.last_cleanup {
+        None => println!("last cleanup         never"),
+        Some(run) => println!(
+            "last cleanup         started {}, {}: {} outbox row(s) {}, {} dedup row(s), {} batch(es), \
+             longest {:.0} ms",
+            since(run.started_at),
+            run.finished_at
+                .map_or("unfinished".to_owned(), |at| format!("finished {}", since(at))),
+            run.outbox_deleted,
+            if run.archived { "archived" } else { "deleted" },
+            run.dedup_deleted,
+            run.batches,
+            run.longest_batch_ms
+        ),
+    }
 }

@@ -593,12 +593,24 @@ impl<H: Handler> Shared<H> {
         advance: bool,
         started: Instant,
     ) -> Step<S> {
-        let handled = keep_alive(
-            self.handler.handle(&mut tx, &item.event),
-            &item.settle,
-            self.config.progress_interval,
-        )
-        .await;
+        let skip_reason = item.event.skip_reason();
+        let handled = match skip_reason {
+            // A skip marker: an operator skipped this event at the source (`handoff quarantine
+            // skip`). The admission already recorded it and, with the sequence advance below,
+            // the aggregate moves past it; the handler never sees it.
+            Some(reason) => {
+                info!(event_id = %item.event.event_id, reason, "skip marker recorded, not applied");
+                Ok(())
+            }
+            None => {
+                keep_alive(
+                    self.handler.handle(&mut tx, &item.event),
+                    &item.settle,
+                    self.config.progress_interval,
+                )
+                .await
+            }
+        };
         if let Err(error) = handled {
             drop(tx);
             return self.failed(item, error).await;
@@ -621,7 +633,11 @@ impl<H: Handler> Shared<H> {
         }
         freeze_if_fired(fp::AFTER_COMMIT).await;
         settle_ack(&item).await;
-        self.metrics.applied.increment(1);
+        if skip_reason.is_some() {
+            self.metrics.skipped.increment(1);
+        } else {
+            self.metrics.applied.increment(1);
+        }
         self.metrics
             .apply_seconds
             .record(started.elapsed().as_secs_f64());

@@ -8,7 +8,7 @@
 //! | `handoff_consumer_duplicates_total` | counter | deliveries of an already applied event, acknowledged without applying |
 //! | `handoff_consumer_gaps_total` | counter | deliveries ahead of their aggregate (sequence > last + 1) |
 //! | `handoff_consumer_stale_total` | counter | new event ids at an already applied place (sequence <= last) |
-//! | `handoff_consumer_skipped_total` | counter | events recorded as processed without applying (stale, or a reconcile skip) |
+//! | `handoff_consumer_skipped_total` | counter | events recorded as processed without applying (stale, a reconcile skip, or an operator's skip marker) |
 //! | `handoff_consumer_retries_total` | counter | deliveries handed back for a later redelivery |
 //! | `handoff_consumer_handler_errors_total{kind}` | counter | handler failures, `retryable` or `permanent` |
 //! | `handoff_consumer_quarantined_total{reason}` | counter | events put in the consumer quarantine |

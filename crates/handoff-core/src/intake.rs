@@ -13,6 +13,12 @@ use std::time::Duration;
 
 use crate::EventId;
 
+/// The header of a skip marker: the relay publishes it in place of an event an operator skipped
+/// (`handoff quarantine skip`), with the operator's reason as its value and `null` as the body.
+/// A consumer records the event as processed, advancing its aggregate's sequence, and applies
+/// nothing.
+pub const SKIPPED_HEADER: &str = "Handoff-Skipped";
+
 /// One event as a consumer receives it: what the relay published, read back from the broker's
 /// message contract (`ce-id`, `Handoff-Sequence`, ...).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +65,25 @@ impl ReceivedEvent {
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
+    }
+
+    /// The operator's reason when this message is a skip marker ([`SKIPPED_HEADER`]): the
+    /// event was skipped at the source and must be recorded, not applied.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use handoff_core::intake::ReceivedEvent;
+    /// # let event = ReceivedEvent {
+    /// #     event_id: uuid::Uuid::nil(), aggregate_type: "order".into(),
+    /// #     aggregate_id: "o-1".into(), sequence: 2, event_type: "OrderCreated".into(),
+    /// #     schema_version: 1, payload: "null".into(), replayed: false,
+    /// #     headers: vec![("Handoff-Skipped".into(), "payload lost upstream".into())],
+    /// # };
+    /// assert_eq!(event.skip_reason(), Some("payload lost upstream"));
+    /// ```
+    pub fn skip_reason(&self) -> Option<&str> {
+        self.header(SKIPPED_HEADER)
     }
 }
 

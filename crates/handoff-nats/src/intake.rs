@@ -347,7 +347,8 @@ fn read_event(message: &async_nats::Message) -> Result<ReceivedEvent, MalformedE
     let payload = std::str::from_utf8(&message.payload)
         .map_err(|_| malformed("the body is not UTF-8".to_owned()))?
         .to_owned();
-    let replayed = get(REPLAY).is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    // `handoff replay` and `handoff reconcile` put their run id here; older tools put `true`.
+    let replayed = get(REPLAY).is_some_and(|v| !v.is_empty() && !v.eq_ignore_ascii_case("false"));
     Ok(ReceivedEvent {
         event_id,
         aggregate_type,

@@ -46,8 +46,10 @@
 mod inbox;
 mod migrate;
 mod outbox;
+mod quarantine;
 mod schema;
 mod source;
+mod status;
 
 pub use inbox::{
     validate_consumer_name, Admission, CallRecord, CallResponse, CallStatus, Inbox, InboxError,
@@ -59,7 +61,12 @@ pub use migrate::{
 pub use outbox::{
     DriverError, EnqueueCall, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig,
 };
+pub use quarantine::{
+    ActionRecord, EventDetail, EventState, Quarantine, QuarantineAction, QuarantineError,
+    QuarantineErrorKind, QuarantinedEvent, MAX_ACTOR_BYTES, MAX_SKIP_REASON_BYTES,
+};
 pub use schema::{Schema, SchemaError};
 pub use source::{
     read_outbox_event, Backlog, PollingConfig, PollingConfigError, PollingSource, WAKE_CHANNEL,
 };
+pub use status::{CleanupRun, Status, StatusReport, StuckAggregate, TableSize};

@@ -1,0 +1,48 @@
+-- One operator action on a quarantined event, and its audit row, in one statement (brief P8):
+-- the row is locked, released to the relay, and the action recorded with the row before and
+-- after, or nothing happens at all (no row returned: the event is unknown or not quarantined).
+--
+--   retry   releases the event as it is;
+--   repair  replaces its payload ($5, validated by the caller like any enqueue) and releases it;
+--   skip    releases it as a skip marker: the relay publishes, in its place, a message with no
+--           payload and the header Handoff-Skipped ($4), so consumers advance past it.
+--
+-- Each resets the attempt count, so the event gets the relay's full retry budget again.
+-- $1 event id, $2 action, $3 actor, $4 reason (skip: required), $5 new payload (repair)
+WITH before AS (
+    SELECT o.event_id,
+           jsonb_build_object(
+               'available_at', o.available_at,
+               'quarantined_at', o.quarantined_at,
+               'attempt_count', o.attempt_count,
+               'last_error', o.last_error,
+               'skip_reason', o.skip_reason
+           ) || CASE WHEN $2 = 'repair' THEN jsonb_build_object('payload', o.payload)
+                     ELSE '{}'::jsonb END AS snapshot
+    FROM {schema}outbox o
+    WHERE o.event_id = $1
+      AND o.published_at IS NULL
+      AND o.available_at = 'infinity'
+    FOR UPDATE
+), changed AS (
+    UPDATE {schema}outbox o
+    SET available_at = now(),
+        quarantined_at = NULL,
+        attempt_count = 0,
+        payload = CASE WHEN $2 = 'repair' THEN $5::jsonb ELSE o.payload END,
+        skip_reason = CASE WHEN $2 = 'skip' THEN $4 ELSE o.skip_reason END
+    FROM before
+    WHERE o.event_id = before.event_id
+    RETURNING jsonb_build_object(
+                  'available_at', o.available_at,
+                  'quarantined_at', o.quarantined_at,
+                  'attempt_count', o.attempt_count,
+                  'last_error', o.last_error,
+                  'skip_reason', o.skip_reason
+              ) || CASE WHEN $2 = 'repair' THEN jsonb_build_object('payload', o.payload)
+                        ELSE '{}'::jsonb END AS snapshot
+)
+INSERT INTO {schema}outbox_quarantine_actions (event_id, action, actor, reason, before, after)
+SELECT before.event_id, $2, $3, $4, before.snapshot, changed.snapshot
+FROM before, changed
+RETURNING action_id, acted_at

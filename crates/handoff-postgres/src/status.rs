@@ -1,0 +1,239 @@
+//! [`Status`]: the outbox at a glance for an operator (brief O1, O5): backlog, quarantine,
+//! stuck aggregates, table sizes and the last cleanup, in a handful of cheap queries that read
+//! the pending rows and the catalog, never the retained history.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use handoff_core::EventId;
+use serde::Serialize;
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row};
+
+use crate::Schema;
+
+const BACKLOG_SQL: &str = include_str!("../queries/backlog.sql");
+const STUCK_SQL: &str = include_str!("../queries/status/stuck.sql");
+const TABLES_SQL: &str = include_str!("../queries/status/tables.sql");
+const LAST_CLEANUP_SQL: &str = include_str!("../queries/status/last_cleanup.sql");
+
+/// The tables whose size the report shows: the outbox's, then the consumer side's, which live
+/// in the same database only when a consumer shares it.
+const TABLES: &[&str] = &[
+    "outbox",
+    "outbox_heads",
+    "outbox_archive",
+    "outbox_quarantine_actions",
+    "processed_events",
+    "consumer_sequences",
+    "consumer_quarantine",
+    "external_calls",
+];
+
+/// Reads [`StatusReport`]s of one outbox schema.
+///
+/// # Examples
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use handoff_postgres::{Schema, Status};
+///
+/// # async fn example(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+/// let status = Status::new(&Schema::default());
+/// let report = status.read(conn, Duration::from_secs(60), 10).await?;
+/// println!("{} pending, {} quarantined", report.pending, report.quarantined);
+/// for stuck in &report.stuck_aggregates {
+///     println!("{}/{} waits on {}", stuck.aggregate_type, stuck.aggregate_id, stuck.head_event_id);
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Status {
+    backlog_sql: String,
+    stuck_sql: String,
+    last_cleanup_sql: String,
+    tables: Vec<String>,
+}
+
+/// What [`Status::read`] found.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StatusReport {
+    /// Unpublished events, held and leased ones included.
+    pub pending: i64,
+    /// Age of the oldest unpublished event, in seconds; 0 when there is none.
+    pub oldest_pending_age_seconds: f64,
+    /// Events held for an operator.
+    pub quarantined: i64,
+    /// Leases that ran out unsettled: a relay died or stalled holding them (a live relay takes
+    /// them over within its poll interval).
+    pub expired_leases: i64,
+    /// How many aggregates have waited longer than the stuck threshold.
+    pub stuck_aggregate_count: i64,
+    /// The longest waiting of them, oldest first.
+    pub stuck_aggregates: Vec<StuckAggregate>,
+    /// handoff's tables in this database.
+    pub tables: Vec<TableSize>,
+    /// The latest cleanup run, if any.
+    pub last_cleanup: Option<CleanupRun>,
+}
+
+/// An aggregate whose first unpublished event has waited too long.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StuckAggregate {
+    /// The aggregate's kind.
+    pub aggregate_type: String,
+    /// The aggregate's id.
+    pub aggregate_id: String,
+    /// Age of its first unpublished event, in seconds.
+    pub oldest_pending_age_seconds: f64,
+    /// Its unpublished events.
+    pub pending: i64,
+    /// The event every later one waits for.
+    pub head_event_id: EventId,
+    /// That event's place in the aggregate.
+    pub head_sequence: i64,
+    /// That event's type.
+    pub head_event_type: String,
+    /// What that event is doing: `quarantined`, `leased`, `backing_off` or `pending`.
+    pub head_state: String,
+    /// Its failed attempts.
+    pub head_attempts: i32,
+    /// Its last publish error.
+    pub head_last_error: Option<String>,
+}
+
+/// One table's footprint.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TableSize {
+    /// The table's name, unqualified.
+    pub table: String,
+    /// Heap, indexes and TOAST, in bytes.
+    pub bytes: i64,
+    /// The planner's row estimate (-1 before the first ANALYZE).
+    pub estimated_rows: f64,
+}
+
+/// A `handoff cleanup` run, from `handoff_cleanup_runs`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CleanupRun {
+    /// The run's id.
+    pub run_id: i64,
+    /// When it started.
+    pub started_at: DateTime<Utc>,
+    /// When it finished; `None` while it runs, or when it failed or was killed.
+    pub finished_at: Option<DateTime<Utc>>,
+    /// Outbox rows it deleted (or archived).
+    pub outbox_deleted: i64,
+    /// Dedup rows it deleted.
+    pub dedup_deleted: i64,
+    /// Batches it ran.
+    pub batches: i64,
+    /// Its longest batch, in milliseconds.
+    pub longest_batch_ms: f64,
+    /// Whether it archived instead of deleting.
+    pub archived: bool,
+}
+
+impl Status {
+    /// Reads the outbox in `schema`.
+    pub fn new(schema: &Schema) -> Self {
+        let prefix = schema.prefix();
+        let sql = |template: &str| template.replace("{schema}", &prefix);
+        Status {
+            backlog_sql: sql(BACKLOG_SQL),
+            stuck_sql: sql(STUCK_SQL),
+            last_cleanup_sql: sql(LAST_CLEANUP_SQL),
+            tables: TABLES.iter().map(|t| schema.qualify(t)).collect(),
+        }
+    }
+
+    /// The report, with up to `top` aggregates stuck for longer than `stuck_after`.
+    ///
+    /// # Errors
+    ///
+    /// The database failed, or the schema is not migrated.
+    pub async fn read(
+        &self,
+        conn: &mut PgConnection,
+        stuck_after: Duration,
+        top: i64,
+    ) -> Result<StatusReport, sqlx::Error> {
+        let stuck_seconds = stuck_after.as_secs_f64();
+        let backlog = sqlx::query(&self.backlog_sql)
+            .bind(stuck_seconds)
+            .fetch_one(&mut *conn)
+            .await?;
+        let stuck_aggregates = sqlx::query(&self.stuck_sql)
+            .bind(stuck_seconds)
+            .bind(top.max(0))
+            .fetch_all(&mut *conn)
+            .await?
+            .iter()
+            .map(read_stuck)
+            .collect::<Result<_, _>>()?;
+        let tables = sqlx::query(TABLES_SQL)
+            .bind(&self.tables)
+            .fetch_all(&mut *conn)
+            .await?
+            .iter()
+            .map(|row| {
+                let position: i64 = row.try_get("position")?;
+                let name = usize::try_from(position - 1)
+                    .ok()
+                    .and_then(|i| TABLES.get(i))
+                    .copied()
+                    .unwrap_or("?");
+                Ok(TableSize {
+                    table: name.to_owned(),
+                    bytes: row.try_get("bytes")?,
+                    estimated_rows: row.try_get("estimated_rows")?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()?;
+        let last_cleanup = sqlx::query(&self.last_cleanup_sql)
+            .fetch_optional(&mut *conn)
+            .await?
+            .map(|row| read_cleanup(&row))
+            .transpose()?;
+        let oldest: Option<f64> = backlog.try_get("oldest_age_seconds")?;
+        Ok(StatusReport {
+            pending: backlog.try_get("pending")?,
+            oldest_pending_age_seconds: oldest.unwrap_or(0.0).max(0.0),
+            quarantined: backlog.try_get("held")?,
+            expired_leases: backlog.try_get("expired_leases")?,
+            stuck_aggregate_count: backlog.try_get("stuck_aggregates")?,
+            stuck_aggregates,
+            tables,
+            last_cleanup,
+        })
+    }
+}
+
+fn read_stuck(row: &PgRow) -> Result<StuckAggregate, sqlx::Error> {
+    Ok(StuckAggregate {
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        oldest_pending_age_seconds: row.try_get("oldest_pending_age_seconds")?,
+        pending: row.try_get("pending")?,
+        head_event_id: row.try_get("head_event_id")?,
+        head_sequence: row.try_get("head_sequence")?,
+        head_event_type: row.try_get("head_event_type")?,
+        head_state: row.try_get("head_state")?,
+        head_attempts: row.try_get("head_attempts")?,
+        head_last_error: row.try_get("head_last_error")?,
+    })
+}
+
+fn read_cleanup(row: &PgRow) -> Result<CleanupRun, sqlx::Error> {
+    Ok(CleanupRun {
+        run_id: row.try_get("run_id")?,
+        started_at: row.try_get("started_at")?,
+        finished_at: row.try_get("finished_at")?,
+        outbox_deleted: row.try_get("outbox_deleted")?,
+        dedup_deleted: row.try_get("dedup_deleted")?,
+        batches: row.try_get("batches")?,
+        longest_batch_ms: row.try_get("longest_batch_ms")?,
+        archived: row.try_get("archived")?,
+    })
+}
