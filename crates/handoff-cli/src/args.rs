@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use handoff_nats::JetStreamConfig;
-use handoff_postgres::Schema;
+use handoff_postgres::{Migrator, Schema};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection};
 
@@ -36,6 +36,18 @@ impl DatabaseArgs {
         PgConnection::connect_with(&options)
             .await
             .context("while connecting to PostgreSQL (check --database-url / DATABASE_URL)")
+    }
+
+    /// One connection to a database whose handoff schema is up to date: an operator command on
+    /// a database `handoff migrate` has not prepared says so, instead of failing on a missing
+    /// table.
+    pub async fn connect_migrated(&self, application: &str) -> Result<PgConnection> {
+        let mut conn = self.connect(application).await?;
+        Migrator::handoff(self.schema()?)
+            .check(&mut conn)
+            .await
+            .context("the outbox schema is not ready (run `handoff migrate` first)")?;
+        Ok(conn)
     }
 
     /// The connection options, for commands that need a pool.

@@ -63,6 +63,13 @@ struct MigrateArgs {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    // `handoff status | head` must end quietly when the reader goes away, as other command
+    // line tools do, instead of panicking on the broken pipe: Rust ignores SIGPIPE by default.
+    // SAFETY: restoring a signal's default disposition at start-up, before anything is written,
+    // has no memory-safety preconditions.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     // Test builds only: reads FAILPOINTS (see handoff_relay::failpoints).
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();

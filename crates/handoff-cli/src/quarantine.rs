@@ -105,7 +105,7 @@ pub async fn run(args: QuarantineArgs) -> Result<()> {
             limit,
             json,
         } => {
-            let mut conn = database.connect("handoff-quarantine").await?;
+            let mut conn = database.connect_migrated("handoff-quarantine").await?;
             let held = Quarantine::new(&database.schema()?)
                 .list(&mut conn, limit)
                 .await?;
@@ -120,7 +120,7 @@ pub async fn run(args: QuarantineArgs) -> Result<()> {
             event_id,
             json,
         } => {
-            let mut conn = database.connect("handoff-quarantine").await?;
+            let mut conn = database.connect_migrated("handoff-quarantine").await?;
             let detail = Quarantine::new(&database.schema()?)
                 .show(&mut conn, event_id)
                 .await?;
@@ -135,7 +135,7 @@ pub async fn run(args: QuarantineArgs) -> Result<()> {
             event_id,
             actor,
         } => {
-            let mut conn = database.connect("handoff-quarantine").await?;
+            let mut conn = database.connect_migrated("handoff-quarantine").await?;
             let record = Quarantine::new(&database.schema()?)
                 .retry(&mut conn, event_id, &actor.name())
                 .await?;
@@ -160,7 +160,7 @@ pub async fn run(args: QuarantineArgs) -> Result<()> {
                     ..handoff_core::Limits::default()
                 });
             }
-            let mut conn = database.connect("handoff-quarantine").await?;
+            let mut conn = database.connect_migrated("handoff-quarantine").await?;
             let record = quarantine
                 .repair(&mut conn, event_id, &payload, &actor.name())
                 .await?;
@@ -175,7 +175,7 @@ pub async fn run(args: QuarantineArgs) -> Result<()> {
             reason,
             actor,
         } => {
-            let mut conn = database.connect("handoff-quarantine").await?;
+            let mut conn = database.connect_migrated("handoff-quarantine").await?;
             let record = Quarantine::new(&database.schema()?)
                 .skip(&mut conn, event_id, &reason, &actor.name())
                 .await?;

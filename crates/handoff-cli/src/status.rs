@@ -49,7 +49,7 @@ struct Alert {
 }
 
 pub async fn run(args: StatusArgs) -> Result<ExitCode> {
-    let mut conn = args.database.connect("handoff-status").await?;
+    let mut conn = args.database.connect_migrated("handoff-status").await?;
     let report = Status::new(&args.database.schema()?)
         .read(&mut conn, args.stuck_after, args.top)
         .await?;

@@ -43,12 +43,11 @@ async fn a_skip_marker_advances_the_aggregate_without_reaching_the_handler() {
         [(first.event_id, 1), (third.event_id, 3)],
         "the handler saw 1 and 3, never the marker"
     );
-    let recorded: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM processed_events WHERE event_id = $1)",
-    )
-    .bind(skipped.event_id)
-    .fetch_one(&setup.db.pool)
-    .await
-    .unwrap();
+    let recorded: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM processed_events WHERE event_id = $1)")
+            .bind(skipped.event_id)
+            .fetch_one(&setup.db.pool)
+            .await
+            .unwrap();
     assert!(recorded, "the marker's event id is in the inbox");
 }
