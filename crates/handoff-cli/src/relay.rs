@@ -401,6 +401,11 @@ async fn report_backlog(source: std::sync::Arc<PollingSource>) {
         "handoff_outbox_stuck_aggregates",
         "Aggregates whose oldest unpublished event is older than --stuck-after"
     );
+    describe_gauge!(
+        "handoff_outbox_table_bytes",
+        Unit::Bytes,
+        "Size of the outbox table with its indexes"
+    );
     let mut tick = tokio::time::interval(Duration::from_secs(5));
     loop {
         tick.tick().await;
@@ -412,6 +417,7 @@ async fn report_backlog(source: std::sync::Arc<PollingSource>) {
                 gauge!("handoff_outbox_oldest_pending_age_seconds")
                     .set(backlog.oldest_age.map_or(0.0, |age| age.as_secs_f64()));
                 gauge!("handoff_outbox_stuck_aggregates").set(backlog.stuck_aggregates as f64);
+                gauge!("handoff_outbox_table_bytes").set(backlog.outbox_bytes as f64);
             }
             Err(error) => warn!(error = %error, "could not read the backlog"),
         }

@@ -48,6 +48,9 @@ pub struct Claim {
     /// it is never later than the database's `claim_until`). An event must not be published
     /// after it: another relay may own it by then.
     pub lease_deadline: Option<Instant>,
+    /// How many of the events were taken over from a lease that ran out unsettled (a relay died
+    /// or stalled holding them).
+    pub taken_over: usize,
 }
 
 /// What the relay tells a [`Source`] about one event it could not publish.

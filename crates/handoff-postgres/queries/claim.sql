@@ -17,7 +17,7 @@ WITH head AS MATERIALIZED (
     -- skipped by the scan instead of filling the batch: a backlog of them can never starve
     -- the heads that would unblock them. Rows another claim holds right now are skipped too.
     SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
-           o.available_at, o.occurred_at
+           o.available_at, o.occurred_at, o.claimed_by
     FROM {schema}outbox o
     WHERE o.published_at IS NULL
       AND o.available_at <= now()
@@ -38,13 +38,13 @@ run AS MATERIALIZED (
     -- its lane (a busy aggregate then moves a run per claim, not one event). Only the unbroken
     -- prefix counts: the first missing, unavailable or locked sequence ends the run.
     SELECT n.event_id, h.available_at, h.occurred_at, n.aggregate_type, n.aggregate_id,
-           n.aggregate_sequence,
+           n.aggregate_sequence, n.claimed_by,
            n.aggregate_sequence - h.aggregate_sequence
                = row_number() OVER (PARTITION BY h.event_id ORDER BY n.aggregate_sequence)
                AS unbroken
     FROM head h
     CROSS JOIN LATERAL (
-        SELECT s.event_id, s.aggregate_type, s.aggregate_id, s.aggregate_sequence
+        SELECT s.event_id, s.aggregate_type, s.aggregate_id, s.aggregate_sequence, s.claimed_by
         FROM {schema}outbox s
         WHERE s.aggregate_type = h.aggregate_type
           AND s.aggregate_id = h.aggregate_id
@@ -59,14 +59,14 @@ run AS MATERIALIZED (
 picked AS (
     -- Heads and runs, cut to $2 events. The order keeps each aggregate's events together and
     -- in sequence, so the cut leaves every lane an unbroken prefix.
-    SELECT c.event_id
+    SELECT c.event_id, c.claimed_by
     FROM (
         SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
-               aggregate_sequence
+               aggregate_sequence, claimed_by
         FROM head
         UNION ALL
         SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
-               aggregate_sequence
+               aggregate_sequence, claimed_by
         FROM run
         WHERE unbroken
     ) c
@@ -88,4 +88,6 @@ RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.
           CASE WHEN o.skip_reason IS NULL THEN o.headers::text
                ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
           END AS headers,
-          o.occurred_at, o.attempt_count
+          o.occurred_at, o.attempt_count,
+          -- A claimable row that still names a holder is one whose lease ran out unsettled.
+          picked.claimed_by IS NOT NULL AS taken_over

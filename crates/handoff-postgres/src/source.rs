@@ -165,6 +165,8 @@ pub struct Backlog {
     pub expired_leases: i64,
     /// Age of the oldest unpublished event; `None` when there is none.
     pub oldest_age: Option<Duration>,
+    /// The outbox table's size on disk (heap, indexes, TOAST), in bytes.
+    pub outbox_bytes: i64,
 }
 
 /// The wake-up state. A tokio mutex: the listener is awaited while held.
@@ -240,6 +242,7 @@ impl PollingSource {
                 pending: row.try_get("pending")?,
                 held: row.try_get("held")?,
                 stuck_aggregates: row.try_get("stuck_aggregates")?,
+                outbox_bytes: row.try_get("outbox_bytes")?,
                 expired_leases: row.try_get("expired_leases")?,
                 oldest_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
             })
@@ -330,9 +333,14 @@ impl Source for PollingSource {
                 }
             }
         }
+        let taken_over = rows
+            .iter()
+            .filter(|row| row.try_get::<bool, _>("taken_over").unwrap_or(false))
+            .count();
         Ok(Claim {
             events,
             lease_deadline: Some(started + self.config.lease),
+            taken_over,
         })
     }
 

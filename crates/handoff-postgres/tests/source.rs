@@ -105,7 +105,9 @@ async fn an_expired_lease_lets_another_relay_take_the_rows_over() {
     let (db, outbox) = common::migrated("source_expiry").await;
     enqueue(&db, &outbox, &["a"], 2).await;
     let (a, b) = (source(&db, "relay-a"), source(&db, "relay-b"));
-    assert_eq!(a.claim(100).await.unwrap().events.len(), 2);
+    let first = a.claim(100).await.unwrap();
+    assert_eq!(first.events.len(), 2);
+    assert_eq!(first.taken_over, 0, "fresh rows are not a takeover");
 
     // relay-a dies; its lease runs out (moved into the past rather than waited for).
     sqlx::query(
@@ -117,6 +119,10 @@ async fn an_expired_lease_lets_another_relay_take_the_rows_over() {
     .unwrap();
     let taken = b.claim(100).await.unwrap();
     assert_eq!(sequences_of(&taken.events, "a"), vec![1, 2]);
+    assert_eq!(
+        taken.taken_over, 2,
+        "both rows came from relay-a's expired lease"
+    );
     // relay-a, back from the dead, cannot record failures over relay-b's lease.
     let failure = Failure {
         event_id: taken.events[0].event_id,

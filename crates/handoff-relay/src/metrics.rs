@@ -6,6 +6,7 @@ pub(crate) const CLAIMED: &str = "handoff_relay_claimed_events_total";
 pub(crate) const CLAIM_SECONDS: &str = "handoff_relay_claim_seconds";
 pub(crate) const PUBLISHED: &str = "handoff_events_published_total";
 pub(crate) const PUBLISH_FAILURES: &str = "handoff_relay_publish_failures_total";
+pub(crate) const TAKEN_OVER: &str = "handoff_relay_leases_taken_over_total";
 pub(crate) const HELD: &str = "handoff_relay_held_events_total";
 pub(crate) const ACK_SECONDS: &str = "handoff_relay_ack_seconds";
 pub(crate) const COMMIT_TO_ACK_SECONDS: &str = "handoff_relay_commit_to_ack_seconds";
@@ -24,6 +25,10 @@ pub(crate) fn describe() {
         CLAIM_SECONDS,
         Unit::Seconds,
         "Duration of one claim statement"
+    );
+    describe_counter!(
+        TAKEN_OVER,
+        "Events claimed from a lease that ran out unsettled"
     );
     describe_counter!(PUBLISHED, "Events the broker acknowledged");
     describe_counter!(PUBLISH_FAILURES, "Publishes that failed, by error kind");

@@ -474,6 +474,13 @@ async fn claim_loop<S: Source, T: Transport>(
         debug!(claimed, "claimed");
         metrics::counter!(m::CLAIMS).increment(1);
         metrics::counter!(m::CLAIMED).increment(claimed as u64);
+        if claim.taken_over > 0 {
+            info!(
+                taken_over = claim.taken_over,
+                "took over events whose lease ran out"
+            );
+            metrics::counter!(m::TAKEN_OVER).increment(claim.taken_over as u64);
+        }
         if claimed > 0 {
             shared
                 .in_flight
