@@ -14,12 +14,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Parser;
-use handoff_consumer::{ConfigError, Consumer, ConsumerConfig, GapPolicy, Handler, HandlerError};
-use handoff_core::intake::ReceivedEvent;
-use handoff_core::Event;
+use handoff_consumer::{ConfigError, Consumer, ConsumerConfig, GapPolicy, Handler};
 use handoff_nats::{IntakeConfig, IntakeConnectError, JetStreamIntake};
 use handoff_postgres::{Inbox, InboxError, MigrateError, Migration, Migrator, Schema, SchemaError};
-use serde::de::DeserializeOwned;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 use tracing::{debug, info, warn};
@@ -533,26 +530,6 @@ async fn purge_dedup_rows(pool: PgPool, inbox: Inbox, retention: Duration) {
             info!(purged, %before, "purged dedup rows past the retention");
         }
     }
-}
-
-/// The payload of `event` as `E`, in the one schema version the reference consumers read.
-///
-/// # Errors
-///
-/// A permanent [`HandlerError`] (the event goes to the quarantine): another schema version,
-/// or a payload that does not parse as `E`.
-pub fn read_payload<E: Event + DeserializeOwned>(event: &ReceivedEvent) -> Result<E, HandlerError> {
-    if event.schema_version != E::SCHEMA_VERSION {
-        return Err(HandlerError::permanent(format!(
-            "{} schema version {} is not supported (this consumer reads version {})",
-            E::EVENT_TYPE,
-            event.schema_version,
-            E::SCHEMA_VERSION
-        )));
-    }
-    serde_json::from_str(&event.payload).map_err(|error| {
-        HandlerError::permanent(format!("{} payload does not parse: {error}", E::EVENT_TYPE))
-    })
 }
 
 /// Hides anything between `://` and `@` (user and password) in a message that may quote a URL.

@@ -39,7 +39,8 @@ use order_service::events::{OrderCancelled, OrderCreated, OrderLineAdded};
 use order_service::model::Line;
 use sqlx::PgConnection;
 
-use crate::common::{self, read_payload, CommonArgs, OwnTables, RunError, AGGREGATE_TYPE};
+use crate::common::{self, CommonArgs, OwnTables, RunError, AGGREGATE_TYPE};
+use crate::upcast;
 
 /// The consumer's default name (`--consumer-name`), also its JetStream durable name.
 pub const DEFAULT_NAME: &str = "inventory";
@@ -148,19 +149,31 @@ impl Handler for Inventory {
 /// # Errors
 ///
 /// A permanent [`HandlerError`] (the event goes to the quarantine) when the payload does not
-/// parse as its type, or comes in a schema version this consumer cannot read.
+/// parse as its type, or comes in a schema version this consumer cannot read. `OrderCreated`
+/// is read in version 1 or 2 (see [`upcast`]).
 pub fn stock_changes(event: &ReceivedEvent) -> Result<BTreeMap<String, i64>, HandlerError> {
     let mut changes = BTreeMap::new();
     if event.aggregate_type != AGGREGATE_TYPE {
         return Ok(changes);
     }
-    let (lines, sign) = match event.event_type.as_str() {
-        OrderCreated::EVENT_TYPE => (read_payload::<OrderCreated>(event)?.lines, 1),
-        OrderLineAdded::EVENT_TYPE => (vec![read_payload::<OrderLineAdded>(event)?.line], 1),
-        OrderCancelled::EVENT_TYPE => (read_payload::<OrderCancelled>(event)?.lines, -1),
+    let quantities = |lines: Vec<Line>| lines.into_iter().map(|l| (l.sku, l.quantity)).collect();
+    let (lines, sign): (Vec<(String, i32)>, i64) = match event.event_type.as_str() {
+        OrderCreated::EVENT_TYPE => {
+            let created = upcast::order_created(event)?;
+            let lines = created.lines.into_iter();
+            (lines.map(|l| (l.sku, l.quantity)).collect(), 1)
+        }
+        OrderLineAdded::EVENT_TYPE => {
+            let added = upcast::single_version::<OrderLineAdded>(event)?;
+            (quantities(vec![added.line]), 1)
+        }
+        OrderCancelled::EVENT_TYPE => {
+            let cancelled = upcast::single_version::<OrderCancelled>(event)?;
+            (quantities(cancelled.lines), -1)
+        }
         _ => return Ok(changes),
     };
-    for Line { sku, quantity, .. } in lines {
+    for (sku, quantity) in lines {
         *changes.entry(sku).or_insert(0) += sign * i64::from(quantity);
     }
     Ok(changes)
@@ -169,6 +182,7 @@ pub fn stock_changes(event: &ReceivedEvent) -> Result<BTreeMap<String, i64>, Han
 #[cfg(test)]
 mod tests {
     use handoff_consumer::HandlerErrorKind;
+    use order_service::events::OrderCreatedVersion;
     use uuid::Uuid;
 
     use super::*;
@@ -254,9 +268,33 @@ mod tests {
             lines: lines(),
             total_cents: 600,
         };
-        let newer = event("OrderCreated", 2, serde_json::to_string(&created).unwrap());
+        let newer = event("OrderCreated", 3, serde_json::to_string(&created).unwrap());
         let error = stock_changes(&newer).unwrap_err();
         assert_eq!(error.kind(), HandlerErrorKind::Permanent);
-        assert!(error.to_string().contains("schema version 2"), "{error}");
+        assert!(error.to_string().contains("schema version 3"), "{error}");
+    }
+
+    #[test]
+    fn created_in_version_1_or_2_reserves_the_same() {
+        let order = order_service::model::Order {
+            order_id: Uuid::now_v7(),
+            customer_id: "c".into(),
+            status: order_service::model::Status::Open,
+            lines: lines(),
+            total_cents: 600,
+            version: 1,
+        };
+        let changes = |version: OrderCreatedVersion| {
+            let new = version.event(&order).unwrap();
+            let delivered = event(
+                "OrderCreated",
+                new.schema_version(),
+                new.payload().to_owned(),
+            );
+            stock_changes(&delivered).unwrap()
+        };
+        let v2 = changes(OrderCreatedVersion::V2);
+        assert_eq!(changes(OrderCreatedVersion::V1), v2);
+        assert_eq!(v2.get("b"), Some(&5));
     }
 }

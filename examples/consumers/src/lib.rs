@@ -2,9 +2,12 @@
 //! system they call.
 //!
 //! - [`provider`]: a fake payment provider that honours `Idempotency-Key` and can fail after
-//!   applying a charge (the `payment-provider` binary).
+//!   applying a charge (the `payment-provider` binary);
+//! - [`upcast`]: the one place where old schema versions of the order events are translated
+//!   into the newest, which is all the handlers read.
 
 pub mod common;
 pub mod inventory;
 pub mod payments;
 pub mod provider;
+pub mod upcast;

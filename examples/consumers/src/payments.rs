@@ -25,10 +25,14 @@ use sqlx::PgConnection;
 use tracing::info;
 use uuid::Uuid;
 
-use crate::common::{self, read_payload, CommonArgs, OwnTables, RunError, AGGREGATE_TYPE};
+use crate::common::{self, CommonArgs, OwnTables, RunError, AGGREGATE_TYPE};
+use crate::upcast;
 
 /// The consumer's default name (`--consumer-name`), also its JetStream durable name.
 pub const DEFAULT_NAME: &str = "payments";
+
+/// The currency the payment provider account settles in; its API takes bare minor units of it.
+pub const SETTLEMENT_CURRENCY: &str = "EUR";
 
 /// The consumer's own tables, recorded in `payments_migrations`.
 pub const MIGRATIONS: &[Migration] = &[Migration {
@@ -250,17 +254,7 @@ impl Handler for Payments {
         if event.aggregate_type != AGGREGATE_TYPE || event.event_type != OrderCreated::EVENT_TYPE {
             return Ok(());
         }
-        let created: OrderCreated = read_payload(event)?;
-        let request = ChargeRequest {
-            order_id: created.order_id,
-            amount_cents: created.total_cents,
-        };
-        if request.amount_cents < 0 {
-            return Err(HandlerError::permanent(format!(
-                "order {} has a negative total {}",
-                request.order_id, request.amount_cents
-            )));
-        }
+        let request = charge_request(event)?;
         if request.amount_cents == 0 {
             info!(order_id = %request.order_id, "nothing to charge for a free order");
             return Ok(());
@@ -280,6 +274,35 @@ impl Handler for Payments {
             amount_cents = request.amount_cents, from_record = answer.from_record, "order charged");
         Ok(())
     }
+}
+
+/// What to charge for an `OrderCreated` of version 1 or 2 (read as version 2, see
+/// [`upcast::order_created`]).
+///
+/// # Errors
+///
+/// A permanent [`HandlerError`]: an unreadable event, an order in another currency than the
+/// provider account's, a negative total.
+fn charge_request(event: &ReceivedEvent) -> Result<ChargeRequest, HandlerError> {
+    let created = upcast::order_created(event)?;
+    if created.currency != SETTLEMENT_CURRENCY {
+        // Charging the amount as if it were in another currency would take the wrong money; an
+        // operator decides (another provider account, a conversion) from the quarantine.
+        return Err(HandlerError::permanent(format!(
+            "order {} is in {}; the payment provider account settles {SETTLEMENT_CURRENCY} only",
+            created.order_id, created.currency
+        )));
+    }
+    if created.total_minor < 0 {
+        return Err(HandlerError::permanent(format!(
+            "order {} has a negative total {}",
+            created.order_id, created.total_minor
+        )));
+    }
+    Ok(ChargeRequest {
+        order_id: created.order_id,
+        amount_cents: created.total_minor,
+    })
 }
 
 /// Sorts the provider's answer: 2xx took effect; 408, 409, 429 and 5xx (and anything else
@@ -356,6 +379,9 @@ fn clip(body: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use order_service::events::OrderCreatedVersion;
+    use order_service::model::{Line, Order, Status};
+
     use super::*;
 
     #[test]
@@ -394,6 +420,43 @@ mod tests {
             longest_delivery(&policy, Duration::from_secs(2)),
             Duration::from_millis(6_600)
         );
+    }
+
+    fn created(version: OrderCreatedVersion, currency: &str) -> ReceivedEvent {
+        let order = Order {
+            order_id: Uuid::now_v7(),
+            customer_id: "c".into(),
+            status: Status::Open,
+            lines: vec![Line {
+                sku: "apple".into(),
+                quantity: 3,
+                unit_price_cents: 40,
+            }],
+            total_cents: 120,
+            version: 1,
+        };
+        let new = version.event(&order).unwrap();
+        ReceivedEvent {
+            event_id: Uuid::now_v7(),
+            aggregate_type: "order".into(),
+            aggregate_id: order.order_id.to_string(),
+            sequence: 1,
+            event_type: "OrderCreated".into(),
+            schema_version: new.schema_version(),
+            payload: new.payload().replace("\"EUR\"", &format!("\"{currency}\"")),
+            headers: vec![],
+            replayed: false,
+        }
+    }
+
+    #[test]
+    fn versions_1_and_2_charge_the_same_and_another_currency_is_refused() {
+        let v1 = charge_request(&created(OrderCreatedVersion::V1, "EUR")).unwrap();
+        let v2 = charge_request(&created(OrderCreatedVersion::V2, "EUR")).unwrap();
+        assert_eq!((v1.amount_cents, v2.amount_cents), (120, 120));
+        let usd = charge_request(&created(OrderCreatedVersion::V2, "USD")).unwrap_err();
+        assert_eq!(usd.kind(), handoff_consumer::HandlerErrorKind::Permanent);
+        assert!(usd.to_string().contains("is in USD"), "{usd}");
     }
 
     #[test]

@@ -192,15 +192,15 @@ async fn unreadable_events_are_quarantined_and_unknown_ones_move_the_order_on() 
     bus.publish(&shipped).await;
     bus.publish(&order_event(known, 3, &cancelled(known, lines)))
         .await;
-    // An OrderCreated whose payload is not one, and one in a version inventory cannot read.
+    // An OrderCreated whose payload is not one, and one in a version newer than inventory reads.
     let broken = Uuid::now_v7();
     let mut unreadable = order_event(broken, 1, &created(broken, vec![line("pear", 1, 1)]));
     unreadable.payload = r#"{"order_id":"not a uuid"}"#.to_owned();
     bus.publish(&unreadable).await;
     let newer = Uuid::now_v7();
-    let mut version_two = order_event(newer, 1, &created(newer, vec![line("fig", 1, 1)]));
-    version_two.schema_version = 2;
-    bus.publish(&version_two).await;
+    let mut version_three = order_event(newer, 1, &created(newer, vec![line("fig", 1, 1)]));
+    version_three.schema_version = 3;
+    bus.publish(&version_three).await;
 
     wait_for("both unreadable events quarantined", || async {
         let n = count(&db.pool, "SELECT count(*) FROM consumer_quarantine").await;
@@ -236,7 +236,7 @@ async fn unreadable_events_are_quarantined_and_unknown_ones_move_the_order_on() 
         .all(|(_, kind, _)| kind == "handler_permanent"));
     let by_id: BTreeMap<Uuid, String> = reasons.into_iter().map(|(id, _, r)| (id, r)).collect();
     assert!(by_id[&unreadable.event_id].contains("does not parse"));
-    assert!(by_id[&version_two.event_id].contains("schema version 2"));
+    assert!(by_id[&version_three.event_id].contains("schema version 3"));
 }
 
 #[cfg(feature = "failpoints")]

@@ -1,8 +1,10 @@
 //! `handoff-demo`: a newcomer's first look at handoff, in well under a minute.
 //!
 //! It finds (or starts) a PostgreSQL server and a NATS JetStream server, creates a fresh
-//! database, starts the reference `order-service` on it and sends a few orders over HTTP
-//! (including retries that the idempotency keys absorb). It reads the outbox table directly to
+//! database, starts two instances of the reference `order-service` on it, as in the middle of
+//! a rollout (an upgraded one writing `OrderCreated` schema version 2, an old one still
+//! writing version 1), and sends a few orders over HTTP (including retries that the
+//! idempotency keys absorb); the consumers read both versions. It reads the outbox table directly to
 //! show that every committed command left exactly one event, numbered 1, 2, 3 ... per order, all
 //! still pending. Then it starts `handoff relay`, waits until the relay has published every
 //! event to a stream of the demo's own and marked it in the outbox, stops the relay with
@@ -51,8 +53,11 @@ pub struct Resources {
     pub database: Option<DemoDatabase>,
     /// The stream (and, when we started one, the private NATS server) the relay publishes to.
     pub nats: Option<DemoNats>,
-    /// The order service child process.
+    /// The order service child process (the upgraded instance).
     pub service: Option<tokio::process::Child>,
+    /// The second order service instance, not yet upgraded: it still writes `OrderCreated`
+    /// version 1.
+    pub old_service: Option<tokio::process::Child>,
     /// The relay child process, until it has been stopped with SIGTERM.
     pub relay: Option<tokio::process::Child>,
     /// The payment provider child process, until it has been stopped with SIGTERM.
@@ -76,6 +81,7 @@ impl Resources {
             (&mut self.relay, "the relay"),
             (&mut self.provider, "payment-provider"),
             (&mut self.service, "order-service"),
+            (&mut self.old_service, "the old order-service"),
         ] {
             if let Some(mut child) = child.take() {
                 if let Err(error) = child.kill().await {
@@ -147,16 +153,25 @@ async fn run(resources: &mut Resources) -> Result<String> {
     println!("\n2. NATS JetStream");
     let broker = DemoNats::prepare(&mut resources.nats).await?;
 
-    println!("\n3. The order service");
-    let addr = service::start(&database_url, &mut resources.service).await?;
+    println!("\n3. The order service, in the middle of a rollout: two instances on one database");
+    let addr = service::start(&database_url, 2, "upgraded", &mut resources.service).await?;
+    let old_addr = service::start(
+        &database_url,
+        1,
+        "not yet upgraded",
+        &mut resources.old_service,
+    )
+    .await?;
 
     println!("\n4. Commands over HTTP (each one: order row + outbox event, one transaction)");
-    let report = walkthrough::drive(&format!("http://{addr}")).await?;
+    let report =
+        walkthrough::drive(&format!("http://{addr}"), &format!("http://{old_addr}")).await?;
 
     println!("\n5. The outbox table, read directly with SQL");
     let rows = walkthrough::read_outbox(&pool).await?;
     walkthrough::print_outbox(&rows);
     walkthrough::check_outbox(&report, &rows)?;
+    walkthrough::print_versions(&rows)?;
 
     println!("\n6. The relay: outbox -> JetStream, at least once, in order per order");
     // Subscribed (and flushed, so the server knows) before the relay starts: none is missed.

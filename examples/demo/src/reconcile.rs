@@ -95,8 +95,12 @@ impl Ledger {
     /// Reads the orders, both consumers' tables and the provider's charges and counters.
     pub async fn read(sources: &Sources<'_>) -> Result<Self> {
         let created: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT aggregate_id, (payload->>'total_cents')::bigint FROM outbox \
-             WHERE event_type = 'OrderCreated'",
+            // Each schema version names the total its own way (version 1 in cents, version 2
+            // in minor units of an explicit currency, EUR for every order of the demo).
+            "SELECT aggregate_id, CASE schema_version \
+                 WHEN 1 THEN (payload->>'total_cents')::bigint \
+                 WHEN 2 THEN (payload->>'total_minor')::bigint END \
+             FROM outbox WHERE event_type = 'OrderCreated'",
         )
         .fetch_all(sources.orders)
         .await

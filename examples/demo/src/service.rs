@@ -7,13 +7,23 @@ use tokio::process::{Child, Command};
 
 use crate::process::{shown, sibling_binary, spawn_ready};
 
-/// Starts `order-service` on `database_url`, stores the child in `slot` (so it is killed at exit
-/// whatever happens next) and returns the address it listens on.
-pub async fn start(database_url: &str, slot: &mut Option<Child>) -> Result<SocketAddr> {
+/// Starts `order-service` on `database_url`, writing `OrderCreated` in schema version
+/// `order_created_version`, stores the child in `slot` (so it is killed at exit whatever happens
+/// next) and returns the address it listens on. `role` names the instance in what is printed.
+pub async fn start(
+    database_url: &str,
+    order_created_version: i32,
+    role: &str,
+    slot: &mut Option<Child>,
+) -> Result<SocketAddr> {
     let exe = sibling_binary("order-service", "order service")?;
     let mut command = Command::new(&exe);
     command
         .args(["--listen", "127.0.0.1:0"])
+        .args([
+            "--order-created-version",
+            &order_created_version.to_string(),
+        ])
         .env("DATABASE_URL", database_url)
         .env("RUST_LOG", "warn")
         .env("NO_COLOR", "1");
@@ -26,7 +36,8 @@ pub async fn start(database_url: &str, slot: &mut Option<Child>) -> Result<Socke
         )
     })?;
     println!(
-        "   started {} (pid {}), listening on {addr}",
+        "   started {} (pid {}), listening on {addr}:\n   {role}, writes OrderCreated \
+         v{order_created_version}",
         shown(&exe),
         ready.pid
     );

@@ -11,7 +11,7 @@ use crate::table::{self, Align};
 use crate::walkthrough::{short_id, OutboxRow, Report};
 
 /// How many characters of each payload the listing shows.
-const PAYLOAD_EXCERPT: usize = 44;
+const PAYLOAD_EXCERPT: usize = 34;
 
 /// What the stream was found to hold, for the summary.
 pub struct StreamCheck {
@@ -41,6 +41,10 @@ pub fn print(messages: &[StoredMessage]) {
                 short_subject(&message.subject),
                 message.header("Handoff-Sequence").unwrap_or("-").to_owned(),
                 message.header("ce-type").unwrap_or("-").to_owned(),
+                message
+                    .header("Handoff-Schema-Version")
+                    .unwrap_or("-")
+                    .to_owned(),
                 excerpt(&message.payload),
             ]
         })
@@ -51,6 +55,7 @@ pub fn print(messages: &[StoredMessage]) {
             "SUBJECT",
             "HANDOFF-SEQUENCE",
             "CE-TYPE",
+            "SCHEMA VER",
             "PAYLOAD",
         ],
         &[
@@ -58,6 +63,7 @@ pub fn print(messages: &[StoredMessage]) {
             Align::Left,
             Align::Right,
             Align::Left,
+            Align::Right,
             Align::Left,
         ],
         &cells,

@@ -86,15 +86,21 @@ impl Api {
     }
 }
 
-/// Sends the demo's commands to the service at `base` (`http://host:port`), printing one line
-/// per request, and checks each answer against the service's contract.
-pub async fn drive(base: &str) -> Result<Report> {
+/// Sends the demo's commands to the upgraded service at `base` (`http://host:port`) and one
+/// order to the instance not yet upgraded at `old_base`, printing one line per request, and
+/// checks each answer against the service's contract.
+pub async fn drive(base: &str, old_base: &str) -> Result<Report> {
+    let client = reqwest::Client::builder()
+        .timeout(REQUEST_TIMEOUT)
+        .build()
+        .context("while building the HTTP client")?;
     let api = Api {
-        client: reqwest::Client::builder()
-            .timeout(REQUEST_TIMEOUT)
-            .build()
-            .context("while building the HTTP client")?,
+        client: client.clone(),
         base: base.to_owned(),
+    };
+    let old_api = Api {
+        client,
+        base: old_base.to_owned(),
     };
     let mut report = Report {
         orders: Vec::new(),
@@ -102,20 +108,26 @@ pub async fn drive(base: &str) -> Result<Report> {
         refused: 0,
     };
 
-    // Three orders, each with its own idempotency key.
+    // Three orders, each with its own idempotency key; the second one reaches the instance not
+    // yet upgraded, as a load balancer would send it during a rollout.
     let carts = [
         ("c-1", "sku-1", 2, 500),
         ("c-2", "sku-2", 1, 1200),
         ("c-3", "sku-3", 3, 150),
     ];
     let mut first: Option<(String, Value, Reply)> = None;
-    for (customer, sku, quantity, price) in carts {
+    for (index, (customer, sku, quantity, price)) in carts.into_iter().enumerate() {
+        let (target, writes) = if index == 1 {
+            (&old_api, "old instance, OrderCreated v1")
+        } else {
+            (&api, "OrderCreated v2")
+        };
         let key = Uuid::now_v7().to_string();
         let body = json!({
             "customer_id": customer,
             "lines": [{"sku": sku, "quantity": quantity, "unit_price_cents": price}],
         });
-        let reply = api
+        let reply = target
             .send(Method::POST, "/orders", Some(&key), Some(&body))
             .await?;
         expect(&reply, StatusCode::CREATED, "POST /orders")?;
@@ -125,7 +137,12 @@ pub async fn drive(base: &str) -> Result<Report> {
             "POST /orders returned an order with status {:?}, expected \"open\"",
             order.status
         );
-        show("POST", "/orders", reply.status, &order.describe(true));
+        show(
+            "POST",
+            "/orders",
+            reply.status,
+            &format!("{} ({writes})", order.describe(true)),
+        );
         report.orders.push((order.id.clone(), order.version));
         if first.is_none() {
             first = Some((key, body, reply));
@@ -363,6 +380,28 @@ pub fn check_outbox(report: &Report, rows: &[OutboxRow]) -> Result<()> {
     println!(
         "   per order, sequences 1..n with no gap: one event per applied command, none for the \
          retry\n   or the refused commands; all pending, as no relay has run yet"
+    );
+    Ok(())
+}
+
+/// Prints which schema versions of `OrderCreated` the outbox holds, and checks both are there:
+/// the old instance's version 1 and the upgraded ones' version 2.
+pub fn print_versions(rows: &[OutboxRow]) -> Result<()> {
+    let created = |version: i32| {
+        rows.iter()
+            .filter(|r| r.event_type == "OrderCreated" && r.schema_version == version)
+            .count()
+    };
+    let (v1, v2) = (created(1), created(2));
+    ensure!(
+        v1 > 0 && v2 > 0,
+        "the outbox holds {v1} OrderCreated v1 and {v2} v2 events, expected some of each"
+    );
+    println!(
+        "   OrderCreated in two schema versions: {v1} x v1 (amounts in cents, from the old \
+         instance)\n   and {v2} x v2 (minor units and a currency). Both are declared in the \
+         service's event\n   catalog, so the old instance's events stay valid; the consumers \
+         upcast v1 to v2 and\n   handle v2 only"
     );
     Ok(())
 }

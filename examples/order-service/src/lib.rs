@@ -65,7 +65,12 @@ pub fn outbox() -> Outbox {
     Outbox::new(OutboxConfig::default(), events::catalog()).expect("default outbox config is valid")
 }
 
-/// The HTTP application over `pool` (already migrated).
+/// The HTTP application over `pool` (already migrated), writing the current `OrderCreated`.
 pub fn app(pool: PgPool) -> axum::Router {
-    api::router(store::Store::new(pool, outbox()))
+    app_writing(pool, events::OrderCreatedVersion::default())
+}
+
+/// The HTTP application over `pool` (already migrated), writing `OrderCreated` in `version`.
+pub fn app_writing(pool: PgPool, version: events::OrderCreatedVersion) -> axum::Router {
+    api::router(store::Store::new(pool, outbox()).writing_order_created(version))
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use order_service::events::OrderCreatedVersion;
 use sqlx::postgres::PgPoolOptions;
 
 #[derive(Parser)]
@@ -26,6 +27,15 @@ struct Args {
     /// Do not migrate at start; refuse to start if the schema is behind.
     #[arg(long)]
     no_migrate: bool,
+    /// Schema version of the OrderCreated events this instance writes: 2 (current), or 1 to
+    /// act as an instance not yet upgraded during a rollout.
+    #[arg(
+        long,
+        env = "ORDER_SERVICE_ORDER_CREATED_VERSION",
+        default_value_t = 2,
+        value_parser = clap::value_parser!(i32).range(1..=2)
+    )]
+    order_created_version: i32,
 }
 
 #[tokio::main]
@@ -47,6 +57,8 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> Result<()> {
+    let version = OrderCreatedVersion::from_number(args.order_created_version)
+        .with_context(|| format!("cannot write OrderCreated v{}", args.order_created_version))?;
     let pool = PgPoolOptions::new()
         .max_connections(args.max_connections)
         .acquire_timeout(Duration::from_secs(5))
@@ -67,8 +79,8 @@ async fn run(args: Args) -> Result<()> {
     let addr = listener.local_addr()?;
     // The one line on stdout: scripts wait for it to know the service is ready.
     println!("listening on {addr}");
-    tracing::info!(%addr, "order service ready");
-    axum::serve(listener, order_service::app(pool))
+    tracing::info!(%addr, order_created_version = version.number(), "order service ready");
+    axum::serve(listener, order_service::app_writing(pool, version))
         .with_graceful_shutdown(shutdown())
         .await?;
     Ok(())

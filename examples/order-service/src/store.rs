@@ -8,7 +8,7 @@ use sqlx::query::QueryAs;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use uuid::Uuid;
 
-use crate::events::{OrderCancelled, OrderCreated, OrderLineAdded};
+use crate::events::{OrderCancelled, OrderCreatedVersion, OrderLineAdded};
 use crate::idempotency::{Fingerprint, IdempotencyKey};
 use crate::model::{CancelOrder, CreateOrder, Invalid, Line, Order, Status};
 
@@ -70,12 +70,26 @@ pub enum CommandError {
 pub struct Store {
     pool: PgPool,
     outbox: Outbox,
+    order_created: OrderCreatedVersion,
 }
 
 impl Store {
-    /// Commands on `pool`, enqueueing through `outbox`.
+    /// Commands on `pool`, enqueueing through `outbox`; `OrderCreated` is written in its
+    /// current version.
     pub fn new(pool: PgPool, outbox: Outbox) -> Self {
-        Self { pool, outbox }
+        Self {
+            pool,
+            outbox,
+            order_created: OrderCreatedVersion::default(),
+        }
+    }
+
+    /// The same store writing `OrderCreated` in `version`: an instance not yet upgraded keeps
+    /// writing version 1 while the others write version 2.
+    #[must_use]
+    pub fn writing_order_created(mut self, version: OrderCreatedVersion) -> Self {
+        self.order_created = version;
+        self
     }
 
     /// The pool.
@@ -97,7 +111,15 @@ impl Store {
         request.validate()?;
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        let created = create_order_in_tx(&mut tx, &self.outbox, key, fingerprint, request).await?;
+        let created = create_order_in_tx_as(
+            &mut tx,
+            &self.outbox,
+            self.order_created,
+            key,
+            fingerprint,
+            request,
+        )
+        .await?;
         match created {
             Some(response) => {
                 tx.commit().await?;
@@ -256,16 +278,25 @@ pub async fn create_order_in_tx(
     fingerprint: &Fingerprint,
     request: &CreateOrder,
 ) -> Result<Option<StoredResponse>, CommandError> {
+    let version = OrderCreatedVersion::default();
+    create_order_in_tx_as(tx, outbox, version, key, fingerprint, request).await
+}
+
+/// [`create_order_in_tx`] writing `OrderCreated` in schema `version`.
+///
+/// # Errors
+///
+/// [`CommandError`]; the transaction must then be rolled back.
+pub async fn create_order_in_tx_as(
+    tx: &mut PgConnection,
+    outbox: &Outbox,
+    version: OrderCreatedVersion,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+    request: &CreateOrder,
+) -> Result<Option<StoredResponse>, CommandError> {
     let order = new_order(request);
-    let event = NewEvent::from_event(
-        order.order_id.to_string(),
-        &OrderCreated {
-            order_id: order.order_id,
-            customer_id: order.customer_id.clone(),
-            lines: order.lines.clone(),
-            total_cents: order.total_cents,
-        },
-    )?;
+    let event = version.event(&order)?;
     // The order's version is its event sequence, and the order row is the aggregate's lock:
     // a new order's row is invisible to every other transaction until this one commits.
     let call = outbox.versioned_call(order.version, &[event])?;

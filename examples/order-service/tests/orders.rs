@@ -3,6 +3,7 @@
 use std::collections::HashSet;
 
 use handoff_test::TestDb;
+use order_service::events::OrderCreatedVersion;
 use reqwest::StatusCode;
 use serde_json::Value;
 
@@ -14,13 +15,17 @@ struct Service {
 
 impl Service {
     async fn start(name: &str) -> Self {
+        Self::start_writing(name, OrderCreatedVersion::default()).await
+    }
+
+    async fn start_writing(name: &str, version: OrderCreatedVersion) -> Self {
         let db = TestDb::with_pool_size(name, 16).await;
         let mut conn = db.pool.acquire().await.unwrap();
         order_service::migrate(&mut conn).await.unwrap();
         drop(conn);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
-        let app = order_service::app(db.pool.clone());
+        let app = order_service::app_writing(db.pool.clone(), version);
         tokio::spawn(async move { axum::serve(listener, app).await });
         Self {
             db,
@@ -107,6 +112,36 @@ async fn create_order_commits_the_order_and_exactly_one_order_created_event() {
     let (status, fetched) = svc.get(&format!("/orders/{order_id}")).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(fetched, body);
+}
+
+#[tokio::test]
+async fn an_old_writer_writes_order_created_v1_and_a_new_one_v2() {
+    for (version, number) in [(OrderCreatedVersion::V1, 1), (OrderCreatedVersion::V2, 2)] {
+        let svc = Service::start_writing(&format!("orders_writer_v{number}"), version).await;
+        let (status, body, _) = svc.post("/orders", Some(&key()), ORDER).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        let (schema_version, payload): (i32, Value) = sqlx::query_as(
+            "SELECT schema_version, payload FROM outbox WHERE event_type = 'OrderCreated'",
+        )
+        .fetch_one(&svc.db.pool)
+        .await
+        .unwrap();
+        assert_eq!(schema_version, number);
+        let (price, total) = if number == 1 {
+            assert!(payload.get("currency").is_none(), "{payload}");
+            (
+                &payload["lines"][0]["unit_price_cents"],
+                &payload["total_cents"],
+            )
+        } else {
+            assert_eq!(payload["currency"], "EUR");
+            (
+                &payload["lines"][0]["unit_price_minor"],
+                &payload["total_minor"],
+            )
+        };
+        assert_eq!((price.as_i64(), total.as_i64()), (Some(500), Some(1000)));
+    }
 }
 
 #[tokio::test]

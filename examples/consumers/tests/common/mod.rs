@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 use handoff_core::delivery::{OutboxEvent, Transport};
 use handoff_core::Event;
 use handoff_nats::async_nats::jetstream;
-use handoff_nats::{header, JetStreamConfig, JetStreamTransport};
+use handoff_nats::{header, JetStreamConfig, JetStreamTransport, REPLAY};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use order_service::events::{OrderCancelled, OrderCreated, OrderLineAdded};
 use order_service::model::Line;
@@ -285,8 +285,21 @@ impl Bus {
     /// `Nats-Msg-Id`, so JetStream's duplicate window does not drop it and only the
     /// consumer's inbox (keyed by `ce-id`) can tell it is the same event.
     pub async fn publish_as_new_message(&self, event: &OutboxEvent) {
+        self.publish_copy(event, false).await;
+    }
+
+    /// Publishes `event` again as an operator's replay does: the same event id, a new
+    /// `Nats-Msg-Id`, and `Handoff-Replay: true`.
+    pub async fn publish_replay(&self, event: &OutboxEvent) {
+        self.publish_copy(event, true).await;
+    }
+
+    async fn publish_copy(&self, event: &OutboxEvent, replay: bool) {
         let mut headers = self.transport.headers(event).expect("the relay's headers");
         headers.insert(header::NATS_MSG_ID, Uuid::now_v7().to_string().as_str());
+        if replay {
+            headers.insert(REPLAY, "true");
+        }
         let ack = jetstream::new(self.transport.client().clone())
             .publish_with_headers(
                 self.transport.subject(event),
