@@ -18,7 +18,7 @@ use handoff_relay::{Relay, RelayConfig};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::{factory, TestDb};
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{ConnectOptions, Connection};
+use sqlx::ConnectOptions;
 use tokio::sync::watch;
 
 fn cleanup(db: &TestDb, args: &[&str]) -> Output {
