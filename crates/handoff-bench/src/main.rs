@@ -8,9 +8,12 @@
 //!   live writer.
 //! - `handoff-bench consumer` ([`consumer`]) measures msgs/s of a consumer applying events
 //!   through the inbox, against the same consumer and handler without it.
+//! - `handoff-bench cleanup` ([`cleanup`]) measures the relay's commit-to-ack latency with and
+//!   without a cleanup of a million published rows running beside it.
 
 use clap::{Parser, Subcommand};
 
+mod cleanup;
 mod consumer;
 mod relay;
 mod scratch;
@@ -34,6 +37,8 @@ enum Command {
     Relay(relay::RelayArgs),
     /// Consumer msgs/s with the inbox vs the same handler without it.
     Consumer(consumer::ConsumerArgs),
+    /// Relay commit-to-ack latency with vs without a cleanup running beside it.
+    Cleanup(cleanup::CleanupArgs),
 }
 
 #[tokio::main]
@@ -50,6 +55,7 @@ async fn main() -> std::process::ExitCode {
         Command::WritePath(args) => write_path::write_path(args).await,
         Command::Relay(args) => relay::relay(args).await,
         Command::Consumer(args) => consumer::consumer(args).await,
+        Command::Cleanup(args) => cleanup::cleanup(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -15,6 +15,9 @@
 //!   written in the consumer's own transaction, the consumer quarantine, and the record of
 //!   outside calls made under an idempotency key.
 //!
+//! - [`Cleanup`] deletes (or archives) published outbox rows and dedup rows past their
+//!   retention in short keyset batches beside running relays (brief O2, C5).
+//!
 //! The relay loop, consumers and operator commands build on the same tables in their own crates.
 //!
 //! # Examples
@@ -43,6 +46,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+mod cleanup;
 mod inbox;
 mod migrate;
 mod outbox;
@@ -51,6 +55,10 @@ mod schema;
 mod source;
 mod status;
 
+pub use cleanup::{
+    Cleanup, CleanupConfig, CleanupError, CleanupErrorKind, CleanupPhase, CleanupProgress,
+    CleanupReport, BATCH_SIZE_RANGE,
+};
 pub use inbox::{
     validate_consumer_name, Admission, CallRecord, CallResponse, CallStatus, Inbox, InboxError,
     InboxErrorKind, QuarantineKind, MAX_CONSUMER_NAME_BYTES,

@@ -1,0 +1,18 @@
+-- One --dry-run batch over processed_events: the walk of dedup_delete.sql, counting only.
+WITH scanned AS MATERIALIZED (
+    SELECT consumer_name, event_id, processed_at
+    FROM {schema}processed_events
+    WHERE $1::text IS NULL OR (consumer_name, event_id) > ($1::text, $2::uuid)
+    ORDER BY consumer_name, event_id
+    LIMIT $3
+),
+last AS (
+    SELECT consumer_name, event_id
+    FROM scanned
+    ORDER BY consumer_name DESC, event_id DESC
+    LIMIT 1
+)
+SELECT (SELECT consumer_name FROM last) AS last_consumer,
+       (SELECT event_id FROM last) AS last_id,
+       (SELECT count(*) FROM scanned) AS scanned,
+       (SELECT count(*) FROM scanned WHERE processed_at < $4) AS deleted

@@ -1,0 +1,38 @@
+-- One cleanup batch over the outbox with --archive: as outbox_delete.sql, but the deleted rows
+-- go into outbox_archive in the same statement, so a row is either still in the outbox or in
+-- the archive, never in both and never in neither, whatever happens to the process.
+--
+-- Every column is named, so a column added to outbox later without its twin in the archive
+-- fails here loudly instead of being dropped.
+WITH scanned AS MATERIALIZED (
+    SELECT event_id
+    FROM {schema}outbox
+    WHERE $1::uuid IS NULL OR event_id > $1::uuid
+    ORDER BY event_id
+    LIMIT $2
+),
+moved AS (
+    DELETE FROM {schema}outbox o
+    USING scanned s
+    WHERE o.event_id = s.event_id
+      AND o.published_at IS NOT NULL
+      AND o.published_at < $3
+    RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
+              o.event_type, o.schema_version, o.payload, o.headers, o.occurred_at,
+              o.available_at, o.claimed_by, o.claim_until, o.published_at, o.attempt_count,
+              o.last_error, o.quarantined_at, o.skip_reason
+),
+archived AS (
+    INSERT INTO {schema}outbox_archive
+        (event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
+         schema_version, payload, headers, occurred_at, available_at, claimed_by, claim_until,
+         published_at, attempt_count, last_error, quarantined_at, skip_reason)
+    SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
+           schema_version, payload, headers, occurred_at, available_at, claimed_by, claim_until,
+           published_at, attempt_count, last_error, quarantined_at, skip_reason
+    FROM moved
+    RETURNING 1
+)
+SELECT (SELECT event_id FROM scanned ORDER BY event_id DESC LIMIT 1) AS last_id,
+       (SELECT count(*) FROM scanned) AS scanned,
+       (SELECT count(*) FROM archived) AS deleted

@@ -1,0 +1,32 @@
+-- One cleanup batch over the outbox (brief O2), in one statement and so one short transaction.
+--
+-- Walks the primary key, not published_at: an index on published_at would have to be maintained
+-- by every publish UPDATE on the relay's hot path, so there is none. The batch reads the next $2
+-- event ids after the cursor $1 (NULL: from the start) in key order, and deletes those of them
+-- published before $3. Pending rows (published_at IS NULL, quarantined ones included) never
+-- match. Returns the new cursor (the last id read; NULL when nothing was left), the rows read
+-- and the rows deleted.
+--
+-- `$1 IS NULL OR ...` folds to a plain index range once the caller plans the statement with its
+-- parameters (plan_cache_mode = force_custom_plan for the batch's transaction).
+--
+-- Beside running relays: they only update rows whose published_at IS NULL and read
+-- predecessors without locking, so neither side waits for the other on these rows.
+WITH scanned AS MATERIALIZED (
+    SELECT event_id
+    FROM {schema}outbox
+    WHERE $1::uuid IS NULL OR event_id > $1::uuid
+    ORDER BY event_id
+    LIMIT $2
+),
+gone AS (
+    DELETE FROM {schema}outbox o
+    USING scanned s
+    WHERE o.event_id = s.event_id
+      AND o.published_at IS NOT NULL
+      AND o.published_at < $3
+    RETURNING 1
+)
+SELECT (SELECT event_id FROM scanned ORDER BY event_id DESC LIMIT 1) AS last_id,
+       (SELECT count(*) FROM scanned) AS scanned,
+       (SELECT count(*) FROM gone) AS deleted
