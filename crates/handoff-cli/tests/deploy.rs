@@ -474,6 +474,13 @@ async fn a_running_relay_serves_the_backlog_and_publish_metrics_the_alerts_query
         .expect("handoff_outbox_oldest_pending_age_seconds");
     assert!(age >= 1.0, "the held event's age is {age} s");
     assert_eq!(value(&samples, "handoff_outbox_expired_leases"), Some(0.0));
+    assert_eq!(
+        value(&samples, "handoff_relay_broker_up"),
+        Some(1.0),
+        "the broker gauge exists from the start, not only after an outage"
+    );
+    let bytes = value(&samples, "handoff_outbox_table_bytes").expect("handoff_outbox_table_bytes");
+    assert!(bytes > 0.0, "the outbox table has a size: {bytes}");
     let acks = samples
         .iter()
         .find(|s| s.name == "handoff_relay_ack_seconds_count")

@@ -156,6 +156,9 @@ impl<S: Source, T: Transport> Relay<S, T> {
             held: AtomicU64::new(0),
             released: AtomicU64::new(0),
         });
+        // Up until a publish says otherwise, so the gauge exists from the start rather than from
+        // the first outage (a dashboard panel and `absent()` need the series).
+        metrics::gauge!(m::BROKER_UP).set(1.0);
         let (stop_tx, stop_rx) = watch::channel(false);
         let (outcome_tx, outcome_rx) = mpsc::unbounded_channel();
         let (claim_tx, mut claim_rx) = mpsc::channel::<Claim>(1);
