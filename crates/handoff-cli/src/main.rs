@@ -15,6 +15,7 @@ mod quarantine;
 mod reconcile;
 mod relay;
 mod replay;
+mod republish;
 mod status;
 
 #[derive(Parser)]

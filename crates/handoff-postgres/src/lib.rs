@@ -15,6 +15,9 @@
 //!   written in the consumer's own transaction, the consumer quarantine, and the record of
 //!   outside calls made under an idempotency key.
 //!
+//! - [`RetainedEvents`] reads published rows back page by page, each aggregate in sequence
+//!   order, for replays and for reconciling the broker with the outbox (brief O3).
+//!
 //! The relay loop, consumers and operator commands build on the same tables in their own crates.
 //!
 //! # Examples
@@ -46,6 +49,7 @@
 mod inbox;
 mod migrate;
 mod outbox;
+mod retained;
 mod schema;
 mod source;
 
@@ -58,6 +62,10 @@ pub use migrate::{
 };
 pub use outbox::{
     DriverError, EnqueueCall, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig,
+};
+pub use retained::{
+    RetainedCursor, RetainedError, RetainedErrorKind, RetainedEvent, RetainedEvents,
+    RetainedFilter, RetainedFilterError,
 };
 pub use schema::{Schema, SchemaError};
 pub use source::{
