@@ -66,8 +66,21 @@ async fn main() -> std::process::ExitCode {
     // Test builds only: reads FAILPOINTS (see handoff_relay::failpoints).
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            // Usage errors exit 1, not clap's 2: status 2 is what `status` and `reconcile`
+            // report to scripts as an alert, and a typo must not read as one.
+            let _ = error.print();
+            return if error.use_stderr() {
+                std::process::ExitCode::FAILURE
+            } else {
+                std::process::ExitCode::SUCCESS
+            };
+        }
+    };
     // One line per cause, never a backtrace: this is an operator's tool.
-    match run().await {
+    match run(cli).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
@@ -76,7 +89,7 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run() -> Result<()> {
+async fn run(cli: Cli) -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -85,7 +98,7 @@ async fn run() -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    match Cli::parse().command {
+    match cli.command {
         Command::Migrate(args) => migrate(args).await,
         Command::Relay(args) => relay::run(*args).await,
         Command::Status(args) => status::run(args).await,
