@@ -31,7 +31,7 @@ impl DatabaseArgs {
     }
 
     /// One connection, named after the command in `pg_stat_activity`.
-    pub async fn connect(&self, application: &str) -> Result<PgConnection> {
+    async fn connect(&self, application: &str) -> Result<PgConnection> {
         let options = self.options(application)?;
         PgConnection::connect_with(&options)
             .await

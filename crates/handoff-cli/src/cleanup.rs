@@ -75,7 +75,7 @@ pub async fn run(args: CleanupArgs) -> Result<()> {
         dry_run: args.dry_run,
         ..CleanupConfig::default()
     })?;
-    let mut conn = args.database.connect(APPLICATION_NAME).await?;
+    let mut conn = args.database.connect_migrated(APPLICATION_NAME).await?;
 
     let (stop_tx, stop) = watch::channel(false);
     tokio::spawn(async move {

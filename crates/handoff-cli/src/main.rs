@@ -16,6 +16,7 @@ mod quarantine;
 mod reconcile;
 mod relay;
 mod replay;
+mod republish;
 mod status;
 
 #[derive(Parser)]
@@ -73,8 +74,21 @@ async fn main() -> std::process::ExitCode {
     // Test builds only: reads FAILPOINTS (see handoff_relay::failpoints).
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            // Usage errors exit 1, not clap's 2: status 2 is what `status` and `reconcile`
+            // report to scripts as an alert, and a typo must not read as one.
+            let _ = error.print();
+            return if error.use_stderr() {
+                std::process::ExitCode::FAILURE
+            } else {
+                std::process::ExitCode::SUCCESS
+            };
+        }
+    };
     // One line per cause, never a backtrace: this is an operator's tool.
-    match run().await {
+    match run(cli).await {
         Ok(code) => code,
         Err(error) => {
             eprintln!("error: {error:#}");
@@ -83,7 +97,7 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run() -> Result<std::process::ExitCode> {
+async fn run(cli: Cli) -> Result<std::process::ExitCode> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -93,7 +107,7 @@ async fn run() -> Result<std::process::ExitCode> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let success = |()| std::process::ExitCode::SUCCESS;
-    match Cli::parse().command {
+    match cli.command {
         Command::Migrate(args) => migrate(args).await.map(success),
         Command::Relay(args) => relay::run(*args).await.map(success),
         // These two tell a script by their exit code whether something needs a person.

@@ -12,7 +12,8 @@ use uuid::Uuid;
 
 use crate::{header, ConnectError, JetStreamConfig, JetStreamTransport, StreamError};
 
-/// The header a replay (`handoff replay`) adds to a republished event.
+/// The header a replay (`handoff replay`, `handoff reconcile --republish`) adds to a
+/// republished event; its value is the replay run's id (`reconcile-<id>` for a reconcile).
 pub const REPLAY: &str = "Handoff-Replay";
 
 /// Where and how a [`JetStreamIntake`] subscribes.
@@ -347,8 +348,9 @@ fn read_event(message: &async_nats::Message) -> Result<ReceivedEvent, MalformedE
     let payload = std::str::from_utf8(&message.payload)
         .map_err(|_| malformed("the body is not UTF-8".to_owned()))?
         .to_owned();
-    // `handoff replay` and `handoff reconcile` put their run id here; older tools put `true`.
-    let replayed = get(REPLAY).is_some_and(|v| !v.is_empty() && !v.eq_ignore_ascii_case("false"));
+    // Its value is the replay run's id (`handoff replay`, `handoff reconcile`): any value marks
+    // a replayed copy.
+    let replayed = get(REPLAY).is_some();
     Ok(ReceivedEvent {
         event_id,
         aggregate_type,

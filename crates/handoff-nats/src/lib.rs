@@ -9,7 +9,10 @@
 //!   create or check the stream;
 //! - [`JetStreamIntake`]: the consumers' side, a durable pull consumer that hands deliveries to
 //!   `handoff-consumer` and settles them (ack after commit, nak with delay, term);
-//! - [`header`]: the names of the headers every event carries (the consumers' contract).
+//! - [`header`]: the names of the headers every event carries (the consumers' contract);
+//! - [`JetStreamTransport::send_replay`] and [`JetStreamTransport::scan`]: the operator's side,
+//!   republishing retained events with a replay marker and reading back what the stream holds
+//!   (`handoff replay`, `handoff reconcile`).
 //!
 //! Delivery is at least once: the event id travels as `Nats-Msg-Id`, so a republish inside the
 //! stream's duplicate window is dropped by JetStream, and consumers deduplicate the rest by the
@@ -37,6 +40,7 @@ mod config;
 mod error;
 pub mod header;
 mod intake;
+mod replay;
 mod transport;
 mod url;
 
@@ -46,4 +50,5 @@ pub use async_nats;
 pub use config::{ConfigError, JetStreamConfig};
 pub use error::{ConnectError, ConnectErrorKind, StreamError, StreamErrorKind};
 pub use intake::{IntakeConfig, IntakeConnectError, JetStreamIntake, JetStreamSettle, REPLAY};
+pub use replay::{replay_msg_id, ReplayAck, ScanError, ScannedMessage, StreamScan};
 pub use transport::{JetStreamTransport, StreamSummary};

@@ -360,8 +360,13 @@ impl JetStreamTransport {
         &self.config
     }
 
-    fn is_connected(&self) -> bool {
+    pub(crate) fn is_connected(&self) -> bool {
         self.client.connection_state() == State::Connected
+    }
+
+    /// The publishing context (its timeout is the publish timeout).
+    pub(crate) fn publisher(&self) -> &jetstream::Context {
+        &self.publisher
     }
 }
 
@@ -498,7 +503,7 @@ fn subject_for(prefix: &str, event: &OutboxEvent) -> String {
 
 /// The aggregate type is a subject token as given (unlike the id, it is not encoded: consumers
 /// subscribe by it), so it must be one literal token.
-fn check_subject_token(aggregate_type: &str) -> Result<(), PublishError> {
+pub(crate) fn check_subject_token(aggregate_type: &str) -> Result<(), PublishError> {
     let ok = !aggregate_type.is_empty()
         && aggregate_type
             .bytes()
@@ -593,7 +598,11 @@ struct PublishFailure {
     source: NatsPublishError,
 }
 
-fn publish_error(error: NatsPublishError, subject: &str, connected: bool) -> PublishError {
+pub(crate) fn publish_error(
+    error: NatsPublishError,
+    subject: &str,
+    connected: bool,
+) -> PublishError {
     let api_code = std::error::Error::source(&error)
         .and_then(|source| source.downcast_ref::<jetstream::Error>())
         .map(jetstream::Error::error_code);

@@ -17,6 +17,8 @@
 //!
 //! - [`Cleanup`] deletes (or archives) published outbox rows and dedup rows past their
 //!   retention in short keyset batches beside running relays (brief O2, C5).
+//! - [`RetainedEvents`] reads published rows back page by page, each aggregate in sequence
+//!   order, for replays and for reconciling the broker with the outbox (brief O3).
 //!
 //! The relay loop, consumers and operator commands build on the same tables in their own crates.
 //!
@@ -51,6 +53,7 @@ mod inbox;
 mod migrate;
 mod outbox;
 mod quarantine;
+mod retained;
 mod schema;
 mod source;
 mod status;
@@ -72,6 +75,10 @@ pub use outbox::{
 pub use quarantine::{
     ActionRecord, EventDetail, EventState, Quarantine, QuarantineAction, QuarantineError,
     QuarantineErrorKind, QuarantinedEvent, MAX_ACTOR_BYTES, MAX_SKIP_REASON_BYTES,
+};
+pub use retained::{
+    RetainedCursor, RetainedError, RetainedErrorKind, RetainedEvent, RetainedEvents,
+    RetainedFilter, RetainedFilterError,
 };
 pub use schema::{Schema, SchemaError};
 pub use source::{
