@@ -255,10 +255,10 @@ async fn read_all(client: &async_nats::Client, stream: &str) -> Vec<StoredMessag
     let mut stored = Vec::with_capacity(usize::try_from(state.messages).unwrap_or_default());
     while let Some(message) = messages.next().await {
         let message = message.unwrap_or_else(|e| panic!("reading {stream}: {e}"));
-        let sequence = message
+        let info = message
             .info()
-            .unwrap_or_else(|e| panic!("message info in {stream}: {e}"))
-            .stream_sequence;
+            .unwrap_or_else(|e| panic!("message info in {stream}: {e}"));
+        let (sequence, pending) = (info.stream_sequence, info.pending);
         let mut headers: Vec<(String, String)> = message
             .headers
             .iter()
@@ -277,7 +277,9 @@ async fn read_all(client: &async_nats::Client, stream: &str) -> Vec<StoredMessag
             headers,
             payload: message.payload.to_vec(),
         });
-        if sequence >= state.last_sequence {
+        // The last sequence alone is not enough: when the stream's last message was deleted,
+        // no message carries it, and only the consumer's pending count says nothing is left.
+        if sequence >= state.last_sequence || pending == 0 {
             break;
         }
     }
