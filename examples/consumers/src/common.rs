@@ -76,7 +76,7 @@ pub struct CommonArgs {
     #[arg(long, default_value_t = 10)]
     pub max_deliveries: u64,
     /// Most events applied at once, across orders (each holds a database connection).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "HANDOFF_CONSUMER_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,
     /// What to do with an event that arrives before its predecessor: `reject` hands it back
     /// to the broker for a later delivery, `buffer` holds it until the gap fills (bounded).

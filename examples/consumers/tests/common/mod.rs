@@ -80,6 +80,9 @@ impl Process {
             .args(args)
             .env_remove("FAILPOINTS")
             .env("RUST_LOG", "info,sqlx=warn")
+            // Each event in flight holds a connection: tests run side by side against one
+            // PostgreSQL (100 connections by default), so each consumer process takes few.
+            .env("HANDOFF_CONSUMER_CONCURRENCY", "4")
             .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -183,6 +186,9 @@ pub async fn run_to_exit(
             .args(args)
             .env_remove("FAILPOINTS")
             .env("RUST_LOG", "info,sqlx=warn")
+            // Each event in flight holds a connection: tests run side by side against one
+            // PostgreSQL (100 connections by default), so each consumer process takes few.
+            .env("HANDOFF_CONSUMER_CONCURRENCY", "4")
             .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())
             .kill_on_drop(true)
