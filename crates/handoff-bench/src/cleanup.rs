@@ -75,6 +75,9 @@ pub struct CleanupArgs {
     /// The cleanup's batch size.
     #[arg(long, default_value_t = 5_000)]
     batch_size: usize,
+    /// The cleanup's pause between batches, e.g. 20ms (`handoff cleanup --pause`).
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    pause: Duration,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -130,6 +133,7 @@ struct Results {
     seconds: u64,
     writers: usize,
     batch_size: usize,
+    pause_ms: f64,
     phases: Vec<Phase>,
     /// Medians over rounds.
     p99_without_ms: f64,
@@ -194,8 +198,8 @@ async fn run(args: &CleanupArgs, scratch: &ScratchDatabase) -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "cleanup: {} published rows, writer {}/s over {} connections for {} s per phase, \
-         batch {}, {} round(s); {cores} cores",
-        args.rows, args.rate, args.writers, args.seconds, args.batch_size, args.rounds
+         batch {}, pause {:?}, {} round(s); {cores} cores",
+        args.rows, args.rate, args.writers, args.seconds, args.batch_size, args.pause, args.rounds
     );
     let mut phases = Vec::new();
     for round in 1..=args.rounds {
@@ -263,6 +267,7 @@ async fn run(args: &CleanupArgs, scratch: &ScratchDatabase) -> Result<()> {
         seconds: args.seconds,
         writers: args.writers,
         batch_size: args.batch_size,
+        pause_ms: args.pause.as_secs_f64() * 1000.0,
         p99_without_ms: p99_without,
         p99_with_ms: p99_with,
         p99_ratio: p99_with / p99_without,
@@ -415,6 +420,7 @@ async fn phase(
         let cleanup = Cleanup::new(CleanupConfig {
             retention: Duration::from_secs(24 * 3600),
             batch_size: args.batch_size,
+            pause: args.pause,
             ..CleanupConfig::default()
         })?;
         let (_never, stop) = watch::channel(false);
