@@ -308,15 +308,11 @@ impl Quarantine {
                 actions,
             });
         };
-        let json = |column: &str| -> Result<serde_json::Value, sqlx::Error> {
-            let text: String = row.try_get(column)?;
-            serde_json::from_str(&text).map_err(|e| sqlx::Error::Decode(Box::new(e)))
-        };
         Ok(EventDetail {
             state: state_of(&row)?,
             event: Some(read_event(&row)?),
-            payload: Some(json("payload")?),
-            headers: Some(json("headers")?),
+            payload: Some(json_column(&row, "payload")?),
+            headers: Some(json_column(&row, "headers")?),
             published_at: row.try_get("published_at")?,
             skip_reason: row.try_get("skip_reason")?,
             actions,
@@ -466,19 +462,21 @@ fn read_event(row: &PgRow) -> Result<QuarantinedEvent, sqlx::Error> {
     })
 }
 
+/// A jsonb column the query cast to text, parsed.
+fn json_column(row: &PgRow, column: &str) -> Result<serde_json::Value, sqlx::Error> {
+    let text: String = row.try_get(column)?;
+    serde_json::from_str(&text).map_err(|e| sqlx::Error::Decode(Box::new(e)))
+}
+
 fn read_action(row: &PgRow) -> Result<QuarantineAction, sqlx::Error> {
-    let json = |column: &str| -> Result<serde_json::Value, sqlx::Error> {
-        let text: String = row.try_get(column)?;
-        serde_json::from_str(&text).map_err(|e| sqlx::Error::Decode(Box::new(e)))
-    };
     Ok(QuarantineAction {
         action_id: row.try_get("action_id")?,
         action: row.try_get("action")?,
         actor: row.try_get("actor")?,
         reason: row.try_get("reason")?,
         acted_at: row.try_get("acted_at")?,
-        before: json("before")?,
-        after: json("after")?,
+        before: json_column(row, "before")?,
+        after: json_column(row, "after")?,
     })
 }
 
