@@ -210,6 +210,10 @@ async fn run(resources: &mut Resources) -> Result<String> {
     let rows = walkthrough::read_outbox(&pool).await?;
     walkthrough::print_outbox(&rows);
     relay.stop(&mut resources.relay).await?;
+    println!(
+        "   `handoff status`, the operator's view: {}",
+        relay::status(&database_url).await?
+    );
 
     println!(
         "\n7. What reached JetStream: the stream {}, read back in stream order",

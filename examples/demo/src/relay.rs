@@ -182,3 +182,34 @@ fn database_name(url: &str) -> String {
         .filter(|name| !name.is_empty())
         .unwrap_or_else(|| "(the demo's)".to_owned())
 }
+
+/// What `handoff status --json` says about the drained outbox, checked to be healthy: the
+/// operator's one-command view (brief O1, O5).
+pub async fn status(database_url: &str) -> Result<String> {
+    let exe = sibling_binary("handoff", "handoff")?;
+    let output = Command::new(&exe)
+        .args(["status", "--json"])
+        .env("DATABASE_URL", database_url)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .with_context(|| format!("while running {} status", shown(&exe)))?;
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).with_context(|| {
+        format!(
+            "handoff status printed no JSON: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })?;
+    let healthy = report["healthy"].as_bool() == Some(true) && output.status.success();
+    if !healthy {
+        bail!("handoff status reports alerts after the drain: {report}");
+    }
+    Ok(format!(
+        "pending {}, quarantined {}, oldest pending age {} s, stuck aggregates {}: healthy, exit 0",
+        report["pending"],
+        report["quarantined"],
+        report["oldest_pending_age_seconds"],
+        report["stuck_aggregate_count"]
+    ))
+}
