@@ -428,3 +428,154 @@ async fn a_double_effect_is_reported() {
         "{violation:?}"
     );
 }
+
+#[tokio::test]
+async fn a_gap_in_the_stream_is_reported_with_the_event_never_published() {
+    let world = World::new("chaos_gap").await;
+    let placed = world.place_orders().await;
+    world.publish(placed[0].event_ids[0], false).await;
+    // The second order's first event never reaches the stream; its second does.
+    let (skipped, second) = (placed[1].event_ids[0], placed[1].event_ids[1]);
+    world.publish(second, false).await;
+    for id in &placed[2].event_ids {
+        world.publish(*id, false).await;
+    }
+
+    let report = world.check(false).await;
+    assert_eq!(
+        report.kinds(),
+        [ViolationKind::UnpublishedIntent, ViolationKind::Gap],
+        "{report:#?}"
+    );
+    assert_eq!(report.violations[0].event_ids, [skipped]);
+    assert_eq!(report.violations[1].event_ids, [second]);
+    assert_eq!(report.violations[1].sequences, [1, 2]);
+}
+
+/// Records in a payments database what the payments consumer leaves after applying every
+/// event once: its inbox rows, its last sequences, and one payment per created order.
+async fn pay_everything(payments: &PgPool, orders: &PgPool) {
+    let events: Vec<(Uuid, String, i64)> = sqlx::query_as(
+        "SELECT event_id, aggregate_id, aggregate_sequence FROM outbox
+         ORDER BY aggregate_id, aggregate_sequence",
+    )
+    .fetch_all(orders)
+    .await
+    .unwrap();
+    for (event_id, aggregate_id, sequence) in events {
+        sqlx::query(
+            "INSERT INTO processed_events (consumer_name, event_id) VALUES ('payments', $1)",
+        )
+        .bind(event_id)
+        .execute(payments)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO consumer_sequences (consumer_name, aggregate_type, aggregate_id, last_sequence)
+             VALUES ('payments', 'order', $1, $2)
+             ON CONFLICT ON CONSTRAINT consumer_sequences_pkey
+             DO UPDATE SET last_sequence = excluded.last_sequence",
+        )
+        .bind(&aggregate_id)
+        .bind(sequence)
+        .execute(payments)
+        .await
+        .unwrap();
+        if sequence == 1 {
+            sqlx::query(
+                "INSERT INTO payments (order_id, charge_id, amount_cents) VALUES ($1, $2, 100)",
+            )
+            .bind(aggregate_id.parse::<Uuid>().unwrap())
+            .bind(format!("ch_{event_id}"))
+            .execute(payments)
+            .await
+            .unwrap();
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_missing_payment_and_a_double_charge_at_the_provider_are_reported() {
+    use reference_consumers::provider::{
+        create_tables, ChargeRequest, ChargeStore, FaultInjector, FaultSettings, IdempotencyKey,
+        Provider,
+    };
+
+    let world = World::new("chaos_payments").await;
+    let placed = world.place_orders().await;
+    world.relay().await;
+    let payments = TestDb::with_pool_size("chaos_payments_db", 3).await;
+    let mut conn = payments.pool.acquire().await.unwrap();
+    Migrator::handoff(Schema::default())
+        .run(&mut conn)
+        .await
+        .unwrap();
+    Migrator::new(
+        Schema::default(),
+        "payments_migrations",
+        reference_consumers::payments::MIGRATIONS,
+    )
+    .run(&mut conn)
+    .await
+    .unwrap();
+    drop(conn);
+    pay_everything(&payments.pool, &world.orders.pool).await;
+
+    // The real provider, served on a free port, with one charge per order.
+    let provider_db = TestDb::with_pool_size("chaos_provider_db", 3).await;
+    create_tables(&mut provider_db.pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    let store = ChargeStore::new(provider_db.pool.clone());
+    let charge = async |order_id: Uuid, key: String| {
+        let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
+        let request = ChargeRequest {
+            order_id,
+            amount_cents: 100,
+        };
+        store.create_charge(&key, &request).await.unwrap();
+    };
+    for order in &placed {
+        charge(order.order_id, format!("pay-{}", order.order_id)).await;
+    }
+    let faults = FaultInjector::new(FaultSettings::default(), 1).unwrap();
+    let router = Provider::new(store.clone(), faults).router();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let provider_url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+
+    let config = CheckConfig {
+        payments_database_url: Some(payments.url()),
+        provider_url: Some(provider_url),
+        ..world.config(false)
+    };
+    let report = check(&config).await.unwrap();
+    assert!(report.holds(), "{report:#?}");
+    assert_eq!(report.effects["payments"].effects, 3);
+
+    // Plant: the first order's payment row is lost, and it is charged a second time under
+    // another key (what a consumer that forgot its key would do).
+    let victim = placed[0].order_id;
+    sqlx::query("DELETE FROM payments WHERE order_id = $1")
+        .bind(victim)
+        .execute(&payments.pool)
+        .await
+        .unwrap();
+    charge(victim, format!("again-{victim}")).await;
+
+    let report = check(&config).await.unwrap();
+    assert_eq!(
+        report.kinds(),
+        [ViolationKind::MissingEffect, ViolationKind::DoubleEffect],
+        "{report:#?}"
+    );
+    let [missing, double] = &report.violations[..] else {
+        panic!("{report:#?}");
+    };
+    assert_eq!(missing.consumer.as_deref(), Some("payments"));
+    assert_eq!(double.consumer.as_deref(), Some("payment-provider"));
+    for v in [missing, double] {
+        assert_eq!(v.aggregate_id, Some(victim.to_string()));
+        assert_eq!(v.event_ids, [placed[0].event_ids[0]]);
+    }
+}
