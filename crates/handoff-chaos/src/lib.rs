@@ -41,6 +41,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use handoff_core::intake::ReceivedEvent;
 use serde::{Deserialize, Serialize};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -72,13 +73,13 @@ pub struct CheckConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum CheckError {
     /// A database could not be read.
-    #[error("database: {0}")]
+    #[error("could not read a database")]
     Database(#[from] sqlx::Error),
     /// The stream could not be read.
     #[error("nats: {0}")]
     Nats(String),
     /// The payment provider could not be read.
-    #[error("payment provider: {0}")]
+    #[error("could not read the payment provider's charges")]
     Provider(#[from] reqwest::Error),
     /// A stored row does not have the shape the checker expects.
     #[error("unexpected data: {0}")]
@@ -183,7 +184,7 @@ pub struct Report {
     pub orders: u64,
     /// Committed mutations (idempotency records).
     pub mutations: u64,
-    /// Outbox events of orders.
+    /// Outbox events, of every aggregate type, archived ones included.
     pub intents: u64,
     /// Messages in the stream under the subject prefix.
     pub stream_messages: u64,
@@ -219,11 +220,14 @@ impl Report {
 #[derive(Debug, Clone, sqlx::FromRow)]
 struct Intent {
     event_id: Uuid,
+    aggregate_type: String,
     aggregate_id: String,
     aggregate_sequence: i64,
     event_type: String,
     schema_version: i32,
     payload: serde_json::Value,
+    /// Held by an operator (`handoff quarantine`): not published on purpose.
+    quarantined: bool,
 }
 
 /// Reads everything and checks every invariant.
@@ -232,7 +236,7 @@ struct Intent {
 ///
 /// [`CheckError`] when a database, the stream or the provider cannot be read.
 pub async fn check(config: &CheckConfig) -> Result<Report, CheckError> {
-    let pool = PgPool::connect(&config.database_url).await?;
+    let pool = connect(&config.database_url).await?;
     let client = async_nats::connect(&config.nats_url)
         .await
         .map_err(|e| CheckError::Nats(format!("connect to {}: {e}", config.nats_url)))?;
@@ -242,19 +246,19 @@ pub async fn check(config: &CheckConfig) -> Result<Report, CheckError> {
     pool.close().await;
     report.orders = world.versions.len() as u64;
     report.mutations = world.mutations.len() as u64;
-    report.intents = world.intents.len() as u64;
+    report.intents = world.all.len() as u64;
     report.stream_messages = messages.len() as u64;
     let mut violations = Vec::new();
     world.check_intents(&mut violations);
     report.duplicates_absorbed = world.check_stream(&messages, &mut violations);
     if let Some(url) = &config.inventory_database_url {
-        let pool = PgPool::connect(url).await?;
+        let pool = connect(url).await?;
         let counts = world.check_inventory(&pool, &mut violations).await?;
         report.effects.insert(INVENTORY.to_owned(), counts);
         pool.close().await;
     }
     if let Some(url) = &config.payments_database_url {
-        let pool = PgPool::connect(url).await?;
+        let pool = connect(url).await?;
         let counts = world.check_payments(&pool, &mut violations).await?;
         report.effects.insert(PAYMENTS.to_owned(), counts);
         pool.close().await;
@@ -267,6 +271,28 @@ pub async fn check(config: &CheckConfig) -> Result<Report, CheckError> {
     Ok(report)
 }
 
+/// A small pool for `url` that gives up within seconds when the server does not answer.
+async fn connect(url: &str) -> Result<PgPool, CheckError> {
+    // One direct connection first: a pool retries a refused connection until its timeout and
+    // then reports only the timeout, while this says what went wrong (refused, bad password).
+    use sqlx::Connection;
+    let probe = tokio::time::timeout(CONNECT_TIMEOUT, sqlx::PgConnection::connect(url))
+        .await
+        .map_err(|_| sqlx::Error::PoolTimedOut)??;
+    probe.close().await?;
+    Ok(PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(CONNECT_TIMEOUT)
+        .connect(url)
+        .await?)
+}
+
+/// How long a database may take to accept the checker's connection.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The first copy of an event in the stream: (aggregate sequence, event id, stream sequence).
+type First = (i64, Uuid, u64);
+
 const INVENTORY: &str = reference_consumers::inventory::DEFAULT_NAME;
 const PAYMENTS: &str = reference_consumers::payments::DEFAULT_NAME;
 
@@ -278,6 +304,8 @@ struct World {
     mutations: Vec<(String, i64)>,
     /// Outbox events of orders, by aggregate then sequence.
     intents: Vec<Intent>,
+    /// Every outbox event, of any aggregate type, archived ones included.
+    all: Vec<Intent>,
 }
 
 impl World {
@@ -307,13 +335,25 @@ impl World {
                 }
             }
         }
-        let intents = sqlx::query_as::<_, Intent>(
-            "SELECT event_id, aggregate_id, aggregate_sequence, event_type, schema_version, payload
-             FROM outbox WHERE aggregate_type = $1 ORDER BY aggregate_id, aggregate_sequence",
+        // Archived rows (`handoff cleanup --archive`) are intents too: their events are in
+        // the stream and the consumers. Rows cleanup deleted outright cannot be checked.
+        let all = sqlx::query_as::<_, Intent>(
+            "SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
+                    schema_version, payload, quarantined_at IS NOT NULL AS quarantined
+             FROM outbox
+             UNION ALL
+             SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
+                    schema_version, payload, false
+             FROM outbox_archive
+             ORDER BY aggregate_type, aggregate_id, aggregate_sequence",
         )
-        .bind(ORDER)
         .fetch_all(pool)
         .await?;
+        let intents = all
+            .iter()
+            .filter(|i| i.aggregate_type == ORDER)
+            .cloned()
+            .collect();
         Ok(Self {
             versions: versions
                 .into_iter()
@@ -321,6 +361,7 @@ impl World {
                 .collect(),
             mutations,
             intents,
+            all,
         })
     }
 
@@ -393,12 +434,11 @@ impl World {
 
     /// Invariants 3 and 4: the stream against the outbox. Returns the duplicates absorbed.
     fn check_stream(&self, messages: &[StreamMessage], violations: &mut Vec<Violation>) -> u64 {
-        let intents: HashMap<Uuid, &Intent> =
-            self.intents.iter().map(|i| (i.event_id, i)).collect();
+        let intents: HashMap<Uuid, &Intent> = self.all.iter().map(|i| (i.event_id, i)).collect();
         let mut seen: HashSet<Uuid> = HashSet::new();
         let mut duplicates = 0;
         // Per aggregate, its first copies in stream order: (sequence, event id, stream seq).
-        let mut firsts: BTreeMap<&str, Vec<(i64, Uuid, u64)>> = BTreeMap::new();
+        let mut firsts: BTreeMap<(&str, &str), Vec<First>> = BTreeMap::new();
         for message in messages {
             let intent = message.event_id.and_then(|id| intents.get(&id));
             let Some(intent) = intent else {
@@ -420,7 +460,7 @@ impl World {
                 continue;
             }
             firsts
-                .entry(intent.aggregate_id.as_str())
+                .entry((intent.aggregate_type.as_str(), intent.aggregate_id.as_str()))
                 .or_default()
                 .push((
                     intent.aggregate_sequence,
@@ -428,14 +468,19 @@ impl World {
                     message.stream_sequence,
                 ));
         }
-        for intent in &self.intents {
+        for intent in &self.all {
             if !seen.contains(&intent.event_id) {
+                let held = if intent.quarantined {
+                    " (it is quarantined)"
+                } else {
+                    ""
+                };
                 violations.push(
                     Violation::new(
                         ViolationKind::UnpublishedIntent,
                         format!(
-                            "event {} of order {} is not in the stream",
-                            intent.aggregate_sequence, intent.aggregate_id
+                            "event {} of {} {} is not in the stream{held}",
+                            intent.aggregate_sequence, intent.aggregate_type, intent.aggregate_id
                         ),
                     )
                     .aggregate(&intent.aggregate_id)
@@ -443,7 +488,7 @@ impl World {
                 );
             }
         }
-        for (aggregate, firsts) in firsts {
+        for ((_, aggregate), firsts) in firsts {
             let swapped = firsts.windows(2).find(|w| w[0].0 > w[1].0);
             if let Some([a, b]) = swapped {
                 violations.push(Violation {

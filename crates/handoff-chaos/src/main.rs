@@ -54,7 +54,15 @@ fn main() -> ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    // clap exits 2 on a usage error, which here means "violation found": bad input exits 1.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            let code = if error.use_stderr() { 1 } else { 0 };
+            let _ = error.print();
+            return ExitCode::from(code);
+        }
+    };
     match run(cli) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(2),

@@ -579,3 +579,29 @@ async fn a_missing_payment_and_a_double_charge_at_the_provider_are_reported() {
         assert_eq!(v.event_ids, [placed[0].event_ids[0]]);
     }
 }
+
+#[tokio::test]
+async fn bad_input_exits_1_not_2() {
+    let binary = env!("CARGO_BIN_EXE_handoff-chaos");
+    // A missing flag: clap's own usage error, which must not read as "violation found".
+    let missing = tokio::process::Command::new(binary)
+        .arg("check")
+        .env_remove("DATABASE_URL")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(1), "{missing:?}");
+    // A database that refuses connections: a clear error, exit 1.
+    let unreachable = tokio::process::Command::new(binary)
+        .args([
+            "check",
+            "--database-url",
+            "postgres://postgres@127.0.0.1:1/none",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(unreachable.status.code(), Some(1), "{unreachable:?}");
+    let stderr = String::from_utf8_lossy(&unreachable.stderr);
+    assert!(stderr.contains("could not read a database"), "{stderr}");
+}
