@@ -35,6 +35,8 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod stream;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -540,6 +542,17 @@ impl World {
                 .fetch_all(pool)
                 .await?;
         let processed_set: HashSet<Uuid> = processed.iter().copied().collect();
+        // Events the consumer gave up on are still missing effects, but the detail says where
+        // they are, which is the first place an operator looks.
+        let quarantined: HashSet<Uuid> = sqlx::query_scalar(
+            "SELECT event_id FROM consumer_quarantine
+             WHERE consumer_name = $1 AND event_id IS NOT NULL",
+        )
+        .bind(consumer)
+        .fetch_all(pool)
+        .await?
+        .into_iter()
+        .collect();
         let known: HashSet<Uuid> = self.intents.iter().map(|i| i.event_id).collect();
         for intent in &self.intents {
             if !processed_set.contains(&intent.event_id) {
@@ -547,8 +560,14 @@ impl World {
                     Violation::new(
                         ViolationKind::MissingEffect,
                         format!(
-                            "{consumer} did not apply event {} of order {}",
-                            intent.aggregate_sequence, intent.aggregate_id
+                            "{consumer} did not apply event {} of order {}{}",
+                            intent.aggregate_sequence,
+                            intent.aggregate_id,
+                            if quarantined.contains(&intent.event_id) {
+                                " (it is in the consumer's quarantine)"
+                            } else {
+                                ""
+                            }
                         ),
                     )
                     .aggregate(&intent.aggregate_id)
