@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod events;
+pub mod failpoints;
 pub mod idempotency;
 pub mod model;
 pub mod store;

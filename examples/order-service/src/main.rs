@@ -40,6 +40,9 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    // Test builds only: reads FAILPOINTS (see order_service::failpoints).
+    #[cfg(feature = "failpoints")]
+    let _scenario = fail::FailScenario::setup();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -9,6 +9,7 @@ use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use uuid::Uuid;
 
 use crate::events::{OrderCancelled, OrderCreatedVersion, OrderLineAdded};
+use crate::failpoints::{self as fp, freeze_if_fired};
 use crate::idempotency::{Fingerprint, IdempotencyKey};
 use crate::model::{CancelOrder, CreateOrder, Invalid, Line, Order, Status};
 
@@ -122,7 +123,9 @@ impl Store {
         .await?;
         match created {
             Some(response) => {
+                freeze_if_fired(fp::BEFORE_COMMIT).await;
                 tx.commit().await?;
+                freeze_if_fired(fp::AFTER_COMMIT).await;
                 Ok(Outcome::Applied(response))
             }
             None => {
@@ -505,7 +508,9 @@ async fn finish(
     fingerprint: &Fingerprint,
 ) -> Result<Outcome, CommandError> {
     if applied {
+        freeze_if_fired(fp::BEFORE_COMMIT).await;
         tx.commit().await?;
+        freeze_if_fired(fp::AFTER_COMMIT).await;
         return Ok(Outcome::Applied(response));
     }
     let stored = load_response(&mut tx, key).await?;
