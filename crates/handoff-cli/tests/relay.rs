@@ -366,3 +366,55 @@ async fn an_unreachable_database_at_start_is_waited_for_and_said() {
     );
     assert!(relay.terminate().success());
 }
+
+/// Kills relay A frozen at `failpoint` (its claim taken, nothing published yet), lets its lease
+/// run out, and has relay B publish everything: each event once, in order per aggregate.
+#[cfg(feature = "failpoints")]
+async fn killed_before_anything_was_published(name: &str, failpoint: &str) {
+    let (db, outbox) = migrated(name).await;
+    let (target, client, _cleanup) = shared_target(&db, name).await;
+    common::enqueue_spread(&db.pool, &outbox, 1, 6, 2).await;
+
+    let mut a = RelayProcess::start(
+        &target,
+        "relay-a",
+        &[],
+        &[("FAILPOINTS", &format!("{failpoint}=return"))],
+    );
+    a.wait_for_log("failpoint fired", Duration::from_secs(30))
+        .await;
+    let leased: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE claimed_by = 'relay-a' AND published_at IS NULL",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(leased > 0, "relay-a holds a lease on what it claimed");
+    a.kill();
+    assert!(
+        read_stream(&client, &target.stream).await.is_empty(),
+        "nothing reached the broker"
+    );
+
+    sqlx::query("UPDATE outbox SET claim_until = now() - interval '1s', available_at = now() - interval '1s' WHERE claimed_by IS NOT NULL")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut b = RelayProcess::start(&target, "relay-b", &[], &[]);
+    wait_drained(&db.pool, Duration::from_secs(30), || b.log()).await;
+    assert!(b.terminate().success());
+    let check = check_stream(&db.pool, &read_stream(&client, &target.stream).await).await;
+    assert_eq!((check.messages, check.duplicates), (6, 0));
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test]
+async fn a_relay_killed_right_after_its_claim_leaves_the_rows_to_the_next_relay() {
+    killed_before_anything_was_published("relay_claim_kill", "relay.claim").await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test]
+async fn a_relay_killed_before_it_publishes_leaves_the_rows_to_the_next_relay() {
+    killed_before_anything_was_published("relay_before_publish_kill", "relay.before_publish").await;
+}
