@@ -288,6 +288,49 @@ async fn a_crash_between_commit_and_ack_does_not_apply_the_event_twice() {
     assert_eq!(second.log_count("failpoint fired"), 0);
 }
 
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_the_commit_leaves_nothing_and_the_redelivery_applies_once() {
+    let db = TestDb::new("inventory_crash_before").await;
+    let bus = Bus::new("inventory_crash_before").await;
+    let args = ["--ack-wait", "2s"];
+    let mut first = start(
+        &db,
+        &bus,
+        &args,
+        &[("FAILPOINTS", "consumer.before_commit=return".to_owned())],
+    )
+    .await;
+    let order_id = Uuid::now_v7();
+    let event = order_event(order_id, 1, &created(order_id, vec![line("early", 3, 100)]));
+    bus.publish(&event).await;
+
+    // The handler ran inside the transaction; the commit never happens.
+    first.wait_for_log("failpoint fired").await;
+    first.kill().await;
+    assert!(
+        stock(&db.pool).await.is_empty(),
+        "the effect died with its transaction"
+    );
+    assert!(
+        processed(&db.pool).await.is_empty(),
+        "and so did the dedup row"
+    );
+
+    let _second = start(&db, &bus, &args, &[]).await;
+    let expected = BTreeMap::from([("early".to_owned(), 3)]);
+    wait_for("the redelivery is applied", || async {
+        let now = stock(&db.pool).await;
+        if now == expected {
+            Ok(())
+        } else {
+            Err(format!("{now:?}"))
+        }
+    })
+    .await;
+    assert_eq!(processed(&db.pool).await, [event.event_id]);
+}
+
 #[tokio::test]
 async fn a_dedup_retention_shorter_than_the_replay_horizon_is_refused() {
     let (status, stdout, stderr) = run_to_exit(
