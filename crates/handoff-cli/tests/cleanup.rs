@@ -470,3 +470,58 @@ async fn a_million_published_rows_go_in_short_batches_beside_a_loaded_relay() {
         "a cleanup transaction was {oldest_xact} s old"
     );
 }
+
+/// A cleanup SIGKILLed in the middle of a batch (its deletes done, not committed) loses that
+/// batch whole, never half of it, and never a pending or held row; the next run finishes.
+#[cfg(feature = "failpoints")]
+#[tokio::test]
+async fn a_cleanup_killed_in_the_middle_of_a_batch_rolls_it_back_and_the_next_run_finishes() {
+    let (db, _outbox) = common::migrated("cli_cleanup_kill").await;
+    bulk(&db, 120, 10, 10, 10).await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["cleanup", "--batch-size", "50", "--retention", "2d"])
+        .env("DATABASE_URL", db.url())
+        .env_remove("HANDOFF_SCHEMA")
+        .env("RUST_LOG", "warn")
+        .env("FAILPOINTS", "cleanup.batch=return")
+        .stdout(std::process::Stdio::null())
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(log.path())
+        .unwrap_or_default()
+        .contains("failpoint fired")
+    {
+        assert!(Instant::now() < deadline, "the failpoint never fired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // The frozen batch had deleted 50 rows in its transaction; the kill rolled them back.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while counts(&db).await != (120, 10, 10, 10) {
+        assert!(
+            Instant::now() < deadline,
+            "the killed batch was not rolled back: {:?}",
+            counts(&db).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let unfinished: bool =
+        sqlx::query_scalar("SELECT finished_at IS NULL FROM handoff_cleanup_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(unfinished, "the run log shows the killed run as unfinished");
+
+    let out = cleanup(&db, &["--batch-size", "50", "--retention", "2d"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(counts(&db).await, (0, 10, 10, 10));
+}

@@ -597,6 +597,7 @@ impl Cleanup {
                     .bind(cutoff)
                     .fetch_one(&mut *tx)
                     .await?;
+                freeze_if_fired(BATCH_FAILPOINT).await;
                 tx.commit().await?;
                 Ok(row)
             }
@@ -755,6 +756,28 @@ struct DedupRow {
     last_id: Option<Uuid>,
     scanned: i64,
     deleted: i64,
+}
+
+/// The failpoint in the middle of an outbox batch: its rows deleted (or moved), the batch's
+/// transaction not committed (brief V1). Built with the `failpoints` feature, `return` freezes
+/// the cleanup there so a test can SIGKILL it; the batch then rolls back whole.
+pub const BATCH_FAILPOINT: &str = "cleanup.batch";
+
+/// Freezes the calling task forever when the failpoint `name` fired; nothing without the
+/// `failpoints` feature.
+async fn freeze_if_fired(name: &str) {
+    let _ = name;
+    #[cfg(feature = "failpoints")]
+    {
+        let fired = (|| {
+            fail::fail_point!(name, |_| true);
+            false
+        })();
+        if fired {
+            tracing::warn!(failpoint = name, "failpoint fired: this cleanup stops here");
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 #[cfg(test)]
