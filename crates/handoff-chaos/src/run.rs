@@ -175,7 +175,8 @@ fn millis<S: serde::Serializer>(value: &Duration, serializer: S) -> Result<S::Ok
 /// The fault schedule of `seed` over `duration`: a function of both alone, so the same seed
 /// gives the same kills at the same times.
 ///
-/// Kills come every 0.4 to 2 s; each target is down for 0.2 to 1.5 s. A target still down (by
+/// Kills come every 0.4 to 2 s; each picks a kind of process (every kind as likely), then one of
+/// its instances, and keeps it down for 0.2 to 1.5 s. A target still down (by
 /// the schedule's reckoning, pause plus a restart allowance) is not picked again, and neither
 /// is the last relay, or the last instance of a consumer, still up: one of each always
 /// recovers while the others are down.
@@ -220,8 +221,17 @@ pub fn schedule(seed: u64, duration: Duration) -> Vec<Fault> {
                 kind.instances() == 1 || others_up > 0
             })
             .collect();
-        if !open.is_empty() {
-            let (kind, instance) = open[rng.random_range(0..open.len())];
+        // The kind first, then the instance: the two servers are hit as often as the relays.
+        let mut kinds: Vec<Kind> = open.iter().map(|&(kind, _)| kind).collect();
+        kinds.dedup();
+        if !kinds.is_empty() {
+            let kind = kinds[rng.random_range(0..kinds.len())];
+            let instances: Vec<usize> = open
+                .iter()
+                .filter(|&&(k, _)| k == kind)
+                .map(|&(_, i)| i)
+                .collect();
+            let instance = instances[rng.random_range(0..instances.len())];
             let pause = Duration::from_millis(rng.random_range(200..1500));
             busy_until.insert((kind, instance), at + pause + kind.restart_allowance());
             faults.push(Fault {
@@ -245,6 +255,9 @@ pub struct RunReport {
     pub duration_seconds: f64,
     /// SIGKILLs sent, per process kind (every kind listed, zero included).
     pub kills: BTreeMap<String, u64>,
+    /// The fault schedule of the seed, as planned; a kill aimed at a target that was down
+    /// already is skipped.
+    pub schedule: Vec<Fault>,
     /// Times a child exited on its own (its database or broker was away) and was restarted,
     /// per process kind.
     pub unplanned_exits: BTreeMap<String, u64>,
@@ -274,6 +287,7 @@ pub struct RunReport {
 
 impl RunReport {
     /// Whether every invariant held.
+    #[must_use]
     pub fn holds(&self) -> bool {
         self.violations.is_empty()
     }
@@ -450,6 +464,7 @@ async fn drive(
         seed: config.seed,
         duration_seconds: duration.as_secs_f64(),
         kills: BTreeMap::new(),
+        schedule: schedule(config.seed, config.duration),
         unplanned_exits: BTreeMap::new(),
         events: report.intents,
         commands: load.commands.load(Ordering::Relaxed),
@@ -1149,6 +1164,13 @@ mod tests {
         assert_ne!(a, schedule(8, duration));
         assert!(a.len() > 20, "{} faults in 60 s", a.len());
         assert!(a.iter().all(|f| f.at < duration));
+        for kind in Kind::ALL {
+            assert!(
+                a.iter().any(|f| f.kind == kind),
+                "no {} in 60 s",
+                kind.name()
+            );
+        }
     }
 
     #[test]
