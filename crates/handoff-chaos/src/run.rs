@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use handoff_test::cluster::{ClusterError, PrivatePostgres};
 use handoff_test::nats::NatsServer;
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use sqlx::postgres::PgPoolOptions;
@@ -175,8 +176,9 @@ fn millis<S: serde::Serializer>(value: &Duration, serializer: S) -> Result<S::Ok
 /// The fault schedule of `seed` over `duration`: a function of both alone, so the same seed
 /// gives the same kills at the same times.
 ///
-/// Kills come every 0.4 to 2 s; each picks a kind of process (every kind as likely), then one of
-/// its instances, and keeps it down for 0.2 to 1.5 s. A target still down (by
+/// Kills come every 0.4 to 2 s; each picks a kind of process (dealt from a shuffled deck of the
+/// seven kinds, so each comes about once per round of seven), then one of its instances, and keeps it
+/// down for 0.2 to 1.5 s. A target still down (by
 /// the schedule's reckoning, pause plus a restart allowance) is not picked again, and neither
 /// is the last relay, or the last instance of a consumer, still up: one of each always
 /// recovers while the others are down.
@@ -199,6 +201,7 @@ pub fn schedule(seed: u64, duration: Duration) -> Vec<Fault> {
         .collect();
     let mut busy_until: BTreeMap<(Kind, usize), Duration> = BTreeMap::new();
     let mut faults = Vec::new();
+    let mut deck: Vec<Kind> = Vec::new();
     let mut at = Duration::from_millis(rng.random_range(500..1500));
     // The last second is left without kills: the restarts land before the faults stop.
     let end = duration.saturating_sub(Duration::from_secs(1));
@@ -221,11 +224,18 @@ pub fn schedule(seed: u64, duration: Duration) -> Vec<Fault> {
                 kind.instances() == 1 || others_up > 0
             })
             .collect();
-        // The kind first, then the instance: the two servers are hit as often as the relays.
-        let mut kinds: Vec<Kind> = open.iter().map(|&(kind, _)| kind).collect();
-        kinds.dedup();
-        if !kinds.is_empty() {
-            let kind = kinds[rng.random_range(0..kinds.len())];
+        // The kind first, dealt from a shuffled deck of every kind, then the instance: each
+        // kind (the two servers as much as the three relays) is hit once in every round of
+        // seven kills, so even a short run kills each of them.
+        if deck.is_empty() {
+            deck = Kind::ALL.to_vec();
+            deck.shuffle(&mut rng);
+        }
+        let dealt = deck
+            .iter()
+            .position(|kind| open.iter().any(|&(k, _)| k == *kind))
+            .map(|index| deck.remove(index));
+        if let Some(kind) = dealt {
             let instances: Vec<usize> = open
                 .iter()
                 .filter(|&&(k, _)| k == kind)
@@ -438,6 +448,7 @@ async fn drive(
             keys: format!("chaos-{}-{worker}", config.seed),
             sent: 0,
             open: Vec::new(),
+            closed: Vec::new(),
             load: load.clone(),
         };
         clients.push(tokio::spawn(client.send_until(until)));
@@ -545,6 +556,8 @@ struct Client {
     sent: u64,
     /// Its orders not yet cancelled.
     open: Vec<String>,
+    /// Its cancelled orders: a line for one of them is refused.
+    closed: Vec<String>,
     load: Load,
 }
 
@@ -560,11 +573,17 @@ enum Answer {
 
 impl Client {
     /// Sends commands one after another until `until`: creates orders of 1 to 3 lines, adds
-    /// lines to its open orders and cancels some, several commands per order.
+    /// lines to its open orders and cancels some, several commands per order; now and then a
+    /// line for a cancelled order, which the service refuses.
     async fn send_until(mut self, until: Instant) {
         while Instant::now() < until {
             let roll: f64 = self.rng.random();
-            if self.open.is_empty() || roll < 0.35 {
+            if !self.closed.is_empty() && roll < 0.03 {
+                // A refused command: it must leave no event (invariant 2).
+                let id = self.closed[self.rng.random_range(0..self.closed.len())].clone();
+                let line = self.line();
+                self.command(format!("/orders/{id}/lines"), line).await;
+            } else if self.open.is_empty() || roll < 0.35 {
                 let lines: Vec<serde_json::Value> = (0..self.rng.random_range(1..=3))
                     .map(|_| self.line())
                     .collect();
@@ -586,7 +605,11 @@ impl Client {
                 } else {
                     self.open.swap_remove(index);
                     let body = serde_json::json!({ "reason": "chaos" });
-                    self.command(format!("/orders/{id}/cancel"), body).await;
+                    if let Answer::Accepted(_) =
+                        self.command(format!("/orders/{id}/cancel"), body).await
+                    {
+                        self.closed.push(id);
+                    }
                 }
             }
         }
@@ -1165,9 +1188,10 @@ mod tests {
         assert!(a.len() > 20, "{} faults in 60 s", a.len());
         assert!(a.iter().all(|f| f.at < duration));
         for kind in Kind::ALL {
+            let short = schedule(7, Duration::from_secs(20));
             assert!(
-                a.iter().any(|f| f.kind == kind),
-                "no {} in 60 s",
+                short.iter().any(|f| f.kind == kind),
+                "no {} in 20 s",
                 kind.name()
             );
         }
