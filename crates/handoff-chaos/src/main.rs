@@ -156,8 +156,15 @@ fn chaos(runtime: &tokio::runtime::Runtime, args: RunArgs) -> anyhow::Result<boo
         log_dir: args.log_dir,
         settle_timeout: args.settle_timeout,
     };
+    // On Ctrl-C the run's future is dropped and the runtime with it when we return: its
+    // children are killed (kill_on_drop) and its servers stopped by their Drop.
     let report = runtime
-        .block_on(handoff_chaos::run::run(&config))
+        .block_on(async {
+            tokio::select! {
+                report = handoff_chaos::run::run(&config) => report.map_err(anyhow::Error::from),
+                _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted by Ctrl-C")),
+            }
+        })
         .context("chaos run")?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
