@@ -191,10 +191,16 @@ fn print_summary(report: &RunReport) -> anyhow::Result<()> {
         report.abandoned
     );
     println!("kills {total}: {}", kills.join(", "));
+    let redeliveries: Vec<String> = report
+        .redeliveries
+        .iter()
+        .map(|(consumer, n)| format!("{consumer} {n}"))
+        .collect();
     println!(
-        "events {}, duplicates absorbed {}, recovery (settle) {:.1} s{}",
+        "events {}, duplicates absorbed {}, redeliveries ({}), recovery (settle) {:.1} s{}",
         report.events,
         report.duplicates_absorbed,
+        redeliveries.join(", "),
         report.settle_seconds,
         if report.settled {
             ""

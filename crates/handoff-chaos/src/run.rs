@@ -284,6 +284,10 @@ pub struct RunReport {
     pub abandoned: u64,
     /// Further copies of events in the stream, absorbed by the consumers' inboxes.
     pub duplicates_absorbed: u64,
+    /// Per consumer, deliveries beyond the first of each message (after a kill, an ack
+    /// wait, a rejected early event): each was absorbed by the inbox or applied late. From
+    /// JetStream's consumer info, delivered consumer sequence minus the stream's messages.
+    pub redeliveries: BTreeMap<String, u64>,
     /// Recovery time: from the end of the faults until the outbox was drained and both
     /// consumers had applied every event, in seconds.
     pub settle_seconds: f64,
@@ -483,6 +487,7 @@ async fn drive(
         refused: load.refused.load(Ordering::Relaxed),
         abandoned: load.abandoned.load(Ordering::Relaxed),
         duplicates_absorbed: report.duplicates_absorbed,
+        redeliveries: redeliveries(&urls.nats, report.stream_messages).await,
         settle_seconds: settle_time.as_secs_f64(),
         settled,
         violations: report.violations.clone(),
@@ -534,6 +539,36 @@ async fn settled(urls: &Urls) -> Result<bool, sqlx::Error> {
         }
     }
     Ok(true)
+}
+
+/// Per consumer, how many deliveries went beyond one per stream message; a consumer whose
+/// info cannot be read is left out (and logged): the figure is informative, not checked.
+async fn redeliveries(nats_url: &str, messages: u64) -> BTreeMap<String, u64> {
+    let mut counts = BTreeMap::new();
+    let stream = match async_nats::connect(nats_url).await {
+        Ok(client) => async_nats::jetstream::new(client).get_stream(STREAM).await,
+        Err(error) => {
+            tracing::warn!(%error, "could not read the consumers' delivery counts");
+            return counts;
+        }
+    };
+    let stream = match stream {
+        Ok(stream) => stream,
+        Err(error) => {
+            tracing::warn!(%error, "could not read the consumers' delivery counts");
+            return counts;
+        }
+    };
+    for kind in [Kind::Inventory, Kind::Payments] {
+        match stream.consumer_info(kind.name()).await {
+            Ok(info) => {
+                let delivered = info.delivered.consumer_sequence;
+                counts.insert(kind.name().to_owned(), delivered.saturating_sub(messages));
+            }
+            Err(error) => tracing::warn!(%error, consumer = kind.name(), "no consumer info"),
+        }
+    }
+    counts
 }
 
 /// Counters shared by the load's clients.
