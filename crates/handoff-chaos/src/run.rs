@@ -8,7 +8,7 @@
 //! each retried with its `Idempotency-Key` until it is answered, while the [`schedule`] drawn
 //! from the seed kills one process (or a server) at a time and restarts it after a short pause.
 //! Then it stops the faults, waits until the outbox is drained and both consumers' inboxes hold
-//! every event, runs [`check`](crate::check) and tears everything down.
+//! every event, runs [`check`] and tears everything down.
 //!
 //! The binaries are looked up in [`RunConfig::bin_dir`], normally the directory of the
 //! `handoff-chaos` executable: `cargo build --workspace` must have built them.

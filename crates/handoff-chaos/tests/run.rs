@@ -6,7 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use handoff_chaos::run::BINARIES;
+use std::time::Duration;
+
+use handoff_chaos::run::{schedule, BINARIES};
 
 const CHAOS: &str = env!("CARGO_BIN_EXE_handoff-chaos");
 
@@ -68,6 +70,17 @@ fn a_short_chaos_run_kills_processes_and_every_invariant_holds() {
     }
     let total: u64 = kills.values().filter_map(serde_json::Value::as_u64).sum();
     assert!(total > 0, "nothing was killed: {stdout}");
+    // The run followed the seed's schedule: the same seed, the same kills at the same times.
+    let planned = schedule(7, Duration::from_secs(20));
+    assert_eq!(
+        report["schedule"],
+        serde_json::to_value(&planned).expect("schedule as JSON"),
+        "the run's schedule is not seed 7's"
+    );
+    assert!(
+        total <= planned.len() as u64,
+        "more kills than planned: {stdout}"
+    );
     assert!(
         report["events"].as_u64().is_some_and(|n| n > 0),
         "no events: {stdout}"
