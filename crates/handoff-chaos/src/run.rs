@@ -89,6 +89,50 @@ pub struct RunConfig {
     pub settle_timeout: Duration,
 }
 
+impl Default for RunConfig {
+    /// A minute of faults with seed 1, binaries in the working directory, no logs, two minutes
+    /// to settle.
+    fn default() -> Self {
+        Self {
+            duration: Duration::from_secs(60),
+            seed: 1,
+            bin_dir: PathBuf::from("."),
+            log_dir: None,
+            settle_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+impl RunConfig {
+    /// Checks the settings.
+    ///
+    /// # Errors
+    ///
+    /// [`RunError::Config`] for a zero duration or settle timeout.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use handoff_chaos::run::RunConfig;
+    ///
+    /// assert!(RunConfig::default().validate().is_ok());
+    /// let config = RunConfig { duration: Duration::ZERO, ..RunConfig::default() };
+    /// assert!(config.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), RunError> {
+        if self.duration.is_zero() {
+            return Err(RunError::Config("the duration must be above zero".into()));
+        }
+        if self.settle_timeout.is_zero() {
+            return Err(RunError::Config(
+                "the settle timeout must be above zero".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The kind of a process the run starts, and may kill.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -311,6 +355,9 @@ impl RunReport {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunError {
+    /// A [`RunConfig`] setting cannot work.
+    #[error("invalid run configuration: {0}")]
+    Config(String),
     /// A binary the run starts is not there.
     #[error(
         "the {name} binary is missing at {}; build the workspace first: cargo build --workspace",
@@ -351,16 +398,75 @@ pub enum RunError {
     Task(String),
 }
 
+/// The kind of a [`RunError`], for callers that match instead of reading text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RunErrorKind {
+    /// The configuration, or this machine (a binary or server missing), must be fixed first.
+    Environment,
+    /// A server, service or task of the run failed while it ran.
+    Run,
+    /// The checker could not read the system.
+    Check,
+}
+
+impl RunError {
+    /// The kind of this error.
+    pub fn kind(&self) -> RunErrorKind {
+        match self {
+            Self::Config(_) | Self::MissingBinary { .. } => RunErrorKind::Environment,
+            Self::Postgres(error)
+                if error.kind() == handoff_test::cluster::ClusterErrorKind::Environment =>
+            {
+                RunErrorKind::Environment
+            }
+            Self::Check(_) => RunErrorKind::Check,
+            Self::Postgres(_)
+            | Self::Nats(_)
+            | Self::Spawn { .. }
+            | Self::Database(_)
+            | Self::NotReady(_)
+            | Self::Task(_) => RunErrorKind::Run,
+        }
+    }
+}
+
 /// Runs the chaos run of `config` and returns its report; the run's servers and processes are
 /// gone when it returns (or when its future is dropped).
 ///
 /// Needs a multi-threaded or current-thread tokio runtime with time and process drivers.
 ///
+/// # Examples
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use handoff_chaos::run::{run, RunConfig};
+///
+/// # async fn example() -> Result<(), handoff_chaos::run::RunError> {
+/// let report = run(&RunConfig {
+///     duration: Duration::from_secs(20),
+///     seed: 7,
+///     bin_dir: "target/debug".into(),
+///     ..RunConfig::default()
+/// })
+/// .await?;
+/// assert!(report.holds(), "{:?}", report.check.first_violation);
+/// # Ok(())
+/// # }
+/// ```
+///
 /// # Errors
 ///
 /// [`RunError`] when the run cannot be carried out: a binary missing, a server that does not
 /// start, a service that does not come up, the checker unable to read.
+///
+/// # Cancel safety
+///
+/// Dropping the future stops the run: the children are killed (`kill_on_drop`) and the
+/// servers stopped by their `Drop`, at once or, for the part of the run in a spawned task, when
+/// the runtime shuts down.
 pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
+    config.validate()?;
     for name in BINARIES {
         let path = config.bin_dir.join(name);
         if !path.is_file() {
