@@ -37,6 +37,7 @@
 
 #![warn(missing_docs)]
 
+pub mod run;
 pub mod stream;
 
 use std::collections::{BTreeMap, HashMap, HashSet};

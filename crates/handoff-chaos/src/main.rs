@@ -1,11 +1,17 @@
-//! `handoff-chaos`: proof tooling for handoff. `check` runs the invariant checker.
+//! `handoff-chaos`: proof tooling for handoff. `check` runs the invariant checker; `run` runs a
+//! chaos run (a private system, load, SIGKILLs, then the checker).
 //!
-//! Exit codes: 0 every invariant holds, 1 the check could not run, 2 a violation was found.
+//! Exit codes: 0 every invariant holds, 1 the check (or run) could not run, 2 a violation was
+//! found.
 
 use std::process::ExitCode;
 
 use anyhow::Context;
+use std::path::PathBuf;
+use std::time::Duration;
+
 use clap::{Args, Parser, Subcommand};
+use handoff_chaos::run::{RunConfig, RunReport};
 use handoff_chaos::{check, CheckConfig};
 
 #[derive(Parser, Debug)]
@@ -19,6 +25,30 @@ struct Cli {
 enum Command {
     /// Check the invariants (brief V2) over the databases and the stream.
     Check(CheckArgs),
+    /// Run a private handoff system under load while killing its processes, then check it.
+    ///
+    /// Needs the workspace's binaries next to this one: cargo build --workspace.
+    Run(RunArgs),
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    /// How long load and faults last (e.g. 60s, 30m).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Seeds the fault schedule and the load: the same seed gives the same kills at the same
+    /// times.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// How long the system may take to settle after the faults stop.
+    #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
+    settle_timeout: Duration,
+    /// Write each child's stderr to DIR/<kind>-<n>.log (appended across restarts).
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<PathBuf>,
+    /// Print the whole report as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -74,8 +104,11 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<bool> {
-    let Command::Check(args) = cli.command;
     let runtime = tokio::runtime::Runtime::new().context("start the runtime")?;
+    let args = match cli.command {
+        Command::Check(args) => args,
+        Command::Run(args) => return chaos(&runtime, args),
+    };
     let config = CheckConfig {
         database_url: args.database_url,
         nats_url: args.nats_url,
@@ -104,4 +137,80 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
         }
     }
     Ok(report.holds())
+}
+
+fn chaos(runtime: &tokio::runtime::Runtime, args: RunArgs) -> anyhow::Result<bool> {
+    let own = std::env::current_exe().context("locate the handoff-chaos executable")?;
+    let bin_dir = own
+        .parent()
+        .context("the handoff-chaos executable has no directory")?
+        .to_owned();
+    if let Some(dir) = &args.log_dir {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("create the log directory {}", dir.display()))?;
+    }
+    let config = RunConfig {
+        duration: args.duration,
+        seed: args.seed,
+        bin_dir,
+        log_dir: args.log_dir,
+        settle_timeout: args.settle_timeout,
+    };
+    // On Ctrl-C the run's future is dropped and the runtime with it when we return: its
+    // children are killed (kill_on_drop) and its servers stopped by their Drop.
+    let report = runtime
+        .block_on(async {
+            tokio::select! {
+                report = handoff_chaos::run::run(&config) => report.map_err(anyhow::Error::from),
+                _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted by Ctrl-C")),
+            }
+        })
+        .context("chaos run")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_summary(&report)?;
+    }
+    Ok(report.holds())
+}
+
+fn print_summary(report: &RunReport) -> anyhow::Result<()> {
+    let kills: Vec<String> = report
+        .kills
+        .iter()
+        .map(|(kind, n)| format!("{kind} {n}"))
+        .collect();
+    let total: u64 = report.kills.values().sum();
+    println!(
+        "seed {}, {:.1} s of load: {} commands ({} retries, {} refused, {} abandoned)",
+        report.seed,
+        report.duration_seconds,
+        report.commands,
+        report.retries,
+        report.refused,
+        report.abandoned
+    );
+    println!("kills {total}: {}", kills.join(", "));
+    let redeliveries: Vec<String> = report
+        .redeliveries
+        .iter()
+        .map(|(consumer, n)| format!("{consumer} {n}"))
+        .collect();
+    println!(
+        "events {}, duplicates absorbed {}, redeliveries ({}), recovery (settle) {:.1} s{}",
+        report.events,
+        report.duplicates_absorbed,
+        redeliveries.join(", "),
+        report.settle_seconds,
+        if report.settled {
+            ""
+        } else {
+            " (did not settle in time)"
+        }
+    );
+    println!("violations {}", report.violations.len());
+    if let Some(first) = &report.check.first_violation {
+        println!("first counter-example: {}", serde_json::to_string(first)?);
+    }
+    Ok(())
 }

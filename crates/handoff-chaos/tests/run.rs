@@ -1,0 +1,109 @@
+//! `handoff-chaos run` as a user runs it: the built binary, its own private PostgreSQL and
+//! nats-server, the workspace's service binaries as child processes, SIGKILLs from the seed,
+//! then the checker. The other binaries must have been built next to it (`cargo build
+//! --workspace`, or `cargo nextest run --workspace`, which builds every binary).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use std::time::Duration;
+
+use handoff_chaos::run::{schedule, BINARIES};
+
+const CHAOS: &str = env!("CARGO_BIN_EXE_handoff-chaos");
+
+/// The directory of the built binaries, after checking that the run's binaries are all there.
+fn bin_dir() -> PathBuf {
+    let dir = Path::new(CHAOS)
+        .parent()
+        .expect("the handoff-chaos binary has a directory")
+        .to_owned();
+    let missing: Vec<&str> = BINARIES
+        .iter()
+        .copied()
+        .filter(|name| !dir.join(name).is_file())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "the chaos run needs {} next to {CHAOS}; build them first: cargo build --workspace",
+        missing.join(", ")
+    );
+    dir
+}
+
+#[test]
+fn a_short_chaos_run_kills_processes_and_every_invariant_holds() {
+    let _ = bin_dir();
+    let output = Command::new(CHAOS)
+        .args(["run", "--duration", "20s", "--seed", "7", "--json"])
+        .output()
+        .expect("run handoff-chaos");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "handoff-chaos run failed ({}):\n{stdout}\n{stderr}",
+        output.status
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}"));
+    assert_eq!(report["seed"], 7);
+    assert_eq!(
+        report["violations"],
+        serde_json::json!([]),
+        "violations: {stdout}"
+    );
+    let kills = report["kills"]
+        .as_object()
+        .unwrap_or_else(|| panic!("kills is not an object: {stdout}"));
+    for kind in [
+        "order-service",
+        "relay",
+        "inventory",
+        "payments",
+        "payment-provider",
+        "nats-server",
+        "postgres",
+    ] {
+        assert!(kills.contains_key(kind), "no {kind} in kills: {stdout}");
+    }
+    let total: u64 = kills.values().filter_map(serde_json::Value::as_u64).sum();
+    assert!(total > 0, "nothing was killed: {stdout}");
+    // The run followed the seed's schedule: the same seed, the same kills at the same times.
+    let planned = schedule(7, Duration::from_secs(20));
+    assert_eq!(
+        report["schedule"],
+        serde_json::to_value(&planned).expect("schedule as JSON"),
+        "the run's schedule is not seed 7's"
+    );
+    assert!(
+        total <= planned.len() as u64,
+        "more kills than planned: {stdout}"
+    );
+    assert!(
+        report["events"].as_u64().is_some_and(|n| n > 0),
+        "no events: {stdout}"
+    );
+    assert_eq!(report["settled"], true, "did not settle: {stdout}");
+    // Every event reached the stream and both consumers: the checker's own counts agree.
+    assert_eq!(report["check"]["intents"], report["events"]);
+}
+
+#[test]
+fn a_missing_service_binary_exits_1_and_names_it() {
+    let _ = bin_dir();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let lonely = dir.path().join("handoff-chaos");
+    std::fs::copy(CHAOS, &lonely).expect("copy handoff-chaos");
+    let output = Command::new(&lonely)
+        .args(["run", "--duration", "1s", "--seed", "1"])
+        .output()
+        .expect("run the copied handoff-chaos");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("order-service binary is missing") && stderr.contains("cargo build"),
+        "{stderr}"
+    );
+}
