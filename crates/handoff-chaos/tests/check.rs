@@ -2,15 +2,14 @@
 //! relay and the inventory consumer holds every invariant; each planted violation is reported
 //! with its kind and ids, and nothing else is.
 
-use std::sync::Arc;
-use std::time::Duration;
+mod common;
 
 use async_nats::HeaderMap;
+use common::{count, drain_outbox, jetstream, poll};
 use handoff_chaos::{check, CheckConfig, Report, ViolationKind};
 use handoff_consumer::{Consumer, ConsumerConfig};
-use handoff_nats::{IntakeConfig, JetStreamConfig, JetStreamIntake, JetStreamTransport};
-use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
-use handoff_relay::{Relay, RelayConfig};
+use handoff_nats::{IntakeConfig, JetStreamIntake, JetStreamTransport};
+use handoff_postgres::{Migrator, Schema};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::TestDb;
 use order_service::idempotency::{Fingerprint, IdempotencyKey};
@@ -19,8 +18,6 @@ use order_service::store::{Outcome, Store};
 use reference_consumers::inventory::{self, Inventory};
 use sqlx::PgPool;
 use uuid::Uuid;
-
-const DEADLINE: Duration = Duration::from_secs(30);
 
 /// One test's system: the service's database, the inventory's, and a stream of its own.
 struct World {
@@ -52,21 +49,6 @@ fn applied(outcome: Outcome) -> serde_json::Value {
     }
 }
 
-async fn poll(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !done().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: not within {DEADLINE:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
-async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
-}
-
 impl World {
     async fn new(name: &str) -> Self {
         let client = prepare_shared_server().await;
@@ -91,7 +73,7 @@ impl World {
         drop(conn);
         let stream = unique_name("chaos");
         let guard = DeleteStreamOnDrop::new(&shared_url(), &stream);
-        let transport = JetStreamTransport::connect(&shared_url(), self_config(&stream))
+        let transport = JetStreamTransport::connect(&shared_url(), jetstream(&stream))
             .await
             .unwrap();
         transport.ensure_stream().await.unwrap();
@@ -167,38 +149,7 @@ impl World {
 
     /// Runs the relay library until the outbox has nothing pending.
     async fn relay(&self) {
-        let transport = JetStreamTransport::connect(&shared_url(), self_config(&self.stream))
-            .await
-            .unwrap();
-        let source = PollingSource::new(
-            self.orders.pool.clone(),
-            PollingConfig {
-                relay_id: "chaos-test".into(),
-                ..PollingConfig::default()
-            },
-        )
-        .unwrap();
-        let config = RelayConfig {
-            poll_interval: Duration::from_millis(20),
-            ..RelayConfig::default()
-        };
-        let relay = Relay::from_shared(Arc::new(source), Arc::new(transport), config).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let run = tokio::spawn(relay.run(async move {
-            let _ = stopped.await;
-        }));
-        let pool = self.orders.pool.clone();
-        poll("the relay drains the outbox", async || {
-            count(
-                &pool,
-                "SELECT count(*) FROM outbox WHERE published_at IS NULL",
-            )
-            .await
-                == 0
-        })
-        .await;
-        let _ = stop.send(());
-        run.await.unwrap();
+        drain_outbox(&self.orders.pool, &self.stream).await;
     }
 
     /// Runs the inventory consumer (the reference handler in handoff's consumer loop) until it
@@ -290,14 +241,6 @@ impl World {
 
     async fn check(&self, with_inventory: bool) -> Report {
         check(&self.config(with_inventory)).await.unwrap()
-    }
-}
-
-fn self_config(stream: &str) -> JetStreamConfig {
-    JetStreamConfig {
-        stream: stream.to_owned(),
-        subject_prefix: stream.to_owned(),
-        ..JetStreamConfig::default()
     }
 }
 

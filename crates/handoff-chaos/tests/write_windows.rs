@@ -4,22 +4,17 @@
 //! same `Idempotency-Key`, the relay publishes, and the checker finds every invariant holding:
 //! one order, exactly one intent, in the stream once.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
+use common::{count, drain_outbox, poll, DEADLINE};
 use handoff_chaos::{check, CheckConfig};
-use handoff_nats::{JetStreamConfig, JetStreamTransport};
-use handoff_postgres::{PollingConfig, PollingSource};
-use handoff_relay::{Relay, RelayConfig};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::TestDb;
 use serde_json::json;
-use sqlx::PgPool;
-
-const DEADLINE: Duration = Duration::from_secs(30);
 
 /// A binary of the workspace, next to this test's own directory (`target/<profile>/`).
 fn sibling(name: &str) -> PathBuf {
@@ -83,15 +78,10 @@ impl Service {
 
     /// Waits until the log says a failpoint fired: the request is frozen in its window.
     async fn wait_in_window(&self) {
-        let deadline = Instant::now() + DEADLINE;
-        while !self.log().contains("failpoint fired") {
-            assert!(
-                Instant::now() < deadline,
-                "no failpoint fired:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        poll("a failpoint fires", async || {
+            self.log().contains("failpoint fired")
+        })
+        .await;
     }
 
     fn kill(mut self) {
@@ -105,49 +95,6 @@ impl Drop for Service {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-async fn count(pool: &PgPool, table: &str) -> i64 {
-    sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-fn jetstream(stream: &str) -> JetStreamConfig {
-    JetStreamConfig {
-        stream: stream.to_owned(),
-        subject_prefix: stream.to_owned(),
-        ..JetStreamConfig::default()
-    }
-}
-
-/// Runs the relay library until the outbox has nothing pending.
-async fn publish_all(pool: &PgPool, stream: &str) {
-    let transport = JetStreamTransport::connect(&shared_url(), jetstream(stream))
-        .await
-        .unwrap();
-    transport.ensure_stream().await.unwrap();
-    let source = PollingSource::new(pool.clone(), PollingConfig::default()).unwrap();
-    let config = RelayConfig {
-        poll_interval: Duration::from_millis(20),
-        ..RelayConfig::default()
-    };
-    let relay = Relay::from_shared(Arc::new(source), Arc::new(transport), config).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(relay.run(async move {
-        let _ = stopped.await;
-    }));
-    let deadline = Instant::now() + DEADLINE;
-    while count(pool, "outbox WHERE published_at IS NULL").await > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the relay did not drain the outbox"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let _ = stop.send(());
-    run.await.unwrap();
 }
 
 /// Kills the service while a `POST /orders` is frozen at `failpoint`, checks what the database
@@ -187,12 +134,12 @@ async fn crash_in_window(name: &str, failpoint: &str, committed: bool) {
 
     let expected = i64::from(committed);
     assert_eq!(
-        count(&db.pool, "orders").await,
+        count(&db.pool, "SELECT count(*) FROM orders").await,
         expected,
         "orders after the kill"
     );
     assert_eq!(
-        count(&db.pool, "outbox").await,
+        count(&db.pool, "SELECT count(*) FROM outbox").await,
         expected,
         "events after the kill"
     );
@@ -208,18 +155,18 @@ async fn crash_in_window(name: &str, failpoint: &str, committed: bool) {
         service.log()
     );
     assert_eq!(
-        count(&db.pool, "orders").await,
+        count(&db.pool, "SELECT count(*) FROM orders").await,
         1,
         "one order whatever the window"
     );
     assert_eq!(
-        count(&db.pool, "outbox").await,
+        count(&db.pool, "SELECT count(*) FROM outbox").await,
         1,
         "one event whatever the window"
     );
     drop(service);
 
-    publish_all(&db.pool, &stream).await;
+    drain_outbox(&db.pool, &stream).await;
     let report = check(&CheckConfig {
         database_url: db.url(),
         nats_url: shared_url(),

@@ -763,20 +763,19 @@ struct DedupRow {
 /// the cleanup there so a test can SIGKILL it; the batch then rolls back whole.
 pub const BATCH_FAILPOINT: &str = "cleanup.batch";
 
-/// Freezes the calling task forever when the failpoint `name` fired; nothing without the
-/// `failpoints` feature.
-async fn freeze_if_fired(name: &str) {
+/// Whether the failpoint `name` fired; always `false` without the `failpoints` feature.
+fn fired(name: &str) -> bool {
     let _ = name;
     #[cfg(feature = "failpoints")]
-    {
-        let fired = (|| {
-            fail::fail_point!(name, |_| true);
-            false
-        })();
-        if fired {
-            tracing::warn!(failpoint = name, "failpoint fired: this cleanup stops here");
-            std::future::pending::<()>().await;
-        }
+    fail::fail_point!(name, |_| true);
+    false
+}
+
+/// Freezes the calling task forever when the failpoint `name` fired.
+async fn freeze_if_fired(name: &str) {
+    if fired(name) {
+        tracing::warn!(failpoint = name, "failpoint fired: this cleanup stops here");
+        std::future::pending::<()>().await;
     }
 }
 

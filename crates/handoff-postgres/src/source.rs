@@ -236,18 +236,7 @@ impl PollingSource {
             .fetch_one(&self.pool)
             .await
             .map_err(|e| SourceError::new("while reading the backlog", e))?;
-        let read = |row: &PgRow| -> Result<Backlog, sqlx::Error> {
-            let age: Option<f64> = row.try_get("oldest_age_seconds")?;
-            Ok(Backlog {
-                pending: row.try_get("pending")?,
-                held: row.try_get("held")?,
-                stuck_aggregates: row.try_get("stuck_aggregates")?,
-                outbox_bytes: row.try_get("outbox_bytes")?,
-                expired_leases: row.try_get("expired_leases")?,
-                oldest_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
-            })
-        };
-        read(&row).map_err(|e| SourceError::new("while reading the backlog", e))
+        read_backlog(&row).map_err(|e| SourceError::new("while reading the backlog", e))
     }
 
     /// Whether a notification's payload concerns this source's outbox. With the default schema
@@ -255,6 +244,19 @@ impl PollingSource {
     fn concerns_us(&self, payload: &str) -> bool {
         self.config.schema.name().is_none_or(|name| name == payload)
     }
+}
+
+/// Reads the row of `queries/backlog.sql`, for the relay's gauges and for `Status`.
+pub(crate) fn read_backlog(row: &PgRow) -> Result<Backlog, sqlx::Error> {
+    let age: Option<f64> = row.try_get("oldest_age_seconds")?;
+    Ok(Backlog {
+        pending: row.try_get("pending")?,
+        held: row.try_get("held")?,
+        stuck_aggregates: row.try_get("stuck_aggregates")?,
+        outbox_bytes: row.try_get("outbox_bytes")?,
+        expired_leases: row.try_get("expired_leases")?,
+        oldest_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
+    })
 }
 
 /// Reads one outbox row as the relay gets it: the columns `claim.sql` returns (`event_id`,

@@ -10,6 +10,7 @@ use serde::Serialize;
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 
+use crate::source::read_backlog;
 use crate::Schema;
 
 const BACKLOG_SQL: &str = include_str!("../queries/backlog.sql");
@@ -160,10 +161,12 @@ impl Status {
         top: i64,
     ) -> Result<StatusReport, sqlx::Error> {
         let stuck_seconds = stuck_after.as_secs_f64();
-        let backlog = sqlx::query(&self.backlog_sql)
-            .bind(stuck_seconds)
-            .fetch_one(&mut *conn)
-            .await?;
+        let backlog = read_backlog(
+            &sqlx::query(&self.backlog_sql)
+                .bind(stuck_seconds)
+                .fetch_one(&mut *conn)
+                .await?,
+        )?;
         let stuck_aggregates = sqlx::query(&self.stuck_sql)
             .bind(stuck_seconds)
             .bind(top.max(0))
@@ -196,13 +199,12 @@ impl Status {
             .await?
             .map(|row| read_cleanup(&row))
             .transpose()?;
-        let oldest: Option<f64> = backlog.try_get("oldest_age_seconds")?;
         Ok(StatusReport {
-            pending: backlog.try_get("pending")?,
-            oldest_pending_age_seconds: oldest.unwrap_or(0.0).max(0.0),
-            quarantined: backlog.try_get("held")?,
-            expired_leases: backlog.try_get("expired_leases")?,
-            stuck_aggregate_count: backlog.try_get("stuck_aggregates")?,
+            pending: backlog.pending,
+            oldest_pending_age_seconds: backlog.oldest_age.map_or(0.0, |age| age.as_secs_f64()),
+            quarantined: backlog.held,
+            expired_leases: backlog.expired_leases,
+            stuck_aggregate_count: backlog.stuck_aggregates,
             stuck_aggregates,
             tables,
             last_cleanup,
