@@ -1,8 +1,9 @@
 //! `handoff-chaos`: proof tooling for handoff. `check` runs the invariant checker; `run` runs a
-//! chaos run (a private system, load, SIGKILLs, then the checker).
+//! chaos run (a private system, load, SIGKILLs, then the checker); `soak` is a long chaos run
+//! that must reach a number of kills.
 //!
-//! Exit codes: 0 every invariant holds, 1 the check (or run) could not run, 2 a violation was
-//! found.
+//! Exit codes: 0 every invariant holds, 1 the check (or run) could not run, or a soak killed
+//! fewer processes than asked, 2 a violation was found.
 
 use std::process::ExitCode;
 
@@ -13,6 +14,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use handoff_chaos::run::{RunConfig, RunReport};
 use handoff_chaos::{check, CheckConfig};
+use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
 #[command(name = "handoff-chaos", version, about = "Proof tooling for handoff")]
@@ -29,6 +31,10 @@ enum Command {
     ///
     /// Needs the workspace's binaries next to this one: cargo build --workspace.
     Run(RunArgs),
+    /// The soak: a chaos run of 30 minutes by default that must reach --min-kills SIGKILLs.
+    ///
+    /// Needs the workspace's binaries next to this one: cargo build --release --workspace.
+    Soak(SoakArgs),
 }
 
 #[derive(Args, Debug)]
@@ -49,6 +55,39 @@ struct RunArgs {
     /// Print the whole report as JSON.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args, Debug)]
+struct SoakArgs {
+    /// How long load and faults last.
+    #[arg(long, default_value = "30m", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Seeds the fault schedule and the load.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The soak fails (exit 1) when it sent fewer SIGKILLs than this: it would not have
+    /// tested what it claims.
+    #[arg(long, default_value_t = 1000)]
+    min_kills: u64,
+    /// How long the system may take to settle after the faults stop.
+    #[arg(long, default_value = "300s", value_parser = humantime::parse_duration)]
+    settle_timeout: Duration,
+    /// Write each child's stderr to DIR/<kind>-<n>.log (appended across restarts).
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<PathBuf>,
+    /// Also write the whole JSON report to FILE.
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
+    /// Print the whole report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What to do with a chaos run's report.
+struct Output {
+    json: bool,
+    report: Option<PathBuf>,
+    min_kills: u64,
 }
 
 #[derive(Args, Debug)]
@@ -107,7 +146,38 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     let runtime = tokio::runtime::Runtime::new().context("start the runtime")?;
     let args = match cli.command {
         Command::Check(args) => args,
-        Command::Run(args) => return chaos(&runtime, args),
+        Command::Run(args) => {
+            let output = Output {
+                json: args.json,
+                report: None,
+                min_kills: 0,
+            };
+            let (duration, seed) = (args.duration, args.seed);
+            return chaos(
+                &runtime,
+                duration,
+                seed,
+                args.settle_timeout,
+                args.log_dir,
+                output,
+            );
+        }
+        Command::Soak(args) => {
+            let output = Output {
+                json: args.json,
+                report: args.report,
+                min_kills: args.min_kills,
+            };
+            let (duration, seed) = (args.duration, args.seed);
+            return chaos(
+                &runtime,
+                duration,
+                seed,
+                args.settle_timeout,
+                args.log_dir,
+                output,
+            );
+        }
     };
     let config = CheckConfig {
         database_url: args.database_url,
@@ -139,39 +209,89 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     Ok(report.holds())
 }
 
-fn chaos(runtime: &tokio::runtime::Runtime, args: RunArgs) -> anyhow::Result<bool> {
+fn chaos(
+    runtime: &tokio::runtime::Runtime,
+    duration: Duration,
+    seed: u64,
+    settle_timeout: Duration,
+    log_dir: Option<PathBuf>,
+    output: Output,
+) -> anyhow::Result<bool> {
     let own = std::env::current_exe().context("locate the handoff-chaos executable")?;
     let bin_dir = own
         .parent()
         .context("the handoff-chaos executable has no directory")?
         .to_owned();
-    if let Some(dir) = &args.log_dir {
+    if let Some(dir) = &log_dir {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("create the log directory {}", dir.display()))?;
     }
     let config = RunConfig {
-        duration: args.duration,
-        seed: args.seed,
+        duration,
+        seed,
         bin_dir,
-        log_dir: args.log_dir,
-        settle_timeout: args.settle_timeout,
+        log_dir,
+        settle_timeout,
     };
+    let progress = progress_bar(duration);
     // On Ctrl-C the run's future is dropped and the runtime with it when we return: its
     // children are killed (kill_on_drop) and its servers stopped by their Drop.
     let report = runtime
         .block_on(async {
-            tokio::select! {
+            let ticker = tokio::spawn(tick(progress.clone(), duration));
+            let report = tokio::select! {
                 report = handoff_chaos::run::run(&config) => report.map_err(anyhow::Error::from),
                 _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted by Ctrl-C")),
-            }
+            };
+            ticker.abort();
+            report
         })
         .context("chaos run")?;
-    if args.json {
+    progress.finish_and_clear();
+    if let Some(path) = &output.report {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json + "\n")
+            .with_context(|| format!("write the report to {}", path.display()))?;
+    }
+    if output.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_summary(&report)?;
     }
+    let kills: u64 = report.kills.values().sum();
+    if kills < output.min_kills {
+        anyhow::bail!(
+            "the run sent {kills} SIGKILLs, fewer than --min-kills {}: run it longer",
+            output.min_kills
+        );
+    }
     Ok(report.holds())
+}
+
+/// A bar over the fault phase on a terminal (hidden otherwise): a soak is half an hour of
+/// silence without it.
+fn progress_bar(duration: Duration) -> ProgressBar {
+    let bar = ProgressBar::new(duration.as_secs());
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} s of faults {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// Moves the bar with the clock; after the faults, says what the run is waiting for.
+async fn tick(bar: ProgressBar, duration: Duration) {
+    let started = tokio::time::Instant::now();
+    let mut every = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        every.tick().await;
+        let elapsed = started.elapsed();
+        bar.set_position(elapsed.min(duration).as_secs());
+        if elapsed >= duration {
+            bar.set_message("done; settling, then the checker");
+        }
+    }
 }
 
 fn print_summary(report: &RunReport) -> anyhow::Result<()> {

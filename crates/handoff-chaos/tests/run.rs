@@ -31,11 +31,15 @@ fn bin_dir() -> PathBuf {
     dir
 }
 
+/// The CI's chaos run: about two minutes with start-up and settling, seed 7.
+const CI_DURATION: Duration = Duration::from_secs(100);
+
 #[test]
 fn a_short_chaos_run_kills_processes_and_every_invariant_holds() {
     let _ = bin_dir();
+    let duration = format!("{}s", CI_DURATION.as_secs());
     let output = Command::new(CHAOS)
-        .args(["run", "--duration", "20s", "--seed", "7", "--json"])
+        .args(["run", "--duration", &duration, "--seed", "7", "--json"])
         .output()
         .expect("run handoff-chaos");
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -71,7 +75,7 @@ fn a_short_chaos_run_kills_processes_and_every_invariant_holds() {
     let total: u64 = kills.values().filter_map(serde_json::Value::as_u64).sum();
     assert!(total > 0, "nothing was killed: {stdout}");
     // The run followed the seed's schedule: the same seed, the same kills at the same times.
-    let planned = schedule(7, Duration::from_secs(20));
+    let planned = schedule(7, CI_DURATION);
     assert_eq!(
         report["schedule"],
         serde_json::to_value(&planned).expect("schedule as JSON"),
@@ -106,4 +110,41 @@ fn a_missing_service_binary_exits_1_and_names_it() {
         stderr.contains("order-service binary is missing") && stderr.contains("cargo build"),
         "{stderr}"
     );
+}
+
+#[test]
+fn a_soak_that_kills_fewer_processes_than_asked_fails_and_still_writes_its_report() {
+    let _ = bin_dir();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let report_path = dir.path().join("soak.json");
+    let output = Command::new(CHAOS)
+        .args([
+            "soak",
+            "--duration",
+            "5s",
+            "--seed",
+            "3",
+            "--min-kills",
+            "1000",
+        ])
+        .arg("--report")
+        .arg(&report_path)
+        .output()
+        .expect("run handoff-chaos soak");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stderr.contains("fewer than --min-kills 1000"), "{stderr}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&report_path).expect("the soak wrote its report"))
+            .expect("the report is JSON");
+    assert_eq!(report["seed"], 3);
+    assert_eq!(report["violations"], serde_json::json!([]), "{report}");
+    let kills: u64 = report["kills"]
+        .as_object()
+        .expect("kills is an object")
+        .values()
+        .filter_map(serde_json::Value::as_u64)
+        .sum();
+    assert!(kills > 0 && kills < 1000, "kills {kills}");
 }
