@@ -29,6 +29,10 @@ enum Command {
     ///
     /// Needs the workspace's binaries next to this one: cargo build --workspace.
     Run(RunArgs),
+    /// Stop every relay under load, restart them, time the drain and watch status and alerts.
+    ///
+    /// Needs the workspace's binaries next to this one and a Prometheus server (--prometheus).
+    Backlog(handoff_chaos::backlog::BacklogArgs),
 }
 
 #[derive(Args, Debug)]
@@ -108,6 +112,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     let args = match cli.command {
         Command::Check(args) => args,
         Command::Run(args) => return chaos(&runtime, args),
+        Command::Backlog(args) => return backlog(&runtime, args),
     };
     let config = CheckConfig {
         database_url: args.database_url,
@@ -213,4 +218,33 @@ fn print_summary(report: &RunReport) -> anyhow::Result<()> {
         println!("first counter-example: {}", serde_json::to_string(first)?);
     }
     Ok(())
+}
+
+fn backlog(
+    runtime: &tokio::runtime::Runtime,
+    args: handoff_chaos::backlog::BacklogArgs,
+) -> anyhow::Result<bool> {
+    let own = std::env::current_exe().context("locate the handoff-chaos executable")?;
+    let bin_dir = own.parent().context("no directory")?.to_owned();
+    if let Some(dir) = &args.log_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    let config = args.config(bin_dir);
+    // As for `run`: on Ctrl-C the drill's future is dropped, its children killed.
+    let report = runtime
+        .block_on(async {
+            tokio::select! {
+                report = handoff_chaos::backlog::backlog(&config) => {
+                    report.map_err(anyhow::Error::from)
+                }
+                _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted by Ctrl-C")),
+            }
+        })
+        .context("backlog drill")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.summary());
+    }
+    Ok(report.holds())
 }
