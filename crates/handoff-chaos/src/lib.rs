@@ -37,6 +37,7 @@
 
 #![warn(missing_docs)]
 
+pub mod backlog;
 pub mod run;
 pub mod stream;
 

@@ -1,6 +1,6 @@
 //! `handoff-chaos`: proof tooling for handoff. `check` runs the invariant checker; `run` runs a
 //! chaos run (a private system, load, SIGKILLs, then the checker); `soak` is a long chaos run
-//! that must reach a number of kills.
+//! that must reach a number of kills; `backlog` is the backlog drill (brief V3).
 //!
 //! Exit codes: 0 every invariant holds, 1 the check (or run) could not run, or a soak killed
 //! fewer processes than asked, 2 a violation was found.
@@ -35,6 +35,10 @@ enum Command {
     ///
     /// Needs the workspace's binaries next to this one: cargo build --release --workspace.
     Soak(SoakArgs),
+    /// Stop every relay under load, restart them, time the drain and watch status and alerts.
+    ///
+    /// Needs the workspace's binaries next to this one and a Prometheus server (--prometheus).
+    Backlog(handoff_chaos::backlog::BacklogArgs),
 }
 
 #[derive(Args, Debug)]
@@ -178,6 +182,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 output,
             );
         }
+        Command::Backlog(args) => return backlog(&runtime, args),
     };
     let config = CheckConfig {
         database_url: args.database_url,
@@ -333,4 +338,33 @@ fn print_summary(report: &RunReport) -> anyhow::Result<()> {
         println!("first counter-example: {}", serde_json::to_string(first)?);
     }
     Ok(())
+}
+
+fn backlog(
+    runtime: &tokio::runtime::Runtime,
+    args: handoff_chaos::backlog::BacklogArgs,
+) -> anyhow::Result<bool> {
+    let own = std::env::current_exe().context("locate the handoff-chaos executable")?;
+    let bin_dir = own.parent().context("no directory")?.to_owned();
+    if let Some(dir) = &args.log_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    let config = args.config(bin_dir);
+    // As for `run`: on Ctrl-C the drill's future is dropped, its children killed.
+    let report = runtime
+        .block_on(async {
+            tokio::select! {
+                report = handoff_chaos::backlog::backlog(&config) => {
+                    report.map_err(anyhow::Error::from)
+                }
+                _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted by Ctrl-C")),
+            }
+        })
+        .context("backlog drill")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.summary());
+    }
+    Ok(report.holds())
 }

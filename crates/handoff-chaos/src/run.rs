@@ -19,7 +19,7 @@ use std::io;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,7 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::{check, CheckConfig, CheckError, Report, Violation};
 
@@ -52,10 +53,10 @@ pub const BINARIES: [&str; 5] = [
 ];
 
 /// The databases created on the private server.
-const DATABASES: [&str; 4] = ["orders", "inventory", "payments", "provider"];
+pub(crate) const DATABASES: [&str; 4] = ["orders", "inventory", "payments", "provider"];
 
 /// Concurrent clients sending commands.
-const CLIENTS: u64 = 4;
+pub(crate) const CLIENTS: u64 = 4;
 
 /// How long one request may take before it is retried.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -179,7 +180,7 @@ impl Kind {
     }
 
     /// How many instances of the kind run.
-    fn instances(self) -> usize {
+    pub(crate) fn instances(self) -> usize {
         match self {
             Kind::Relay => 3,
             Kind::Inventory | Kind::Payments => 2,
@@ -467,42 +468,7 @@ impl RunError {
 /// the runtime shuts down.
 pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     config.validate()?;
-    for name in BINARIES {
-        let path = config.bin_dir.join(name);
-        if !path.is_file() {
-            return Err(RunError::MissingBinary { name, path });
-        }
-    }
-    let postgres = blocking(PrivatePostgres::start).await??;
-    let admin = connect(&postgres.url("postgres")).await?;
-    for name in DATABASES {
-        // Fixed names of our own, not input: an identifier cannot be a bound parameter.
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&admin)
-            .await?;
-    }
-    admin.close().await;
-    let nats = blocking(NatsServer::start)
-        .await?
-        .map_err(|e| RunError::Nats(e.to_string()))?;
-    let urls = Urls {
-        orders: postgres.url("orders"),
-        inventory: postgres.url("inventory"),
-        payments: postgres.url("payments"),
-        provider_db: postgres.url("provider"),
-        nats: nats.url(),
-        service: format!("http://127.0.0.1:{}", free_port()?),
-        provider: format!("http://127.0.0.1:{}", free_port()?),
-    };
-    let mut world = World {
-        postgres: Some(postgres),
-        nats: Some(nats),
-        postgres_back_at: None,
-        nats_back_at: None,
-        procs: processes(config, &urls),
-        kills: BTreeMap::new(),
-        exits: BTreeMap::new(),
-    };
+    let (mut world, urls) = prepare(&config.bin_dir, config.log_dir.as_deref()).await?;
     world.start_up(&urls).await?;
 
     let (phase, phase_rx) = watch::channel(Phase::Faults);
@@ -514,25 +480,61 @@ pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let world = supervisor
         .await
         .map_err(|e| RunError::Task(e.to_string()))?;
-    let kills = Kind::ALL
-        .iter()
-        .map(|k| {
-            (
-                k.name().to_owned(),
-                world.kills.get(k).copied().unwrap_or(0),
-            )
-        })
-        .collect();
-    let unplanned_exits = world
-        .exits
-        .iter()
-        .map(|(k, n)| (k.name().to_owned(), *n))
-        .collect();
+    let kills = world.kill_counts();
+    let unplanned_exits = world.exit_counts();
     world.tear_down().await;
     let mut report = outcome?;
     report.kills = kills;
     report.unplanned_exits = unplanned_exits;
     Ok(report)
+}
+
+/// Checks that the binaries are there, starts the private servers, creates the databases and
+/// lays out the child processes (not yet started): the part of a run that [`run`] and the
+/// backlog drill share.
+pub(crate) async fn prepare(
+    bin_dir: &Path,
+    log_dir: Option<&Path>,
+) -> Result<(World, Urls), RunError> {
+    for name in BINARIES {
+        let path = bin_dir.join(name);
+        if !path.is_file() {
+            return Err(RunError::MissingBinary { name, path });
+        }
+    }
+    let postgres = blocking(PrivatePostgres::start).await??;
+    let admin_url = postgres.url("postgres");
+    let admin = connect(&admin_url).await?;
+    for name in DATABASES {
+        // Fixed names of our own, not input: an identifier cannot be a bound parameter.
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await?;
+    }
+    admin.close().await;
+    let nats = blocking(NatsServer::start)
+        .await?
+        .map_err(|e| RunError::Nats(e.to_string()))?;
+    let urls = Urls {
+        admin: admin_url,
+        orders: postgres.url("orders"),
+        inventory: postgres.url("inventory"),
+        payments: postgres.url("payments"),
+        provider_db: postgres.url("provider"),
+        nats: nats.url(),
+        service: format!("http://127.0.0.1:{}", free_port()?),
+        provider: format!("http://127.0.0.1:{}", free_port()?),
+    };
+    let world = World {
+        postgres: Some(postgres),
+        nats: Some(nats),
+        postgres_back_at: None,
+        nats_back_at: None,
+        procs: processes(bin_dir, log_dir, &urls),
+        kills: BTreeMap::new(),
+        exits: BTreeMap::new(),
+    };
+    Ok((world, urls))
 }
 
 /// Load, calm, settle and check, while the supervisor keeps the processes (and faults) going.
@@ -543,44 +545,14 @@ async fn drive(
     phase: &watch::Sender<Phase>,
 ) -> Result<RunReport, RunError> {
     let load = Load::default();
-    let client = reqwest::Client::builder()
-        .timeout(REQUEST_TIMEOUT)
-        .connect_timeout(Duration::from_secs(1))
-        .build()
-        .map_err(|e| RunError::Task(format!("http client: {e}")))?;
-    let until = started + config.duration;
-    let mut clients = Vec::new();
-    for worker in 0..CLIENTS {
-        let client = Client {
-            http: client.clone(),
-            base: urls.service.clone(),
-            rng: StdRng::seed_from_u64(config.seed ^ (worker + 1).wrapping_mul(0x9E37_79B9)),
-            keys: format!("chaos-{}-{worker}", config.seed),
-            sent: 0,
-            open: Vec::new(),
-            closed: Vec::new(),
-            load: load.clone(),
-        };
-        clients.push(tokio::spawn(client.send_until(until)));
-    }
-    for handle in clients {
-        handle.await.map_err(|e| RunError::Task(e.to_string()))?;
-    }
+    let clients = load.spawn_clients(config.seed, urls, started + config.duration, None)?;
+    load.join(clients).await?;
     let duration = started.elapsed();
     let _ = phase.send(Phase::Calm);
     let calm = Instant::now();
     let settled = settle(urls, calm + config.settle_timeout).await;
     let settle_time = calm.elapsed();
-    let report = check(&CheckConfig {
-        database_url: urls.orders.clone(),
-        nats_url: urls.nats.clone(),
-        stream: STREAM.to_owned(),
-        subject_prefix: SUBJECT_PREFIX.to_owned(),
-        inventory_database_url: Some(urls.inventory.clone()),
-        payments_database_url: Some(urls.payments.clone()),
-        provider_url: Some(urls.provider.clone()),
-    })
-    .await?;
+    let report = check_all(urls).await?;
     Ok(RunReport {
         seed: config.seed,
         duration_seconds: duration.as_secs_f64(),
@@ -601,10 +573,25 @@ async fn drive(
     })
 }
 
+/// Runs the checker over the whole run: the outbox, the stream, both consumers' databases and
+/// the provider's charges.
+pub(crate) async fn check_all(urls: &Urls) -> Result<Report, CheckError> {
+    check(&CheckConfig {
+        database_url: urls.orders.clone(),
+        nats_url: urls.nats.clone(),
+        stream: STREAM.to_owned(),
+        subject_prefix: SUBJECT_PREFIX.to_owned(),
+        inventory_database_url: Some(urls.inventory.clone()),
+        payments_database_url: Some(urls.payments.clone()),
+        provider_url: Some(urls.provider.clone()),
+    })
+    .await
+}
+
 /// Waits until no outbox row is pending and each consumer's inbox holds at least as many rows
 /// as there are order events; `false` when `deadline` passes first. Errors while a server is
 /// still coming back count as "not yet".
-async fn settle(urls: &Urls, deadline: Instant) -> bool {
+pub(crate) async fn settle(urls: &Urls, deadline: Instant) -> bool {
     loop {
         if let Ok(true) = settled(urls).await {
             return true;
@@ -649,7 +636,7 @@ async fn settled(urls: &Urls) -> Result<bool, sqlx::Error> {
 
 /// Per consumer, how many deliveries went beyond one per stream message; a consumer whose
 /// info cannot be read is left out (and logged): the figure is informative, not checked.
-async fn redeliveries(nats_url: &str, messages: u64) -> BTreeMap<String, u64> {
+pub(crate) async fn redeliveries(nats_url: &str, messages: u64) -> BTreeMap<String, u64> {
     let mut counts = BTreeMap::new();
     let stream = match async_nats::connect(nats_url).await {
         Ok(client) => async_nats::jetstream::new(client).get_stream(STREAM).await,
@@ -677,13 +664,61 @@ async fn redeliveries(nats_url: &str, messages: u64) -> BTreeMap<String, u64> {
     counts
 }
 
-/// Counters shared by the load's clients.
+/// Counters shared by the load's clients, and the flag that stops them early.
 #[derive(Debug, Default, Clone)]
-struct Load {
-    commands: Arc<AtomicU64>,
-    retries: Arc<AtomicU64>,
-    refused: Arc<AtomicU64>,
-    abandoned: Arc<AtomicU64>,
+pub(crate) struct Load {
+    pub(crate) commands: Arc<AtomicU64>,
+    pub(crate) retries: Arc<AtomicU64>,
+    pub(crate) refused: Arc<AtomicU64>,
+    pub(crate) abandoned: Arc<AtomicU64>,
+    /// Set to end the load before its deadline; each client finishes its command first.
+    pub(crate) stop: Arc<AtomicBool>,
+}
+
+impl Load {
+    /// Starts [`CLIENTS`] clients seeded from `seed` that send commands until `until` (or
+    /// [`Load::stop`]); with `rate` (commands per second over all clients) each client paces
+    /// itself, without it each sends its next command as soon as the last is answered.
+    pub(crate) fn spawn_clients(
+        &self,
+        seed: u64,
+        urls: &Urls,
+        until: Instant,
+        rate: Option<f64>,
+    ) -> Result<Vec<JoinHandle<()>>, RunError> {
+        let http = reqwest::Client::builder()
+            .timeout(REQUEST_TIMEOUT)
+            .connect_timeout(Duration::from_secs(1))
+            .build()
+            .map_err(|e| RunError::Task(format!("http client: {e}")))?;
+        // A rate that is not positive and finite means no pacing (validated by the callers).
+        let pace = rate
+            .filter(|r| r.is_finite() && *r > 0.0)
+            .map(|r| Duration::from_secs_f64(CLIENTS as f64 / r));
+        let mut clients = Vec::new();
+        for worker in 0..CLIENTS {
+            let client = Client {
+                http: http.clone(),
+                base: urls.service.clone(),
+                rng: StdRng::seed_from_u64(seed ^ (worker + 1).wrapping_mul(0x9E37_79B9)),
+                keys: format!("chaos-{seed}-{worker}"),
+                sent: 0,
+                open: Vec::new(),
+                closed: Vec::new(),
+                load: self.clone(),
+            };
+            clients.push(tokio::spawn(client.send_until(until, pace)));
+        }
+        Ok(clients)
+    }
+
+    /// Waits for the clients of [`Load::spawn_clients`] to end.
+    pub(crate) async fn join(&self, clients: Vec<JoinHandle<()>>) -> Result<(), RunError> {
+        for handle in clients {
+            handle.await.map_err(|e| RunError::Task(e.to_string()))?;
+        }
+        Ok(())
+    }
 }
 
 /// One client of the order service, with its own seeded generator and keys.
@@ -716,8 +751,19 @@ impl Client {
     /// Sends commands one after another until `until`: creates orders of 1 to 3 lines, adds
     /// lines to its open orders and cancels some, several commands per order; now and then a
     /// line for a cancelled order, which the service refuses.
-    async fn send_until(mut self, until: Instant) {
-        while Instant::now() < until {
+    ///
+    /// With `pace`, a command starts at most every `pace` (a late one starts at once, and the
+    /// ones after it keep the pace from there rather than catching up in a burst).
+    async fn send_until(mut self, until: Instant, pace: Option<Duration>) {
+        let mut ticks = pace.map(|pace| {
+            let mut ticks = tokio::time::interval(pace);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks
+        });
+        while Instant::now() < until && !self.load.stop.load(Ordering::Relaxed) {
+            if let Some(ticks) = ticks.as_mut() {
+                ticks.tick().await;
+            }
             let roll: f64 = self.rng.random();
             if !self.closed.is_empty() && roll < 0.03 {
                 // A refused command: it must leave no event (invariant 2).
@@ -805,21 +851,23 @@ impl Client {
 }
 
 /// Where the run's pieces are reached.
-struct Urls {
-    orders: String,
-    inventory: String,
-    payments: String,
-    provider_db: String,
-    nats: String,
+pub(crate) struct Urls {
+    /// The private server's `postgres` database, for server-wide statistics.
+    pub(crate) admin: String,
+    pub(crate) orders: String,
+    pub(crate) inventory: String,
+    pub(crate) payments: String,
+    pub(crate) provider_db: String,
+    pub(crate) nats: String,
     /// The order service's base URL (a fixed port, kept across restarts).
-    service: String,
+    pub(crate) service: String,
     /// The payment provider's base URL (a fixed port, kept across restarts).
-    provider: String,
+    pub(crate) provider: String,
 }
 
 /// What the supervisor is to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
+pub(crate) enum Phase {
     /// Follow the fault schedule, restart what is down.
     Faults,
     /// No more faults: restart everything down now, keep it running.
@@ -829,11 +877,12 @@ enum Phase {
 }
 
 /// One child process of the run and how to start it again.
-struct Proc {
-    kind: Kind,
-    instance: usize,
+pub(crate) struct Proc {
+    pub(crate) kind: Kind,
+    pub(crate) instance: usize,
     program: PathBuf,
-    args: Vec<String>,
+    /// Its arguments; the backlog drill adds to the relays'.
+    pub(crate) args: Vec<String>,
     env: Vec<(&'static str, String)>,
     log: Option<PathBuf>,
     child: Option<Child>,
@@ -888,8 +937,8 @@ fn append(path: &Path) -> io::Result<File> {
 }
 
 /// The run's child processes, not yet started.
-fn processes(config: &RunConfig, urls: &Urls) -> Vec<Proc> {
-    let bin = |name: &str| config.bin_dir.join(name);
+fn processes(bin_dir: &Path, log_dir: Option<&Path>, urls: &Urls) -> Vec<Proc> {
+    let bin = |name: &str| bin_dir.join(name);
     let proc = |kind: Kind,
                 instance: usize,
                 program: &str,
@@ -900,10 +949,7 @@ fn processes(config: &RunConfig, urls: &Urls) -> Vec<Proc> {
         program: bin(program),
         args,
         env,
-        log: config
-            .log_dir
-            .as_ref()
-            .map(|dir| dir.join(format!("{}-{instance}.log", kind.name()))),
+        log: log_dir.map(|dir| dir.join(format!("{}-{instance}.log", kind.name()))),
         child: None,
         back_at: None,
     };
@@ -1008,20 +1054,23 @@ fn processes(config: &RunConfig, urls: &Urls) -> Vec<Proc> {
 
 /// The servers and child processes of the run; dropping it kills the children
 /// (`kill_on_drop`) and stops the servers.
-struct World {
+pub(crate) struct World {
     postgres: Option<PrivatePostgres>,
     nats: Option<NatsServer>,
     postgres_back_at: Option<Instant>,
     nats_back_at: Option<Instant>,
-    procs: Vec<Proc>,
-    kills: BTreeMap<Kind, u64>,
-    exits: BTreeMap<Kind, u64>,
+    /// The child processes, started or not.
+    pub(crate) procs: Vec<Proc>,
+    /// SIGKILLs sent, per kind.
+    pub(crate) kills: BTreeMap<Kind, u64>,
+    /// Children that exited on their own, per kind.
+    pub(crate) exits: BTreeMap<Kind, u64>,
 }
 
 impl World {
     /// Starts the children in dependency order: the order service (it migrates the outbox),
     /// the relays (they create the stream), the provider, then the consumers.
-    async fn start_up(&mut self, urls: &Urls) -> Result<(), RunError> {
+    pub(crate) async fn start_up(&mut self, urls: &Urls) -> Result<(), RunError> {
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(2))
             .build()
@@ -1051,6 +1100,22 @@ impl World {
         self.start_kind(Kind::Inventory)?;
         self.start_kind(Kind::Payments)?;
         Ok(())
+    }
+
+    /// SIGKILLs sent, per kind by name, every kind listed.
+    pub(crate) fn kill_counts(&self) -> BTreeMap<String, u64> {
+        Kind::ALL
+            .iter()
+            .map(|k| (k.name().to_owned(), self.kills.get(k).copied().unwrap_or(0)))
+            .collect()
+    }
+
+    /// Children that exited on their own, per kind by name.
+    pub(crate) fn exit_counts(&self) -> BTreeMap<String, u64> {
+        self.exits
+            .iter()
+            .map(|(k, n)| (k.name().to_owned(), *n))
+            .collect()
     }
 
     fn start_kind(&mut self, kind: Kind) -> Result<(), RunError> {
@@ -1095,7 +1160,7 @@ impl World {
 
     /// Follows `faults` (times from `started`) while the phase is [`Phase::Faults`], restarts
     /// whatever is down when due, and returns itself when told to stop.
-    async fn supervise(
+    pub(crate) async fn supervise(
         mut self,
         faults: Vec<Fault>,
         started: Instant,
@@ -1271,7 +1336,7 @@ impl World {
     }
 
     /// Kills the children, then stops the servers.
-    async fn tear_down(mut self) {
+    pub(crate) async fn tear_down(mut self) {
         for proc in &mut self.procs {
             if let Some(mut child) = proc.child.take() {
                 let _ = child.kill().await;
@@ -1289,7 +1354,7 @@ impl World {
 }
 
 /// Runs blocking `work` (the servers' helpers wait for processes) off the async threads.
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, RunError> {
     tokio::task::spawn_blocking(work)
@@ -1297,7 +1362,7 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| RunError::Task(e.to_string()))
 }
 
-async fn connect(url: &str) -> Result<PgPool, sqlx::Error> {
+pub(crate) async fn connect(url: &str) -> Result<PgPool, sqlx::Error> {
     PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(Duration::from_secs(5))
@@ -1307,7 +1372,7 @@ async fn connect(url: &str) -> Result<PgPool, sqlx::Error> {
 
 /// A loopback port that was free a moment ago, for a service that must keep its port across
 /// restarts.
-fn free_port() -> Result<u16, RunError> {
+pub(crate) fn free_port() -> Result<u16, RunError> {
     let spawn = |source| RunError::Spawn {
         what: "a free port".into(),
         source,
