@@ -14,6 +14,10 @@
 //! 5. each consumer applied each event exactly once (`missing_effect`, `double_effect`,
 //!    `phantom_effect`, `sequence_mismatch`).
 //!
+//! An event an operator skipped (`handoff quarantine skip`) is delivered as a skip marker: it is
+//! in the stream and in each consumer's inbox like any event, but its business effect must be
+//! absent (`skipped_applied` when it is not); [`Report::skipped`] counts them.
+//!
 //! # Examples
 //!
 //! ```no_run
@@ -116,6 +120,9 @@ pub enum ViolationKind {
     PhantomEffect,
     /// A consumer's last applied sequence differs from the aggregate's last sequence.
     SequenceMismatch,
+    /// An event an operator skipped went out with its payload, or a consumer holds its
+    /// business effect: a skip must leave no effect.
+    SkippedApplied,
 }
 
 /// One counter-example: what is wrong, and the ids and sequences involved.
@@ -179,6 +186,8 @@ pub struct ConsumerCounts {
     pub inbox: u64,
     /// Business effect rows (stock SKUs, payments).
     pub effects: u64,
+    /// Inbox rows of events an operator skipped: recorded, deliberately not applied.
+    pub skipped: u64,
 }
 
 /// What [`check`] found.
@@ -194,6 +203,9 @@ pub struct Report {
     pub stream_messages: u64,
     /// Further copies of an event already in the stream (replays, second publishes).
     pub duplicates_absorbed: u64,
+    /// Outbox events an operator skipped (`handoff quarantine skip`): delivered as skip
+    /// markers, their business effect expected to be absent.
+    pub skipped: u64,
     /// Per consumer checked, its counts.
     pub effects: BTreeMap<String, ConsumerCounts>,
     /// Every violation found; empty when all holds.
@@ -232,6 +244,9 @@ struct Intent {
     payload: serde_json::Value,
     /// Held by an operator (`handoff quarantine`): not published on purpose.
     quarantined: bool,
+    /// Skipped by an operator (`handoff quarantine skip`): published as a skip marker, never
+    /// to be applied.
+    skipped: bool,
 }
 
 /// Reads everything and checks every invariant.
@@ -251,6 +266,7 @@ pub async fn check(config: &CheckConfig) -> Result<Report, CheckError> {
     report.orders = world.versions.len() as u64;
     report.mutations = world.mutations.len() as u64;
     report.intents = world.all.len() as u64;
+    report.skipped = world.all.iter().filter(|i| i.skipped).count() as u64;
     report.stream_messages = messages.len() as u64;
     let mut violations = Vec::new();
     world.check_intents(&mut violations);
@@ -343,11 +359,12 @@ impl World {
         // the stream and the consumers. Rows cleanup deleted outright cannot be checked.
         let all = sqlx::query_as::<_, Intent>(
             "SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
-                    schema_version, payload, quarantined_at IS NOT NULL AS quarantined
+                    schema_version, payload, quarantined_at IS NOT NULL AS quarantined,
+                    skip_reason IS NOT NULL AS skipped
              FROM outbox
              UNION ALL
              SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
-                    schema_version, payload, false
+                    schema_version, payload, false, skip_reason IS NOT NULL
              FROM outbox_archive
              ORDER BY aggregate_type, aggregate_id, aggregate_sequence",
         )
@@ -459,6 +476,24 @@ impl World {
                 violations.push(v);
                 continue;
             };
+            if intent.skipped && !message.skipped {
+                violations.push(Violation {
+                    stream_sequences: vec![message.stream_sequence],
+                    ..Violation::new(
+                        ViolationKind::SkippedApplied,
+                        format!(
+                            "event {} of {} {} was skipped by an operator, but stream message \
+                             {} carries it without the skip marker",
+                            intent.aggregate_sequence,
+                            intent.aggregate_type,
+                            intent.aggregate_id,
+                            message.stream_sequence
+                        ),
+                    )
+                    .aggregate(&intent.aggregate_id)
+                    .events(&[intent.event_id], &[intent.aggregate_sequence])
+                });
+            }
             if !seen.insert(intent.event_id) {
                 duplicates += 1;
                 continue;
@@ -537,7 +572,7 @@ impl World {
         pool: &PgPool,
         consumer: &str,
         violations: &mut Vec<Violation>,
-    ) -> Result<u64, CheckError> {
+    ) -> Result<(u64, u64), CheckError> {
         let processed: Vec<Uuid> =
             sqlx::query_scalar("SELECT event_id FROM processed_events WHERE consumer_name = $1")
                 .bind(consumer)
@@ -620,7 +655,14 @@ impl World {
                 );
             }
         }
-        Ok(processed.len() as u64)
+        // A skipped event is in the inbox like any other (the consumer recorded its marker);
+        // only its business effect is absent, which the effect checks verify.
+        let skipped = self
+            .intents
+            .iter()
+            .filter(|i| i.skipped && processed_set.contains(&i.event_id))
+            .count() as u64;
+        Ok((processed.len() as u64, skipped))
     }
 
     /// Inventory: the inbox, and `stock.reserved` per SKU equal to what the events imply.
@@ -629,9 +671,10 @@ impl World {
         pool: &PgPool,
         violations: &mut Vec<Violation>,
     ) -> Result<ConsumerCounts, CheckError> {
-        let inbox = self.check_inbox(pool, INVENTORY, violations).await?;
+        let (inbox, skipped) = self.check_inbox(pool, INVENTORY, violations).await?;
         let mut expected: BTreeMap<String, i64> = BTreeMap::new();
-        for intent in &self.intents {
+        // A skipped event changes no stock: the consumer recorded its marker, never its lines.
+        for intent in self.intents.iter().filter(|i| !i.skipped) {
             let event = ReceivedEvent {
                 event_id: intent.event_id,
                 aggregate_type: ORDER.to_owned(),
@@ -663,7 +706,11 @@ impl World {
         for (sku, got) in actual {
             effect_amount(violations, INVENTORY, &sku, got, 0);
         }
-        Ok(ConsumerCounts { inbox, effects })
+        Ok(ConsumerCounts {
+            inbox,
+            effects,
+            skipped,
+        })
     }
 
     /// Payments: the inbox, and one payment per order that was created.
@@ -672,7 +719,7 @@ impl World {
         pool: &PgPool,
         violations: &mut Vec<Violation>,
     ) -> Result<ConsumerCounts, CheckError> {
-        let inbox = self.check_inbox(pool, PAYMENTS, violations).await?;
+        let (inbox, skipped) = self.check_inbox(pool, PAYMENTS, violations).await?;
         let rows: Vec<(Uuid,)> = sqlx::query_as("SELECT order_id FROM payments")
             .fetch_all(pool)
             .await?;
@@ -681,6 +728,7 @@ impl World {
         Ok(ConsumerCounts {
             inbox,
             effects: ids.len() as u64,
+            skipped,
         })
     }
 
@@ -715,10 +763,12 @@ impl World {
         for intent in self.intents.iter().filter(|i| i.aggregate_sequence == 1) {
             let id = intent.aggregate_id.as_str();
             let n = counts.remove(id).unwrap_or(0);
-            let kind = match n {
-                1 => continue,
-                0 => ViolationKind::MissingEffect,
-                _ => ViolationKind::DoubleEffect,
+            // An order whose creation an operator skipped is never charged.
+            let kind = match (intent.skipped, n) {
+                (true, 0) | (false, 1) => continue,
+                (true, _) => ViolationKind::SkippedApplied,
+                (false, 0) => ViolationKind::MissingEffect,
+                (false, _) => ViolationKind::DoubleEffect,
             };
             violations.push(
                 Violation::new(kind, format!("order {id} has {n} {what}(s) at {consumer}"))

@@ -25,6 +25,9 @@ pub struct StreamMessage {
     pub sequence: Option<i64>,
     /// Whether `Handoff-Replay` is set (an operator's replay).
     pub replayed: bool,
+    /// Whether `Handoff-Skipped` is set: a skip marker in place of an event an operator
+    /// skipped.
+    pub skipped: bool,
 }
 
 /// Every message of `stream` whose subject starts with `subject_prefix` followed by `.` (all of
@@ -88,6 +91,7 @@ pub async fn read_stream(
                 event_id: header("ce-id").and_then(|v| Uuid::parse_str(&v).ok()),
                 sequence: header("Handoff-Sequence").and_then(|v| v.parse().ok()),
                 replayed: header("Handoff-Replay").is_some(),
+                skipped: header(handoff_core::intake::SKIPPED_HEADER).is_some(),
                 subject,
             });
         }

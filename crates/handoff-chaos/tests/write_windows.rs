@@ -7,31 +7,13 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-use common::{count, drain_outbox, poll, DEADLINE};
+use common::{count, drain_outbox, poll, sibling, DEADLINE};
 use handoff_chaos::{check, CheckConfig};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::TestDb;
 use serde_json::json;
-
-/// A binary of the workspace, next to this test's own directory (`target/<profile>/`).
-fn sibling(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's path");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>/deps");
-    let path = dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build the workspace with its features first \
-         (cargo nextest run --workspace --all-features does)",
-        path.display()
-    );
-    path
-}
 
 /// The `order-service` process; its stderr goes to a file the test reads.
 struct Service {

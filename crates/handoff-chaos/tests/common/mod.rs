@@ -1,8 +1,12 @@
-//! What the checker's tests share: waiting for a condition, counting rows, and running the
-//! relay library until the outbox is drained.
+//! What the checker's tests share: waiting for a condition, counting rows, running the relay
+//! library until the outbox is drained, finding the workspace's binaries and running them as
+//! child processes.
 
 #![allow(dead_code)] // each test binary uses a part
 
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -76,4 +80,108 @@ pub async fn drain_outbox(pool: &PgPool, stream: &str) {
     .await;
     let _ = stop.send(());
     run.await.unwrap();
+}
+
+/// A binary of the workspace, next to this test's own directory (`target/<profile>/`).
+pub fn sibling(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace with its features first \
+         (cargo nextest run --workspace --all-features does)",
+        path.display()
+    );
+    path
+}
+
+/// A workspace binary running as a child process: stdout piped (for the one line a server
+/// prints when it is ready), stderr into a file the test can read, killed when dropped.
+pub struct Process {
+    label: String,
+    child: Child,
+    log: tempfile::NamedTempFile,
+}
+
+impl Process {
+    /// Starts the binary `program` with `args` and `env` (and `RUST_LOG=info`, no `HANDOFF_*`
+    /// or `FAILPOINTS` from the test's own environment).
+    pub fn start(label: &str, program: &str, args: &[&str], env: &[(&str, String)]) -> Self {
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let mut command = Command::new(sibling(program));
+        command
+            .args(args)
+            .env("RUST_LOG", "info,sqlx=warn,async_nats=warn")
+            .env("NO_COLOR", "1")
+            .env_remove("FAILPOINTS")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log.reopen().unwrap());
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("HANDOFF_") {
+                command.env_remove(name);
+            }
+        }
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {label}: {e}"));
+        Self {
+            label: label.to_owned(),
+            child,
+            log,
+        }
+    }
+
+    /// The address in the `listening on ADDR` line a server prints on stdout when it is ready.
+    pub fn listening_on(&mut self) -> String {
+        let mut line = String::new();
+        BufReader::new(self.child.stdout.take().expect("stdout read once"))
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("{} printed {line:?}; its log:\n{}", self.label, self.log()));
+        addr.to_owned()
+    }
+
+    /// Whether it is still running.
+    pub fn running(&self) -> bool {
+        // try_wait needs `&mut`; the pid's /proc entry answers without reaping it.
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()));
+        stat.is_ok_and(|s| !s.contains(") Z "))
+    }
+
+    /// Its stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM (a graceful stop, as a rollout does) and waits for the exit.
+    pub fn terminate(mut self) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(sent.success(), "kill -TERM {pid}");
+        let status = self.child.wait().unwrap();
+        assert!(
+            status.success(),
+            "{} exited with {status} on SIGTERM; its log:\n{}",
+            self.label,
+            self.log()
+        );
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
