@@ -199,12 +199,13 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     } else {
         println!(
             "orders {}, mutations {}, intents {}, stream messages {}, duplicates absorbed {}, \
-             violations {}",
+             skipped by an operator {}, violations {}",
             report.orders,
             report.mutations,
             report.intents,
             report.stream_messages,
             report.duplicates_absorbed,
+            report.skipped,
             report.violations.len()
         );
         if let Some(first) = &report.first_violation {
