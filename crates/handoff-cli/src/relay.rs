@@ -74,6 +74,15 @@ pub struct RelayArgs {
     /// handoff_outbox_stuck_aggregates [default: 60s].
     #[arg(long, env = "HANDOFF_STUCK_AFTER", value_parser = humantime::parse_duration)]
     stuck_after: Option<Duration>,
+    /// Longest a database operation may take; past it the operation is retried on a new
+    /// connection (a silent, dead connection never fails by itself) [default: 10s].
+    #[arg(long, env = "HANDOFF_QUERY_TIMEOUT", value_parser = humantime::parse_duration)]
+    query_timeout: Option<Duration>,
+    /// How often the relay pings NATS; a connection without an answer to two pings in a row
+    /// is dropped and reconnected, so a silent one is found within about three intervals
+    /// [default: 5s].
+    #[arg(long, env = "HANDOFF_NATS_PING_INTERVAL", value_parser = humantime::parse_duration)]
+    nats_ping_interval: Option<Duration>,
 }
 
 /// The config file: the same settings as the flags.
@@ -101,6 +110,10 @@ struct RelayFile {
     ce_source: Option<String>,
     #[serde(default, with = "humantime_serde")]
     stuck_after: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    query_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    nats_ping_interval: Option<Duration>,
 }
 
 /// Everything the relay runs with, checked.
@@ -151,6 +164,10 @@ impl Settings {
                 .or(file.publish_timeout)
                 .unwrap_or(defaults.publish_timeout),
             source: args.ce_source.or(file.ce_source).unwrap_or(defaults.source),
+            ping_interval: args
+                .nats_ping_interval
+                .or(file.nats_ping_interval)
+                .unwrap_or(defaults.ping_interval),
         };
         jetstream.validate()?;
         let base = RelayConfig::default();
@@ -200,6 +217,10 @@ impl Settings {
                 .stuck_after
                 .or(file.stuck_after)
                 .unwrap_or(Duration::from_secs(60)),
+            query_timeout: args
+                .query_timeout
+                .or(file.query_timeout)
+                .unwrap_or(Duration::from_secs(10)),
             ..PollingConfig::default()
         };
         polling.validate()?;

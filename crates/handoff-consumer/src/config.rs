@@ -117,6 +117,18 @@ pub struct ConsumerConfig {
     pub progress_interval: Duration,
     /// At shutdown, how long events being applied may take to finish. Default 10 s.
     pub shutdown_grace: Duration,
+    /// Longest one delivery may take from `BEGIN` to its settlement, handler included. Past
+    /// it the work is abandoned: the transaction's connection is dropped (so it rolls back)
+    /// and the delivery is left unsettled, so the broker delivers it again after its ack wait
+    /// (a commit that did land makes that a duplicate the inbox absorbs).
+    ///
+    /// This is what frees a consumer whose database connection went silent (a partition, a
+    /// failover): such a connection never fails by itself, and the in-progress signals would
+    /// otherwise keep the event, and its aggregate's lane, waiting forever. Build the pool with
+    /// [`bounded_release`](handoff_postgres::bounded_release) as well, so the abandoned connection is closed
+    /// instead of held by the pool's release check. Longer than the slowest handler, outside
+    /// calls included. Default 60 s.
+    pub apply_timeout: Duration,
 }
 
 impl Default for ConsumerConfig {
@@ -135,6 +147,7 @@ impl Default for ConsumerConfig {
             replay_horizon: Duration::from_secs(7 * 86_400),
             progress_interval: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(10),
+            apply_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -168,6 +181,9 @@ pub enum ConfigError {
     /// `progress_interval` is 0.
     #[error("progress interval must be above zero")]
     NoProgressInterval,
+    /// `apply_timeout` is 0.
+    #[error("apply timeout must be above zero")]
+    NoApplyTimeout,
     /// A backoff starts at zero or ends below its start.
     #[error("invalid retry backoff {0:?}: it must start above zero and end at or above its start")]
     InvalidBackoff(Backoff),
@@ -196,6 +212,9 @@ impl ConsumerConfig {
         }
         if self.max_deliveries == 0 {
             return Err(ConfigError::NoDeliveries);
+        }
+        if self.apply_timeout.is_zero() {
+            return Err(ConfigError::NoApplyTimeout);
         }
         if self.progress_interval.is_zero() {
             return Err(ConfigError::NoProgressInterval);
@@ -296,6 +315,10 @@ mod tests {
             },
             ConsumerConfig {
                 name: "a.b".into(),
+                ..named()
+            },
+            ConsumerConfig {
+                apply_timeout: Duration::ZERO,
                 ..named()
             },
         ];

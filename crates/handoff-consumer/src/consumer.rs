@@ -309,7 +309,18 @@ impl<H: Handler> Shared<H> {
                         return;
                     };
                     let event_id = item.event.event_id;
-                    let step = AssertUnwindSafe(self.process(item)).catch_unwind().await;
+                    let work = AssertUnwindSafe(self.process(item)).catch_unwind();
+                    let Ok(step) = tokio::time::timeout(self.config.apply_timeout, work).await
+                    else {
+                        // Most likely a database connection that went silent: dropping the
+                        // work drops its transaction (rolled back with the connection) and the
+                        // delivery unsettled, so the broker delivers the event again.
+                        warn!(%event_id, timeout = ?self.config.apply_timeout,
+                            "applying the event took longer than the apply timeout; abandoned, \
+                             it will be delivered again");
+                        self.metrics.abandoned.increment(1);
+                        continue;
+                    };
                     match step {
                         Ok(Step::Applied(sequence)) => {
                             self.release_successor(lanes, &key, sequence)

@@ -10,6 +10,7 @@
 //! | `handoff_consumer_stale_total` | counter | new event ids at an already applied place (sequence <= last) |
 //! | `handoff_consumer_skipped_total` | counter | events recorded as processed without applying (stale, a reconcile skip, or an operator's skip marker) |
 //! | `handoff_consumer_retries_total` | counter | deliveries handed back for a later redelivery |
+//! | `handoff_consumer_abandoned_total` | counter | deliveries abandoned after the apply timeout (left for a redelivery) |
 //! | `handoff_consumer_handler_errors_total{kind}` | counter | handler failures, `retryable` or `permanent` |
 //! | `handoff_consumer_quarantined_total{reason}` | counter | events put in the consumer quarantine |
 //! | `handoff_consumer_buffered_events` | gauge | events held by the buffer gap policy |
@@ -28,6 +29,7 @@ pub(crate) struct ConsumerMetrics {
     pub(crate) stale: Counter,
     pub(crate) skipped: Counter,
     pub(crate) retries: Counter,
+    pub(crate) abandoned: Counter,
     pub(crate) buffered: Gauge,
     pub(crate) apply_seconds: Histogram,
 }
@@ -53,6 +55,10 @@ impl ConsumerMetrics {
             ),
             retries: counter!(
                 "handoff_consumer_retries_total",
+                std::slice::from_ref(&label)
+            ),
+            abandoned: counter!(
+                "handoff_consumer_abandoned_total",
                 std::slice::from_ref(&label)
             ),
             buffered: gauge!(

@@ -46,6 +46,13 @@ pub struct JetStreamConfig {
     /// The CloudEvents `ce-source` header of every event: which system produced it. Non-empty,
     /// without CR, LF or NUL. Default: `"handoff"`.
     pub source: String,
+    /// How often the client pings the server. The client drops a connection that left two
+    /// pings in a row unanswered and reconnects, so a connection that went silent (a partition,
+    /// a failover, a NAT that forgot it) is found within about three intervals; without pings
+    /// nothing tells it, and publishes time out until then. The NATS client's own default is
+    /// 60 s, which would leave a relay or consumer stalled for about three minutes. Default:
+    /// 10 seconds.
+    pub ping_interval: Duration,
 }
 
 impl Default for JetStreamConfig {
@@ -56,6 +63,7 @@ impl Default for JetStreamConfig {
             duplicate_window: Duration::from_secs(120),
             publish_timeout: Duration::from_secs(5),
             source: "handoff".to_owned(),
+            ping_interval: Duration::from_secs(10),
         }
     }
 }
@@ -120,6 +128,9 @@ impl JetStreamConfig {
         }
         if self.publish_timeout.is_zero() {
             return Err(ConfigError::ZeroDuration("publish_timeout"));
+        }
+        if self.ping_interval.is_zero() {
+            return Err(ConfigError::ZeroDuration("ping_interval"));
         }
         let invalid_source = |reason| ConfigError::InvalidSource {
             value: self.source.clone(),
@@ -284,6 +295,14 @@ mod tests {
         assert_eq!(
             config.validate().unwrap_err().to_string(),
             "publish_timeout must be greater than zero"
+        );
+        let config = JetStreamConfig {
+            ping_interval: Duration::ZERO,
+            ..JetStreamConfig::default()
+        };
+        assert_eq!(
+            config.validate(),
+            Err(ConfigError::ZeroDuration("ping_interval"))
         );
     }
 

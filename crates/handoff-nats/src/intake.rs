@@ -51,6 +51,9 @@ pub struct IntakeConfig {
     pub max_ack_pending: i64,
     /// Messages asked for per pull request. Default 256.
     pub batch: usize,
+    /// How often the client pings the server, to find a silent connection; see
+    /// [`JetStreamConfig::ping_interval`]. Default 10 s.
+    pub ping_interval: Duration,
 }
 
 impl Default for IntakeConfig {
@@ -63,6 +66,7 @@ impl Default for IntakeConfig {
             ack_wait: Duration::from_secs(30),
             max_ack_pending: 1000,
             batch: 256,
+            ping_interval: Duration::from_secs(10),
         }
     }
 }
@@ -159,6 +163,7 @@ impl JetStreamIntake {
             JetStreamConfig {
                 stream: config.stream.clone(),
                 subject_prefix: config.subject_prefix.clone(),
+                ping_interval: config.ping_interval,
                 ..JetStreamConfig::default()
             },
         )

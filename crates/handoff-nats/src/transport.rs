@@ -140,6 +140,8 @@ impl JetStreamTransport {
             // The default already, stated because the relay depends on it: a relay must outlive
             // any broker outage instead of ending up with a dead client.
             .max_reconnects(None::<usize>)
+            // A silent connection is only found by unanswered pings.
+            .ping_interval(config.ping_interval)
             .connect(urls.servers)
             .await
             .map_err(|source| connect_error(source, urls.shown))?;

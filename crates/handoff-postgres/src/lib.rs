@@ -20,6 +20,9 @@
 //! - [`RetainedEvents`] reads published rows back page by page, each aggregate in sequence
 //!   order, for replays and for reconciling the broker with the outbox (brief O3).
 //!
+//! - [`bounded_release`]: pool options that close a connection whose server went silent instead
+//!   of letting it hold a pool slot.
+//!
 //! The relay loop, consumers and operator commands build on the same tables in their own crates.
 //!
 //! # Examples
@@ -52,6 +55,7 @@ mod cleanup;
 mod inbox;
 mod migrate;
 mod outbox;
+mod pool;
 mod quarantine;
 mod retained;
 mod schema;
@@ -72,6 +76,7 @@ pub use migrate::{
 pub use outbox::{
     DriverError, EnqueueCall, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig,
 };
+pub use pool::bounded_release;
 pub use quarantine::{
     ActionRecord, EventDetail, EventState, Quarantine, QuarantineAction, QuarantineError,
     QuarantineErrorKind, QuarantinedEvent, MAX_ACTOR_BYTES, MAX_SKIP_REASON_BYTES,

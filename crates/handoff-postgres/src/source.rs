@@ -4,9 +4,11 @@ use std::time::{Duration, Instant, SystemTime};
 
 use handoff_core::delivery::{Claim, Failure, OutboxEvent, Source, SourceError};
 use handoff_core::EventId;
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgListener, PgPool, PgRow};
-use sqlx::Row;
+use sqlx::{Postgres, Row};
 use tokio::sync::Mutex;
+use tokio::time::error::Elapsed;
 
 use crate::Schema;
 
@@ -49,6 +51,16 @@ pub struct PollingConfig {
     /// [`Backlog::stuck_aggregates`]: one key stalled behind a poison event shows even while the
     /// totals look healthy.
     pub stuck_after: Duration,
+    /// How long one database operation (taking a connection included) may take before it
+    /// fails and its connection is closed instead of going back to the pool.
+    ///
+    /// A connection whose server went silent (a partition, a failover, a NAT that forgot the
+    /// connection) never fails by itself: without this bound a claim on it waits forever and
+    /// the relay stops. On expiry the operation fails like any database error (the relay
+    /// retries with backoff) and the connection is closed, not pinged back into the pool, where
+    /// the ping would hang as well and hold a pool slot for good. Well above the slowest claim
+    /// of a batch; at least 100 ms. Default: 10 seconds.
+    pub query_timeout: Duration,
 }
 
 impl Default for PollingConfig {
@@ -60,6 +72,7 @@ impl Default for PollingConfig {
             wait_ttl: Duration::from_secs(60),
             listen: true,
             stuck_after: Duration::from_secs(60),
+            query_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -77,6 +90,9 @@ pub enum PollingConfigError {
     /// The wait registration lives shorter than a second.
     #[error("wait ttl of {0:?} is too short: at least 1s")]
     WaitTtlTooShort(Duration),
+    /// The query timeout is shorter than 100 ms.
+    #[error("query timeout of {0:?} is too short: at least 100ms")]
+    QueryTimeoutTooShort(Duration),
 }
 
 impl PollingConfig {
@@ -105,6 +121,9 @@ impl PollingConfig {
         }
         if self.wait_ttl < Duration::from_secs(1) {
             return Err(PollingConfigError::WaitTtlTooShort(self.wait_ttl));
+        }
+        if self.query_timeout < Duration::from_millis(100) {
+            return Err(PollingConfigError::QueryTimeoutTooShort(self.query_timeout));
         }
         Ok(())
     }
@@ -216,13 +235,7 @@ impl PollingSource {
     /// The database could not be reached; the registration then expires after `wait_ttl`.
     pub async fn unregister(&self) -> Result<(), SourceError> {
         let mut wake = self.wake.lock().await;
-        sqlx::query(&self.sql.unwait)
-            .bind(&self.config.relay_id)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| SourceError::new("while unregistering the wait", e))?;
-        wake.registered_until = None;
-        Ok(())
+        self.unwait(&mut wake).await
     }
 
     /// Reads the backlog's size and age.
@@ -231,12 +244,63 @@ impl PollingSource {
     ///
     /// The database could not be reached.
     pub async fn backlog(&self) -> Result<Backlog, SourceError> {
-        let row = sqlx::query(&self.sql.backlog)
+        let what = "while reading the backlog";
+        let mut conn = self.connection(what).await?;
+        let query = sqlx::query(&self.sql.backlog)
             .bind(self.config.stuck_after.as_secs_f64())
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| SourceError::new("while reading the backlog", e))?;
+            .fetch_one(&mut *conn);
+        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+        let row = self.bounded(&mut conn, outcome, what)?;
         read_backlog(&row).map_err(|e| SourceError::new("while reading the backlog", e))
+    }
+
+    /// Stops the writers' notifications on this relay's account.
+    async fn unwait(&self, wake: &mut Wake) -> Result<(), SourceError> {
+        let what = "while unregistering the wait";
+        let mut conn = self.connection(what).await?;
+        let query = sqlx::query(&self.sql.unwait)
+            .bind(&self.config.relay_id)
+            .execute(&mut *conn);
+        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+        self.bounded(&mut conn, outcome, what)?;
+        wake.registered_until = None;
+        Ok(())
+    }
+
+    /// A pooled connection, taken within [`PollingConfig::query_timeout`].
+    async fn connection(&self, what: &str) -> Result<PoolConnection<Postgres>, SourceError> {
+        match tokio::time::timeout(self.config.query_timeout, self.pool.acquire()).await {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(SourceError::new(what, e)),
+            // sqlx drops a connection whose check was cut short, so a silent one goes too.
+            Err(_) => Err(SourceError::new(
+                what,
+                NoConnection(self.config.query_timeout),
+            )),
+        }
+    }
+
+    /// The outcome of an operation run on `conn` under [`PollingConfig::query_timeout`]; on
+    /// expiry the connection is marked to be closed when dropped.
+    fn bounded<T>(
+        &self,
+        conn: &mut PoolConnection<Postgres>,
+        outcome: Result<Result<T, sqlx::Error>, Elapsed>,
+        what: &str,
+    ) -> Result<T, SourceError> {
+        match outcome {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(SourceError::new(what, e)),
+            Err(_elapsed) => {
+                // Its state is unknown (the answer may still come, or never): closing it is
+                // the only safe end, and a ping on release could hang like the query did.
+                conn.close_on_drop();
+                Err(SourceError::new(
+                    what,
+                    QueryTimedOut(self.config.query_timeout),
+                ))
+            }
+        }
     }
 
     /// Whether a notification's payload concerns this source's outbox. With the default schema
@@ -245,6 +309,16 @@ impl PollingSource {
         self.config.schema.name().is_none_or(|name| name == payload)
     }
 }
+
+/// A database operation outlived [`PollingConfig::query_timeout`].
+#[derive(Debug, thiserror::Error)]
+#[error("no answer from PostgreSQL within {0:?} (query timeout); the connection is closed")]
+struct QueryTimedOut(Duration);
+
+/// No connection could be taken (or checked) within [`PollingConfig::query_timeout`].
+#[derive(Debug, thiserror::Error)]
+#[error("no usable connection within {0:?} (query timeout)")]
+struct NoConnection(Duration);
 
 /// Reads the row of `queries/backlog.sql`, for the relay's gauges and for `Status`.
 pub(crate) fn read_backlog(row: &PgRow) -> Result<Backlog, sqlx::Error> {
@@ -307,14 +381,17 @@ impl Source for PollingSource {
         // Planned afresh with the real batch size every time (an unnamed statement): after five
         // runs PostgreSQL may switch a prepared statement to its generic plan, which for this
         // query was measured at ~850 ms per 500-row claim instead of ~20 ms.
-        let rows = sqlx::query(&self.sql.claim)
+        let what = "while claiming";
+        let mut conn = self.connection(what).await?;
+        let query = sqlx::query(&self.sql.claim)
             .persistent(false)
             .bind(&self.config.relay_id)
             .bind(max)
             .bind(self.config.lease.as_secs_f64())
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| SourceError::new("while claiming", e))?;
+            .fetch_all(&mut *conn);
+        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+        let rows = self.bounded(&mut conn, outcome, what)?;
+        drop(conn);
         let events = rows
             .iter()
             .map(read_outbox_event)
@@ -326,12 +403,7 @@ impl Source for PollingSource {
         if events.len() as i64 == max {
             if let Ok(mut wake) = self.wake.try_lock() {
                 if wake.registered_until.is_some() {
-                    sqlx::query(&self.sql.unwait)
-                        .bind(&self.config.relay_id)
-                        .execute(&self.pool)
-                        .await
-                        .map_err(|e| SourceError::new("while unregistering the wait", e))?;
-                    wake.registered_until = None;
+                    self.unwait(&mut wake).await?;
                 }
             }
         }
@@ -347,11 +419,13 @@ impl Source for PollingSource {
     }
 
     async fn mark_published(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
-        sqlx::query(&self.sql.mark_published)
+        let what = "while marking events published";
+        let mut conn = self.connection(what).await?;
+        let query = sqlx::query(&self.sql.mark_published)
             .bind(event_ids)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| SourceError::new("while marking events published", e))?;
+            .execute(&mut *conn);
+        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+        self.bounded(&mut conn, outcome, what)?;
         Ok(())
     }
 
@@ -366,25 +440,29 @@ impl Source for PollingSource {
             })
             .collect();
         let charged: Vec<bool> = failures.iter().map(|f| f.counts_as_attempt).collect();
-        sqlx::query(&self.sql.record_failures)
+        let what = "while recording failed publishes";
+        let mut conn = self.connection(what).await?;
+        let query = sqlx::query(&self.sql.record_failures)
             .bind(&self.config.relay_id)
             .bind(ids)
             .bind(errors)
             .bind(delays)
             .bind(charged)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| SourceError::new("while recording failed publishes", e))?;
+            .execute(&mut *conn);
+        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+        self.bounded(&mut conn, outcome, what)?;
         Ok(())
     }
 
     async fn release(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
-        sqlx::query(&self.sql.release)
+        let what = "while releasing leases";
+        let mut conn = self.connection(what).await?;
+        let query = sqlx::query(&self.sql.release)
             .bind(&self.config.relay_id)
             .bind(event_ids)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| SourceError::new("while releasing leases", e))?;
+            .execute(&mut *conn);
+        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+        self.bounded(&mut conn, outcome, what)?;
         Ok(())
     }
 
@@ -395,13 +473,21 @@ impl Source for PollingSource {
         }
         let mut wake = self.wake.lock().await;
         if wake.listener.is_none() {
-            let mut listener = PgListener::connect_with(&self.pool)
-                .await
-                .map_err(|e| SourceError::new("while connecting the listener", e))?;
-            listener
-                .listen(WAKE_CHANNEL)
-                .await
-                .map_err(|e| SourceError::new("while listening", e))?;
+            let connect = async {
+                let mut listener = PgListener::connect_with(&self.pool).await?;
+                listener.listen(WAKE_CHANNEL).await?;
+                Ok::<_, sqlx::Error>(listener)
+            };
+            let listener = match tokio::time::timeout(self.config.query_timeout, connect).await {
+                Ok(Ok(listener)) => listener,
+                Ok(Err(e)) => return Err(SourceError::new("while listening", e)),
+                Err(_) => {
+                    return Err(SourceError::new(
+                        "while listening",
+                        QueryTimedOut(self.config.query_timeout),
+                    ))
+                }
+            };
             wake.listener = Some(listener);
             // Notifications sent before LISTEN took effect are gone: poll once more.
             return Ok(());
@@ -415,12 +501,14 @@ impl Source for PollingSource {
             .is_none_or(|until| until < deadline + at_most)
         {
             let fresh = wake.registered_until.is_none();
-            sqlx::query(&self.sql.wait)
+            let what = "while registering the wait";
+            let mut conn = self.connection(what).await?;
+            let query = sqlx::query(&self.sql.wait)
                 .bind(&self.config.relay_id)
                 .bind(self.config.wait_ttl.as_secs_f64())
-                .execute(&self.pool)
-                .await
-                .map_err(|e| SourceError::new("while registering the wait", e))?;
+                .execute(&mut *conn);
+            let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+            self.bounded(&mut conn, outcome, what)?;
             wake.registered_until = Some(now + self.config.wait_ttl);
             if fresh {
                 deadline = now + at_most.min(SETTLE);
@@ -467,6 +555,25 @@ mod tests {
             ]
         );
         assert!(header_pairs("[1, 2]").is_empty());
+    }
+
+    #[test]
+    fn the_query_timeout_is_at_least_100ms() {
+        let config = PollingConfig {
+            query_timeout: Duration::from_millis(99),
+            ..PollingConfig::default()
+        };
+        assert_eq!(
+            config.validate(),
+            Err(PollingConfigError::QueryTimeoutTooShort(
+                Duration::from_millis(99)
+            ))
+        );
+        let config = PollingConfig {
+            query_timeout: Duration::from_millis(100),
+            ..PollingConfig::default()
+        };
+        assert_eq!(config.validate(), Ok(()));
     }
 
     #[test]

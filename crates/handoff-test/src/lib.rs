@@ -6,6 +6,7 @@
 //! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
 //! - [`nats`]: the shared NATS server's URL, a private `nats-server` to stop and kill, and
 //!   reading a stream back.
+//! - [`proxy`]: a loopback TCP proxy with network faults (delay, cut, black hole, refusal).
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -16,6 +17,7 @@ use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 pub mod cluster;
 pub mod factory;
 pub mod nats;
+pub mod proxy;
 
 /// The server tests run against when `DATABASE_URL` is not set.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";

@@ -16,7 +16,9 @@ use std::time::Duration;
 use clap::Parser;
 use handoff_consumer::{ConfigError, Consumer, ConsumerConfig, GapPolicy, Handler};
 use handoff_nats::{IntakeConfig, IntakeConnectError, JetStreamIntake};
-use handoff_postgres::{Inbox, InboxError, MigrateError, Migration, Migrator, Schema, SchemaError};
+use handoff_postgres::{
+    bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, Schema, SchemaError,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 use tracing::{debug, info, warn};
@@ -36,6 +38,10 @@ const PURGE_BATCH: i64 = 5_000;
 
 /// Longest time a held event waits under `--gap-policy buffer`; shorter when the ack wait is.
 const MAX_BUFFER_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a connection handed back to the pool may take to answer its release check before
+/// it is closed (one abandoned on a silent server never answers).
+const RELEASE_CHECK: Duration = Duration::from_secs(5);
 
 /// Buckets of `handoff_consumer_apply_seconds`, in seconds.
 const APPLY_BUCKETS: &[f64] = &[
@@ -92,6 +98,20 @@ pub struct CommonArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
     #[arg(long, env = "HANDOFF_METRICS_ADDR", value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Longest one event may take to apply, handler included (e.g. 60s); past it the work is
+    /// abandoned (rolled back) and the event delivered again. Frees the consumer from a
+    /// database connection that went silent. Also the consumer's sessions'
+    /// `idle_in_transaction_session_timeout`, so the server ends a transaction left behind on
+    /// such a connection and releases its locks.
+    #[arg(long, env = "HANDOFF_APPLY_TIMEOUT", default_value = "60s",
+        value_parser = humantime::parse_duration)]
+    pub apply_timeout: Duration,
+    /// How often the NATS client pings the server: a connection that leaves two pings in a
+    /// row unanswered is dropped and reconnected, so a silent one is found within about three
+    /// intervals (e.g. 10s).
+    #[arg(long, env = "HANDOFF_NATS_PING_INTERVAL", default_value = "10s",
+        value_parser = humantime::parse_duration)]
+    pub nats_ping_interval: Duration,
     /// Schema of the consumer's tables (inbox and its own) [default: the connection's
     /// search_path].
     #[arg(long, env = "HANDOFF_SCHEMA")]
@@ -135,6 +155,7 @@ impl CommonArgs {
             replay_horizon: self.replay_horizon,
             // Three times per ack wait: a slow handler is never redelivered while it runs.
             progress_interval: (self.ack_wait / 3).max(std::time::Duration::from_millis(10)),
+            apply_timeout: self.apply_timeout,
             ..ConsumerConfig::default()
         })
     }
@@ -160,6 +181,7 @@ impl CommonArgs {
             durable_name: self.consumer_name.clone(),
             filter_subject: Some(format!("{}.{AGGREGATE_TYPE}.*", self.subject_prefix)),
             ack_wait: self.ack_wait,
+            ping_interval: self.nats_ping_interval,
             ..IntakeConfig::default()
         }
     }
@@ -374,15 +396,25 @@ where
     let options = PgConnectOptions::from_str(&args.database_url)
         .map_err(|e| RunError::DatabaseUrl(redact(&e.to_string())))?
         .application_name(&config.name);
+    // Work abandoned at the apply timeout leaves its transaction open on the server when the
+    // connection went silent, holding the aggregate's row locks, so the redelivery would block
+    // behind it; the server ends such a session itself once it idles that long in a transaction.
+    let idle_limit = format!("{}ms", args.apply_timeout.as_millis());
+    let options = options.options([("idle_in_transaction_session_timeout", idle_limit.as_str())]);
     migrate(&options, &config.schema, own).await?;
     let per_event = u32::try_from(config.max_concurrency)
         .unwrap_or(u32::MAX)
         .saturating_mul(connections_per_event.max(1));
     // Beyond the events being applied: one for quarantine writes, one for the dedup purge.
-    let pool = PgPoolOptions::new()
-        .max_connections(per_event.saturating_add(2))
-        .acquire_timeout(Duration::from_secs(10))
-        .connect_lazy_with(options);
+    // Abandoned work (the apply timeout) hands back connections that may never answer again:
+    // the bounded release check closes them instead of letting them hold pool slots.
+    let pool = bounded_release(
+        PgPoolOptions::new()
+            .max_connections(per_event.saturating_add(2))
+            .acquire_timeout(Duration::from_secs(10)),
+        RELEASE_CHECK,
+    )
+    .connect_lazy_with(options);
     let inbox = Inbox::new(config.schema.clone(), &config.name)?;
     let context = Context {
         pool: pool.clone(),
