@@ -178,13 +178,20 @@ async fn a_poison_event_holds_its_aggregate_only_and_each_operator_action_resume
         || async { unpublished(&db).await == held_back },
     )
     .await;
-    let quarantined: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox WHERE available_at = 'infinity' AND quarantined_at IS NOT NULL",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    assert_eq!(quarantined, 3, "each poison event is held");
+    // The healthy aggregates can all be out before the relay has claimed (and so refused and
+    // held) the last poison event: wait for the hold itself, and that nothing else moved.
+    wait_until("each poison event is held", &relay, || async {
+        let quarantined: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM outbox
+             WHERE available_at = 'infinity' AND quarantined_at IS NOT NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        quarantined == 3
+    })
+    .await;
+    assert_eq!(unpublished(&db).await, held_back);
     // The relay keeps going: a later event of another aggregate still goes out, while the held
     // aggregates' events 3 and 4 stay put.
     let mut tx = db.pool.begin().await.unwrap();
