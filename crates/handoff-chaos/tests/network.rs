@@ -546,9 +546,11 @@ async fn a_delay_on_both_servers_slows_events_but_loses_none() {
     load.await.unwrap();
     system.settle().await;
 
-    // Every round trip of the relay and the consumer now takes 600 ms more. (The load is
-    // stopped first: at that pace a few applying tasks cannot keep up with it.)
-    let delay = Duration::from_millis(300);
+    // Every round trip of the relay and the consumer now takes 200 ms more. (The load is
+    // stopped first: at that pace a few applying tasks cannot keep up with it.) Not more: a
+    // claim is several round trips, and at 300 ms each way a claim took 1.2 s of the test's
+    // 4 s lease, so the relay kept giving leases back and the test raced its deadline.
+    let delay = Duration::from_millis(100);
     system.pg.delay(delay);
     system.nats.delay(delay);
     let (events, _, applied) = system.progress().await;
