@@ -10,6 +10,7 @@ use handoff_postgres::{Migrator, Schema};
 use sqlx::Connection;
 
 mod args;
+mod cdc;
 mod cleanup;
 mod format;
 mod quarantine;
@@ -47,6 +48,8 @@ enum Command {
     Reconcile(reconcile::ReconcileArgs),
     /// Delete (or archive) published rows and dedup rows past their retention, in short batches.
     Cleanup(cleanup::CleanupArgs),
+    /// Set up and inspect the logical-replication source (`handoff relay --source logical`).
+    Cdc(cdc::CdcArgs),
 }
 
 #[derive(clap::Args)]
@@ -116,6 +119,7 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Quarantine(args) => quarantine::run(args).await.map(success),
         Command::Replay(args) => replay::run(args).await.map(success),
         Command::Cleanup(args) => cleanup::run(args).await.map(success),
+        Command::Cdc(args) => cdc::run(args).await,
     }
 }
 

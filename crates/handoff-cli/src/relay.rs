@@ -7,6 +7,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
@@ -83,6 +84,27 @@ pub struct RelayArgs {
     /// [default: 5s].
     #[arg(long, env = "HANDOFF_NATS_PING_INTERVAL", value_parser = humantime::parse_duration)]
     nats_ping_interval: Option<Duration>,
+    /// Where committed events come from: `polling` queries the outbox; `logical` follows a
+    /// logical replication slot (create it first with `handoff cdc setup`) [default: polling].
+    #[arg(long, env = "HANDOFF_SOURCE", value_enum)]
+    source: Option<SourceKind>,
+    /// Replication slot of the logical source [default: handoff].
+    #[arg(long, env = "HANDOFF_SLOT")]
+    slot: Option<String>,
+    /// Publication of the logical source [default: handoff_outbox].
+    #[arg(long, env = "HANDOFF_PUBLICATION")]
+    publication: Option<String>,
+}
+
+/// Where `handoff relay` reads committed events from.
+#[derive(clap::ValueEnum, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceKind {
+    /// Query the outbox table (leases, any number of relays).
+    #[default]
+    Polling,
+    /// Follow a logical replication slot (one streaming relay per slot; others stand by).
+    Logical,
 }
 
 /// The config file: the same settings as the flags.
@@ -114,12 +136,19 @@ struct RelayFile {
     query_timeout: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     nats_ping_interval: Option<Duration>,
+    source: Option<SourceKind>,
+    slot: Option<String>,
+    publication: Option<String>,
 }
 
 /// Everything the relay runs with, checked.
 #[derive(Debug)]
 struct Settings {
     database: PgConnectOptions,
+    /// The URL as given, for the replication connection (which libpq opens, not sqlx).
+    database_url: String,
+    /// The slot and publication, when the source is logical.
+    logical: Option<CdcNames>,
     nats_url: String,
     metrics_addr: Option<SocketAddr>,
     polling: PollingConfig,
@@ -135,6 +164,15 @@ impl Settings {
         };
         let Some(database_url) = args.database_url.or(file.database_url) else {
             bail!("no database: set --database-url, DATABASE_URL or database_url in the config");
+        };
+        let logical = match args.source.or(file.source).unwrap_or_default() {
+            SourceKind::Polling => None,
+            SourceKind::Logical => Some(CdcNames::new(
+                args.slot.or(file.slot).unwrap_or_else(|| "handoff".into()),
+                args.publication
+                    .or(file.publication)
+                    .unwrap_or_else(|| "handoff_outbox".into()),
+            )?),
         };
         let database = PgConnectOptions::from_str(&database_url)
             .map_err(|e| anyhow::anyhow!("invalid database url: {}", redact(&e.to_string())))?
@@ -226,6 +264,8 @@ impl Settings {
         polling.validate()?;
         Ok(Settings {
             database,
+            database_url,
+            logical,
             nats_url: args
                 .nats_url
                 .or(file.nats_url)
@@ -282,6 +322,9 @@ pub async fn run(args: RelayArgs) -> Result<()> {
         "relay started"
     );
 
+    if let Some(names) = settings.logical.clone() {
+        return run_logical(settings, names, pool, transport, shutdown).await;
+    }
     let source = std::sync::Arc::new(PollingSource::new(pool, settings.polling)?);
     if settings.metrics_addr.is_some() {
         tokio::spawn(report_backlog(source.clone()));
@@ -307,6 +350,34 @@ pub async fn run(args: RelayArgs) -> Result<()> {
 
 /// Connects, retrying with backoff (and saying what it waits for) while PostgreSQL cannot be
 /// reached; an answer that refuses us (authentication, missing database) ends the command.
+/// The relay over a logical replication slot instead of the polling source.
+async fn run_logical(
+    settings: Settings,
+    names: CdcNames,
+    pool: PgPool,
+    transport: JetStreamTransport,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
+    let config = LogicalConfig {
+        schema: settings.polling.schema.clone(),
+        query_timeout: settings.polling.query_timeout,
+        ..LogicalConfig::new(names, settings.database_url.clone())
+    };
+    let source = LogicalSource::start(pool, config)
+        .await
+        .context("while starting the logical replication source")?;
+    let relay = Relay::new(source, transport, settings.relay)?;
+    let report = relay.run(shutdown).await;
+    info!(
+        published = report.published,
+        retried = report.retried,
+        held = report.held,
+        released = report.released,
+        "relay exited"
+    );
+    Ok(())
+}
+
 async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
     let backoff = Backoff {
         initial: Duration::from_millis(200),

@@ -87,6 +87,7 @@ pub use retained::{
 };
 pub use schema::{Schema, SchemaError};
 pub use source::{
-    read_outbox_event, Backlog, PollingConfig, PollingConfigError, PollingSource, WAKE_CHANNEL,
+    header_pairs, read_outbox_event, Backlog, PollingConfig, PollingConfigError, PollingSource,
+    WAKE_CHANNEL,
 };
 pub use status::{CleanupRun, Status, StatusReport, StuckAggregate, TableSize};

@@ -360,7 +360,12 @@ pub fn read_outbox_event(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
 
 /// The `headers` jsonb object as name/value pairs. Values that outside writers stored as
 /// non-strings are passed on as their JSON text rather than dropped.
-fn header_pairs(json: &str) -> Vec<(String, String)> {
+///
+/// ```
+/// let pairs = handoff_postgres::header_pairs(r#"{"traceparent": "00-ab", "n": 1}"#);
+/// assert!(pairs.contains(&("n".to_owned(), "1".to_owned())));
+/// ```
+pub fn header_pairs(json: &str) -> Vec<(String, String)> {
     match serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(json) {
         Ok(map) => map
             .into_iter()

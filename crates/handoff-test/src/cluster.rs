@@ -215,6 +215,8 @@ pub struct PrivatePostgres {
     run_as: Option<RunAs>,
     /// Whether the server is believed to be running (so `Drop` knows whether to stop it).
     running: bool,
+    /// Extra server settings (`name=value`), passed as `-c` at every start.
+    settings: Vec<String>,
 }
 
 impl PrivatePostgres {
@@ -229,6 +231,16 @@ impl PrivatePostgres {
     /// log) when PostgreSQL refuses; the other variants for file system and process failures.
     /// Nothing is left behind on failure.
     pub fn start() -> Result<Self, ClusterError> {
+        Self::start_with(&[])
+    }
+
+    /// Like [`start`](Self::start), with extra server settings as `name=value`, applied at
+    /// every start (for instance `wal_level=logical` for a logical replication test).
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start); a setting the server refuses is a [`ClusterError::Start`].
+    pub fn start_with(settings: &[&str]) -> Result<Self, ClusterError> {
         let bin = find_binaries()?;
         let run_as = if is_root() {
             Some(unprivileged_user()?)
@@ -254,6 +266,7 @@ impl PrivatePostgres {
             port: 0,
             run_as,
             running: false,
+            settings: settings.iter().map(|s| (*s).to_owned()).collect(),
         };
         server.initdb()?;
         let mut attempt = 1;
@@ -406,11 +419,15 @@ impl PrivatePostgres {
         let data = self.data_dir();
         let log = self.log_path();
         // pg_ctl hands -o to the server through /bin/sh, hence the quoting of the socket path.
-        let options = format!(
+        let mut options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
             self.port,
             shell_quote(&self.dir().to_string_lossy())
         );
+        for setting in &self.settings {
+            options.push_str(" -c ");
+            options.push_str(&shell_quote(setting));
+        }
         let timeout = START_TIMEOUT_SECS.to_string();
         let output = self.run(
             "pg_ctl",

@@ -1,0 +1,579 @@
+//! The in-memory heart of the CDC source: which streamed events may be handed to the relay,
+//! and how far the replication position may be confirmed.
+//!
+//! Pure bookkeeping, no I/O, so the ordering and ack-gating rules can be tested without a
+//! server. Two rules carry the guarantees:
+//!
+//! - **Order (brief P5):** an aggregate's events sit in one queue in sequence order; only an
+//!   unclaimed run at the front of a queue is handed out, so an event never leaves while its
+//!   predecessor is in flight.
+//! - **Ack gating (brief P4, F4):** transactions are numbered in commit order. The position may
+//!   move to a transaction's `end_lsn` only when that transaction and every earlier one are
+//!   settled: each of their events is acknowledged by the broker or durably parked in the
+//!   table. Never a row's LSN, never `commit_lsn`.
+//!
+//! An aggregate is *table-driven* while it has unpublished rows the stream cannot be trusted to
+//! order: a held (poison) event, events waiting behind one, or rows left from before this
+//! process started (a restart, or a slot recreated after it was lost). Its streamed events then
+//! settle at once (their rows are in the table) and the sweep publishes the rows in sequence
+//! order from the table instead.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Instant;
+
+use handoff_core::delivery::OutboxEvent;
+use handoff_core::EventId;
+
+/// An aggregate: `(aggregate_type, aggregate_id)`.
+pub(crate) type Key = (String, String);
+
+/// Where an event came from, which decides what settling it means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// Streamed in the transaction with this number: settling it counts toward the position.
+    Stream(u64),
+    /// Read from the table by the sweep: settling it marks its row published.
+    Table,
+}
+
+#[derive(Debug)]
+struct Entry {
+    event: OutboxEvent,
+    origin: Origin,
+    claimed: bool,
+    not_before: Option<Instant>,
+}
+
+/// A delivered transaction that is not settled yet.
+#[derive(Debug)]
+struct Tx {
+    end_lsn: u64,
+    commit_micros: i64,
+    unsettled: usize,
+}
+
+/// What the caller must do after events of a table-driven aggregate streamed in.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct Diverted {
+    /// Events whose rows must be written back to the table before they count as settled (the
+    /// delete-rows mode: the writer's row is gone).
+    pub to_write: Vec<(OutboxEvent, u64)>,
+}
+
+/// The source's state; see the module documentation.
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    queues: HashMap<Key, VecDeque<Entry>>,
+    /// Aggregates whose front may be claimable, oldest first; may hold stale keys.
+    ready: VecDeque<Key>,
+    queued: HashSet<Key>,
+    index: HashMap<EventId, Key>,
+    /// Transactions by number; `first_tx` is the number of the front one.
+    txs: VecDeque<Tx>,
+    first_tx: u64,
+    /// The last position every transaction before which is settled.
+    confirmable: u64,
+    /// Table-driven aggregates, with a counter bumped whenever one of their rows becomes
+    /// durable in the table, so the sweep never frees an aggregate on a stale read.
+    table_driven: HashMap<Key, u64>,
+}
+
+impl State {
+    /// A state whose position starts at `start_lsn` (the slot's confirmed position).
+    pub(crate) fn new(start_lsn: u64) -> State {
+        State {
+            confirmable: start_lsn,
+            ..State::default()
+        }
+    }
+
+    /// The position that may be confirmed to the server.
+    pub(crate) fn confirmable(&self) -> u64 {
+        self.confirmable
+    }
+
+    /// Whether every delivered transaction is settled (the keepalive position may be
+    /// confirmed then).
+    pub(crate) fn is_idle(&self) -> bool {
+        self.txs.is_empty()
+    }
+
+    /// Events handed in and not settled.
+    pub(crate) fn pending(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Commit time (microseconds since the Unix epoch) of the oldest unsettled transaction.
+    pub(crate) fn oldest_unsettled_commit(&self) -> Option<i64> {
+        self.txs
+            .iter()
+            .find(|tx| tx.unsettled > 0)
+            .map(|tx| tx.commit_micros)
+    }
+
+    /// Adds one committed transaction, whole. Returns what must be written to the table for
+    /// events of table-driven aggregates when `rows_kept` is false.
+    pub(crate) fn commit(
+        &mut self,
+        events: Vec<OutboxEvent>,
+        end_lsn: u64,
+        commit_micros: i64,
+        rows_kept: bool,
+    ) -> Diverted {
+        let mut diverted = Diverted::default();
+        if end_lsn <= self.confirmable {
+            // Redelivered after a reconnect, and already settled before it.
+            return diverted;
+        }
+        let number = self.first_tx + self.txs.len() as u64;
+        let mut unsettled = 0;
+        for event in events {
+            let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
+            if self.index.contains_key(&event.event_id) {
+                // Already queued (a sweep read its row first): that copy publishes it.
+                continue;
+            }
+            if let Some(counter) = self.table_driven.get_mut(&key) {
+                if rows_kept {
+                    // The writer's row is in the table: the sweep publishes it in order.
+                    *counter += 1;
+                } else {
+                    unsettled += 1;
+                    diverted.to_write.push((event, number));
+                }
+                continue;
+            }
+            unsettled += 1;
+            self.push(key, event, Origin::Stream(number));
+        }
+        self.txs.push_back(Tx {
+            end_lsn,
+            commit_micros,
+            unsettled,
+        });
+        self.advance();
+        diverted
+    }
+
+    /// Marks the aggregates table-driven (rows the stream will not deliver in order, such as
+    /// the backlog found at start-up).
+    pub(crate) fn drive_from_table(&mut self, keys: impl IntoIterator<Item = Key>) {
+        for key in keys {
+            self.table_driven.entry(key).or_insert(0);
+        }
+    }
+
+    /// The table-driven aggregates, with their counters, for a sweep.
+    pub(crate) fn table_driven(&self) -> Vec<(Key, u64)> {
+        self.table_driven
+            .iter()
+            .map(|(key, counter)| (key.clone(), *counter))
+            .collect()
+    }
+
+    /// Whether the aggregate has events queued or in flight.
+    pub(crate) fn has_entries(&self, key: &Key) -> bool {
+        self.queues.contains_key(key)
+    }
+
+    /// A sweep read these unpublished rows of a table-driven aggregate (sequence order), having
+    /// seen `counter` before its read. Hands the run out unless the front is held; frees the
+    /// aggregate when there are none and nothing became durable meanwhile.
+    pub(crate) fn swept(&mut self, key: &Key, counter: u64, rows: Vec<SweptRow>) -> usize {
+        let Some(current) = self.table_driven.get(key).copied() else {
+            return 0;
+        };
+        if self.queues.contains_key(key) {
+            return 0;
+        }
+        if rows.is_empty() {
+            if current == counter {
+                self.table_driven.remove(key);
+            }
+            return 0;
+        }
+        let mut added = 0;
+        for row in rows {
+            if row.held {
+                break;
+            }
+            if self.index.contains_key(&row.event.event_id) {
+                continue;
+            }
+            self.push(key.clone(), row.event, Origin::Table);
+            added += 1;
+        }
+        added
+    }
+
+    /// A row of the table became durable for a diverted event (delete-rows mode): it settles.
+    pub(crate) fn written(&mut self, key: &Key, number: u64) {
+        if let Some(counter) = self.table_driven.get_mut(key) {
+            *counter += 1;
+        }
+        self.settle_tx(number);
+        self.advance();
+    }
+
+    /// Hands out up to `max` events: unclaimed runs at the front of aggregate queues.
+    pub(crate) fn claim(&mut self, max: usize, now: Instant) -> Vec<OutboxEvent> {
+        let mut out = Vec::new();
+        let mut later = Vec::new();
+        while out.len() < max {
+            let Some(key) = self.ready.pop_front() else {
+                break;
+            };
+            self.queued.remove(&key);
+            let Some(queue) = self.queues.get_mut(&key) else {
+                continue;
+            };
+            match queue.front() {
+                Some(front) if !front.claimed => {
+                    if front.not_before.is_some_and(|t| t > now) {
+                        later.push(key);
+                        continue;
+                    }
+                }
+                _ => continue,
+            }
+            for entry in queue.iter_mut() {
+                if out.len() >= max || entry.claimed {
+                    break;
+                }
+                if entry.not_before.is_some_and(|t| t > now) {
+                    break;
+                }
+                entry.claimed = true;
+                out.push(entry.event.clone());
+            }
+            if queue.iter().any(|e| !e.claimed) {
+                // The rest of the run waits for room in the next claim.
+                later.push(key);
+            }
+        }
+        for key in later {
+            self.enqueue_ready(key);
+        }
+        out
+    }
+
+    /// When the earliest delayed event becomes claimable.
+    pub(crate) fn next_retry(&self) -> Option<Instant> {
+        self.queues
+            .values()
+            .filter_map(|q| q.front())
+            .filter(|e| !e.claimed)
+            .filter_map(|e| e.not_before)
+            .min()
+    }
+
+    /// The broker acknowledged the event: it settles. Returns its origin, so a table-sourced
+    /// event's row can be marked.
+    pub(crate) fn published(&mut self, event_id: &EventId) -> Option<Origin> {
+        let entry = self.remove(event_id)?;
+        if let Origin::Stream(number) = entry.origin {
+            self.settle_tx(number);
+        }
+        self.advance();
+        Some(entry.origin)
+    }
+
+    /// The event goes back to its queue, claimable again after `not_before`.
+    pub(crate) fn unclaim(&mut self, event_id: &EventId, not_before: Option<Instant>) {
+        let Some(key) = self.index.get(event_id).cloned() else {
+            return;
+        };
+        if let Some(queue) = self.queues.get_mut(&key) {
+            if let Some(entry) = queue.iter_mut().find(|e| e.event.event_id == *event_id) {
+                entry.claimed = false;
+                entry.not_before = not_before;
+            }
+        }
+        self.enqueue_ready(key);
+    }
+
+    /// Counts one failed attempt against the event (attempts live in memory: a restart gives
+    /// the event a fresh budget, which errs toward retrying).
+    pub(crate) fn charge(&mut self, event_id: &EventId) {
+        let Some(key) = self.index.get(event_id) else {
+            return;
+        };
+        if let Some(entry) = self
+            .queues
+            .get_mut(key)
+            .and_then(|q| q.iter_mut().find(|e| e.event.event_id == *event_id))
+        {
+            entry.event.attempt_count = entry.event.attempt_count.saturating_add(1);
+        }
+    }
+
+    /// Where a handed-in event came from; `None` once settled (or never known).
+    pub(crate) fn origin(&self, event_id: &EventId) -> Option<Origin> {
+        let key = self.index.get(event_id)?;
+        self.queues
+            .get(key)?
+            .iter()
+            .find(|e| e.event.event_id == *event_id)
+            .map(|e| e.origin)
+    }
+
+    /// A copy of the queue of the event's aggregate (what [`State::hold`] would take out).
+    pub(crate) fn queue_from(&self, event_id: &EventId) -> Vec<(OutboxEvent, Origin)> {
+        self.index
+            .get(event_id)
+            .and_then(|key| self.queues.get(key))
+            .map(|queue| queue.iter().map(|e| (e.event.clone(), e.origin)).collect())
+            .unwrap_or_default()
+    }
+
+    /// The event is held for an operator: its aggregate turns table-driven and its queue is
+    /// taken out. Returns the queue's events (the held one first) with their origins; the
+    /// caller makes them durable in the table and then calls [`State::parked`].
+    pub(crate) fn hold(&mut self, event_id: &EventId) -> Vec<(OutboxEvent, Origin)> {
+        let Some(key) = self.index.get(event_id).cloned() else {
+            return Vec::new();
+        };
+        self.table_driven.entry(key.clone()).or_insert(0);
+        let Some(queue) = self.queues.remove(&key) else {
+            return Vec::new();
+        };
+        queue
+            .into_iter()
+            .map(|entry| {
+                self.index.remove(&entry.event.event_id);
+                (entry.event, entry.origin)
+            })
+            .collect()
+    }
+
+    /// Events taken out by [`State::hold`] are durable in the table now: they settle.
+    pub(crate) fn parked(&mut self, key: &Key, origins: &[Origin]) {
+        if let Some(counter) = self.table_driven.get_mut(key) {
+            *counter += 1;
+        }
+        for origin in origins {
+            if let Origin::Stream(number) = origin {
+                self.settle_tx(*number);
+            }
+        }
+        self.advance();
+    }
+
+    fn push(&mut self, key: Key, event: OutboxEvent, origin: Origin) {
+        self.index.insert(event.event_id, key.clone());
+        let queue = self.queues.entry(key.clone()).or_default();
+        let at = queue
+            .iter()
+            .position(|e| e.event.aggregate_sequence > event.aggregate_sequence)
+            .unwrap_or(queue.len());
+        queue.insert(
+            at,
+            Entry {
+                event,
+                origin,
+                claimed: false,
+                not_before: None,
+            },
+        );
+        self.enqueue_ready(key);
+    }
+
+    fn remove(&mut self, event_id: &EventId) -> Option<Entry> {
+        let key = self.index.remove(event_id)?;
+        let queue = self.queues.get_mut(&key)?;
+        let at = queue.iter().position(|e| e.event.event_id == *event_id)?;
+        let entry = queue.remove(at)?;
+        if queue.is_empty() {
+            self.queues.remove(&key);
+        } else {
+            self.enqueue_ready(key);
+        }
+        Some(entry)
+    }
+
+    fn enqueue_ready(&mut self, key: Key) {
+        if self.queued.insert(key.clone()) {
+            self.ready.push_back(key);
+        }
+    }
+
+    fn settle_tx(&mut self, number: u64) {
+        if let Some(tx) = number
+            .checked_sub(self.first_tx)
+            .and_then(|at| self.txs.get_mut(at as usize))
+        {
+            tx.unsettled = tx.unsettled.saturating_sub(1);
+        }
+    }
+
+    /// Moves the confirmable position over the settled prefix of transactions.
+    fn advance(&mut self) {
+        while let Some(front) = self.txs.front() {
+            if front.unsettled > 0 {
+                break;
+            }
+            self.confirmable = self.confirmable.max(front.end_lsn);
+            self.txs.pop_front();
+            self.first_tx += 1;
+        }
+    }
+}
+
+/// One unpublished row a sweep read from the table.
+#[derive(Debug)]
+pub(crate) struct SweptRow {
+    pub event: OutboxEvent,
+    /// Held for an operator (`available_at = 'infinity'`): the aggregate waits.
+    pub held: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_test::factory::outbox_event;
+
+    fn ids(events: &[OutboxEvent]) -> Vec<(String, i64)> {
+        events
+            .iter()
+            .map(|e| (e.aggregate_id.clone(), e.aggregate_sequence))
+            .collect()
+    }
+
+    #[test]
+    fn the_position_moves_only_over_a_prefix_of_settled_transactions() {
+        let mut state = State::new(100);
+        let a1 = outbox_event("a", 1);
+        let b1 = outbox_event("b", 1);
+        state.commit(vec![a1.clone()], 200, 0, true);
+        state.commit(vec![b1.clone()], 300, 0, true);
+        let claimed = state.claim(10, Instant::now());
+        assert_eq!(claimed.len(), 2);
+        // The later transaction is acknowledged first: nothing may be confirmed yet.
+        state.published(&b1.event_id);
+        assert_eq!(state.confirmable(), 100);
+        state.published(&a1.event_id);
+        assert_eq!(state.confirmable(), 300);
+        assert!(state.is_idle());
+    }
+
+    #[test]
+    fn an_aggregate_never_has_two_claims_out_at_once() {
+        let mut state = State::new(0);
+        let a1 = outbox_event("a", 1);
+        let a2 = outbox_event("a", 2);
+        state.commit(vec![a1.clone()], 10, 0, true);
+        assert_eq!(ids(&state.claim(10, Instant::now())), vec![("a".into(), 1)]);
+        state.commit(vec![a2.clone()], 20, 0, true);
+        // a2's predecessor is in flight: it must wait.
+        assert!(state.claim(10, Instant::now()).is_empty());
+        state.published(&a1.event_id);
+        assert_eq!(ids(&state.claim(10, Instant::now())), vec![("a".into(), 2)]);
+    }
+
+    #[test]
+    fn a_retried_event_waits_out_its_delay_and_keeps_its_successors_behind_it() {
+        let mut state = State::new(0);
+        let a1 = outbox_event("a", 1);
+        let a2 = outbox_event("a", 2);
+        state.commit(vec![a1.clone(), a2.clone()], 10, 0, true);
+        let now = Instant::now();
+        assert_eq!(state.claim(10, now).len(), 2);
+        state.unclaim(&a1.event_id, Some(now + std::time::Duration::from_secs(5)));
+        state.unclaim(&a2.event_id, None);
+        assert!(state.claim(10, now).is_empty());
+        let later = now + std::time::Duration::from_secs(6);
+        assert_eq!(
+            ids(&state.claim(10, later)),
+            vec![("a".into(), 1), ("a".into(), 2)]
+        );
+    }
+
+    #[test]
+    fn a_held_event_settles_once_parked_and_its_aggregate_turns_to_the_table() {
+        let mut state = State::new(0);
+        let a1 = outbox_event("a", 1);
+        let a2 = outbox_event("a", 2);
+        let b1 = outbox_event("b", 1);
+        state.commit(vec![a1.clone(), a2.clone(), b1.clone()], 10, 0, true);
+        state.claim(10, Instant::now());
+        let taken = state.hold(&a1.event_id);
+        assert_eq!(taken.len(), 2);
+        assert_eq!(
+            state.confirmable(),
+            0,
+            "not settled before the park is durable"
+        );
+        let key: Key = ("thing".into(), "a".into());
+        state.parked(&key, &taken.iter().map(|(_, o)| *o).collect::<Vec<_>>());
+        state.published(&b1.event_id);
+        assert_eq!(state.confirmable(), 10);
+        // A later streamed event of the held aggregate settles at once (its row is kept).
+        let a3 = outbox_event("a", 3);
+        state.commit(vec![a3], 20, 0, true);
+        assert_eq!(state.confirmable(), 20);
+        assert!(state.claim(10, Instant::now()).is_empty());
+    }
+
+    #[test]
+    fn a_sweep_frees_an_aggregate_only_when_nothing_became_durable_during_its_read() {
+        let mut state = State::new(0);
+        let key: Key = ("thing".into(), "a".into());
+        state.drive_from_table([key.clone()]);
+        let seen = state.table_driven()[0].1;
+        // While the sweep reads, an event of the aggregate streams in (its row kept).
+        state.commit(vec![outbox_event("a", 1)], 10, 0, true);
+        state.swept(&key, seen, Vec::new());
+        assert_eq!(
+            state.table_driven().len(),
+            1,
+            "a stale empty read must not free it"
+        );
+        let seen = state.table_driven()[0].1;
+        let row = outbox_event("a", 1);
+        assert_eq!(
+            state.swept(
+                &key,
+                seen,
+                vec![SweptRow {
+                    event: row.clone(),
+                    held: false
+                }]
+            ),
+            1
+        );
+        assert_eq!(state.published(&row.event_id), Some(Origin::Table));
+        state.swept(&key, seen, Vec::new());
+        assert!(state.table_driven().is_empty());
+    }
+
+    #[test]
+    fn a_held_front_row_keeps_the_whole_aggregate_back() {
+        let mut state = State::new(0);
+        let key: Key = ("thing".into(), "a".into());
+        state.drive_from_table([key.clone()]);
+        let rows = vec![
+            SweptRow {
+                event: outbox_event("a", 1),
+                held: true,
+            },
+            SweptRow {
+                event: outbox_event("a", 2),
+                held: false,
+            },
+        ];
+        assert_eq!(state.swept(&key, 0, rows), 0);
+        assert!(state.claim(10, Instant::now()).is_empty());
+    }
+
+    #[test]
+    fn without_kept_rows_diverted_events_settle_only_once_written() {
+        let mut state = State::new(0);
+        let key: Key = ("thing".into(), "a".into());
+        state.drive_from_table([key.clone()]);
+        let diverted = state.commit(vec![outbox_event("a", 1)], 10, 0, false);
+        assert_eq!(diverted.to_write.len(), 1);
+        assert_eq!(state.confirmable(), 0);
+        state.written(&key, diverted.to_write[0].1);
+        assert_eq!(state.confirmable(), 10);
+    }
+}

@@ -1,0 +1,61 @@
+//! The CDC source end to end: a logical-replication PostgreSQL of the test's own, the real
+//! nats-server, and the relay loop in-process.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use common::{eventually, Fixture};
+use handoff_cdc::RowMode;
+use handoff_test::nats::read_stream;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_committed_event_is_published_and_a_rolled_back_one_never_is() {
+    let fx = Fixture::start("cdc_committed", RowMode::Keep, &[]).await;
+    let relay = fx.relay().await;
+    for aggregate in 0..20 {
+        fx.enqueue(&format!("a{aggregate}"), 1, 5).await;
+    }
+    // A rolled-back transaction: its event must never reach the stream.
+    let mut tx = fx.db.pool.begin().await.unwrap();
+    fx.outbox
+        .enqueue(&mut tx, &[handoff_test::factory::event("ghost", 1)])
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    fx.enqueue("last", 1, 1).await;
+
+    eventually(
+        Duration::from_secs(30),
+        "all 101 events published",
+        || async { read_stream(&fx.client, &fx.stream).await.len() >= 101 },
+    )
+    .await;
+    let messages = read_stream(&fx.client, &fx.stream).await;
+    let ids: HashSet<_> = messages
+        .iter()
+        .map(|m| m.header("Nats-Msg-Id").unwrap().to_owned())
+        .collect();
+    assert_eq!(ids.len(), 101);
+    assert!(messages.iter().all(|m| !m.subject.ends_with(".ghost")));
+    let mut next: HashMap<String, i64> = HashMap::new();
+    for message in &messages {
+        let aggregate = message.subject.rsplit('.').next().unwrap().to_owned();
+        let sequence: i64 = message.header("Handoff-Sequence").unwrap().parse().unwrap();
+        let expected = next.entry(aggregate.clone()).or_insert(1);
+        assert_eq!(sequence, *expected, "{aggregate} out of order");
+        *expected += 1;
+    }
+    // Kept rows are marked published, and the slot confirms past them.
+    eventually(Duration::from_secs(10), "rows marked published", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .fetch_one(&fx.db.pool)
+            .await
+            .unwrap()
+            == 0
+    })
+    .await;
+    let report = relay.stop().await;
+    assert_eq!(report.published, 101);
+}
