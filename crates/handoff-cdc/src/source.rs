@@ -51,6 +51,10 @@ pub struct LogicalConfig {
     pub query_timeout: Duration,
     /// Pause between attempts to (re)open the replication connection.
     pub reconnect: Backoff,
+    /// Most streamed events held in memory unsettled. Past it the source stops reading (the
+    /// server keeps the rest in its WAL) until the broker catches up, so a broker outage costs
+    /// WAL retention, not relay memory. Default: 50,000.
+    pub max_buffered: usize,
 }
 
 impl LogicalConfig {
@@ -68,6 +72,7 @@ impl LogicalConfig {
                 initial: Duration::from_millis(200),
                 max: Duration::from_secs(30),
             },
+            max_buffered: 50_000,
         }
     }
 }
@@ -118,6 +123,8 @@ struct Inner {
     state: Mutex<State>,
     /// Woken when events become claimable.
     work: Notify,
+    /// Woken when events settle (the reader may be waiting for room).
+    settled: Notify,
     /// Woken when the table-driven set grows.
     sweep_now: Notify,
     sweep_sql: String,
@@ -177,6 +184,7 @@ impl LogicalSource {
             rows,
             state: Mutex::new(state),
             work: Notify::new(),
+            settled: Notify::new(),
             sweep_now: Notify::new(),
             sweep_sql: SWEEP_SQL.replace("{outbox}", &outbox),
             mark_sql: MARK_SQL.replace("{outbox}", &outbox),
@@ -348,6 +356,7 @@ impl Source for LogicalSource {
         }
         drop(state);
         self.inner.work.notify_one();
+        self.inner.settled.notify_one();
         Ok(())
     }
 
@@ -387,6 +396,7 @@ impl Source for LogicalSource {
                          its aggregate's later events wait behind it"
                     );
                     self.inner.sweep_now.notify_one();
+                    self.inner.settled.notify_one();
                 }
             }
         }
@@ -501,6 +511,17 @@ async fn stream_once(
     let mut open: Option<Vec<OutboxEvent>> = None;
     let mut confirmed = 0u64;
     loop {
+        // Backpressure: while the buffer is full, read nothing but keep confirming, so the
+        // server neither times the connection out nor sends more.
+        while inner.state().pending() >= inner.config.max_buffered {
+            let _ = tokio::time::timeout(inner.config.confirm_interval, inner.settled.notified())
+                .await;
+            let settled = inner.state().confirmable();
+            stream.shared_lsn_feedback.update_flushed_lsn(settled);
+            stream.shared_lsn_feedback.update_applied_lsn(settled);
+            stream.send_feedback().await?;
+            report_lag(inner);
+        }
         let current = token.lock().unwrap_or_else(|e| e.into_inner()).clone();
         match stream.next_event(&current).await {
             Ok(change) => match change.event_type {
@@ -624,6 +645,7 @@ async fn write_diverted(
         }
         drop(state);
         inner.sweep_now.notify_one();
+        inner.settled.notify_one();
     }
 }
 
