@@ -128,6 +128,7 @@ struct Inner {
     /// Woken when the table-driven set grows.
     sweep_now: Notify,
     sweep_sql: String,
+    backlog_sql: String,
     mark_sql: String,
     park_sql: String,
 }
@@ -161,22 +162,8 @@ impl LogicalSource {
             .and_then(|lsn| pg_walstream::parse_lsn(lsn).ok())
             .unwrap_or(0);
         let outbox = format!("\"{schema_name}\".outbox");
-        let keys: Vec<Key> = sqlx::query(&BACKLOG_KEYS_SQL.replace("{outbox}", &outbox))
-            .fetch_all(&mut *conn)
-            .await?
-            .iter()
-            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-            .collect::<Result<_, sqlx::Error>>()?;
         drop(conn);
-        if !keys.is_empty() {
-            info!(
-                aggregates = keys.len(),
-                "unpublished rows found: publishing them from the table before their \
-                 aggregates follow the stream"
-            );
-        }
-        let mut state = State::new(start_lsn);
-        state.drive_from_table(keys);
+        let state = State::new(start_lsn);
         m::describe();
         let inner = Arc::new(Inner {
             pool,
@@ -187,6 +174,7 @@ impl LogicalSource {
             settled: Notify::new(),
             sweep_now: Notify::new(),
             sweep_sql: SWEEP_SQL.replace("{outbox}", &outbox),
+            backlog_sql: BACKLOG_KEYS_SQL.replace("{outbox}", &outbox),
             mark_sql: MARK_SQL.replace("{outbox}", &outbox),
             park_sql: PARK_SQL.replace("{outbox}", &outbox),
             config,
@@ -237,6 +225,34 @@ impl Inner {
                 std::io::Error::new(std::io::ErrorKind::TimedOut, "query timed out"),
             )),
         }
+    }
+
+    /// Makes every aggregate with unpublished rows table-driven. Run whenever streaming
+    /// (re)starts: rows the new position will not stream in order (parked by an earlier relay,
+    /// left by a polling relay, or committed while a recreated slot did not exist) are then
+    /// published from the table, and their streamed copies, if any, settle at once.
+    async fn drive_backlog_from_table(&self) -> Result<(), SourceError> {
+        let rows = self
+            .bounded(
+                "while reading the unpublished backlog",
+                sqlx::query(&self.backlog_sql).fetch_all(&self.pool),
+            )
+            .await?;
+        let keys: Vec<Key> = rows
+            .iter()
+            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(|e| SourceError::new("while reading the unpublished backlog", e))?;
+        if !keys.is_empty() {
+            info!(
+                aggregates = keys.len(),
+                "unpublished rows found: publishing them from the table before their \
+                 aggregates follow the stream"
+            );
+            self.state().drive_from_table(keys);
+            self.sweep_now.notify_one();
+        }
+        Ok(())
     }
 
     /// Writes events to the table so they are durable without the stream: `held` is the index
@@ -351,10 +367,15 @@ impl Source for LogicalSource {
                 .await?;
         }
         let mut state = self.inner.state();
+        let mut from_table = false;
         for event_id in event_ids {
-            state.published(event_id);
+            from_table |= state.published(event_id) == Some(Origin::Table);
         }
         drop(state);
+        if from_table {
+            // The next rows of a table-driven aggregate can be read now, not a sweep later.
+            self.inner.sweep_now.notify_one();
+        }
         self.inner.work.notify_one();
         self.inner.settled.notify_one();
         Ok(())
@@ -490,6 +511,10 @@ async fn stream_once(
     let url = replication_url(&inner.config.replication_url);
     let mut stream = LogicalReplicationStream::new(&url, config).await?;
     stream.start(None).await?;
+    if let Err(error) = inner.drive_backlog_from_table().await {
+        // Streaming without knowing the backlog could overtake a parked event.
+        return Err(ReplicationError::protocol(error.to_string()));
+    }
     info!(slot = %names.slot, "streaming");
     metrics::gauge!(m::STREAMING).set(1.0);
 
@@ -514,8 +539,8 @@ async fn stream_once(
         // Backpressure: while the buffer is full, read nothing but keep confirming, so the
         // server neither times the connection out nor sends more.
         while inner.state().pending() >= inner.config.max_buffered {
-            let _ = tokio::time::timeout(inner.config.confirm_interval, inner.settled.notified())
-                .await;
+            let _ =
+                tokio::time::timeout(inner.config.confirm_interval, inner.settled.notified()).await;
             let settled = inner.state().confirmable();
             stream.shared_lsn_feedback.update_flushed_lsn(settled);
             stream.shared_lsn_feedback.update_applied_lsn(settled);
@@ -672,7 +697,15 @@ async fn sweep_once(inner: &Inner) -> Result<usize, SourceError> {
             .collect()
     };
     let mut added = 0;
+    // The table's rows count against the same memory bound as the stream's.
+    let budget = inner
+        .config
+        .max_buffered
+        .saturating_sub(inner.state().pending());
     for chunk in candidates.chunks(SWEEP_CHUNK) {
+        if added >= budget {
+            break;
+        }
         let types: Vec<&str> = chunk.iter().map(|((t, _), _)| t.as_str()).collect();
         let ids: Vec<&str> = chunk.iter().map(|((_, i), _)| i.as_str()).collect();
         let query = sqlx::query(&inner.sweep_sql)
