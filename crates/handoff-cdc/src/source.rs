@@ -68,9 +68,11 @@ impl LogicalConfig {
             sweep_interval: Duration::from_secs(1),
             health_interval: Duration::from_secs(5),
             query_timeout: Duration::from_secs(10),
+            // Short: a standby relay retries at this pace, and takes over within it once the
+            // streaming relay dies.
             reconnect: Backoff {
                 initial: Duration::from_millis(200),
-                max: Duration::from_secs(30),
+                max: Duration::from_secs(5),
             },
             max_buffered: 50_000,
         }

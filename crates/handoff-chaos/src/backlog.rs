@@ -32,7 +32,7 @@ use tokio::sync::watch;
 
 use crate::run::{
     check_all, connect, free_port, prepare, redeliveries, settle, Fault, Kind, Load, Phase,
-    RunError, Urls, World,
+    RelaySource, RunError, Urls, World,
 };
 use crate::{Report, Violation};
 
@@ -513,7 +513,12 @@ pub async fn backlog(config: &BacklogConfig) -> Result<BacklogReport, RunError> 
         None => ALERT_RULES.to_owned(),
     };
     let rules = shorten_for(&rules, config.alert_for);
-    let (mut world, urls) = prepare(&config.bin_dir, config.log_dir.as_deref()).await?;
+    let (mut world, urls) = prepare(
+        &config.bin_dir,
+        config.log_dir.as_deref(),
+        RelaySource::Polling,
+    )
+    .await?;
     let mut targets = Vec::new();
     for proc in world.procs.iter_mut().filter(|p| p.kind == Kind::Relay) {
         let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));

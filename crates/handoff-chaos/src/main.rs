@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use handoff_chaos::run::{RunConfig, RunReport};
+use handoff_chaos::run::{RelaySource, RunConfig, RunReport};
 use handoff_chaos::{check, CheckConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -56,9 +56,29 @@ struct RunArgs {
     /// Write each child's stderr to DIR/<kind>-<n>.log (appended across restarts).
     #[arg(long, value_name = "DIR")]
     log_dir: Option<PathBuf>,
+    /// Where the relays read committed events from: `polling` (three relays sharing leases)
+    /// or `logical` (one streaming a replication slot, two standing by).
+    #[arg(long, value_enum, default_value = "polling")]
+    relay_source: Source,
     /// Print the whole report as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// `--relay-source`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Source {
+    Polling,
+    Logical,
+}
+
+impl From<Source> for RelaySource {
+    fn from(source: Source) -> RelaySource {
+        match source {
+            Source::Polling => RelaySource::Polling,
+            Source::Logical => RelaySource::Logical,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -82,6 +102,9 @@ struct SoakArgs {
     /// Also write the whole JSON report to FILE.
     #[arg(long, value_name = "FILE")]
     report: Option<PathBuf>,
+    /// Where the relays read committed events from (as for `run`).
+    #[arg(long, value_enum, default_value = "polling")]
+    relay_source: Source,
     /// Print the whole report as JSON.
     #[arg(long)]
     json: bool,
@@ -163,6 +186,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 seed,
                 args.settle_timeout,
                 args.log_dir,
+                args.relay_source.into(),
                 output,
             );
         }
@@ -179,6 +203,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 seed,
                 args.settle_timeout,
                 args.log_dir,
+                args.relay_source.into(),
                 output,
             );
         }
@@ -221,6 +246,7 @@ fn chaos(
     seed: u64,
     settle_timeout: Duration,
     log_dir: Option<PathBuf>,
+    relay_source: RelaySource,
     output: Output,
 ) -> anyhow::Result<bool> {
     let own = std::env::current_exe().context("locate the handoff-chaos executable")?;
@@ -238,6 +264,7 @@ fn chaos(
         bin_dir,
         log_dir,
         settle_timeout,
+        relay_source,
     };
     let progress = progress_bar(duration);
     // On Ctrl-C the run's future is dropped and the runtime with it when we return: its

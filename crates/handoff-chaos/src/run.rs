@@ -88,7 +88,26 @@ pub struct RunConfig {
     pub log_dir: Option<PathBuf>,
     /// How long the system may take to settle after the faults stop.
     pub settle_timeout: Duration,
+    /// Where the relays read committed events from.
+    pub relay_source: RelaySource,
 }
+
+/// Where the run's relays read committed events from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RelaySource {
+    /// `handoff relay` polling the outbox: three relays share the work through leases.
+    #[default]
+    Polling,
+    /// `handoff relay --source logical`: one relay streams the slot, the two others stand by
+    /// and take over when it is killed. The private PostgreSQL runs with `wal_level=logical`
+    /// and the slot is set up with `handoff cdc setup` before the relays start.
+    Logical,
+}
+
+/// The slot and publication of a run with [`RelaySource::Logical`].
+const CDC_SLOT: &str = "handoff";
+const CDC_PUBLICATION: &str = "handoff_outbox";
 
 impl Default for RunConfig {
     /// A minute of faults with seed 1, binaries in the working directory, no logs, two minutes
@@ -100,6 +119,7 @@ impl Default for RunConfig {
             bin_dir: PathBuf::from("."),
             log_dir: None,
             settle_timeout: Duration::from_secs(120),
+            relay_source: RelaySource::Polling,
         }
     }
 }
@@ -306,6 +326,8 @@ pub fn schedule(seed: u64, duration: Duration) -> Vec<Fault> {
 pub struct RunReport {
     /// The seed.
     pub seed: u64,
+    /// Where the relays read committed events from.
+    pub relay_source: RelaySource,
     /// How long load and faults lasted, in seconds.
     pub duration_seconds: f64,
     /// SIGKILLs sent, per process kind (every kind listed, zero included).
@@ -468,7 +490,12 @@ impl RunError {
 /// the runtime shuts down.
 pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     config.validate()?;
-    let (mut world, urls) = prepare(&config.bin_dir, config.log_dir.as_deref()).await?;
+    let (mut world, urls) = prepare(
+        &config.bin_dir,
+        config.log_dir.as_deref(),
+        config.relay_source,
+    )
+    .await?;
     world.start_up(&urls).await?;
 
     let (phase, phase_rx) = watch::channel(Phase::Faults);
@@ -486,6 +513,7 @@ pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let mut report = outcome?;
     report.kills = kills;
     report.unplanned_exits = unplanned_exits;
+    report.relay_source = config.relay_source;
     Ok(report)
 }
 
@@ -495,6 +523,7 @@ pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
 pub(crate) async fn prepare(
     bin_dir: &Path,
     log_dir: Option<&Path>,
+    relay_source: RelaySource,
 ) -> Result<(World, Urls), RunError> {
     for name in BINARIES {
         let path = bin_dir.join(name);
@@ -502,7 +531,12 @@ pub(crate) async fn prepare(
             return Err(RunError::MissingBinary { name, path });
         }
     }
-    let postgres = blocking(PrivatePostgres::start).await??;
+    let postgres = match relay_source {
+        RelaySource::Polling => blocking(PrivatePostgres::start).await??,
+        RelaySource::Logical => {
+            blocking(|| PrivatePostgres::start_with(&["wal_level=logical"])).await??
+        }
+    };
     let admin_url = postgres.url("postgres");
     let admin = connect(&admin_url).await?;
     for name in DATABASES {
@@ -530,7 +564,9 @@ pub(crate) async fn prepare(
         nats: Some(nats),
         postgres_back_at: None,
         nats_back_at: None,
-        procs: processes(bin_dir, log_dir, &urls),
+        procs: processes(bin_dir, log_dir, &urls, relay_source),
+        relay_source,
+        handoff: bin_dir.join("handoff"),
         kills: BTreeMap::new(),
         exits: BTreeMap::new(),
     };
@@ -554,6 +590,8 @@ async fn drive(
     let settle_time = calm.elapsed();
     let report = check_all(urls).await?;
     Ok(RunReport {
+        // Set by `run` from its configuration.
+        relay_source: RelaySource::Polling,
         seed: config.seed,
         duration_seconds: duration.as_secs_f64(),
         kills: BTreeMap::new(),
@@ -937,7 +975,12 @@ fn append(path: &Path) -> io::Result<File> {
 }
 
 /// The run's child processes, not yet started.
-fn processes(bin_dir: &Path, log_dir: Option<&Path>, urls: &Urls) -> Vec<Proc> {
+fn processes(
+    bin_dir: &Path,
+    log_dir: Option<&Path>,
+    urls: &Urls,
+    relay_source: RelaySource,
+) -> Vec<Proc> {
     let bin = |name: &str| bin_dir.join(name);
     let proc = |kind: Kind,
                 instance: usize,
@@ -987,6 +1030,16 @@ fn processes(bin_dir: &Path, log_dir: Option<&Path>, urls: &Urls) -> Vec<Proc> {
             "1000",
         ]);
         args.extend(["--relay-id".to_owned(), format!("chaos-relay-{instance}")]);
+        if relay_source == RelaySource::Logical {
+            args.extend(strings(&[
+                "--source",
+                "logical",
+                "--slot",
+                CDC_SLOT,
+                "--publication",
+                CDC_PUBLICATION,
+            ]));
+        }
         procs.push(proc(
             Kind::Relay,
             instance,
@@ -1061,6 +1114,10 @@ pub(crate) struct World {
     nats_back_at: Option<Instant>,
     /// The child processes, started or not.
     pub(crate) procs: Vec<Proc>,
+    /// Where the relays read from.
+    relay_source: RelaySource,
+    /// The `handoff` binary, for `handoff cdc setup`.
+    handoff: PathBuf,
     /// SIGKILLs sent, per kind.
     pub(crate) kills: BTreeMap<Kind, u64>,
     /// Children that exited on their own, per kind.
@@ -1081,6 +1138,9 @@ impl World {
             async move { request.await.is_ok_and(|r| r.status().is_success()) }
         })
         .await?;
+        if self.relay_source == RelaySource::Logical {
+            self.set_up_slot(urls).await?;
+        }
         self.start_kind(Kind::Relay)?;
         let client = async_nats::connect(&urls.nats)
             .await
@@ -1100,6 +1160,33 @@ impl World {
         self.start_kind(Kind::Inventory)?;
         self.start_kind(Kind::Payments)?;
         Ok(())
+    }
+
+    /// `handoff cdc setup` on the order service's database, which the order service has
+    /// migrated: the publication and the slot exist before any relay starts.
+    async fn set_up_slot(&self, urls: &Urls) -> Result<(), RunError> {
+        let output = tokio::process::Command::new(&self.handoff)
+            .args([
+                "cdc",
+                "setup",
+                "--slot",
+                CDC_SLOT,
+                "--publication",
+                CDC_PUBLICATION,
+            ])
+            .env("DATABASE_URL", &urls.orders)
+            .env_remove("HANDOFF_SCHEMA")
+            .output()
+            .await
+            .map_err(|e| RunError::Task(format!("handoff cdc setup: {e}")))?;
+        if output.status.success() {
+            Ok(())
+        } else {
+            Err(RunError::Task(format!(
+                "handoff cdc setup failed: {}",
+                String::from_utf8_lossy(&output.stderr).trim()
+            )))
+        }
     }
 
     /// SIGKILLs sent, per kind by name, every kind listed.

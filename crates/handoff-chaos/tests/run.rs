@@ -34,12 +34,36 @@ fn bin_dir() -> PathBuf {
 /// The CI's chaos run: about two minutes with start-up and settling, seed 7.
 const CI_DURATION: Duration = Duration::from_secs(100);
 
+/// The CI's chaos run with the logical replication source: shorter, since the polling run
+/// already covers the consumers' side at length.
+const CI_LOGICAL_DURATION: Duration = Duration::from_secs(60);
+
 #[test]
 fn a_short_chaos_run_kills_processes_and_every_invariant_holds() {
+    let report = chaos_run(CI_DURATION, &[]);
+    assert_eq!(report["relay_source"], "polling");
+}
+
+#[test]
+fn a_chaos_run_with_the_logical_source_kills_the_streaming_relay_and_every_invariant_holds() {
+    let report = chaos_run(CI_LOGICAL_DURATION, &["--relay-source", "logical"]);
+    assert_eq!(report["relay_source"], "logical");
+    // One relay streams the slot and two stand by: killing relays makes a standby take over.
+    assert!(
+        report["kills"]["relay"].as_u64().is_some_and(|n| n > 0),
+        "no relay was killed: {report}"
+    );
+}
+
+/// Runs `handoff-chaos run` for `duration` with seed 7 and `extra` arguments, asserts what
+/// every run must show (the seed's schedule followed, every kind killed, settled, no
+/// violation, every intent checked), and returns the report.
+fn chaos_run(duration: Duration, extra: &[&str]) -> serde_json::Value {
     let _ = bin_dir();
-    let duration = format!("{}s", CI_DURATION.as_secs());
+    let seconds = format!("{}s", duration.as_secs());
     let output = Command::new(CHAOS)
-        .args(["run", "--duration", &duration, "--seed", "7", "--json"])
+        .args(["run", "--duration", &seconds, "--seed", "7", "--json"])
+        .args(extra)
         .output()
         .expect("run handoff-chaos");
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -75,7 +99,7 @@ fn a_short_chaos_run_kills_processes_and_every_invariant_holds() {
     let total: u64 = kills.values().filter_map(serde_json::Value::as_u64).sum();
     assert!(total > 0, "nothing was killed: {stdout}");
     // The run followed the seed's schedule: the same seed, the same kills at the same times.
-    let planned = schedule(7, CI_DURATION);
+    let planned = schedule(7, duration);
     assert_eq!(
         report["schedule"],
         serde_json::to_value(&planned).expect("schedule as JSON"),
@@ -92,6 +116,7 @@ fn a_short_chaos_run_kills_processes_and_every_invariant_holds() {
     assert_eq!(report["settled"], true, "did not settle: {stdout}");
     // Every event reached the stream and both consumers: the checker's own counts agree.
     assert_eq!(report["check"]["intents"], report["events"]);
+    report
 }
 
 #[test]
