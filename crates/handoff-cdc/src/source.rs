@@ -1,5 +1,6 @@
 //! [`LogicalSource`]: the relay's [`Source`] over PostgreSQL logical replication.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -114,6 +115,9 @@ impl LogicalConfig {
 /// ```
 pub struct LogicalSource {
     inner: Arc<Inner>,
+    /// The stream reader, awaited by [`LogicalSource::close`].
+    reader: Mutex<Option<JoinHandle<()>>>,
+    /// The sweep, health and write-back tasks.
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -129,6 +133,10 @@ struct Inner {
     settled: Notify,
     /// Woken when the table-driven set grows.
     sweep_now: Notify,
+    /// Set by [`LogicalSource::close`]: the reader confirms what is settled and ends.
+    stopping: AtomicBool,
+    /// Wakes the reader for that last confirmation.
+    stop_now: Notify,
     sweep_sql: String,
     backlog_sql: String,
     mark_sql: String,
@@ -139,6 +147,9 @@ impl Drop for LogicalSource {
     fn drop(&mut self) {
         for task in &self.tasks {
             task.abort();
+        }
+        if let Some(reader) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            reader.abort();
         }
     }
 }
@@ -175,6 +186,8 @@ impl LogicalSource {
             work: Notify::new(),
             settled: Notify::new(),
             sweep_now: Notify::new(),
+            stopping: AtomicBool::new(false),
+            stop_now: Notify::new(),
             sweep_sql: SWEEP_SQL.replace("{outbox}", &outbox),
             backlog_sql: BACKLOG_KEYS_SQL.replace("{outbox}", &outbox),
             mark_sql: MARK_SQL.replace("{outbox}", &outbox),
@@ -189,13 +202,32 @@ impl LogicalSource {
             "CDC source started"
         );
         let (park_tx, park_rx) = mpsc::unbounded_channel();
+        let reader = tokio::spawn(read_stream(inner.clone(), park_tx));
         let tasks = vec![
-            tokio::spawn(read_stream(inner.clone(), park_tx)),
             tokio::spawn(sweep(inner.clone())),
             tokio::spawn(watch_health(inner.clone())),
             tokio::spawn(write_diverted(inner.clone(), park_rx)),
         ];
-        Ok(LogicalSource { inner, tasks })
+        Ok(LogicalSource {
+            inner,
+            reader: Mutex::new(Some(reader)),
+            tasks,
+        })
+    }
+
+    /// Confirms the settled position to the server and stops streaming: call it after the
+    /// relay's run returned (its in-flight events are settled by then), so a restart does not
+    /// publish them again. Waits at most `timeout`; dropping the source without it only costs
+    /// the redelivery of what settled since the last confirmation.
+    pub async fn close(&self, timeout: Duration) {
+        self.inner.stopping.store(true, Ordering::Relaxed);
+        self.inner.stop_now.notify_one();
+        let reader = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mut reader) = reader {
+            if tokio::time::timeout(timeout, &mut reader).await.is_err() {
+                reader.abort();
+            }
+        }
     }
 
     /// The rows mode the outbox is set to.
@@ -458,6 +490,9 @@ async fn read_stream(inner: Arc<Inner>, diverted: mpsc::UnboundedSender<(OutboxE
             Ok(()) => return,
             Err(error) => error,
         };
+        if inner.stopping.load(Ordering::Relaxed) {
+            return;
+        }
         metrics::gauge!(m::STREAMING).set(0.0);
         metrics::counter!(m::STREAM_ERRORS).increment(1);
         if started.elapsed() > Duration::from_secs(30) {
@@ -526,9 +561,13 @@ async fn stream_once(
     let ticker = {
         let token = token.clone();
         let every = inner.config.confirm_interval;
+        let inner = inner.clone();
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(every).await;
+                tokio::select! {
+                    () = tokio::time::sleep(every) => {}
+                    () = inner.stop_now.notified() => {}
+                }
                 token.lock().unwrap_or_else(|e| e.into_inner()).cancel();
             }
         })
@@ -617,6 +656,10 @@ async fn stream_once(
                     confirmed = position;
                 }
                 report_lag(inner);
+                if inner.stopping.load(Ordering::Relaxed) {
+                    info!(lsn = %pg_walstream::format_lsn(confirmed), "stopped streaming");
+                    return Ok(());
+                }
             }
             Err(error) => return Err(error),
         }

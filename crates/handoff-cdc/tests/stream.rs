@@ -25,6 +25,10 @@ async fn every_committed_event_is_published_and_a_rolled_back_one_never_is() {
         .unwrap();
     tx.rollback().await.unwrap();
     fx.enqueue("last", 1, 1).await;
+    let written: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&fx.db.pool)
+        .await
+        .unwrap();
 
     eventually(
         Duration::from_secs(30),
@@ -56,6 +60,13 @@ async fn every_committed_event_is_published_and_a_rolled_back_one_never_is() {
             == 0
     })
     .await;
+    let source = relay.source.clone();
     let report = relay.stop().await;
     assert_eq!(report.published, 101);
+    // Closing confirms what was settled: a restart would not stream these transactions again.
+    source.close(Duration::from_secs(5)).await;
+    assert!(
+        fx.confirmed_lsn().await >= common::pg_lsn(&written),
+        "the slot was not confirmed past the last write"
+    );
 }

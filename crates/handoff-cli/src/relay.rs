@@ -366,8 +366,15 @@ async fn run_logical(
     let source = LogicalSource::start(pool, config)
         .await
         .context("while starting the logical replication source")?;
-    let relay = Relay::new(source, transport, settings.relay)?;
+    let source = std::sync::Arc::new(source);
+    let relay = Relay::from_shared(
+        source.clone(),
+        std::sync::Arc::new(transport),
+        settings.relay,
+    )?;
     let report = relay.run(shutdown).await;
+    // What the run settled is confirmed now rather than redelivered after a restart.
+    source.close(Duration::from_secs(5)).await;
     info!(
         published = report.published,
         retried = report.retried,
