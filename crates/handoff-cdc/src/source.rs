@@ -1,5 +1,6 @@
 //! [`LogicalSource`]: the relay's [`Source`] over PostgreSQL logical replication.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
@@ -25,6 +26,9 @@ const SWEEP_SQL: &str = include_str!("../queries/sweep.sql");
 const BACKLOG_KEYS_SQL: &str = include_str!("../queries/backlog_keys.sql");
 const MARK_SQL: &str = include_str!("../queries/mark_published.sql");
 const PARK_SQL: &str = include_str!("../queries/park.sql");
+
+/// Tries to mark a published event's row before giving up on it (about a second in all).
+const MARK_ATTEMPTS: u32 = 7;
 
 /// Aggregates read per sweep query.
 const SWEEP_CHUNK: usize = 500;
@@ -289,6 +293,41 @@ impl Inner {
         Ok(())
     }
 
+    /// Marks the rows of acknowledged events published.
+    ///
+    /// A commit is decoded and streamed as soon as its WAL record is flushed, a moment before
+    /// PostgreSQL makes the writer's transaction visible to other sessions. An update in that
+    /// moment finds no row, and the row would stay unpublished for good, to be published again
+    /// after the next restart (tests/poison.rs caught it: 0 of 2 rows updated). So ids whose
+    /// row the update could not see are tried again, briefly; one still missing after that
+    /// (its row deleted meanwhile, say the rows mode was switched) is left with a warning: the
+    /// event itself is published.
+    async fn mark(&self, mut missing: Vec<EventId>) -> Result<(), SourceError> {
+        for attempt in 1..=MARK_ATTEMPTS {
+            let query = sqlx::query_scalar::<_, EventId>(&self.mark_sql).bind(&missing);
+            let published: HashSet<EventId> = self
+                .bounded(
+                    "while marking events published",
+                    query.fetch_all(&self.pool),
+                )
+                .await?
+                .into_iter()
+                .collect();
+            missing.retain(|id| !published.contains(id));
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if attempt < MARK_ATTEMPTS {
+                tokio::time::sleep(Duration::from_millis(10 << attempt.min(5))).await;
+            }
+        }
+        warn!(
+            events = missing.len(),
+            "rows of published events are not in the outbox; left as they are"
+        );
+        Ok(())
+    }
+
     /// Writes events to the table so they are durable without the stream: `held` is the index
     /// of the one held for an operator, if any.
     async fn park(
@@ -392,13 +431,7 @@ impl Source for LogicalSource {
                 .collect()
         };
         if !to_mark.is_empty() {
-            let query = sqlx::query(&self.inner.mark_sql).bind(&to_mark);
-            self.inner
-                .bounded(
-                    "while marking events published",
-                    query.execute(&self.inner.pool),
-                )
-                .await?;
+            self.inner.mark(to_mark).await?;
         }
         let mut state = self.inner.state();
         let mut from_table = false;
@@ -427,22 +460,47 @@ impl Source for LogicalSource {
                 }
                 None => {
                     // Durable first, then settled: the write may fail and be retried.
-                    let queue = self.inner.state().queue_from(&failure.event_id);
-                    let Some((first, _)) = queue.first() else {
+                    //
+                    // Events of the aggregate that stream in while the park is written join
+                    // its queue, and `hold` takes the whole queue out and settles it. Each must
+                    // be in the table first: with deleted rows the writer's row is gone, and
+                    // settling one unwritten would move the slot past an event that is neither
+                    // published nor anywhere else (found by tests/poison.rs). So the queue is
+                    // re-read after each write, and held only once nothing unwritten is in it,
+                    // under the same lock as the check.
+                    let mut written: HashSet<EventId> = HashSet::new();
+                    let key = loop {
+                        let unwritten: Vec<OutboxEvent> = {
+                            let mut state = self.inner.state();
+                            let queue = state.queue_from(&failure.event_id);
+                            let Some((first, _)) = queue.first() else {
+                                break None;
+                            };
+                            let key: Key =
+                                (first.aggregate_type.clone(), first.aggregate_id.clone());
+                            let unwritten: Vec<OutboxEvent> = queue
+                                .into_iter()
+                                .map(|(e, _)| e)
+                                .filter(|e| !written.contains(&e.event_id))
+                                .collect();
+                            if unwritten.is_empty() {
+                                let taken = state.hold(&failure.event_id);
+                                let origins: Vec<Origin> = taken.iter().map(|(_, o)| *o).collect();
+                                state.parked(&key, &origins);
+                                break Some(key);
+                            }
+                            unwritten
+                        };
+                        let held = unwritten
+                            .iter()
+                            .position(|e| e.event_id == failure.event_id)
+                            .map(|at| (at, failure.error.as_str()));
+                        self.inner.park(&unwritten, held).await?;
+                        written.extend(unwritten.iter().map(|e| e.event_id));
+                    };
+                    let Some(key) = key else {
                         continue;
                     };
-                    let key: Key = (first.aggregate_type.clone(), first.aggregate_id.clone());
-                    let events: Vec<OutboxEvent> = queue.iter().map(|(e, _)| e.clone()).collect();
-                    let held = events
-                        .iter()
-                        .position(|e| e.event_id == failure.event_id)
-                        .map(|at| (at, failure.error.as_str()));
-                    self.inner.park(&events, held).await?;
-                    let mut state = self.inner.state();
-                    let taken = state.hold(&failure.event_id);
-                    let origins: Vec<Origin> = taken.iter().map(|(_, o)| *o).collect();
-                    state.parked(&key, &origins);
-                    drop(state);
                     warn!(
                         event_id = %failure.event_id,
                         aggregate_type = %key.0,

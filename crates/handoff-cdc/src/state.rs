@@ -76,6 +76,11 @@ pub(crate) struct State {
     /// Table-driven aggregates, with a counter bumped whenever one of their rows becomes
     /// durable in the table, so the sweep never frees an aggregate on a stale read.
     table_driven: HashMap<Key, u64>,
+    /// Diverted events per table-driven aggregate whose rows are not written yet (deleted-rows
+    /// mode). The aggregate must not be freed meanwhile: a sweep that read the table before
+    /// such a row landed sees nothing to publish, and freeing the aggregate then would strand
+    /// the row, unpublished, until the next restart (tests/poison.rs caught it).
+    diverting: HashMap<Key, usize>,
 }
 
 impl State {
@@ -139,6 +144,7 @@ impl State {
                     *counter += 1;
                 } else {
                     unsettled += 1;
+                    *self.diverting.entry(key).or_insert(0) += 1;
                     diverted.to_write.push((event, number));
                 }
                 continue;
@@ -187,7 +193,7 @@ impl State {
             return 0;
         }
         if rows.is_empty() {
-            if current == counter {
+            if current == counter && !self.diverting.contains_key(key) {
                 self.table_driven.remove(key);
             }
             return 0;
@@ -210,6 +216,12 @@ impl State {
     pub(crate) fn written(&mut self, key: &Key, number: u64) {
         if let Some(counter) = self.table_driven.get_mut(key) {
             *counter += 1;
+        }
+        if let Some(pending) = self.diverting.get_mut(key) {
+            *pending -= 1;
+            if *pending == 0 {
+                self.diverting.remove(key);
+            }
         }
         self.settle_tx(number);
         self.advance();
@@ -563,6 +575,24 @@ mod tests {
         ];
         assert_eq!(state.swept(&key, 0, rows), 0);
         assert!(state.claim(10, Instant::now()).is_empty());
+    }
+
+    #[test]
+    fn without_kept_rows_an_aggregate_is_not_freed_while_a_diverted_row_is_being_written() {
+        let mut state = State::new(0);
+        let key: Key = ("thing".into(), "a".into());
+        state.drive_from_table([key.clone()]);
+        // The event streams in and is diverted; a sweep reads the table before its row lands.
+        let diverted = state.commit(vec![outbox_event("a", 1)], 10, 0, false);
+        let seen = state.table_driven()[0].1;
+        state.swept(&key, seen, Vec::new());
+        assert_eq!(
+            state.table_driven().len(),
+            1,
+            "freed with its row still to be written: nobody would publish it"
+        );
+        state.written(&key, diverted.to_write[0].1);
+        assert_eq!(state.table_driven().len(), 1);
     }
 
     #[test]

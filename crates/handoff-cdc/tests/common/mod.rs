@@ -3,15 +3,21 @@
 
 #![allow(dead_code)]
 
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_cdc::{setup, CdcNames, LogicalConfig, LogicalSource, RowMode};
+use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Transport};
+use handoff_core::{EventId, NewEvent};
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
-use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
+use handoff_postgres::{Enqueued, Migrator, Outbox, OutboxConfig, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig, RelayReport};
 use handoff_test::cluster::PrivatePostgres;
-use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
+use handoff_test::nats::{
+    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
+};
 use handoff_test::{factory, TestDb};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -99,11 +105,20 @@ impl Fixture {
         T: handoff_core::delivery::Transport,
         F: FnOnce(JetStreamTransport) -> T,
     {
+        self.relay_with(self.logical_config(), wrap).await
+    }
+
+    /// Starts the CDC relay with `config`, over the real transport wrapped by `wrap`.
+    pub async fn relay_with<T, F>(&self, config: LogicalConfig, wrap: F) -> RunningRelay
+    where
+        T: handoff_core::delivery::Transport,
+        F: FnOnce(JetStreamTransport) -> T,
+    {
         let transport = JetStreamTransport::connect(&shared_url(), self.jetstream.clone())
             .await
             .unwrap();
         transport.ensure_stream().await.unwrap();
-        let source = LogicalSource::start(self.db.pool.clone(), self.logical_config())
+        let source = LogicalSource::start(self.db.pool.clone(), config)
             .await
             .unwrap();
         let source = Arc::new(source);
@@ -124,6 +139,56 @@ impl Fixture {
             .collect();
         self.outbox.enqueue(&mut tx, &events).await.unwrap();
         tx.commit().await.unwrap();
+    }
+
+    /// Commits `events` in one transaction and returns what was enqueued (ids, sequences).
+    pub async fn commit(&self, events: &[NewEvent]) -> Vec<Enqueued> {
+        let mut tx = self.db.pool.begin().await.unwrap();
+        let enqueued = self.outbox.enqueue(&mut tx, events).await.unwrap();
+        tx.commit().await.unwrap();
+        enqueued
+    }
+
+    /// The slot's positions and holder, with the server's WAL position, read at one instant.
+    pub async fn slot(&self) -> SlotState {
+        let (restart, confirmed, active_pid, current): (String, String, Option<i32>, String) =
+            sqlx::query_as(
+                "SELECT restart_lsn::text, confirmed_flush_lsn::text, active_pid,
+                        pg_current_wal_lsn()::text
+                 FROM pg_replication_slots WHERE slot_name = $1",
+            )
+            .bind(SLOT)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap();
+        SlotState {
+            restart_lsn: pg_lsn(&restart),
+            confirmed_flush_lsn: pg_lsn(&confirmed),
+            active_pid,
+            current_lsn: pg_lsn(&current),
+        }
+    }
+
+    /// The server's WAL write position now.
+    pub async fn current_wal_lsn(&self) -> u64 {
+        let text: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap();
+        pg_lsn(&text)
+    }
+
+    /// Outbox rows not marked published.
+    pub async fn unpublished(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    /// The stream's content, read back.
+    pub async fn delivered(&self) -> Delivered {
+        Delivered::from_stream(&self.client, &self.stream).await
     }
 
     /// The slot's confirmed position, as a number.
@@ -170,9 +235,301 @@ pub struct RunningRelay {
 }
 
 impl RunningRelay {
+    /// Stops it gracefully (in-flight publishes finish, outcomes are written) and drops the
+    /// source, which closes its replication connection.
     pub async fn stop(self) -> RelayReport {
         let _ = self.stop.send(true);
         self.task.await.unwrap()
+    }
+
+    /// Kills it as a crash would: the relay task is aborted wherever it is (publishes in
+    /// flight, outcomes unwritten), then the last handle on the source is dropped, which
+    /// aborts its reader and closes the replication connection without a last confirm.
+    pub async fn abort(self) {
+        let RunningRelay { stop, task, source } = self;
+        task.abort();
+        let _ = task.await;
+        drop(source);
+        drop(stop);
+    }
+}
+
+/// A replication slot as `pg_replication_slots` shows it, with the server's WAL position.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotState {
+    pub restart_lsn: u64,
+    pub confirmed_flush_lsn: u64,
+    /// The walsender streaming from the slot, if any.
+    pub active_pid: Option<i32>,
+    pub current_lsn: u64,
+}
+
+impl SlotState {
+    /// WAL the slot keeps from being removed: from its restart position to the server's.
+    pub fn retained(&self) -> u64 {
+        self.current_lsn.saturating_sub(self.restart_lsn)
+    }
+
+    /// How far the confirmed position is behind the server's.
+    pub fn confirmed_lag(&self) -> u64 {
+        self.current_lsn.saturating_sub(self.confirmed_flush_lsn)
+    }
+}
+
+/// What the writers committed: per aggregate id, event id by sequence.
+#[derive(Debug, Default, Clone)]
+pub struct Ledger {
+    pub by_aggregate: BTreeMap<String, BTreeMap<i64, String>>,
+}
+
+impl Ledger {
+    /// Records the events one committed `enqueue` returned for `events` (same order).
+    pub fn record(&mut self, events: &[NewEvent], enqueued: &[Enqueued]) {
+        assert_eq!(events.len(), enqueued.len());
+        for (event, done) in events.iter().zip(enqueued) {
+            let previous = self
+                .by_aggregate
+                .entry(event.aggregate_id().to_owned())
+                .or_default()
+                .insert(done.aggregate_sequence, done.event_id.to_string());
+            assert!(
+                previous.is_none(),
+                "sequence {} of {} assigned twice",
+                done.aggregate_sequence,
+                event.aggregate_id()
+            );
+        }
+    }
+
+    /// Adds another writer's record.
+    pub fn merge(&mut self, other: Ledger) {
+        for (aggregate, events) in other.by_aggregate {
+            let mine = self.by_aggregate.entry(aggregate.clone()).or_default();
+            for (sequence, id) in events {
+                assert!(
+                    mine.insert(sequence, id).is_none(),
+                    "sequence {sequence} of {aggregate} committed twice"
+                );
+            }
+        }
+    }
+
+    pub fn ids(&self) -> HashSet<String> {
+        self.by_aggregate
+            .values()
+            .flat_map(|events| events.values().cloned())
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_aggregate.values().map(BTreeMap::len).sum()
+    }
+}
+
+/// A stream's content: every event's first copy per aggregate, in stream order.
+#[derive(Debug)]
+pub struct Delivered {
+    /// Messages stored, copies included.
+    pub messages: usize,
+    /// Distinct event ids.
+    pub ids: HashSet<String>,
+    /// Per aggregate id: `(sequence, event id)` of each event's first copy, in stream order.
+    pub first_copies: HashMap<String, Vec<(i64, String)>>,
+}
+
+impl Delivered {
+    pub async fn from_stream(client: &async_nats::Client, stream: &str) -> Delivered {
+        let messages = read_stream(client, stream).await;
+        let mut ids = HashSet::new();
+        let mut first_copies: HashMap<String, Vec<(i64, String)>> = HashMap::new();
+        for message in &messages {
+            let id = message.header("Nats-Msg-Id").unwrap().to_owned();
+            if !ids.insert(id.clone()) {
+                continue;
+            }
+            let aggregate = message.header("Handoff-Aggregate-Id").unwrap().to_owned();
+            let sequence: i64 = message.header("Handoff-Sequence").unwrap().parse().unwrap();
+            first_copies
+                .entry(aggregate)
+                .or_default()
+                .push((sequence, id));
+        }
+        Delivered {
+            messages: messages.len(),
+            ids,
+            first_copies,
+        }
+    }
+
+    pub fn contains(&self, id: &EventId) -> bool {
+        self.ids.contains(&id.to_string())
+    }
+
+    /// Asserts the stream holds exactly the ledger's events, no other, each once (JetStream's
+    /// dedup by event id), and per aggregate the first copies in sequence order `1..=n` with
+    /// the ids the writers committed at those sequences.
+    pub fn assert_exactly(&self, ledger: &Ledger) {
+        let expected = ledger.ids();
+        let missing = expected.difference(&self.ids).count();
+        let extra: Vec<_> = self.ids.difference(&expected).collect();
+        assert_eq!(
+            missing, 0,
+            "{missing} committed events missing from the stream"
+        );
+        assert!(
+            extra.is_empty(),
+            "events never committed in the stream: {extra:?}"
+        );
+        assert_eq!(
+            self.messages,
+            expected.len(),
+            "every event stored exactly once (dedup by event id)"
+        );
+        for (aggregate, events) in &ledger.by_aggregate {
+            let committed: Vec<(i64, String)> =
+                events.iter().map(|(s, id)| (*s, id.clone())).collect();
+            let gapless: Vec<i64> = (1..=committed.len() as i64).collect();
+            assert_eq!(
+                committed.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+                gapless,
+                "{aggregate}: committed sequences have a gap"
+            );
+            let streamed = self
+                .first_copies
+                .get(aggregate)
+                .cloned()
+                .unwrap_or_default();
+            assert_eq!(streamed, committed, "{aggregate}: stream order differs");
+        }
+    }
+}
+
+/// A small seeded generator (splitmix64), so fault patterns repeat run after run.
+pub struct Seeded(u64);
+
+impl Seeded {
+    pub fn new(seed: u64) -> Seeded {
+        Seeded(seed)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The real transport with seeded faults: `transient`% of publishes fail before reaching the
+/// broker, `lost_ack`% reach it and are then reported as timed out (the ambiguous kind).
+pub struct Faulty<T> {
+    pub inner: T,
+    pub rng: Mutex<Seeded>,
+    pub transient: u64,
+    pub lost_ack: u64,
+    /// Faults injected so far.
+    pub injected: Arc<AtomicU64>,
+}
+
+impl<T: Transport> Transport for Faulty<T> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+        let roll = self.rng.lock().unwrap().below(100);
+        if roll < self.transient {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+            return Err(PublishError::new(
+                PublishErrorKind::Transient,
+                "injected: leader election",
+            ));
+        }
+        self.inner.publish(event).await?;
+        if roll < self.transient + self.lost_ack {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+            return Err(PublishError::new(
+                PublishErrorKind::Timeout,
+                "injected: ack lost",
+            ));
+        }
+        Ok(())
+    }
+
+    async fn wait_until_ready(&self, at_most: Duration) -> bool {
+        self.inner.wait_until_ready(at_most).await
+    }
+}
+
+/// The real transport refusing for good (a poison event) every event whose id is in `poison`
+/// at the time of the publish; emptying the set removes the cause.
+pub struct Rejecting<T> {
+    pub inner: T,
+    pub poison: Arc<Mutex<HashSet<EventId>>>,
+}
+
+impl<T: Transport> Transport for Rejecting<T> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+        if self.poison.lock().unwrap().contains(&event.event_id) {
+            return Err(PublishError::new(
+                PublishErrorKind::Rejected,
+                "injected: refused by the broker",
+            ));
+        }
+        self.inner.publish(event).await
+    }
+
+    async fn wait_until_ready(&self, at_most: Duration) -> bool {
+        self.inner.wait_until_ready(at_most).await
+    }
+}
+
+/// The real transport, counting acknowledged publishes (which relay did the work).
+pub struct Counting<T> {
+    pub inner: T,
+    pub published: Arc<AtomicU64>,
+}
+
+impl<T: Transport> Transport for Counting<T> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+        self.inner.publish(event).await?;
+        self.published.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn wait_until_ready(&self, at_most: Duration) -> bool {
+        self.inner.wait_until_ready(at_most).await
+    }
+}
+
+/// The real transport that, after `allowance` acknowledged publishes, still hands events to the
+/// broker but never returns: the relay is stuck between the broker's accept and its own
+/// bookkeeping, the window a crash hits hardest.
+pub struct Stalling<T> {
+    pub inner: T,
+    pub allowance: AtomicU64,
+    /// Publishes that reached the broker and never returned.
+    pub stalled: Arc<AtomicU64>,
+}
+
+impl<T: Transport> Transport for Stalling<T> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+        let allowed = self
+            .allowance
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        self.inner.publish(event).await?;
+        if !allowed {
+            self.stalled.fetch_add(1, Ordering::Relaxed);
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+
+    async fn wait_until_ready(&self, at_most: Duration) -> bool {
+        self.inner.wait_until_ready(at_most).await
     }
 }
 

@@ -1,0 +1,206 @@
+//! Restarts of the CDC relay with work left unconfirmed (brief P4, P9, F4, V3): a graceful stop,
+//! a kill in the middle of publishing (events accepted by the broker, outcomes never written),
+//! events committed while no relay runs, and a hot standby on the same slot. Every event must
+//! end up in the stream exactly once by id (JetStream's dedup absorbs the republishes) and in
+//! order per aggregate, from the slot's last confirmed position.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{eventually, Counting, Fixture, Ledger, Stalling};
+use handoff_cdc::RowMode;
+use handoff_core::NewEvent;
+use handoff_relay::Backoff;
+use handoff_test::factory;
+
+const AGGREGATES: u64 = 30;
+
+/// Commits rounds `rounds` of the workload: per round, one transaction per aggregate with two
+/// events of it, aggregates interleaved in commit order.
+async fn write_rounds(fx: &Fixture, ledger: &mut Ledger, rounds: std::ops::Range<u64>) {
+    for round in rounds {
+        for aggregate in 0..AGGREGATES {
+            let events: Vec<NewEvent> = (0..2)
+                .map(|k| factory::event(&format!("r{aggregate}"), round * 2 + k))
+                .collect();
+            let enqueued = fx.commit(&events).await;
+            ledger.record(&events, &enqueued);
+        }
+    }
+}
+
+/// Waits for the stream to hold the ledger, then checks it, the rows and the slot's position.
+async fn assert_all_delivered_once(fx: &Fixture, ledger: &Ledger, rows: RowMode) {
+    let wal_after = fx.current_wal_lsn().await;
+    eventually(
+        Duration::from_secs(20),
+        "every committed event in the stream",
+        || async { fx.delivered().await.ids.len() >= ledger.len() },
+    )
+    .await;
+    fx.delivered().await.assert_exactly(ledger);
+    eventually(
+        Duration::from_secs(10),
+        "no row left unpublished",
+        || async { fx.unpublished().await == 0 },
+    )
+    .await;
+    if rows == RowMode::Keep {
+        assert_eq!(fx.db.count("outbox").await, ledger.len() as i64);
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the slot confirmed past every commit",
+        || async { fx.slot().await.confirmed_flush_lsn >= wal_after },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stopped_gracefully_resumes_and_publishes_what_was_committed_meanwhile() {
+    let fx = Fixture::start("cdc_restart_graceful", RowMode::Keep, &[]).await;
+    let mut ledger = Ledger::default();
+    let first = fx.relay().await;
+    write_rounds(&fx, &mut ledger, 0..3).await;
+    eventually(
+        Duration::from_secs(15),
+        "the first batch published",
+        || async { fx.delivered().await.ids.len() >= ledger.len() },
+    )
+    .await;
+    first.stop().await;
+    eventually(Duration::from_secs(10), "the slot released", || async {
+        fx.slot().await.active_pid.is_none()
+    })
+    .await;
+
+    // Committed while no relay runs: only the slot (and the rows) remember them.
+    write_rounds(&fx, &mut ledger, 3..6).await;
+    let second = fx.relay().await;
+    assert_all_delivered_once(&fx, &ledger, RowMode::Keep).await;
+    second.stop().await;
+}
+
+async fn killed_mid_stream_then_restarted(name: &str, rows: RowMode) {
+    let fx = Fixture::start(name, rows, &[]).await;
+    let mut ledger = Ledger::default();
+    let stalled = Arc::new(AtomicU64::new(0));
+    // After 150 acknowledged publishes, every publish reaches the broker and never returns:
+    // the relay dies with events accepted but neither marked nor settled.
+    let first = fx
+        .relay_over(|inner| Stalling {
+            inner,
+            allowance: AtomicU64::new(150),
+            stalled: stalled.clone(),
+        })
+        .await;
+    write_rounds(&fx, &mut ledger, 0..10).await;
+    eventually(
+        Duration::from_secs(15),
+        "the first relay stuck mid-stream",
+        || async { stalled.load(Ordering::Relaxed) >= 10 },
+    )
+    .await;
+    let in_stream = fx.delivered().await.ids.len();
+    assert!(
+        in_stream > 150 && in_stream < ledger.len(),
+        "killed mid-stream: {in_stream} of {} in the stream",
+        ledger.len()
+    );
+    let confirmed_at_kill = fx.slot().await.confirmed_flush_lsn;
+    first.abort().await;
+
+    write_rounds(&fx, &mut ledger, 10..13).await;
+    let second = fx.relay().await;
+    assert_all_delivered_once(&fx, &ledger, rows).await;
+    assert!(fx.slot().await.confirmed_flush_lsn > confirmed_at_kill);
+    let report = second.stop().await;
+    // The killed relay's accepted-but-unsettled events are published again (deduplicated by
+    // the stream), never skipped.
+    assert!(
+        report.published as usize >= ledger.len() - 150,
+        "{} published after the restart",
+        report.published
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_mid_stream_with_kept_rows_loses_nothing_and_keeps_order() {
+    killed_mid_stream_then_restarted("cdc_restart_kill_keep", RowMode::Keep).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_mid_stream_with_deleted_rows_loses_nothing_and_keeps_order() {
+    // The slot is the only copy of the unconfirmed events here: a position confirmed past any
+    // of them would lose it for good.
+    killed_mid_stream_then_restarted("cdc_restart_kill_delete", RowMode::Delete).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_relay_on_the_same_slot_stands_by_and_takes_over_when_the_first_stops() {
+    let fx = Fixture::start("cdc_restart_standby", RowMode::Keep, &[]).await;
+    let mut ledger = Ledger::default();
+    let by_first = Arc::new(AtomicU64::new(0));
+    let by_second = Arc::new(AtomicU64::new(0));
+    let first = fx
+        .relay_over(|inner| Counting {
+            inner,
+            published: by_first.clone(),
+        })
+        .await;
+    eventually(
+        Duration::from_secs(10),
+        "the first relay streaming",
+        || async { fx.slot().await.active_pid.is_some() },
+    )
+    .await;
+    let first_pid = fx.slot().await.active_pid;
+    // The standby retries often, so the takeover is quick once the slot is free.
+    let mut config = fx.logical_config();
+    config.reconnect = Backoff {
+        initial: Duration::from_millis(100),
+        max: Duration::from_millis(300),
+    };
+    let second = fx
+        .relay_with(config, |inner| Counting {
+            inner,
+            published: by_second.clone(),
+        })
+        .await;
+
+    write_rounds(&fx, &mut ledger, 0..3).await;
+    eventually(
+        Duration::from_secs(15),
+        "the first batch published",
+        || async { fx.delivered().await.ids.len() >= ledger.len() },
+    )
+    .await;
+    assert_eq!(
+        fx.slot().await.active_pid,
+        first_pid,
+        "the slot stayed with the first relay"
+    );
+    assert_eq!(
+        by_second.load(Ordering::Relaxed),
+        0,
+        "the standby published nothing while the first streamed"
+    );
+    assert!(by_first.load(Ordering::Relaxed) as usize >= ledger.len());
+
+    first.stop().await;
+    write_rounds(&fx, &mut ledger, 3..6).await;
+    assert_all_delivered_once(&fx, &ledger, RowMode::Keep).await;
+    assert!(
+        by_second.load(Ordering::Relaxed) >= 3 * 2 * AGGREGATES,
+        "the standby published the second batch"
+    );
+    let now = fx.slot().await.active_pid;
+    assert!(
+        now.is_some() && now != first_pid,
+        "the standby holds the slot"
+    );
+    second.stop().await;
+}
