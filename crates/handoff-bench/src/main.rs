@@ -10,9 +10,13 @@
 //!   through the inbox, against the same consumer and handler without it.
 //! - `handoff-bench cleanup` ([`cleanup`]) measures the relay's commit-to-ack latency with and
 //!   without a cleanup of a million published rows running beside it.
+//! - `handoff-bench cdc` ([`cdc`]) measures the CDC source (rows kept, rows deleted) against the
+//!   polling relay on one private `wal_level=logical` PostgreSQL: drain rate, commit-to-ack
+//!   latency, and the order write's orders/s with each setup in place.
 
 use clap::{Parser, Subcommand};
 
+mod cdc;
 mod cleanup;
 mod consumer;
 mod relay;
@@ -39,6 +43,8 @@ enum Command {
     Consumer(consumer::ConsumerArgs),
     /// Relay commit-to-ack latency with vs without a cleanup running beside it.
     Cleanup(cleanup::CleanupArgs),
+    /// The CDC source (rows kept / deleted) against the polling relay: drain, latency, write.
+    Cdc(cdc::CdcArgs),
 }
 
 #[tokio::main]
@@ -56,6 +62,7 @@ async fn main() -> std::process::ExitCode {
         Command::Relay(args) => relay::relay(args).await,
         Command::Consumer(args) => consumer::consumer(args).await,
         Command::Cleanup(args) => cleanup::cleanup(args).await,
+        Command::Cdc(args) => cdc::cdc(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

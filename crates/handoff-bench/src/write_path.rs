@@ -9,7 +9,6 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use hdrhistogram::Histogram;
 use order_service::idempotency::{Fingerprint, IdempotencyKey};
 use order_service::model::{CreateOrder, Line};
 use order_service::store::{create_order_in_tx, insert_order_in_tx};
@@ -17,6 +16,7 @@ use serde::Serialize;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 
+use crate::relay::probe::histogram;
 use crate::scratch::ScratchDatabase;
 
 /// Flags of `handoff-bench write-path`.
@@ -46,7 +46,7 @@ pub struct WritePathArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 #[allow(clippy::enum_variant_names)] // the shared suffix is the point: with or without
-enum Variant {
+pub(crate) enum Variant {
     /// sqlx, as the order service runs: order row + lines + idempotency record in one
     /// statement, in a transaction (BEGIN, write, COMMIT).
     WithoutOutbox,
@@ -80,13 +80,19 @@ const PAIRS: [(&str, Variant, Variant); 3] = [
     ),
 ];
 
+/// One (variant, clients) measurement.
 #[derive(Debug, Serialize)]
-struct Cell {
-    variant: Variant,
-    clients: usize,
-    orders_per_second: f64,
-    p50_ms: f64,
-    p99_ms: f64,
+pub(crate) struct Cell {
+    /// The write measured.
+    pub variant: Variant,
+    /// Client connections, each writing back to back.
+    pub clients: usize,
+    /// Committed orders per second over the cell.
+    pub orders_per_second: f64,
+    /// Median order transaction (BEGIN to COMMIT returned), in ms.
+    pub p50_ms: f64,
+    /// 99th percentile order transaction, in ms.
+    pub p99_ms: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -198,7 +204,8 @@ async fn reset(conn: &mut PgConnection) -> Result<()> {
     Ok(())
 }
 
-async fn measure(
+/// Runs `clients` connections writing `variant` back to back for `duration`.
+pub(crate) async fn measure(
     options: &PgConnectOptions,
     variant: Variant,
     clients: usize,
@@ -237,7 +244,9 @@ async fn measure(
             let request = request.clone();
             let fingerprint = fingerprint.clone();
             tokio::spawn(async move {
-                let mut latencies = Histogram::<u64>::new(3).expect("valid histogram precision");
+                // Fixed bounds: an auto-resizing histogram's `saturating_record` clamps to its
+                // initial ~2 ms ceiling instead of growing.
+                let mut latencies = histogram();
                 let mut n = 0u64;
                 while Instant::now() < deadline {
                     let key = IdempotencyKey::parse(format!("bench-{client}-{n}").as_bytes())
@@ -279,7 +288,7 @@ async fn measure(
             })
         })
         .collect();
-    let mut all = Histogram::<u64>::new(3).expect("valid histogram precision");
+    let mut all = histogram();
     for task in tasks {
         all.add(task.await??)?;
     }

@@ -32,7 +32,7 @@ const AGGREGATES: usize = 1_000;
 
 /// How long the relay runs on an empty outbox before the writer starts, so that it is asleep
 /// (registered for notifications, or between polls) as between bursts in production.
-const SETTLE: Duration = Duration::from_millis(1_500);
+pub const SETTLE: Duration = Duration::from_millis(1_500);
 
 /// How the relay learns of new events.
 #[derive(Debug, Clone, Copy)]
@@ -172,6 +172,69 @@ pub async fn run(
     });
 
     let cpu_start = cpu::snapshot(admin, bench.nats_pid).await?;
+    let paced = write_paced(conns, rate, duration).await?;
+
+    // Every committed event is published within a poll interval, plus publishing time.
+    let deadline = Instant::now() + scenario.poll_interval + Duration::from_secs(5);
+    wait_acked(&transport, &paced.commits, deadline).await;
+    let cpu = cpu::share(&cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
+    let pending = super::workload::unpublished(admin).await?;
+    let stuck = if pending > 0 {
+        Some(stuck(admin).await?)
+    } else {
+        None
+    };
+    count_stop_tx.send_replace(true);
+    let notifications = counter.await?;
+    stop_tx.send_replace(true);
+    let report = ReportSummary::from(handle.await?);
+    source.inner().unregister().await?;
+
+    let acks = commit_to_ack(&transport, &paced.commits);
+    let (latency, missing) = (&acks.latency, acks.missing);
+    Ok(LatencyRun {
+        scenario: scenario.name,
+        listen: scenario.listen,
+        poll_interval_ms: scenario.poll_interval.as_millis() as u64,
+        target_rate: rate,
+        achieved_rate: paced.achieved_rate,
+        committed: paced.commits.len(),
+        missing,
+        p50_ms: quantile_ms(latency, 0.5),
+        p90_ms: quantile_ms(latency, 0.9),
+        p99_ms: quantile_ms(latency, 0.99),
+        max_ms: latency.max() as f64 / 1000.0,
+        acked_before_commit_returned: acks.early,
+        writer_tx_p50_ms: quantile_ms(&paced.tx_times, 0.5),
+        writer_tx_p99_ms: quantile_ms(&paced.tx_times, 0.99),
+        writer_max_behind_ms: paced.behind.as_secs_f64() * 1000.0,
+        notifications,
+        stuck,
+        claim_log: (missing > 0).then(|| source.claim_log()),
+        source: source.stats(),
+        transport: transport.stats(),
+        report,
+        cpu,
+    })
+}
+
+/// What a paced writer committed.
+pub struct Paced {
+    /// Every event with the instant its writer's `COMMIT` returned.
+    pub commits: Vec<(EventId, Instant)>,
+    /// The writers' transactions (BEGIN, enqueue, COMMIT), in µs.
+    pub tx_times: Histogram<u64>,
+    /// How late a writer started its latest event against its schedule.
+    pub behind: Duration,
+    /// Events per second committed (committed / time from first due to last commit).
+    pub achieved_rate: f64,
+}
+
+/// The open-loop writer: `rate * duration` events, one per transaction (`Outbox::enqueue`),
+/// event `k` due at `start + k / rate`, connection `i` taking every n-th event from `i`.
+pub async fn write_paced(conns: Vec<PgConnection>, rate: u32, duration: Duration) -> Result<Paced> {
+    let writers = conns.len();
+    anyhow::ensure!(writers > 0, "the paced writer needs a connection");
     let total = (f64::from(rate) * duration.as_secs_f64()).round() as usize;
     let outbox = Arc::new(Outbox::new(
         OutboxConfig::default(),
@@ -216,36 +279,48 @@ pub async fn run(
     }
     let last_commit = commits.iter().map(|(_, at)| *at).max().unwrap_or(start);
     let achieved_rate = commits.len() as f64 / last_commit.duration_since(start).as_secs_f64();
+    Ok(Paced {
+        commits,
+        tx_times,
+        behind,
+        achieved_rate,
+    })
+}
 
-    // Every committed event is published within a poll interval, plus publishing time.
-    let deadline = Instant::now() + scenario.poll_interval + Duration::from_secs(5);
+/// Waits until `transport` saw an ack for every commit, or until `deadline`.
+pub async fn wait_acked<T>(
+    transport: &ProbeTransport<T>,
+    commits: &[(EventId, Instant)],
+    deadline: Instant,
+) {
     loop {
         let unacked = commits
             .iter()
             .filter(|(id, _)| transport.acked_at(id).is_none())
             .count();
         if unacked == 0 || Instant::now() >= deadline {
-            break;
+            return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let cpu = cpu::share(&cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
-    let pending = super::workload::unpublished(admin).await?;
-    let stuck = if pending > 0 {
-        Some(stuck(admin).await?)
-    } else {
-        None
-    };
-    count_stop_tx.send_replace(true);
-    let notifications = counter.await?;
-    stop_tx.send_replace(true);
-    let report = ReportSummary::from(handle.await?);
-    source.inner().unregister().await?;
+}
 
+/// Commit-to-ack of a paced writer's events.
+pub struct Acks {
+    /// Commit (writer's `COMMIT` returned) to first ack (the relay's publish returned), in µs.
+    pub latency: Histogram<u64>,
+    /// Committed events never acknowledged.
+    pub missing: usize,
+    /// Acks that returned before the writer's COMMIT did (recorded as 0).
+    pub early: usize,
+}
+
+/// The commit-to-ack histogram: both instants are this process's clock.
+pub fn commit_to_ack<T>(transport: &ProbeTransport<T>, commits: &[(EventId, Instant)]) -> Acks {
     let mut latency: Histogram<u64> = histogram();
     let mut missing = 0;
     let mut early = 0;
-    for (id, committed) in &commits {
+    for (id, committed) in commits {
         match transport.acked_at(id) {
             Some(acked) => {
                 if acked < *committed {
@@ -258,30 +333,11 @@ pub async fn run(
             None => missing += 1,
         }
     }
-    Ok(LatencyRun {
-        scenario: scenario.name,
-        listen: scenario.listen,
-        poll_interval_ms: scenario.poll_interval.as_millis() as u64,
-        target_rate: rate,
-        achieved_rate,
-        committed: commits.len(),
+    Acks {
+        latency,
         missing,
-        p50_ms: quantile_ms(&latency, 0.5),
-        p90_ms: quantile_ms(&latency, 0.9),
-        p99_ms: quantile_ms(&latency, 0.99),
-        max_ms: latency.max() as f64 / 1000.0,
-        acked_before_commit_returned: early,
-        writer_tx_p50_ms: quantile_ms(&tx_times, 0.5),
-        writer_tx_p99_ms: quantile_ms(&tx_times, 0.99),
-        writer_max_behind_ms: behind.as_secs_f64() * 1000.0,
-        notifications,
-        stuck,
-        claim_log: (missing > 0).then(|| source.claim_log()),
-        source: source.stats(),
-        transport: transport.stats(),
-        report,
-        cpu,
-    })
+        early,
+    }
 }
 
 /// The unpublished events when a scenario ended with events unacknowledged.

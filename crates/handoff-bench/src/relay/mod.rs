@@ -32,10 +32,10 @@ use latency::LatencyRun;
 use workload::Workload;
 
 pub(crate) mod cpu;
-mod drain;
-mod latency;
-mod probe;
-mod workload;
+pub(crate) mod drain;
+pub(crate) mod latency;
+pub(crate) mod probe;
+pub(crate) mod workload;
 
 /// The stream the benchmark owns: deleted and created again before every variant.
 const STREAM: &str = "BENCH_RELAY";
@@ -118,7 +118,8 @@ pub struct RelayArgs {
 pub struct Bench {
     /// The scratch database.
     pub options: PgConnectOptions,
-    nats_url: String,
+    /// The JetStream server.
+    pub nats_url: String,
     /// The backlog's size.
     pub workload: Workload,
     /// The transport's settings: the bench's stream, otherwise the defaults.
@@ -156,6 +157,11 @@ impl Bench {
         preload: bool,
     ) -> Result<()> {
         workload::reset(admin, self.workload, preload).await?;
+        self.recreate_stream(transport).await
+    }
+
+    /// Replaces the bench's stream by an empty one.
+    pub async fn recreate_stream(&self, transport: &JetStreamTransport) -> Result<()> {
         let context = jetstream::new(transport.client().clone());
         // A stream that does not exist is fine: the create below tells whether it is gone.
         let _ = context.delete_stream(&self.jetstream.stream).await;
@@ -181,7 +187,8 @@ impl Bench {
         }
     }
 
-    async fn delete_stream(&self) -> Result<()> {
+    /// Deletes the bench's stream at the end of a run.
+    pub async fn delete_stream(&self) -> Result<()> {
         let transport = self.transport().await?;
         jetstream::new(transport.client().clone())
             .delete_stream(&self.jetstream.stream)
@@ -629,7 +636,7 @@ fn met(met: bool) -> &'static str {
 }
 
 /// The port of the first server in a NATS URL; 4222 when it names none.
-fn nats_port(url: &str) -> u16 {
+pub(crate) fn nats_port(url: &str) -> u16 {
     let first = url.split(',').next().unwrap_or(url);
     let host_port = first.rsplit('@').next().unwrap_or(first);
     let host_port = host_port.split("://").last().unwrap_or(host_port);
@@ -673,7 +680,7 @@ async fn machine(admin: &mut PgConnection, bench: &Bench) -> Result<Machine> {
 }
 
 /// Median of 200 one-row autocommit INSERTs, in ms: one WAL flush each.
-async fn commit_probe(admin: &mut PgConnection) -> Result<f64> {
+pub(crate) async fn commit_probe(admin: &mut PgConnection) -> Result<f64> {
     sqlx::query("CREATE TABLE IF NOT EXISTS bench_commit_probe (n int)")
         .execute(&mut *admin)
         .await?;

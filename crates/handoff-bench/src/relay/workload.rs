@@ -32,8 +32,9 @@ impl Workload {
 /// so it is random-looking but the same on every preload. Event ids are UUIDv7-shaped and grow
 /// with the ordinal, as the library's own `Uuid::now_v7` ids grow with time. The payload is about
 /// 250 bytes of `OrderCreated`-like JSON; every event carries a `traceparent` header.
+/// `{table}` is the target: `outbox`, or a staging table shaped like it.
 const PRELOAD_SQL: &str = r#"
-INSERT INTO outbox
+INSERT INTO {table}
     (event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type, schema_version,
      payload, headers, occurred_at, available_at)
 SELECT ('018f0000-0000-7000-8000-' || lpad(to_hex(e.ordinal), 12, '0'))::uuid,
@@ -67,34 +68,46 @@ pub async fn reset(conn: &mut PgConnection, workload: Workload, preload: bool) -
     conn.execute("TRUNCATE outbox, outbox_heads, outbox_relay_waits")
         .await?;
     if preload {
-        let written = sqlx::query(PRELOAD_SQL)
-            .bind(i32::try_from(workload.aggregates)?)
-            .bind(i32::try_from(workload.per_aggregate())?)
-            .execute(&mut *conn)
-            .await
-            .context("while preloading the backlog")?
-            .rows_affected();
-        anyhow::ensure!(
-            written == workload.events as u64,
-            "preloaded {written} events, expected {}",
-            workload.events
-        );
+        preload_into(conn, "outbox", workload).await?;
     }
     conn.execute("VACUUM ANALYZE outbox").await?;
     conn.execute("CHECKPOINT").await?;
     Ok(())
 }
 
+/// Writes the backlog into `table` (`outbox`, or a staging table created `LIKE outbox`) in one
+/// statement. `table` is a name from this crate, never user input: identifiers cannot be bound.
+pub async fn preload_into(conn: &mut PgConnection, table: &str, workload: Workload) -> Result<()> {
+    let written = sqlx::query(&PRELOAD_SQL.replace("{table}", table))
+        .bind(i32::try_from(workload.aggregates)?)
+        .bind(i32::try_from(workload.per_aggregate())?)
+        .execute(&mut *conn)
+        .await
+        .context("while preloading the backlog")?
+        .rows_affected();
+    anyhow::ensure!(
+        written == workload.events as u64,
+        "preloaded {written} events, expected {}",
+        workload.events
+    );
+    Ok(())
+}
+
 /// The preloaded backlog as the relay's source hands it out, in claim order: the JetStream bound
 /// publishes exactly these, and the stream checks expect exactly these.
 pub async fn load(conn: &mut PgConnection) -> Result<Vec<OutboxEvent>> {
-    let rows = sqlx::query(
+    load_from(conn, "outbox").await
+}
+
+/// As [`load`], from `table` (a name from this crate, as for [`preload_into`]).
+pub async fn load_from(conn: &mut PgConnection, table: &str) -> Result<Vec<OutboxEvent>> {
+    let rows = sqlx::query(&format!(
         "SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
                 schema_version, payload::text AS payload, headers::text AS headers,
                 occurred_at, attempt_count
-         FROM outbox
-         ORDER BY available_at, occurred_at",
-    )
+         FROM {table}
+         ORDER BY available_at, occurred_at"
+    ))
     .fetch_all(&mut *conn)
     .await?;
     Ok(rows
