@@ -1,6 +1,6 @@
 //! [`LogicalSource`]: the relay's [`Source`] over PostgreSQL logical replication.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
@@ -25,6 +25,7 @@ use crate::{row, StartError};
 const SWEEP_SQL: &str = include_str!("../queries/sweep.sql");
 const BACKLOG_KEYS_SQL: &str = include_str!("../queries/backlog_keys.sql");
 const MARK_SQL: &str = include_str!("../queries/mark_published.sql");
+const VISIBLE_SQL: &str = include_str!("../queries/visible.sql");
 const PARK_SQL: &str = include_str!("../queries/park.sql");
 
 /// Tries to mark a published event's row before giving up on it (about a second in all).
@@ -143,6 +144,7 @@ struct Inner {
     stop_now: Notify,
     sweep_sql: String,
     backlog_sql: String,
+    visible_sql: String,
     mark_sql: String,
     park_sql: String,
 }
@@ -194,6 +196,7 @@ impl LogicalSource {
             stop_now: Notify::new(),
             sweep_sql: SWEEP_SQL.replace("{outbox}", &outbox),
             backlog_sql: BACKLOG_KEYS_SQL.replace("{outbox}", &outbox),
+            visible_sql: VISIBLE_SQL.replace("{outbox}", &outbox),
             mark_sql: MARK_SQL.replace("{outbox}", &outbox),
             park_sql: PARK_SQL.replace("{outbox}", &outbox),
             config,
@@ -791,12 +794,16 @@ async fn sweep(inner: Arc<Inner>) {
 }
 
 async fn sweep_once(inner: &Inner) -> Result<usize, SourceError> {
-    let candidates: Vec<(Key, u64)> = {
+    let candidates: Vec<(Key, u64, Option<i64>)> = {
         let state = inner.state();
         state
             .table_driven()
             .into_iter()
             .filter(|(key, _)| !state.has_entries(key))
+            .map(|(key, counter)| {
+                let must_see = state.must_see(&key);
+                (key, counter, must_see)
+            })
             .collect()
     };
     let mut added = 0;
@@ -809,8 +816,10 @@ async fn sweep_once(inner: &Inner) -> Result<usize, SourceError> {
         if added >= budget {
             break;
         }
-        let types: Vec<&str> = chunk.iter().map(|((t, _), _)| t.as_str()).collect();
-        let ids: Vec<&str> = chunk.iter().map(|((_, i), _)| i.as_str()).collect();
+        // Read before the sweep, so whatever this read sees the sweep's later snapshot sees.
+        let visible = visible_sequences(inner, chunk).await?;
+        let types: Vec<&str> = chunk.iter().map(|((t, _), _, _)| t.as_str()).collect();
+        let ids: Vec<&str> = chunk.iter().map(|((_, i), _, _)| i.as_str()).collect();
         let query = sqlx::query(&inner.sweep_sql)
             .bind(&types)
             .bind(&ids)
@@ -818,7 +827,7 @@ async fn sweep_once(inner: &Inner) -> Result<usize, SourceError> {
         let rows = inner
             .bounded("while sweeping the table", query.fetch_all(&inner.pool))
             .await?;
-        let mut by_key: std::collections::HashMap<Key, Vec<SweptRow>> = Default::default();
+        let mut by_key: HashMap<Key, Vec<SweptRow>> = HashMap::new();
         for row in &rows {
             let event = handoff_postgres::read_outbox_event(row)
                 .map_err(|e| SourceError::new("while reading a swept row", e))?;
@@ -831,12 +840,51 @@ async fn sweep_once(inner: &Inner) -> Result<usize, SourceError> {
                 .push(SweptRow { event, held });
         }
         let mut state = inner.state();
-        for (key, counter) in chunk {
+        for (key, counter, _) in chunk {
             let rows = by_key.remove(key).unwrap_or_default();
-            added += state.swept(key, *counter, rows);
+            added += state.swept(key, *counter, visible.get(key).copied(), rows);
         }
     }
     Ok(added)
+}
+
+/// The highest sequence visible in the table for the aggregates of `chunk` that streamed rows
+/// in while table-driven (the others need no such check).
+async fn visible_sequences(
+    inner: &Inner,
+    chunk: &[(Key, u64, Option<i64>)],
+) -> Result<HashMap<Key, i64>, SourceError> {
+    let keys: Vec<&Key> = chunk
+        .iter()
+        .filter(|(_, _, must_see)| must_see.is_some())
+        .map(|(key, _, _)| key)
+        .collect();
+    if keys.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let types: Vec<&str> = keys.iter().map(|(t, _)| t.as_str()).collect();
+    let ids: Vec<&str> = keys.iter().map(|(_, i)| i.as_str()).collect();
+    let query = sqlx::query(&inner.visible_sql).bind(&types).bind(&ids);
+    let rows = inner
+        .bounded(
+            "while reading visible sequences",
+            query.fetch_all(&inner.pool),
+        )
+        .await?;
+    let mut visible = HashMap::new();
+    for row in &rows {
+        let read = (|| -> Result<(Key, Option<i64>), sqlx::Error> {
+            Ok((
+                (row.try_get(0)?, row.try_get(1)?),
+                row.try_get::<Option<i64>, _>(2)?,
+            ))
+        })()
+        .map_err(|e| SourceError::new("while reading visible sequences", e))?;
+        if let (key, Some(max)) = read {
+            visible.insert(key, max);
+        }
+    }
+    Ok(visible)
 }
 
 /// Reads the slot's health into the metrics.

@@ -81,6 +81,11 @@ pub(crate) struct State {
     /// such a row landed sees nothing to publish, and freeing the aggregate then would strand
     /// the row, unpublished, until the next restart (tests/poison.rs caught it).
     diverting: HashMap<Key, usize>,
+    /// Per table-driven aggregate, the highest sequence that streamed in and settled because
+    /// its row is kept in the table. A commit is decoded a moment before other sessions see
+    /// it, so a sweep may not see that row yet: the aggregate is freed only once a read taken
+    /// before the sweep's saw a sequence at least this high.
+    diverted_max: HashMap<Key, i64>,
 }
 
 impl State {
@@ -142,6 +147,8 @@ impl State {
                 if rows_kept {
                     // The writer's row is in the table: the sweep publishes it in order.
                     *counter += 1;
+                    let max = self.diverted_max.entry(key).or_insert(0);
+                    *max = (*max).max(event.aggregate_sequence);
                 } else {
                     unsettled += 1;
                     *self.diverting.entry(key).or_insert(0) += 1;
@@ -177,15 +184,29 @@ impl State {
             .collect()
     }
 
+    /// The sequence a sweep must see as visible before it may free the aggregate, if any
+    /// (see `diverted_max`).
+    pub(crate) fn must_see(&self, key: &Key) -> Option<i64> {
+        self.diverted_max.get(key).copied()
+    }
+
     /// Whether the aggregate has events queued or in flight.
     pub(crate) fn has_entries(&self, key: &Key) -> bool {
         self.queues.contains_key(key)
     }
 
     /// A sweep read these unpublished rows of a table-driven aggregate (sequence order), having
-    /// seen `counter` before its read. Hands the run out unless the front is held; frees the
-    /// aggregate when there are none and nothing became durable meanwhile.
-    pub(crate) fn swept(&mut self, key: &Key, counter: u64, rows: Vec<SweptRow>) -> usize {
+    /// seen `counter` before its read, and `visible` (the highest sequence of the aggregate a
+    /// read before the sweep's saw in the table). Hands the run out unless the front is held;
+    /// frees the aggregate when there are none, nothing became durable meanwhile and every
+    /// streamed row was visible to the sweep.
+    pub(crate) fn swept(
+        &mut self,
+        key: &Key,
+        counter: u64,
+        visible: Option<i64>,
+        rows: Vec<SweptRow>,
+    ) -> usize {
         let Some(current) = self.table_driven.get(key).copied() else {
             return 0;
         };
@@ -193,8 +214,13 @@ impl State {
             return 0;
         }
         if rows.is_empty() {
-            if current == counter && !self.diverting.contains_key(key) {
+            let seen_all = self
+                .diverted_max
+                .get(key)
+                .is_none_or(|max| visible.is_some_and(|v| v >= *max));
+            if current == counter && !self.diverting.contains_key(key) && seen_all {
                 self.table_driven.remove(key);
+                self.diverted_max.remove(key);
             }
             return 0;
         }
@@ -534,7 +560,7 @@ mod tests {
         let seen = state.table_driven()[0].1;
         // While the sweep reads, an event of the aggregate streams in (its row kept).
         state.commit(vec![outbox_event("a", 1)], 10, 0, true);
-        state.swept(&key, seen, Vec::new());
+        state.swept(&key, seen, Some(1), Vec::new());
         assert_eq!(
             state.table_driven().len(),
             1,
@@ -546,6 +572,7 @@ mod tests {
             state.swept(
                 &key,
                 seen,
+                Some(1),
                 vec![SweptRow {
                     event: row.clone(),
                     held: false
@@ -554,7 +581,24 @@ mod tests {
             1
         );
         assert_eq!(state.published(&row.event_id), Some(Origin::Table));
-        state.swept(&key, seen, Vec::new());
+        state.swept(&key, seen, Some(1), Vec::new());
+        assert!(state.table_driven().is_empty());
+    }
+
+    #[test]
+    fn a_sweep_that_cannot_see_a_streamed_row_yet_does_not_free_its_aggregate() {
+        let mut state = State::new(0);
+        let key: Key = ("thing".into(), "a".into());
+        state.drive_from_table([key.clone()]);
+        // a3 streams in (row kept) before the sweep reads its counter...
+        state.commit(vec![outbox_event("a", 3)], 10, 0, true);
+        let seen = state.table_driven()[0].1;
+        // ...but its commit is not visible to the sweep's snapshot yet: it sees up to a2.
+        state.swept(&key, seen, Some(2), Vec::new());
+        assert_eq!(state.table_driven().len(), 1, "a3 would be stranded");
+        state.swept(&key, seen, None, Vec::new());
+        assert_eq!(state.table_driven().len(), 1, "a3 would be stranded");
+        state.swept(&key, seen, Some(3), Vec::new());
         assert!(state.table_driven().is_empty());
     }
 
@@ -573,7 +617,7 @@ mod tests {
                 held: false,
             },
         ];
-        assert_eq!(state.swept(&key, 0, rows), 0);
+        assert_eq!(state.swept(&key, 0, None, rows), 0);
         assert!(state.claim(10, Instant::now()).is_empty());
     }
 
@@ -585,7 +629,7 @@ mod tests {
         // The event streams in and is diverted; a sweep reads the table before its row lands.
         let diverted = state.commit(vec![outbox_event("a", 1)], 10, 0, false);
         let seen = state.table_driven()[0].1;
-        state.swept(&key, seen, Vec::new());
+        state.swept(&key, seen, None, Vec::new());
         assert_eq!(
             state.table_driven().len(),
             1,
