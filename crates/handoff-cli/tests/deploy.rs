@@ -20,10 +20,12 @@ use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteS
 use serde_json::Value;
 
 /// The source files whose string literals are the exported metric names: the relay's counters
-/// and histograms, the backlog gauges of `handoff relay`, and the consumer's metrics.
+/// and histograms, the backlog gauges of `handoff relay`, the CDC source's gauges (a relay with
+/// `--source logical` serves them; tests/cdc.rs scrapes one), and the consumer's metrics.
 const METRIC_SOURCES: &[&str] = &[
     "crates/handoff-relay/src/metrics.rs",
     "crates/handoff-cli/src/relay.rs",
+    "crates/handoff-cdc/src/metrics.rs",
     "crates/handoff-consumer/src/metrics.rs",
 ];
 
@@ -196,6 +198,7 @@ fn every_alert_has_a_severity_a_runbook_command_and_a_unit_test() {
         assert!(
             block.contains("handoff status")
                 || block.contains("handoff quarantine")
+                || block.contains("handoff cdc")
                 || block.contains("consumer_quarantine"),
             "{alert}'s description tells on-call nothing to run"
         );
@@ -297,6 +300,8 @@ fn every_metric_the_dashboard_and_the_alerts_name_is_exported_by_the_code() {
         "handoff_relay_ack_seconds",
         "handoff_consumer_applied_total",
         "handoff_consumer_apply_seconds",
+        "handoff_cdc_slot_status",
+        "handoff_cdc_safe_wal_bytes",
     ] {
         assert!(
             exported.contains(name),
