@@ -338,18 +338,10 @@ pub async fn run(args: RelayArgs) -> Result<()> {
     if let Err(error) = source.unregister().await {
         warn!(error = %error, "could not unregister the wait; it expires by itself");
     }
-    info!(
-        published = report.published,
-        retried = report.retried,
-        held = report.held,
-        released = report.released,
-        "relay exited"
-    );
+    log_exit(&report);
     Ok(())
 }
 
-/// Connects, retrying with backoff (and saying what it waits for) while PostgreSQL cannot be
-/// reached; an answer that refuses us (authentication, missing database) ends the command.
 /// The relay over a logical replication slot instead of the polling source.
 async fn run_logical(
     settings: Settings,
@@ -375,6 +367,11 @@ async fn run_logical(
     let report = relay.run(shutdown).await;
     // What the run settled is confirmed now rather than redelivered after a restart.
     source.close(Duration::from_secs(5)).await;
+    log_exit(&report);
+    Ok(())
+}
+
+fn log_exit(report: &handoff_relay::RelayReport) {
     info!(
         published = report.published,
         retried = report.retried,
@@ -382,9 +379,10 @@ async fn run_logical(
         released = report.released,
         "relay exited"
     );
-    Ok(())
 }
 
+/// Connects, retrying with backoff (and saying what it waits for) while PostgreSQL cannot be
+/// reached; an answer that refuses us (authentication, missing database) ends the command.
 async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
     let backoff = Backoff {
         initial: Duration::from_millis(200),
