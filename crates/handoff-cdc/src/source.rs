@@ -647,7 +647,6 @@ async fn stream_once(
             stream.shared_lsn_feedback.update_flushed_lsn(settled);
             stream.shared_lsn_feedback.update_applied_lsn(settled);
             stream.send_feedback().await?;
-            report_lag(inner);
         }
         let current = token.lock().unwrap_or_else(|e| e.into_inner()).clone();
         match stream.next_event(&current).await {
@@ -716,7 +715,6 @@ async fn stream_once(
                     debug!(lsn = %pg_walstream::format_lsn(position), "confirmed");
                     confirmed = position;
                 }
-                report_lag(inner);
                 if inner.stopping.load(Ordering::Relaxed) {
                     info!(lsn = %pg_walstream::format_lsn(confirmed), "stopped streaming");
                     return Ok(());

@@ -60,6 +60,37 @@ fn handoff_ok(args: &[&str]) -> Output {
     output
 }
 
+/// `handoff cdc setup` for the test's slot and publication on `url`, with `extra` flags.
+fn cdc_setup(url: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "cdc",
+        "setup",
+        "--database-url",
+        url,
+        "--slot",
+        SLOT,
+        "--publication",
+        PUBLICATION,
+    ];
+    args.extend_from_slice(extra);
+    handoff(&args)
+}
+
+/// `handoff cdc status --json` for the test's slot on `url`, with `extra` flags.
+fn cdc_status(url: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "cdc",
+        "status",
+        "--database-url",
+        url,
+        "--slot",
+        SLOT,
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    handoff(&args)
+}
+
 /// A loopback address free right now, for a relay's `--metrics-addr`.
 fn free_addr() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind port 0");
@@ -92,16 +123,12 @@ impl Drill {
         .expect("start a private PostgreSQL");
         let url = cluster.url("postgres");
         handoff_ok(&["migrate", "--database-url", &url]);
-        handoff_ok(&[
-            "cdc",
-            "setup",
-            "--database-url",
-            &url,
-            "--slot",
-            SLOT,
-            "--publication",
-            PUBLICATION,
-        ]);
+        let setup = cdc_setup(&url, &[]);
+        assert!(
+            setup.status.success(),
+            "handoff cdc setup failed:\n{}",
+            String::from_utf8_lossy(&setup.stderr)
+        );
         let pool = PgPoolOptions::new()
             .max_connections(4)
             .connect(&url)
@@ -493,15 +520,7 @@ async fn a_lost_slot_is_alerted_and_after_recreating_it_every_committed_event_is
     }
 
     // The alert: `handoff cdc status` exits 2 and says what to run.
-    let status = handoff(&[
-        "cdc",
-        "status",
-        "--database-url",
-        &drill.url,
-        "--slot",
-        SLOT,
-        "--json",
-    ]);
+    let status = cdc_status(&drill.url, &[]);
     let stdout = String::from_utf8_lossy(&status.stdout);
     assert_eq!(
         status.status.code(),
@@ -517,16 +536,7 @@ async fn a_lost_slot_is_alerted_and_after_recreating_it_every_committed_event_is
         "{report}"
     );
     // Plain setup refuses to paper over the loss.
-    let refused = handoff(&[
-        "cdc",
-        "setup",
-        "--database-url",
-        &drill.url,
-        "--slot",
-        SLOT,
-        "--publication",
-        PUBLICATION,
-    ]);
+    let refused = cdc_setup(&drill.url, &[]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success(), "setup on a lost slot must fail");
     assert!(stderr.contains("--recreate-lost-slot"), "{stderr}");
@@ -553,18 +563,12 @@ async fn a_lost_slot_is_alerted_and_after_recreating_it_every_committed_event_is
 
     // The runbook: recreate the slot; it reports the backlog the relay will publish from the
     // table.
-    let recreated = handoff_ok(&[
-        "cdc",
-        "setup",
-        "--database-url",
-        &drill.url,
-        "--slot",
-        SLOT,
-        "--publication",
-        PUBLICATION,
-        "--recreate-lost-slot",
-        "--json",
-    ]);
+    let recreated = cdc_setup(&drill.url, &["--recreate-lost-slot", "--json"]);
+    assert!(
+        recreated.status.success(),
+        "recreating the lost slot failed:\n{}",
+        String::from_utf8_lossy(&recreated.stderr)
+    );
     let report: serde_json::Value = serde_json::from_slice(&recreated.stdout).unwrap();
     assert_eq!(report["slot_recreated"], true, "{report}");
     assert_eq!(report["unpublished_rows"], 6, "{report}");
@@ -612,17 +616,7 @@ async fn a_lost_slot_is_alerted_and_after_recreating_it_every_committed_event_is
     assert!(messages.iter().all(|m| !m.subject.contains("ghost")));
 
     // The new slot is healthy again (the margin check is off: the drill's retention is 1 MB).
-    let status = handoff(&[
-        "cdc",
-        "status",
-        "--database-url",
-        &drill.url,
-        "--slot",
-        SLOT,
-        "--min-safe-wal",
-        "0",
-        "--json",
-    ]);
+    let status = cdc_status(&drill.url, &["--min-safe-wal", "0"]);
     assert_eq!(
         status.status.code(),
         Some(0),
