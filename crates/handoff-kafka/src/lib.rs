@@ -1,0 +1,51 @@
+//! `handoff-kafka`: the Kafka destination of the handoff relay, and the Kafka intake of its
+//! consumers.
+//!
+//! This is the only handoff crate with a Kafka client (rdkafka over a librdkafka built from
+//! source). [`KafkaTransport`] implements [`handoff_core::delivery::Transport`]: `handoff-relay`
+//! hands it committed outbox events and it produces each one to a topic, keyed by the aggregate
+//! id, finished only by the delivery report.
+//!
+//! - [`KafkaConfig`]: the brokers, the topic, its partitions, timeouts and the `ce-source`;
+//! - [`KafkaTransport::connect`] and [`KafkaTransport::ensure_topic`]: connect, and create the
+//!   topic when it is missing (an existing one is never altered);
+//! - [`KafkaIntake`]: the consumers' side, a consumer group that hands deliveries to
+//!   `handoff-consumer` and commits offsets only up to what is settled.
+//!
+//! Delivery is at least once: the producer is idempotent, so its own retries never duplicate,
+//! but a relay that republishes an event after a crash produces a second copy with the same
+//! `ce-id`, which consumers deduplicate in their inbox.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use handoff_core::delivery::Transport;
+//! use handoff_kafka::{KafkaConfig, KafkaTransport};
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = KafkaConfig {
+//!     brokers: "127.0.0.1:9092".into(),
+//!     topic: "orders".into(),
+//!     ..KafkaConfig::default()
+//! };
+//! let transport = KafkaTransport::connect(config).await?;
+//! transport.ensure_topic().await?;
+//! assert!(transport.wait_until_ready(std::time::Duration::from_secs(1)).await);
+//! # Ok(())
+//! # }
+//! ```
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
+
+mod config;
+mod contract;
+mod error;
+mod transport;
+
+pub use config::{ConfigError, KafkaConfig};
+pub use error::{ConnectError, ConnectErrorKind, TopicError, TopicErrorKind};
+/// The Kafka client crate this one is built on, for callers that need its types at the same
+/// version.
+pub use rdkafka;
+pub use transport::{Delivered, KafkaTransport, TopicSummary};
