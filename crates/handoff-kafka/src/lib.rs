@@ -10,7 +10,8 @@
 //! - [`KafkaTransport::connect`] and [`KafkaTransport::ensure_topic`]: connect, and create the
 //!   topic when it is missing (an existing one is never altered);
 //! - [`KafkaIntake`]: the consumers' side, a consumer group that hands deliveries to
-//!   `handoff-consumer` and commits offsets only up to what is settled.
+//!   `handoff-consumer` and commits offsets only up to what is settled;
+//! - [`read_topic`]: every message a topic holds, for checks and tests.
 //!
 //! Delivery is at least once: the producer is idempotent, so its own retries never duplicate,
 //! but a relay that republishes an event after a crash produces a second copy with the same
@@ -41,6 +42,7 @@
 mod config;
 mod contract;
 mod error;
+mod scan;
 mod transport;
 
 pub use config::{ConfigError, KafkaConfig};
@@ -48,4 +50,5 @@ pub use error::{ConnectError, ConnectErrorKind, TopicError, TopicErrorKind};
 /// The Kafka client crate this one is built on, for callers that need its types at the same
 /// version.
 pub use rdkafka;
+pub use scan::{read_topic, ScanError, StoredRecord};
 pub use transport::{Delivered, KafkaTransport, TopicSummary};

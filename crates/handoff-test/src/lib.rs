@@ -6,6 +6,7 @@
 //! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
 //! - [`nats`]: the shared NATS server's URL, a private `nats-server` to stop and kill, and
 //!   reading a stream back.
+//! - [`tansu`]: a private tansu broker (Kafka protocol) for the Kafka destination's tests.
 //! - [`proxy`]: a loopback TCP proxy with network faults (delay, cut, black hole, refusal).
 
 use std::str::FromStr;
@@ -18,6 +19,7 @@ pub mod cluster;
 pub mod factory;
 pub mod nats;
 pub mod proxy;
+pub mod tansu;
 
 /// The server tests run against when `DATABASE_URL` is not set.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";

@@ -1,0 +1,222 @@
+//! [`read_topic`]: every message a topic holds, read back outside any consumer group.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::config::{check_brokers, check_topic};
+use crate::ConfigError;
+
+/// One message as the topic stores it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRecord {
+    /// The partition.
+    pub partition: i32,
+    /// The offset in the partition.
+    pub offset: i64,
+    /// The key, lossily decoded (handoff's keys are aggregate ids: UTF-8).
+    pub key: Option<String>,
+    /// Every header as `(name, value)`, in the message's order.
+    pub headers: Vec<(String, String)>,
+    /// The value, byte for byte.
+    pub payload: Vec<u8>,
+}
+
+impl StoredRecord {
+    /// The first value of header `name` (compared without regard to ASCII case).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use handoff_kafka::StoredRecord;
+    ///
+    /// let record = StoredRecord {
+    ///     partition: 0,
+    ///     offset: 7,
+    ///     key: Some("o-1".into()),
+    ///     headers: vec![("ce-id".into(), "42".into())],
+    ///     payload: b"{}".to_vec(),
+    /// };
+    /// assert_eq!(record.header("CE-ID"), Some("42"));
+    /// ```
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Why [`read_topic`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ScanError {
+    /// The brokers or the topic name are invalid.
+    #[error("invalid scan request: {0}")]
+    InvalidConfig(#[from] ConfigError),
+    /// The cluster did not answer, or refused.
+    #[error("while reading topic {topic:?}: {source}")]
+    Kafka {
+        /// The topic.
+        topic: String,
+        /// librdkafka's error.
+        #[source]
+        source: KafkaError,
+    },
+    /// The topic does not exist.
+    #[error("topic {0:?} does not exist")]
+    NoTopic(String),
+    /// Not every message up to the high watermarks arrived in time.
+    #[error("reading topic {topic:?} took longer than {timeout:?}")]
+    TimedOut {
+        /// The topic.
+        topic: String,
+        /// The time allowed.
+        timeout: Duration,
+    },
+}
+
+/// Every message of `topic` from each partition's low to its high watermark as they are when
+/// the call starts, ordered by partition then offset.
+///
+/// It assigns the partitions directly (no consumer group, nothing committed), so it disturbs
+/// no consumer. For tests, benchmarks and operators' checks; it holds the whole topic in memory.
+///
+/// # Errors
+///
+/// [`ScanError`]: invalid brokers or topic, an unknown topic, a cluster that does not answer,
+/// or a read that takes longer than `timeout`.
+///
+/// # Cancel safety
+///
+/// The read runs on a blocking thread, which finishes (within `timeout`) even when the future
+/// is dropped.
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn example() -> Result<(), handoff_kafka::ScanError> {
+/// let records = handoff_kafka::read_topic(
+///     "127.0.0.1:9092",
+///     "outbox",
+///     std::time::Duration::from_secs(30),
+/// )
+/// .await?;
+/// for record in &records {
+///     println!("{}@{} {:?}", record.partition, record.offset, record.header("ce-id"));
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub async fn read_topic(
+    brokers: &str,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<StoredRecord>, ScanError> {
+    check_brokers(brokers)?;
+    check_topic(topic)?;
+    let (brokers, topic_name) = (brokers.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || read_blocking(&brokers, &topic_name, timeout))
+        .await
+        .unwrap_or_else(|_| {
+            Err(ScanError::Kafka {
+                topic: topic.to_owned(),
+                source: KafkaError::MetadataFetch(rdkafka::types::RDKafkaErrorCode::Fail),
+            })
+        })
+}
+
+fn read_blocking(
+    brokers: &str,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<StoredRecord>, ScanError> {
+    let deadline = Instant::now() + timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let kafka = |source| ScanError::Kafka {
+        topic: topic.to_owned(),
+        source,
+    };
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        // librdkafka wants a group id for a consumer; nothing is ever committed under it.
+        .set("group.id", "handoff-scan")
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .create()
+        .map_err(kafka)?;
+    let metadata = consumer
+        .fetch_metadata(Some(topic), left())
+        .map_err(kafka)?;
+    let partitions: Vec<i32> = metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .ok_or_else(|| ScanError::NoTopic(topic.to_owned()))?;
+    // The offset each partition must be read up to (exclusive).
+    let mut wanted: HashMap<i32, i64> = HashMap::new();
+    let mut assignment = TopicPartitionList::new();
+    for partition in partitions {
+        let (low, high) = consumer
+            .fetch_watermarks(topic, partition, left())
+            .map_err(kafka)?;
+        if high > low {
+            wanted.insert(partition, high);
+            assignment
+                .add_partition_offset(topic, partition, Offset::Offset(low))
+                .map_err(kafka)?;
+        }
+    }
+    let mut records = Vec::new();
+    if wanted.is_empty() {
+        return Ok(records);
+    }
+    consumer.assign(&assignment).map_err(kafka)?;
+    while !wanted.is_empty() {
+        if Instant::now() >= deadline {
+            return Err(ScanError::TimedOut {
+                topic: topic.to_owned(),
+                timeout,
+            });
+        }
+        let Some(message) = consumer.poll(left().min(Duration::from_millis(500))) else {
+            continue;
+        };
+        let message = message.map_err(kafka)?;
+        let (partition, offset) = (message.partition(), message.offset());
+        let headers = message
+            .headers()
+            .map(|headers| {
+                headers
+                    .iter()
+                    .map(|h| {
+                        let value = h.value.map(String::from_utf8_lossy).unwrap_or_default();
+                        (h.key.to_owned(), value.into_owned())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Some(&end) = wanted.get(&partition) {
+            if offset < end {
+                records.push(StoredRecord {
+                    partition,
+                    offset,
+                    key: message.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                    headers,
+                    payload: message.payload().unwrap_or_default().to_vec(),
+                });
+            }
+            if offset + 1 >= end {
+                wanted.remove(&partition);
+            }
+        }
+    }
+    records.sort_by_key(|r| (r.partition, r.offset));
+    Ok(records)
+}
