@@ -13,12 +13,15 @@
 //! - `handoff-bench cdc` ([`cdc`]) measures the CDC source (rows kept, rows deleted) against the
 //!   polling relay on one private `wal_level=logical` PostgreSQL: drain rate, commit-to-ack
 //!   latency, and the order write's orders/s with each setup in place.
+//! - `handoff-bench kafka` ([`kafka`]) drains a committed backlog through the relay into Kafka
+//!   (a private tansu), against the same events produced by the Kafka transport alone.
 
 use clap::{Parser, Subcommand};
 
 mod cdc;
 mod cleanup;
 mod consumer;
+mod kafka;
 mod relay;
 mod scratch;
 mod write_path;
@@ -45,6 +48,8 @@ enum Command {
     Cleanup(cleanup::CleanupArgs),
     /// The CDC source (rows kept / deleted) against the polling relay: drain, latency, write.
     Cdc(cdc::CdcArgs),
+    /// The relay's drain into Kafka against the Kafka producer alone.
+    Kafka(kafka::KafkaArgs),
 }
 
 #[tokio::main]
@@ -63,6 +68,7 @@ async fn main() -> std::process::ExitCode {
         Command::Consumer(args) => consumer::consumer(args).await,
         Command::Cleanup(args) => cleanup::cleanup(args).await,
         Command::Cdc(args) => cdc::cdc(args).await,
+        Command::Kafka(args) => kafka::kafka(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

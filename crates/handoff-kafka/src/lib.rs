@@ -42,11 +42,13 @@
 mod config;
 mod contract;
 mod error;
+mod intake;
 mod scan;
 mod transport;
 
 pub use config::{ConfigError, KafkaConfig};
 pub use error::{ConnectError, ConnectErrorKind, TopicError, TopicErrorKind};
+pub use intake::{IntakeConfig, IntakeConnectError, KafkaIntake, KafkaSettle};
 /// The Kafka client crate this one is built on, for callers that need its types at the same
 /// version.
 pub use rdkafka;

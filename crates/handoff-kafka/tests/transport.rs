@@ -95,7 +95,9 @@ async fn events_are_keyed_by_aggregate_with_the_contract_headers_and_receipts() 
     for record in &records {
         let aggregate = record.key.clone().unwrap();
         let sequence: i64 = record.header("Handoff-Sequence").unwrap().parse().unwrap();
-        let previous = last_sequence.insert(aggregate.clone(), sequence).unwrap_or(0);
+        let previous = last_sequence
+            .insert(aggregate.clone(), sequence)
+            .unwrap_or(0);
         assert_eq!(sequence, previous + 1, "{aggregate}");
     }
 }
@@ -122,7 +124,10 @@ async fn ensure_topic_never_alters_an_existing_topic() {
         .unwrap();
     let summary = transport.ensure_topic().await.unwrap();
     assert!(!summary.created);
-    assert_eq!(summary.partitions, 2, "the operator's partition count is kept");
+    assert_eq!(
+        summary.partitions, 2,
+        "the operator's partition count is kept"
+    );
     // Asking again changes nothing either.
     let again = transport.ensure_topic().await.unwrap();
     assert_eq!((again.created, again.partitions), (false, 2));

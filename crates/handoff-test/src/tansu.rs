@@ -118,7 +118,13 @@ impl Tansu {
         let url = format!("tcp://127.0.0.1:{port}");
         let mut command = Command::new(&bin);
         command
-            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
             .args(["--storage-engine", "memory://tansu/"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -190,11 +196,7 @@ impl Drop for Tansu {
 
 /// Keeps the tail of one output stream, and tells `ready` when the ready line goes by.
 /// Dropping the sender (at the end of the stream) tells the waiting side the broker exited.
-fn drain(
-    stream: impl Read,
-    log: &Mutex<VecDeque<String>>,
-    mut ready: Option<mpsc::Sender<()>>,
-) {
+fn drain(stream: impl Read, log: &Mutex<VecDeque<String>>, mut ready: Option<mpsc::Sender<()>>) {
     for line in BufReader::new(stream).lines() {
         let Ok(line) = line else { break };
         if line.trim_start().starts_with(READY_PREFIX) {

@@ -1,0 +1,298 @@
+//! handoff-consumer's inbox consumer on the Kafka intake, against a real tansu and PostgreSQL:
+//! a consumer group that settles out of order across aggregates, commits only the settled
+//! prefix, absorbs duplicates in the inbox, and resumes from its commit point after a restart.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use handoff_consumer::{Consumer, ConsumerConfig, Handler, HandlerError};
+use handoff_core::delivery::OutboxEvent;
+use handoff_core::intake::ReceivedEvent;
+use handoff_kafka::{IntakeConfig, KafkaConfig, KafkaIntake, KafkaTransport};
+use handoff_postgres::{Migrator, Schema};
+use handoff_test::tansu::{unique_topic, Tansu};
+use handoff_test::{factory, TestDb};
+use sqlx::PgConnection;
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+/// Inserts one `applied` row per application (a second application of one event would be a
+/// second row); counts handler calls per event; fails while `fail` says so.
+#[derive(Clone)]
+struct Recorder {
+    calls: Arc<Mutex<HashMap<Uuid, u32>>>,
+    fail: Arc<dyn Fn(&ReceivedEvent, u32) -> bool + Send + Sync>,
+}
+
+impl Recorder {
+    fn new(fail: impl Fn(&ReceivedEvent, u32) -> bool + Send + Sync + 'static) -> Self {
+        Self {
+            calls: Arc::default(),
+            fail: Arc::new(fail),
+        }
+    }
+
+    fn calls(&self) -> HashMap<Uuid, u32> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl Handler for Recorder {
+    async fn handle(
+        &self,
+        tx: &mut PgConnection,
+        event: &ReceivedEvent,
+    ) -> Result<(), HandlerError> {
+        let call = {
+            let mut calls = self.calls.lock().unwrap();
+            let n = calls.entry(event.event_id).or_default();
+            *n += 1;
+            *n
+        };
+        sqlx::query("INSERT INTO applied (event_id, aggregate_id, sequence) VALUES ($1, $2, $3)")
+            .bind(event.event_id)
+            .bind(&event.aggregate_id)
+            .bind(event.sequence)
+            .execute(&mut *tx)
+            .await?;
+        if (self.fail)(event, call) {
+            return Err(HandlerError::retryable("injected: not yet"));
+        }
+        Ok(())
+    }
+}
+
+struct Setup {
+    broker: Tansu,
+    db: TestDb,
+    topic: String,
+    transport: KafkaTransport,
+}
+
+impl Setup {
+    async fn new(name: &str, partitions: i32) -> Self {
+        let broker = Tansu::start().unwrap();
+        let db = TestDb::new(name).await;
+        let mut conn = db.pool.acquire().await.unwrap();
+        Migrator::handoff(Schema::default())
+            .run(&mut conn)
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE applied (n bigserial PRIMARY KEY, event_id uuid NOT NULL, \
+             aggregate_id text NOT NULL, sequence bigint NOT NULL)",
+        )
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        drop(conn);
+        let topic = unique_topic(name);
+        let transport = KafkaTransport::connect(KafkaConfig {
+            brokers: broker.brokers(),
+            topic: topic.clone(),
+            partitions,
+            ..KafkaConfig::default()
+        })
+        .await
+        .unwrap();
+        transport.ensure_topic().await.unwrap();
+        Self {
+            broker,
+            db,
+            topic,
+            transport,
+        }
+    }
+
+    async fn publish(&self, event: &OutboxEvent) {
+        self.transport.send(event).await.unwrap();
+    }
+
+    async fn start(&self, group: &str, recorder: Recorder) -> Running {
+        let intake = KafkaIntake::connect(IntakeConfig {
+            brokers: self.broker.brokers(),
+            topic: self.topic.clone(),
+            group_id: group.into(),
+            ..IntakeConfig::default()
+        })
+        .await
+        .unwrap();
+        let config = ConsumerConfig {
+            name: group.into(),
+            max_deliveries: 1_000,
+            retry_backoff: handoff_core::Backoff {
+                initial: Duration::from_millis(20),
+                max: Duration::from_millis(100),
+            },
+            ..ConsumerConfig::default()
+        };
+        let consumer = Consumer::new(config, self.db.pool.clone(), recorder).unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            consumer
+                .run(intake, async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Running { stop, task }
+    }
+
+    async fn count(&self, query: &str) -> i64 {
+        sqlx::query_scalar(query)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn wait_processed(&self, n: i64) {
+        let query = "SELECT count(*) FROM processed_events";
+        wait_for(&format!("{n} processed events"), || async {
+            self.count(query).await >= n
+        })
+        .await;
+    }
+
+    async fn applied(&self) -> Vec<(Uuid, String, i64)> {
+        sqlx::query_as("SELECT event_id, aggregate_id, sequence FROM applied ORDER BY n")
+            .fetch_all(&self.db.pool)
+            .await
+            .unwrap()
+    }
+}
+
+struct Running {
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("the consumer stopped within 30 s")
+            .unwrap();
+    }
+}
+
+async fn wait_for<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Events `1..=per` of `aggregates` aggregates, interleaved as a relay would publish them.
+fn events(prefix: &str, aggregates: usize, per: u64) -> Vec<OutboxEvent> {
+    let mut out = Vec::new();
+    for n in 1..=per {
+        for a in 0..aggregates {
+            out.push(factory::outbox_event(&format!("{prefix}-{a}"), n));
+        }
+    }
+    out
+}
+
+fn assert_in_order_once(applied: &[(Uuid, String, i64)], expected: usize) {
+    assert_eq!(applied.len(), expected, "one effect per event: {applied:?}");
+    let mut next: HashMap<&str, i64> = HashMap::new();
+    for (_, aggregate, sequence) in applied {
+        let want = next.entry(aggregate).or_insert(1);
+        assert_eq!(sequence, want, "{aggregate} applied out of order");
+        *want += 1;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicated_publish_and_naks_apply_each_effect_once_in_order() {
+    let setup = Setup::new("kafka_intake_dupes", 3).await;
+    let events = events("o", 12, 4);
+    for event in &events {
+        setup.publish(event).await;
+        // Every third event twice: a relay that crashed after the delivery report.
+        if event.aggregate_sequence % 3 == 0 {
+            setup.publish(event).await;
+        }
+    }
+    // Each aggregate's second event fails on its first two calls (rolled back, naked and
+    // delivered again from memory), while other aggregates settle past it.
+    let recorder = Recorder::new(|event, call| event.sequence == 2 && call <= 2);
+    let running = setup.start("dupes", recorder.clone()).await;
+    setup.wait_processed(48).await;
+    // A marker after everything: once applied, every copy before it was delivered.
+    setup.publish(&factory::outbox_event("marker", 1)).await;
+    setup.wait_processed(49).await;
+    running.stop().await;
+
+    assert_in_order_once(&setup.applied().await[..], 49);
+    let calls = recorder.calls();
+    for event in &events {
+        let want = if event.aggregate_sequence == 2 { 3 } else { 1 };
+        assert_eq!(calls[&event.event_id], want, "{event:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_resumes_from_the_commit_point_and_redelivers_what_was_unsettled() {
+    // One partition, so the commit point is one line across all aggregates.
+    let setup = Setup::new("kafka_intake_restart", 1).await;
+    let first = events("r", 5, 4);
+    for event in &first {
+        setup.publish(event).await;
+    }
+    // Aggregate r-0's third event never succeeds in the first run: the commit point stays at
+    // it while the other aggregates' later events are applied and settled.
+    let stuck = first
+        .iter()
+        .find(|e| e.aggregate_id == "r-0" && e.aggregate_sequence == 3)
+        .unwrap()
+        .event_id;
+    let failing = Arc::new(AtomicBool::new(true));
+    let fail = failing.clone();
+    let recorder =
+        Recorder::new(move |event, _| event.event_id == stuck && fail.load(Ordering::SeqCst));
+    let running = setup.start("restart", recorder.clone()).await;
+    // Everything but r-0's events 3 and 4.
+    setup.wait_processed(18).await;
+    running.stop().await;
+    let first_calls = recorder.calls();
+    assert_eq!(first_calls.len(), 19, "r-0#4 waited behind r-0#3");
+
+    // The second run: the unsettled tail comes again; the inbox absorbs what was applied.
+    failing.store(false, Ordering::SeqCst);
+    let second = Recorder::new(|_, _| false);
+    let running = setup.start("restart", second.clone()).await;
+    setup.wait_processed(20).await;
+    running.stop().await;
+    let calls = second.calls();
+    assert!(calls.contains_key(&stuck));
+    assert_eq!(
+        calls.len(),
+        2,
+        "only r-0#3 and r-0#4 reached the handler: {calls:?}"
+    );
+    assert_in_order_once(&setup.applied().await[..], 20);
+
+    // A third run after everything was settled starts at the end: only new events come.
+    let later = events("later", 2, 1);
+    for event in &later {
+        setup.publish(event).await;
+    }
+    let third = Recorder::new(|_, _| false);
+    let running = setup.start("restart", third.clone()).await;
+    setup.wait_processed(22).await;
+    running.stop().await;
+    let calls = third.calls();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(later.iter().all(|e| calls.contains_key(&e.event_id)));
+    assert_eq!(setup.count("SELECT count(*) FROM applied").await, 22);
+}
