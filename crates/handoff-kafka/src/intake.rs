@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use handoff_core::contract;
 use handoff_core::intake::{Delivery, Intake, IntakeError, MalformedEvent, ReceivedEvent, Settle};
 use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
@@ -18,7 +19,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{check_brokers, check_topic};
-use crate::{contract, ConfigError, ConnectError, KafkaConfig, KafkaTransport, TopicError};
+use crate::{ConfigError, ConnectError, KafkaConfig, KafkaTransport, TopicError};
 
 /// Where and how a [`KafkaIntake`] consumes.
 ///

@@ -40,7 +40,6 @@
 #![warn(missing_docs)]
 
 mod config;
-mod contract;
 mod error;
 mod intake;
 mod scan;

@@ -4,7 +4,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Transport};
+use handoff_core::contract;
+use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::config::ClientConfig;
@@ -14,7 +15,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 
 use crate::config::millis;
-use crate::{contract, ConnectError, KafkaConfig, TopicError};
+use crate::{ConnectError, KafkaConfig, TopicError};
 
 /// How long [`KafkaTransport::connect`] waits for a broker's first metadata answer.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -314,7 +315,7 @@ impl KafkaTransport {
     }
 
     /// The headers `event` is published with: the message contract
-    /// (`handoff_core::contract::headers`): CloudEvents binary mode (`ce-specversion`, `ce-id`
+    /// ([`handoff_core::contract::headers`]): CloudEvents binary mode (`ce-specversion`, `ce-id`
     /// = the event id, `ce-type`, `ce-source` = [`KafkaConfig::ce_source`], `ce-time`),
     /// `Content-Type: application/json`, `Handoff-Aggregate-Type`, `Handoff-Aggregate-Id`,
     /// `Handoff-Sequence`, `Handoff-Schema-Version`, and the writer's own headers.
@@ -483,9 +484,12 @@ impl KafkaTransport {
 }
 
 impl Transport for KafkaTransport {
-    /// Publishes `event` with [`send`](KafkaTransport::send).
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
-        self.send(event).await.map(|_| ())
+    /// Publishes `event` with [`send`](KafkaTransport::send); the receipt is
+    /// `kafka <topic>/<partition>@<offset>` ([`Delivered::receipt_detail`]).
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
+        self.send(event)
+            .await
+            .map(|delivered| Receipt::new(delivered.receipt_detail()))
     }
 
     /// Returns `true` once a broker answers a metadata request for the topic, within `at_most`.

@@ -125,5 +125,24 @@ async fn every_committed_event_lands_in_its_aggregates_partition_in_order() {
         *expected += 1;
     }
     assert_eq!(next.len(), 40);
+
+    // Each row keeps where its message landed, from the delivery report.
+    let receipts: Vec<(uuid::Uuid, Option<String>)> =
+        sqlx::query_as("SELECT event_id, delivery_receipt FROM outbox")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(receipts.len(), committed.len());
+    let at: HashMap<&str, String> = records
+        .iter()
+        .map(|r| {
+            let place = format!("kafka {topic}/{}@{}", r.partition, r.offset);
+            (r.header("ce-id").unwrap(), place)
+        })
+        .collect();
+    for (event_id, receipt) in receipts {
+        let id = event_id.to_string();
+        assert_eq!(receipt.as_deref(), Some(at[id.as_str()].as_str()), "{id}");
+    }
     assert!(next.values().all(|(_, n)| *n == 6));
 }
