@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
+use handoff_kafka::{KafkaConfig, KafkaTransport};
 use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
@@ -95,10 +96,19 @@ pub struct RelayArgs {
     /// Publication of the logical source [default: handoff_outbox].
     #[arg(long, env = "HANDOFF_PUBLICATION")]
     publication: Option<String>,
-    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix)
-    /// [default: nats].
+    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix) or `kafka`
+    /// (--brokers, --topic) [default: nats].
     #[arg(long, env = "HANDOFF_DESTINATION", value_enum)]
     destination: Option<DestinationKind>,
+    /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (required with --destination kafka).
+    #[arg(long, env = "HANDOFF_BROKERS")]
+    brokers: Option<String>,
+    /// Kafka topic to publish into; created when missing [default: outbox].
+    #[arg(long, env = "HANDOFF_TOPIC")]
+    topic: Option<String>,
+    /// Partitions of a Kafka topic this relay creates [default: 12].
+    #[arg(long, env = "HANDOFF_PARTITIONS")]
+    partitions: Option<i32>,
 }
 
 /// Where `handoff relay` publishes.
@@ -108,6 +118,8 @@ pub enum DestinationKind {
     /// A NATS JetStream stream.
     #[default]
     Nats,
+    /// A Kafka topic.
+    Kafka,
 }
 
 /// Where `handoff relay` reads committed events from.
@@ -154,6 +166,9 @@ struct RelayFile {
     slot: Option<String>,
     publication: Option<String>,
     destination: Option<DestinationKind>,
+    brokers: Option<String>,
+    topic: Option<String>,
+    partitions: Option<i32>,
 }
 
 /// The destination's settings, checked.
@@ -162,6 +177,9 @@ enum Destination {
     Nats {
         url: String,
         config: JetStreamConfig,
+    },
+    Kafka {
+        config: KafkaConfig,
     },
 }
 
@@ -287,6 +305,28 @@ impl Settings {
                     config: jetstream,
                 }
             }
+            DestinationKind::Kafka => {
+                let Some(brokers) = args.brokers.or(file.brokers) else {
+                    bail!("no kafka brokers: set --brokers, HANDOFF_BROKERS or brokers in the config");
+                };
+                let defaults = KafkaConfig::default();
+                let config = KafkaConfig {
+                    brokers,
+                    topic: args.topic.or(file.topic).unwrap_or(defaults.topic),
+                    partitions: args
+                        .partitions
+                        .or(file.partitions)
+                        .unwrap_or(defaults.partitions),
+                    publish_timeout,
+                    ce_source: args
+                        .ce_source
+                        .or(file.ce_source)
+                        .unwrap_or(defaults.ce_source),
+                    client_id: "handoff-relay".into(),
+                };
+                config.validate()?;
+                Destination::Kafka { config }
+            }
         };
         let polling = PollingConfig {
             schema,
@@ -348,6 +388,18 @@ pub async fn run(args: RelayArgs) -> Result<()> {
                 .await
                 .context("while ensuring the stream")?;
             info!(stream = ?stream, "destination ready");
+            serve(settings, transport, shutdown).await
+        }
+        Destination::Kafka { config } => {
+            let transport = tokio::select! {
+                transport = connect_kafka(config) => transport?,
+                () = &mut shutdown => return Ok(()),
+            };
+            let topic = transport
+                .ensure_topic()
+                .await
+                .context("while ensuring the topic")?;
+            info!(topic = ?topic, "destination ready");
             serve(settings, transport, shutdown).await
         }
     }
@@ -492,6 +544,27 @@ async fn connect_nats(url: &str, config: &JetStreamConfig) -> Result<JetStreamTr
     unreachable!("the retry loop only ends by returning")
 }
 
+/// As [`connect_nats`], for Kafka: unreachable brokers are waited for, a bad configuration ends
+/// the command.
+async fn connect_kafka(config: &KafkaConfig) -> Result<KafkaTransport> {
+    let backoff = Backoff {
+        initial: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+    };
+    for attempt in 1u32.. {
+        match KafkaTransport::connect(config.clone()).await {
+            Ok(transport) => return Ok(transport),
+            Err(error) if error.kind() == handoff_kafka::ConnectErrorKind::Unreachable => {
+                let delay = backoff.delay(attempt);
+                warn!(error = %error, retry_in = ?delay, "waiting for Kafka");
+                tokio::time::sleep(delay).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    unreachable!("the retry loop only ends by returning")
+}
+
 /// Completes on SIGTERM or SIGINT.
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
@@ -582,7 +655,9 @@ mod tests {
     #[test]
     fn defaults_resolve() {
         let settings = Settings::resolve(args("postgres://u:secret@localhost/db")).unwrap();
-        let Destination::Nats { config, .. } = &settings.destination;
+        let Destination::Nats { config, .. } = &settings.destination else {
+            panic!("not nats: {:?}", settings.destination);
+        };
         assert_eq!(config.stream, "OUTBOX");
         assert_eq!(settings.polling.lease, Duration::from_secs(30));
     }
@@ -611,10 +686,46 @@ mod tests {
             ..RelayArgs::default()
         })
         .unwrap();
-        let Destination::Nats { config, .. } = &settings.destination;
+        let Destination::Nats { config, .. } = &settings.destination else {
+            panic!("not nats: {:?}", settings.destination);
+        };
         assert_eq!(config.stream, "FROM_FILE");
         assert_eq!(config.subject_prefix, "flag");
         assert_eq!(settings.polling.lease, Duration::from_secs(40));
+    }
+
+    #[test]
+    fn kafka_takes_brokers_and_topic_from_flags_or_the_file() {
+        let mut kafka = args("postgres://localhost/db");
+        kafka.destination = Some(DestinationKind::Kafka);
+        let error = Settings::resolve(kafka).unwrap_err().to_string();
+        assert!(error.contains("no kafka brokers"), "{error}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
+             brokers = \"k1:9092,k2:9092\"\ntopic = \"from_file\"\npartitions = 3\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path),
+            topic: Some("from_flag".into()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Kafka { config } = &settings.destination else {
+            panic!("not kafka: {:?}", settings.destination);
+        };
+        assert_eq!(config.brokers, "k1:9092,k2:9092");
+        assert_eq!(config.topic, "from_flag");
+        assert_eq!(config.partitions, 3);
+
+        let mut bad = args("postgres://localhost/db");
+        bad.destination = Some(DestinationKind::Kafka);
+        bad.brokers = Some("no-port".into());
+        assert!(Settings::resolve(bad).is_err());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! [`read_topic`]: every message a topic holds, read back outside any consumer group.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
@@ -81,8 +81,8 @@ pub enum ScanError {
     },
 }
 
-/// Every message of `topic` from each partition's low to its high watermark as they are when
-/// the call starts, ordered by partition then offset.
+/// Every message of `topic`, read from the start of each partition until the read reaches the
+/// partition's end, ordered by partition then offset.
 ///
 /// It assigns the partitions directly (no consumer group, nothing committed), so it disturbs
 /// no consumer. For tests, benchmarks and operators' checks; it holds the whole topic in memory.
@@ -148,6 +148,10 @@ fn read_blocking(
         .set("group.id", "handoff-scan")
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
+        // The end of each partition is where its fetch reaches the log's end. Not the
+        // ListOffsets watermarks: tansu 0.6 answers those wrongly for all but one partition
+        // of a topic (offset 1 for partitions holding dozens of messages).
+        .set("enable.partition.eof", "true")
         .create()
         .map_err(kafka)?;
     let metadata = consumer
@@ -159,37 +163,31 @@ fn read_blocking(
         .find(|t| t.name() == topic && t.error().is_none())
         .map(|t| t.partitions().iter().map(|p| p.id()).collect())
         .ok_or_else(|| ScanError::NoTopic(topic.to_owned()))?;
-    // The offset each partition must be read up to (exclusive).
-    let mut wanted: HashMap<i32, i64> = HashMap::new();
     let mut assignment = TopicPartitionList::new();
-    for partition in partitions {
-        let (low, high) = consumer
-            .fetch_watermarks(topic, partition, left())
+    for partition in &partitions {
+        assignment
+            .add_partition_offset(topic, *partition, Offset::Beginning)
             .map_err(kafka)?;
-        if high > low {
-            wanted.insert(partition, high);
-            assignment
-                .add_partition_offset(topic, partition, Offset::Offset(low))
-                .map_err(kafka)?;
-        }
     }
+    let mut reading: HashSet<i32> = partitions.into_iter().collect();
     let mut records = Vec::new();
-    if wanted.is_empty() {
-        return Ok(records);
-    }
     consumer.assign(&assignment).map_err(kafka)?;
-    while !wanted.is_empty() {
+    while !reading.is_empty() {
         if Instant::now() >= deadline {
             return Err(ScanError::TimedOut {
                 topic: topic.to_owned(),
                 timeout,
             });
         }
-        let Some(message) = consumer.poll(left().min(Duration::from_millis(500))) else {
-            continue;
+        let message = match consumer.poll(left().min(Duration::from_millis(500))) {
+            None => continue,
+            Some(Err(KafkaError::PartitionEOF(partition))) => {
+                reading.remove(&partition);
+                continue;
+            }
+            Some(Err(error)) => return Err(kafka(error)),
+            Some(Ok(message)) => message,
         };
-        let message = message.map_err(kafka)?;
-        let (partition, offset) = (message.partition(), message.offset());
         let headers = message
             .headers()
             .map(|headers| {
@@ -202,22 +200,13 @@ fn read_blocking(
                     .collect()
             })
             .unwrap_or_default();
-        if let Some(&end) = wanted.get(&partition) {
-            if offset < end {
-                records.push(StoredRecord {
-                    partition,
-                    offset,
-                    key: message
-                        .key()
-                        .map(|k| String::from_utf8_lossy(k).into_owned()),
-                    headers,
-                    payload: message.payload().unwrap_or_default().to_vec(),
-                });
-            }
-            if offset + 1 >= end {
-                wanted.remove(&partition);
-            }
-        }
+        records.push(StoredRecord {
+            partition: message.partition(),
+            offset: message.offset(),
+            key: message.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            headers,
+            payload: message.payload().unwrap_or_default().to_vec(),
+        });
     }
     records.sort_by_key(|r| (r.partition, r.offset));
     Ok(records)
