@@ -307,7 +307,9 @@ impl Settings {
             }
             DestinationKind::Kafka => {
                 let Some(brokers) = args.brokers.or(file.brokers) else {
-                    bail!("no kafka brokers: set --brokers, HANDOFF_BROKERS or brokers in the config");
+                    bail!(
+                        "no kafka brokers: set --brokers, HANDOFF_BROKERS or brokers in the config"
+                    );
                 };
                 let defaults = KafkaConfig::default();
                 let config = KafkaConfig {

@@ -203,7 +203,9 @@ fn read_blocking(
         records.push(StoredRecord {
             partition: message.partition(),
             offset: message.offset(),
-            key: message.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            key: message
+                .key()
+                .map(|k| String::from_utf8_lossy(k).into_owned()),
             headers,
             payload: message.payload().unwrap_or_default().to_vec(),
         });
