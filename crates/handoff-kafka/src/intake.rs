@@ -76,8 +76,7 @@ impl IntakeConfig {
     ///
     /// # Errors
     ///
-    /// The first [`ConfigError`] found, or [`IntakeConnectError::Invalid`] for the intake's own
-    /// fields.
+    /// The first rule broken, as an [`IntakeConfigError`].
     ///
     /// # Examples
     ///
@@ -86,31 +85,41 @@ impl IntakeConfig {
     ///
     /// assert!(IntakeConfig::default().validate().is_err(), "a group id is required");
     /// ```
-    pub fn validate(&self) -> Result<(), IntakeConnectError> {
-        check_brokers(&self.brokers).map_err(ConnectError::from)?;
-        check_topic(&self.topic).map_err(ConnectError::from)?;
+    pub fn validate(&self) -> Result<(), IntakeConfigError> {
+        check_brokers(&self.brokers)?;
+        check_topic(&self.topic)?;
         if self.group_id.is_empty() || !self.group_id.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(IntakeConnectError::Invalid(
+            return Err(IntakeConfigError::Invalid(
                 "group_id must be non-empty printable ASCII",
             ));
         }
         if self.max_unsettled == 0 {
-            return Err(IntakeConnectError::Invalid(
+            return Err(IntakeConfigError::Invalid(
                 "max_unsettled must be at least 1",
             ));
         }
         if self.redeliver_after.is_zero() {
-            return Err(IntakeConnectError::Invalid(
+            return Err(IntakeConfigError::Invalid(
                 "redeliver_after must be greater than zero",
             ));
         }
         if self.client_id.is_empty() || !self.client_id.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(
-                ConnectError::from(ConfigError::InvalidClientId(self.client_id.clone())).into(),
-            );
+            return Err(ConfigError::InvalidClientId(self.client_id.clone()).into());
         }
         Ok(())
     }
+}
+
+/// Why an [`IntakeConfig`] is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum IntakeConfigError {
+    /// A setting shared with [`KafkaConfig`] breaks its rule.
+    #[error(transparent)]
+    Kafka(#[from] ConfigError),
+    /// An intake setting breaks its rule.
+    #[error("{0}")]
+    Invalid(&'static str),
 }
 
 /// Why [`KafkaIntake::connect`] failed.
@@ -123,9 +132,9 @@ pub enum IntakeConnectError {
     /// The topic could not be found or created.
     #[error(transparent)]
     Topic(#[from] TopicError),
-    /// An intake setting is unusable.
+    /// The configuration is unusable.
     #[error("invalid intake configuration: {0}")]
-    Invalid(&'static str),
+    InvalidConfig(#[from] IntakeConfigError),
     /// The consumer could not be created or subscribed.
     #[error("while subscribing group {group} to topic {topic}: {source}")]
     Subscribe {
@@ -318,7 +327,9 @@ struct Held {
 ///   [`redeliver_after`](IntakeConfig::redeliver_after).
 ///
 /// Kafka keeps no delivery count: a message read from the broker counts as delivery 1, also
-/// after a restart. Messages are read back from the relay's contract (`ce-id`,
+/// after a restart. The group's coordinator takes the partitions away from a member that asks
+/// for no delivery for longer than librdkafka's `max.poll.interval.ms` (5 minutes), as when
+/// [`max_unsettled`](IntakeConfig::max_unsettled) deliveries stay unsettled that long. Messages are read back from the relay's contract (`ce-id`,
 /// `Handoff-Sequence`, ...); one without it is handed over as a [`MalformedEvent`].
 ///
 /// # Examples
@@ -420,7 +431,7 @@ impl KafkaIntake {
         Some(self.delivery(partition, offset, generation, held))
     }
 
-    fn from_broker(
+    fn broker_delivery(
         &self,
         message: &BorrowedMessage<'_>,
         permit: OwnedSemaphorePermit,
@@ -498,7 +509,7 @@ impl Intake for KafkaIntake {
                 message = self.inner.consumer.recv() => {
                     let message = message
                         .map_err(|e| IntakeError::new("while reading from kafka", e))?;
-                    return Ok(self.from_broker(&message, permit));
+                    return Ok(self.broker_delivery(&message, permit));
                 }
             }
         }

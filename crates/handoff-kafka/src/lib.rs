@@ -47,7 +47,7 @@ mod transport;
 
 pub use config::{ConfigError, KafkaConfig};
 pub use error::{ConnectError, ConnectErrorKind, TopicError, TopicErrorKind};
-pub use intake::{IntakeConfig, IntakeConnectError, KafkaIntake, KafkaSettle};
+pub use intake::{IntakeConfig, IntakeConfigError, IntakeConnectError, KafkaIntake, KafkaSettle};
 /// The Kafka client crate this one is built on, for callers that need its types at the same
 /// version.
 pub use rdkafka;

@@ -19,12 +19,15 @@ use sqlx::PgConnection;
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
+/// Whether the handler fails an event on its n-th call (1 the first time).
+type FailWhen = Arc<dyn Fn(&ReceivedEvent, u32) -> bool + Send + Sync>;
+
 /// Inserts one `applied` row per application (a second application of one event would be a
 /// second row); counts handler calls per event; fails while `fail` says so.
 #[derive(Clone)]
 struct Recorder {
     calls: Arc<Mutex<HashMap<Uuid, u32>>>,
-    fail: Arc<dyn Fn(&ReceivedEvent, u32) -> bool + Send + Sync>,
+    fail: FailWhen,
 }
 
 impl Recorder {
