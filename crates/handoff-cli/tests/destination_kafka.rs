@@ -206,7 +206,6 @@ async fn every_committed_event_reaches_kafka_in_order_through_relay_sigkills() {
         .collect();
     // Three rounds: once the relays have published more, SIGKILL one (leaving whatever it had
     // published but not marked) and start a fresh one in its place.
-    let mut next_id = 2;
     for round in 0..3usize {
         let target = 100 * (round as i64 + 1);
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -225,8 +224,7 @@ async fn every_committed_event_reaches_kafka_in_order_through_relay_sigkills() {
         let victim = round % relays.len();
         relays[victim].kill();
         relays[victim] =
-            KafkaRelay::start(&url, &broker.brokers(), &topic, &format!("k-{next_id}"));
-        next_id += 1;
+            KafkaRelay::start(&url, &broker.brokers(), &topic, &format!("k-{}", round + 2));
     }
     let rolled_back = writer.await.unwrap();
     wait_drained(&db.pool, Duration::from_secs(45), || {
