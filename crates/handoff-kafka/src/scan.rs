@@ -3,8 +3,9 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
@@ -131,6 +132,22 @@ pub async fn read_topic(
         })
 }
 
+/// The scan's consumer context: reaching a partition's end is what the scan waits for, not an
+/// error worth logging.
+struct ScanContext;
+
+impl ClientContext for ScanContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if !matches!(error, KafkaError::PartitionEOF(_))
+            && error.rdkafka_error_code() != Some(rdkafka::types::RDKafkaErrorCode::PartitionEOF)
+        {
+            tracing::warn!(%error, reason, "kafka client error while reading a topic");
+        }
+    }
+}
+
+impl ConsumerContext for ScanContext {}
+
 fn read_blocking(
     brokers: &str,
     topic: &str,
@@ -142,7 +159,7 @@ fn read_blocking(
         topic: topic.to_owned(),
         source,
     };
-    let consumer: BaseConsumer = ClientConfig::new()
+    let consumer: BaseConsumer<ScanContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         // librdkafka wants a group id for a consumer; nothing is ever committed under it.
         .set("group.id", "handoff-scan")
@@ -152,7 +169,7 @@ fn read_blocking(
         // ListOffsets watermarks: tansu 0.6 answers those wrongly for all but one partition
         // of a topic (offset 1 for partitions holding dozens of messages).
         .set("enable.partition.eof", "true")
-        .create()
+        .create_with_context(ScanContext)
         .map_err(kafka)?;
     let metadata = consumer
         .fetch_metadata(Some(topic), left())
