@@ -116,10 +116,13 @@ impl TopicError {
     /// assert_eq!(error.kind(), TopicErrorKind::Refused);
     /// ```
     pub fn kind(&self) -> TopicErrorKind {
-        let code = match self {
-            Self::Metadata { source, .. } | Self::Create { source, .. } => {
-                source.rdkafka_error_code()
-            }
+        let source = match self {
+            Self::Metadata { source, .. } | Self::Create { source, .. } => source,
+        };
+        // rdkafka gives no code for admin results; their code is in the variant.
+        let code = match source {
+            KafkaError::AdminOp(code) => Some(*code),
+            other => other.rdkafka_error_code(),
         };
         match code {
             None => TopicErrorKind::Unavailable,
