@@ -242,6 +242,9 @@ fn print_detail(event_id: Uuid, detail: &EventDetail) -> Result<()> {
     if let Some(at) = detail.published_at {
         println!("published    {}", at.to_rfc3339());
     }
+    if let Some(receipt) = &detail.delivery_receipt {
+        println!("receipt      {receipt}");
+    }
     if let Some(reason) = &detail.skip_reason {
         println!("skipped      {reason}");
     }

@@ -415,6 +415,9 @@ async fn a_poison_event_holds_its_aggregate_only_and_each_operator_action_resume
     assert!(show.status.success(), "{}", stderr(&show));
     let shown = stdout_json(&show);
     assert_eq!(shown["state"], "published");
+    // The stream's answer is kept with the event: its stream and sequence.
+    let receipt = shown["delivery_receipt"].as_str().unwrap_or_default();
+    assert!(receipt.starts_with("jetstream "), "receipt {receipt:?}");
     assert_eq!(shown["skip_reason"], "blob is corrupt, order re-sent");
     assert_eq!(shown["actions"][0]["action"], "skip");
     assert_eq!(shown["actions"][0]["actor"], "test-operator");

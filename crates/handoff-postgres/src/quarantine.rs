@@ -133,6 +133,9 @@ pub struct EventDetail {
     pub headers: Option<serde_json::Value>,
     /// When the broker acknowledged it.
     pub published_at: Option<DateTime<Utc>>,
+    /// What the destination answered when it accepted the event (an HTTP status and body
+    /// digest, a Kafka partition and offset, a stream sequence).
+    pub delivery_receipt: Option<String>,
     /// Set when an operator skipped it: it goes out as a skip marker.
     pub skip_reason: Option<String>,
     /// Every operator action on it, oldest first.
@@ -304,6 +307,7 @@ impl Quarantine {
                 payload: None,
                 headers: None,
                 published_at: None,
+                delivery_receipt: None,
                 skip_reason: None,
                 actions,
             });
@@ -314,6 +318,7 @@ impl Quarantine {
             payload: Some(json_column(&row, "payload")?),
             headers: Some(json_column(&row, "headers")?),
             published_at: row.try_get("published_at")?,
+            delivery_receipt: row.try_get("delivery_receipt")?,
             skip_reason: row.try_get("skip_reason")?,
             actions,
         })

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use handoff_consumer::{ConfigError, Consumer, ConsumerConfig, GapPolicy, Handler};
+use handoff_core::intake::Intake;
 use handoff_nats::{IntakeConfig, IntakeConnectError, JetStreamIntake};
 use handoff_postgres::{
     bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, Schema, SchemaError,
@@ -56,6 +57,9 @@ pub struct CommonArgs {
     /// password, if any, is never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
+    /// The broker the relay publishes to: `nats` (--nats-url, --stream, --subject-prefix).
+    #[arg(long, env = "HANDOFF_BROKER", value_enum, default_value_t = BrokerArg::Nats)]
+    pub broker: BrokerArg,
     /// NATS URL.
     #[arg(
         long,
@@ -116,6 +120,13 @@ pub struct CommonArgs {
     /// search_path].
     #[arg(long, env = "HANDOFF_SCHEMA")]
     pub schema: Option<String>,
+}
+
+/// The `--broker` values.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerArg {
+    /// A durable JetStream pull consumer on the relay's stream.
+    Nats,
 }
 
 /// The `--gap-policy` values.
@@ -354,8 +365,9 @@ pub fn exit_code(result: Result<(), RunError>) -> ExitCode {
 /// 2. serves metrics when `--metrics-addr` is set;
 /// 3. connects to PostgreSQL, applies handoff's migrations (the inbox tables) and then `own`;
 /// 4. builds the handler with `make_handler`;
-/// 5. connects to NATS and creates (or opens) the durable consumer;
-/// 6. prints `consuming <stream> as <consumer-name>` on stdout, and runs.
+/// 5. subscribes at the `--broker` (for NATS: creates or opens the durable consumer);
+/// 6. prints `consuming <stream> as <consumer-name>` on stdout (the topic or queue for other
+///    brokers), and runs.
 ///
 /// `connections_per_event` is how many pooled connections applying one event may hold at once
 /// (1, plus 1 for a handler that records outside calls on their own connections).
@@ -425,27 +437,36 @@ where
     let dedup_retention = config.dedup_retention;
     let consumer = Consumer::new(config, pool.clone(), handler)?;
 
-    let intake_config = args.intake_config();
-    let filter = intake_config.filter();
-    let intake = JetStreamIntake::connect(&args.nats_url, intake_config).await?;
+    tokio::spawn(purge_dedup_rows(pool, inbox, dedup_retention));
+    match args.broker {
+        BrokerArg::Nats => {
+            let intake_config = args.intake_config();
+            let filter = intake_config.filter();
+            let intake = JetStreamIntake::connect(&args.nats_url, intake_config).await?;
+            info!(stream = %args.stream, consumer = %args.consumer_name, %filter, "consuming");
+            consume(&consumer, intake, &args.stream, &args.consumer_name).await
+        }
+    }
+}
+
+/// Announces readiness on stdout and runs `consumer` over `intake` until SIGTERM or SIGINT.
+async fn consume<H: Handler, I: Intake>(
+    consumer: &Consumer<H>,
+    intake: I,
+    from: &str,
+    name: &str,
+) -> Result<(), RunError> {
     // Installed before the ready line, so a signal sent as soon as it is read stops the
     // consumer gracefully instead of killing it.
     let shutdown = shutdown_signal()?;
-    tokio::spawn(purge_dedup_rows(pool, inbox, dedup_retention));
-
-    info!(stream = %args.stream, consumer = %args.consumer_name, %filter, "consuming");
     // The one line on stdout: scripts and tests wait for it to know the consumer is ready.
     let mut stdout = std::io::stdout().lock();
-    writeln!(
-        stdout,
-        "consuming {} as {}",
-        args.stream, args.consumer_name
-    )
-    .and_then(|()| stdout.flush())
-    .map_err(|source| RunError::Io {
-        context: "while writing the ready line",
-        source,
-    })?;
+    writeln!(stdout, "consuming {from} as {name}")
+        .and_then(|()| stdout.flush())
+        .map_err(|source| RunError::Io {
+            context: "while writing the ready line",
+            source,
+        })?;
     drop(stdout);
 
     consumer.run(intake, shutdown).await;
