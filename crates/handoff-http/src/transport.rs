@@ -104,6 +104,24 @@ pub struct HttpTransport {
     config: HttpConfig,
 }
 
+/// A structured-mode body. A struct rather than `json!`, which would re-encode the payload:
+/// `data` must be the payload's text byte for byte.
+#[derive(serde::Serialize)]
+struct Envelope<'a> {
+    specversion: &'static str,
+    id: String,
+    #[serde(rename = "type")]
+    event_type: &'a str,
+    source: &'a str,
+    time: String,
+    datacontenttype: &'static str,
+    handoffaggregatetype: &'a str,
+    handoffaggregateid: std::borrow::Cow<'a, str>,
+    handoffsequence: String,
+    handoffschemaversion: String,
+    data: &'a RawValue,
+}
+
 /// One request, ready to send.
 struct Prepared {
     headers: HeaderMap,
@@ -200,21 +218,21 @@ impl HttpTransport {
     /// The structured-mode body: a CloudEvents JSON object whose `data` is the payload, byte
     /// for byte, and whose `handoff*` extension attributes carry the `Handoff-*` header values.
     fn envelope(&self, event: &OutboxEvent) -> Result<Vec<u8>, PublishError> {
-        let data = RawValue::from_string(event.payload.clone())
+        let data: &RawValue = serde_json::from_str(&event.payload)
             .map_err(|e| rejected(format!("the payload is not JSON: {e}")))?;
-        let envelope = serde_json::json!({
-            "specversion": "1.0",
-            "id": event.event_id.hyphenated().to_string(),
-            "type": event.event_type,
-            "source": self.config.ce_source,
-            "time": contract::format_time(event.occurred_at),
-            "datacontenttype": "application/json",
-            "handoffaggregatetype": event.aggregate_type,
-            "handoffaggregateid": handoff_core::subject::encode_token(&event.aggregate_id),
-            "handoffsequence": event.aggregate_sequence.to_string(),
-            "handoffschemaversion": event.schema_version.to_string(),
-            "data": data,
-        });
+        let envelope = Envelope {
+            specversion: "1.0",
+            id: event.event_id.hyphenated().to_string(),
+            event_type: &event.event_type,
+            source: &self.config.ce_source,
+            time: contract::format_time(event.occurred_at),
+            datacontenttype: "application/json",
+            handoffaggregatetype: &event.aggregate_type,
+            handoffaggregateid: handoff_core::subject::encode_token(&event.aggregate_id),
+            handoffsequence: event.aggregate_sequence.to_string(),
+            handoffschemaversion: event.schema_version.to_string(),
+            data,
+        };
         serde_json::to_vec(&envelope).map_err(|e| rejected(format!("while encoding: {e}")))
     }
 
