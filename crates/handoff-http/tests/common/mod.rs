@@ -49,11 +49,11 @@ impl Seen {
     }
 }
 
+type Handler = Box<dyn Fn(&Seen) -> Reply + Send + Sync>;
+
 struct Script {
-    /// std Mutex: never held across `.await`.
-    replies: Mutex<VecDeque<Reply>>,
-    /// What is answered once the queue is empty.
-    otherwise: Reply,
+    /// Picks the reply to each request.
+    handler: Handler,
     seen: mpsc::UnboundedSender<Seen>,
 }
 
@@ -68,10 +68,23 @@ pub struct Endpoint {
 impl Endpoint {
     /// Starts an endpoint answering `replies` in order, then `otherwise` forever.
     pub async fn start(replies: Vec<Reply>, otherwise: Reply) -> Endpoint {
+        // std Mutex: never held across `.await`.
+        let replies = Mutex::new(VecDeque::from(replies));
+        Endpoint::with(move |_| {
+            replies
+                .lock()
+                .unwrap()
+                .pop_front()
+                .unwrap_or_else(|| otherwise.clone())
+        })
+        .await
+    }
+
+    /// Starts an endpoint answering each request with `handler`'s reply.
+    pub async fn with(handler: impl Fn(&Seen) -> Reply + Send + Sync + 'static) -> Endpoint {
         let (seen, requests) = mpsc::unbounded_channel();
         let script = Arc::new(Script {
-            replies: Mutex::new(replies.into()),
-            otherwise,
+            handler: Box::new(handler),
             seen,
         });
         let app = Router::new().fallback(answer).with_state(script);
@@ -91,17 +104,13 @@ impl Endpoint {
 }
 
 async fn answer(State(script): State<Arc<Script>>, headers: HeaderMap, body: Bytes) -> Response {
-    let _ = script.seen.send(Seen {
+    let seen = Seen {
         at: Instant::now(),
         headers,
         body,
-    });
-    let reply = script
-        .replies
-        .lock()
-        .unwrap()
-        .pop_front()
-        .unwrap_or_else(|| script.otherwise.clone());
+    };
+    let reply = (script.handler)(&seen);
+    let _ = script.seen.send(seen);
     match reply {
         Reply::Status(code, headers, body) => {
             let mut response = (StatusCode::from_u16(code).unwrap(), body).into_response();
