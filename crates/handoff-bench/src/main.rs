@@ -13,12 +13,15 @@
 //! - `handoff-bench cdc` ([`cdc`]) measures the CDC source (rows kept, rows deleted) against the
 //!   polling relay on one private `wal_level=logical` PostgreSQL: drain rate, commit-to-ack
 //!   latency, and the order write's orders/s with each setup in place.
+//! - `handoff-bench http` ([`http`]) measures the relay draining committed rows into the
+//!   reference `webhook-receiver` against POSTing the same events to it directly.
 
 use clap::{Parser, Subcommand};
 
 mod cdc;
 mod cleanup;
 mod consumer;
+mod http;
 mod relay;
 mod scratch;
 mod write_path;
@@ -45,6 +48,8 @@ enum Command {
     Cleanup(cleanup::CleanupArgs),
     /// The CDC source (rows kept / deleted) against the polling relay: drain, latency, write.
     Cdc(cdc::CdcArgs),
+    /// The relay draining into an HTTP endpoint vs POSTing to it directly.
+    Http(http::HttpArgs),
 }
 
 #[tokio::main]
@@ -63,6 +68,7 @@ async fn main() -> std::process::ExitCode {
         Command::Consumer(args) => consumer::consumer(args).await,
         Command::Cleanup(args) => cleanup::cleanup(args).await,
         Command::Cdc(args) => cdc::cdc(args).await,
+        Command::Http(args) => http::http(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
