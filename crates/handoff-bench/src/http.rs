@@ -98,7 +98,7 @@ pub async fn http(args: HttpArgs) -> Result<()> {
     anyhow::ensure!(
         args.aggregates > 0
             && args.events >= args.aggregates
-            && args.events % args.aggregates == 0,
+            && args.events.is_multiple_of(args.aggregates),
         "--events must be a positive multiple of --aggregates"
     );
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
@@ -240,8 +240,7 @@ async fn post_raw(
         let transport = transport.clone();
         workers.push(tokio::spawn(async move {
             loop {
-                let Some(lane) = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front()
-                else {
+                let Some(lane) = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front() else {
                     return anyhow::Ok(());
                 };
                 for event in &lane {
@@ -274,7 +273,10 @@ async fn phase(events: &[OutboxEvent], elapsed: Duration, receiver: &Receiver) -
     let mut next: HashMap<&str, i64> = HashMap::new();
     for applied in &received {
         let expected = next.entry(&applied.aggregate_id).or_insert(1);
-        anyhow::ensure!(applied.sequence == *expected, "{applied:?} applied out of order");
+        anyhow::ensure!(
+            applied.sequence == *expected,
+            "{applied:?} applied out of order"
+        );
         *expected += 1;
     }
     let seconds = elapsed.as_secs_f64();

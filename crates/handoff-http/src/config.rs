@@ -81,7 +81,10 @@ impl SigningSecret {
     /// [`ConfigError::InvalidSecret`] when the text is not standard base64 or its key is not
     /// 24 to 64 bytes long. The error never holds the secret.
     pub fn parse(text: &str) -> Result<SigningSecret, ConfigError> {
-        let encoded = text.trim().strip_prefix(Self::PREFIX).unwrap_or(text.trim());
+        let encoded = text
+            .trim()
+            .strip_prefix(Self::PREFIX)
+            .unwrap_or(text.trim());
         let key = STANDARD.decode(encoded).map_err(|_| {
             ConfigError::InvalidSecret("the secret is not whsec_ followed by standard base64")
         })?;
@@ -277,7 +280,13 @@ mod tests {
         ] {
             assert_eq!(with_endpoint(good).validate(), Ok(()), "{good:?}");
         }
-        for bad in ["", "example.com/x", "ftp://example.com", "http://", "/relative"] {
+        for bad in [
+            "",
+            "example.com/x",
+            "ftp://example.com",
+            "http://",
+            "/relative",
+        ] {
             assert!(
                 matches!(
                     with_endpoint(bad).validate(),

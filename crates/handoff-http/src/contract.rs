@@ -32,7 +32,10 @@ pub(crate) fn headers(
     .map(|(n, v)| (n.to_owned(), v))
     .collect();
     for (name, value) in &event.headers {
-        if headers.iter().any(|(own, _)| own.eq_ignore_ascii_case(name)) {
+        if headers
+            .iter()
+            .any(|(own, _)| own.eq_ignore_ascii_case(name))
+        {
             return Err(PublishError::new(
                 PublishErrorKind::Rejected,
                 format!("caller header {name:?} clashes with a header the relay sets"),

@@ -38,4 +38,6 @@ pub mod signature;
 mod transport;
 
 pub use config::{ConfigError, HttpConfig, HttpMode, SigningSecret};
-pub use transport::{BuildError, HttpTransport, CLOUDEVENTS_JSON, IDEMPOTENCY_KEY, MAX_RETRY_AFTER};
+pub use transport::{
+    BuildError, HttpTransport, CLOUDEVENTS_JSON, IDEMPOTENCY_KEY, MAX_RETRY_AFTER,
+};

@@ -346,7 +346,10 @@ impl HttpTransport {
             (PublishErrorKind::Rejected, "cannot build a request to")
         } else {
             // Sent, at least in part, then the connection failed: the endpoint may have acted.
-            (PublishErrorKind::Timeout, "connection failed after sending to")
+            (
+                PublishErrorKind::Timeout,
+                "connection failed after sending to",
+            )
         };
         PublishError::new(kind, format!("{what} {}: {}", self.shown, chain(&error)))
     }
@@ -478,8 +481,11 @@ fn header_name(name: &str) -> Result<HeaderName, PublishError> {
 }
 
 fn header_value(name: &str, value: &str) -> Result<HeaderValue, PublishError> {
-    HeaderValue::from_str(value)
-        .map_err(|_| rejected(format!("the value of header {name:?} is not a valid header value")))
+    HeaderValue::from_str(value).map_err(|_| {
+        rejected(format!(
+            "the value of header {name:?} is not a valid header value"
+        ))
+    })
 }
 
 #[cfg(test)]
@@ -503,7 +509,11 @@ mod tests {
             (404, Rejected),
             (422, Rejected),
         ] {
-            assert_eq!(classify(StatusCode::from_u16(status).unwrap()), kind, "{status}");
+            assert_eq!(
+                classify(StatusCode::from_u16(status).unwrap()),
+                kind,
+                "{status}"
+            );
         }
     }
 
@@ -520,7 +530,10 @@ mod tests {
         let past = httpdate::fmt_http_date(now - Duration::from_secs(90));
         headers.insert(RETRY_AFTER, HeaderValue::from_str(&past).unwrap());
         assert_eq!(retry_after(&headers, now), Some(Duration::ZERO));
-        headers.insert(RETRY_AFTER, HeaderValue::from_static("99999999999999999999"));
+        headers.insert(
+            RETRY_AFTER,
+            HeaderValue::from_static("99999999999999999999"),
+        );
         assert_eq!(retry_after(&headers, now), Some(MAX_RETRY_AFTER));
         headers.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
         assert_eq!(retry_after(&headers, now), None);

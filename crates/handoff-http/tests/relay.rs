@@ -52,7 +52,7 @@ impl Setup {
             max: Duration::from_millis(20),
         };
         let config = RelayConfig {
-            retry_backoff: quick.clone(),
+            retry_backoff: quick,
             outage_backoff: quick,
             poll_interval: Duration::from_millis(50),
             ..RelayConfig::default()
@@ -86,7 +86,10 @@ impl Setup {
             if done(&row) {
                 return;
             }
-            assert!(tokio::time::Instant::now() < deadline, "{aggregate}/{sequence}: {row:?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{aggregate}/{sequence}: {row:?}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -144,7 +147,10 @@ async fn a_400_quarantines_the_event_and_holds_back_its_aggregate_only() {
     let (published, quarantined, _, error) = setup.row("a", 1).await;
     assert!(!published && quarantined);
     let error = error.unwrap();
-    assert!(error.contains("400") && error.contains("unknown sku"), "{error}");
+    assert!(
+        error.contains("400") && error.contains("unknown sku"),
+        "{error}"
+    );
     let (published, quarantined, attempts, _) = setup.row("a", 2).await;
     assert!(!published && !quarantined && attempts == 0);
     setup.stop().await;
@@ -154,10 +160,7 @@ async fn a_400_quarantines_the_event_and_holds_back_its_aggregate_only() {
         seen.push(position(&request));
     }
     seen.sort();
-    assert_eq!(
-        seen,
-        [("a".into(), "1".into()), ("b".into(), "1".into())]
-    );
+    assert_eq!(seen, [("a".into(), "1".into()), ("b".into(), "1".into())]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -170,8 +173,13 @@ async fn a_503_is_retried_under_the_same_key_until_accepted() {
         }
     }))
     .await;
-    let setup = Setup::start("http_relay_503", &[("a", 1)], &endpoint.url, Duration::from_secs(2))
-        .await;
+    let setup = Setup::start(
+        "http_relay_503",
+        &[("a", 1)],
+        &endpoint.url,
+        Duration::from_secs(2),
+    )
+    .await;
     setup.until("a", 1, |row| row.0).await;
     let (_, _, attempts, _) = setup.row("a", 1).await;
     assert_eq!(attempts, 2, "each 503 is charged as an attempt");

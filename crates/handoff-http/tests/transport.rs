@@ -38,7 +38,10 @@ async fn binary_mode_posts_the_payload_with_the_contract_headers_and_the_event_i
     assert_eq!(seen.header("ce-type"), Some(factory::EVENT_TYPE));
     assert_eq!(seen.header("ce-source"), Some("handoff"));
     assert_eq!(seen.header("content-type"), Some("application/json"));
-    assert_eq!(seen.header("handoff-aggregate-type"), Some(factory::AGGREGATE_TYPE));
+    assert_eq!(
+        seen.header("handoff-aggregate-type"),
+        Some(factory::AGGREGATE_TYPE)
+    );
     assert_eq!(seen.header("handoff-aggregate-id"), Some("eu%2E42"));
     assert_eq!(seen.header("handoff-sequence"), Some("7"));
     assert_eq!(seen.header("handoff-schema-version"), Some("1"));
@@ -60,7 +63,10 @@ async fn structured_mode_posts_a_cloudevents_envelope_around_the_payload() {
 
     let seen = endpoint.next().await;
     let id = event.event_id.hyphenated().to_string();
-    assert_eq!(seen.header("content-type"), Some("application/cloudevents+json"));
+    assert_eq!(
+        seen.header("content-type"),
+        Some("application/cloudevents+json")
+    );
     assert_eq!(seen.header("idempotency-key"), Some(id.as_str()));
     assert_eq!(seen.header("ce-id"), None, "attributes are in the body");
     let body: serde_json::Value = serde_json::from_slice(&seen.body).unwrap();
@@ -76,7 +82,10 @@ async fn structured_mode_posts_a_cloudevents_envelope_around_the_payload() {
     assert!(body["time"].as_str().unwrap().ends_with('Z'));
     // `data` is the payload byte for byte, not re-encoded.
     let text = std::str::from_utf8(&seen.body).unwrap();
-    assert!(text.contains(r#""data":{"total": 12.50, "items": [1, 2]}"#), "{text}");
+    assert!(
+        text.contains(r#""data":{"total": 12.50, "items": [1, 2]}"#),
+        "{text}"
+    );
 }
 
 #[tokio::test]
@@ -89,7 +98,11 @@ async fn answers_sort_into_retry_quarantine_and_pause() {
         Reply::Status(429, vec![("retry-after", "3".into())], String::new()),
         Reply::status(500),
         Reply::status(503),
-        Reply::Status(308, vec![("location", "http://elsewhere/hook".into())], String::new()),
+        Reply::Status(
+            308,
+            vec![("location", "http://elsewhere/hook".into())],
+            String::new(),
+        ),
     ];
     let expected = [
         PublishErrorKind::Rejected,
@@ -111,9 +124,17 @@ async fn answers_sort_into_retry_quarantine_and_pause() {
         errors.push(error.to_string());
     }
     // The body excerpt, on one line, says why the event was refused.
-    assert!(errors[0].contains("400 Bad Request: missing field \"sku\" at line 1"), "{}", errors[0]);
+    assert!(
+        errors[0].contains("400 Bad Request: missing field \"sku\" at line 1"),
+        "{}",
+        errors[0]
+    );
     assert!(errors[7].contains("http://elsewhere/hook"), "{}", errors[7]);
-    assert!(errors[7].contains("redirects are not followed"), "{}", errors[7]);
+    assert!(
+        errors[7].contains("redirects are not followed"),
+        "{}",
+        errors[7]
+    );
     transport.publish(&event).await.unwrap();
     // The redirect was not followed: every attempt reached the endpoint, nothing else.
     for _ in 0..9 {
@@ -146,14 +167,19 @@ async fn ready_once_the_endpoint_listens() {
 #[tokio::test]
 async fn no_answer_in_time_is_an_ambiguous_timeout() {
     let mut endpoint = Endpoint::start(vec![Reply::Hang], Reply::status(200)).await;
-    let transport = transport(&endpoint.url, |c| c.request_timeout = Duration::from_millis(300));
+    let transport = transport(&endpoint.url, |c| {
+        c.request_timeout = Duration::from_millis(300)
+    });
     let event = factory::outbox_event("a", 1);
     let error = transport.publish(&event).await.unwrap_err();
     assert_eq!(error.kind(), PublishErrorKind::Timeout, "{error}");
     transport.publish(&event).await.unwrap();
     let first = endpoint.next().await;
     let second = endpoint.next().await;
-    assert_eq!(first.header("idempotency-key"), second.header("idempotency-key"));
+    assert_eq!(
+        first.header("idempotency-key"),
+        second.header("idempotency-key")
+    );
 }
 
 #[tokio::test]

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What a request says about its event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,7 +20,7 @@ pub struct Incoming {
 }
 
 /// One applied effect, as `GET /received` lists it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Applied {
     /// The event id.
     pub event_id: String,
@@ -140,7 +140,10 @@ mod tests {
         let Outcome::Applied(first) = ledger.offer("k1", event("e1", "a", 1)) else {
             panic!("not applied");
         };
-        assert_eq!(ledger.offer("k1", event("e1", "a", 1)), Outcome::Repeat(first));
+        assert_eq!(
+            ledger.offer("k1", event("e1", "a", 1)),
+            Outcome::Repeat(first)
+        );
         assert_eq!(ledger.applied().len(), 1);
     }
 
@@ -151,15 +154,28 @@ mod tests {
             panic!("gap applied");
         };
         assert_eq!(gap.status, 409);
-        assert!(matches!(ledger.offer("k1", event("e1", "a", 1)), Outcome::Applied(_)));
-        assert!(matches!(ledger.offer("k2", event("e2", "a", 2)), Outcome::Applied(_)));
+        assert!(matches!(
+            ledger.offer("k1", event("e1", "a", 1)),
+            Outcome::Applied(_)
+        ));
+        assert!(matches!(
+            ledger.offer("k2", event("e2", "a", 2)),
+            Outcome::Applied(_)
+        ));
         let Outcome::Refused(taken) = ledger.offer("k9", event("e9", "a", 2)) else {
             panic!("position applied twice");
         };
         assert_eq!(taken.status, 422);
         // Aggregates are independent.
-        assert!(matches!(ledger.offer("k3", event("e3", "b", 1)), Outcome::Applied(_)));
-        let order: Vec<_> = ledger.applied().iter().map(|a| a.event_id.as_str()).collect();
+        assert!(matches!(
+            ledger.offer("k3", event("e3", "b", 1)),
+            Outcome::Applied(_)
+        ));
+        let order: Vec<_> = ledger
+            .applied()
+            .iter()
+            .map(|a| a.event_id.as_str())
+            .collect();
         assert_eq!(order, ["e1", "e2", "e3"]);
     }
 }

@@ -112,7 +112,14 @@ async fn every_committed_event_is_applied_once_in_order_through_ambiguous_timeou
     tx.rollback().await.unwrap();
 
     let receiver = Receiver::start(
-        &["--ambiguous-ratio", "0.3", "--ambiguous-hold", "5s", "--seed", "9"],
+        &[
+            "--ambiguous-ratio",
+            "0.3",
+            "--ambiguous-hold",
+            "5s",
+            "--seed",
+            "9",
+        ],
         None,
     )
     .await;
@@ -206,7 +213,10 @@ async fn the_receiver_verifies_signatures_and_reads_both_modes() {
     let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
     let receiver = Receiver::start(&[], Some(secret)).await;
     let mut events = Vec::new();
-    for (n, mode) in [HttpMode::Binary, HttpMode::Structured].into_iter().enumerate() {
+    for (n, mode) in [HttpMode::Binary, HttpMode::Structured]
+        .into_iter()
+        .enumerate()
+    {
         let transport = HttpTransport::new(HttpConfig {
             mode,
             signing_secret: Some(SigningSecret::parse(secret).unwrap()),
@@ -251,7 +261,11 @@ async fn the_receiver_holds_back_gaps_and_refuses_a_filled_position() {
     let transport = HttpTransport::new(http_config(receiver.endpoint())).unwrap();
     let second = factory::outbox_event("a", 2);
     let error = transport.publish(&second).await.unwrap_err();
-    assert_eq!(error.kind(), PublishErrorKind::Transient, "409 is retried: {error}");
+    assert_eq!(
+        error.kind(),
+        PublishErrorKind::Transient,
+        "409 is retried: {error}"
+    );
     transport
         .publish(&factory::outbox_event("a", 1))
         .await

@@ -115,9 +115,7 @@ async fn answer(State(script): State<Arc<Script>>, headers: HeaderMap, body: Byt
         Reply::Status(code, headers, body) => {
             let mut response = (StatusCode::from_u16(code).unwrap(), body).into_response();
             for (name, value) in headers {
-                response
-                    .headers_mut()
-                    .insert(name, value.parse().unwrap());
+                response.headers_mut().insert(name, value.parse().unwrap());
             }
             response
         }
