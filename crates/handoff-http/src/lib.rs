@@ -33,7 +33,6 @@
 #![warn(missing_docs)]
 
 mod config;
-mod contract;
 pub mod signature;
 mod transport;
 

@@ -3,24 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Transport};
+use handoff_core::contract;
+use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
 
-// TEMPORARY until "core: delivery receipts" lands on main.
-#[derive(Debug)]
-pub(crate) struct Receipt(#[allow(dead_code)] String);
-impl Receipt {
-    fn new(detail: String) -> Receipt {
-        Receipt(detail)
-    }
-}
-trait RetryAfter {
-    fn with_retry_after(self, wait: Duration) -> Self;
-}
-impl RetryAfter for PublishError {
-    fn with_retry_after(self, _wait: Duration) -> Self {
-        self
-    }
-}
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use reqwest::{Response, StatusCode};
 use serde_json::value::RawValue;
@@ -28,10 +13,10 @@ use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 
 use crate::config::shown;
-use crate::{contract, signature, ConfigError, HttpConfig, HttpMode};
+use crate::{signature, ConfigError, HttpConfig, HttpMode};
 
 /// The header carrying the event id, the endpoint's deduplication key.
-pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+pub const IDEMPOTENCY_KEY: &str = contract::header::IDEMPOTENCY_KEY;
 /// The media type of a structured-mode body.
 pub const CLOUDEVENTS_JSON: &str = "application/cloudevents+json";
 /// The longest `Retry-After` honoured; a longer one is cut to this (one hour).
@@ -192,14 +177,16 @@ impl HttpTransport {
                 )));
             }
         }
+        // Checks the caller's headers in both modes (names, values, clashes).
+        let contract = contract::headers(event, &self.config.ce_source)?;
         let (pairs, body) = match self.config.mode {
-            HttpMode::Binary => (
-                contract::headers(event, &self.config.ce_source)?,
-                event.payload.clone().into_bytes(),
-            ),
+            HttpMode::Binary => (contract, event.payload.clone().into_bytes()),
             HttpMode::Structured => {
+                // The contract lists the caller's headers last: only they travel as headers,
+                // the attributes are in the body.
+                let callers = contract.len() - event.headers.len();
                 let mut pairs = vec![("Content-Type".to_owned(), CLOUDEVENTS_JSON.to_owned())];
-                pairs.extend(event.headers.iter().cloned());
+                pairs.extend(contract.into_iter().skip(callers));
                 (pairs, self.envelope(event)?)
             }
         };
@@ -359,8 +346,8 @@ impl Transport for HttpTransport {
     /// POSTs `event` and waits for the answer, at most [`HttpConfig::request_timeout`] once a
     /// request slot is free (and at most as long again for the slot). See [`HttpTransport`]
     /// for how answers count.
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
-        self.send(event).await.map(|_| ())
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
+        self.send(event).await
     }
 
     /// Returns `true` as soon as a TCP connection to the endpoint's host and port opens, within

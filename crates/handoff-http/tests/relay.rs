@@ -94,6 +94,17 @@ impl Setup {
         }
     }
 
+    async fn receipt(&self, aggregate: &str, sequence: i64) -> Option<String> {
+        sqlx::query_scalar(
+            "SELECT delivery_receipt FROM outbox WHERE aggregate_id = $1 AND aggregate_sequence = $2",
+        )
+        .bind(aggregate)
+        .bind(sequence)
+        .fetch_one(&self.db.pool)
+        .await
+        .unwrap()
+    }
+
     async fn stop(self) -> TestDb {
         self.stop.send(true).unwrap();
         self.run.await.unwrap();
@@ -153,6 +164,12 @@ async fn a_400_quarantines_the_event_and_holds_back_its_aggregate_only() {
     );
     let (published, quarantined, attempts, _) = setup.row("a", 2).await;
     assert!(!published && !quarantined && attempts == 0);
+    assert_eq!(setup.receipt("a", 1).await, None);
+    assert!(setup
+        .receipt("b", 1)
+        .await
+        .unwrap()
+        .starts_with("http 200 sha256:"));
     setup.stop().await;
     // a/1 was tried once, a/2 never.
     let mut seen = Vec::new();
@@ -209,6 +226,10 @@ async fn a_timeout_is_retried_with_the_same_key() {
     )
     .await;
     setup.until("a", 1, |row| row.0).await;
+    assert_eq!(
+        setup.receipt("a", 1).await.as_deref(),
+        Some("http 200 sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+    );
     setup.stop().await;
     let first = endpoint.requests.try_recv().unwrap();
     let second = endpoint.requests.try_recv().unwrap();
@@ -217,4 +238,36 @@ async fn a_timeout_is_retried_with_the_same_key() {
         second.header("idempotency-key")
     );
     assert_eq!(first.body, second.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_with_retry_after_delays_the_retry_at_least_that_long() {
+    let mut endpoint = Endpoint::with(counting(|_, _, count| {
+        if count == 0 {
+            Reply::Status(429, vec![("retry-after", "2".into())], "slow down".into())
+        } else {
+            Reply::Status(200, vec![], r#"{"ok":true}"#.into())
+        }
+    }))
+    .await;
+    let setup = Setup::start(
+        "http_relay_429",
+        &[("a", 1)],
+        &endpoint.url,
+        Duration::from_secs(2),
+    )
+    .await;
+    setup.until("a", 1, |row| row.0).await;
+    let receipt = setup.receipt("a", 1).await.unwrap();
+    setup.stop().await;
+    let first = endpoint.requests.try_recv().unwrap();
+    let second = endpoint.requests.try_recv().unwrap();
+    let waited = second.at - first.at;
+    // The relay's own backoff here is 10 to 20 ms: only Retry-After explains the wait.
+    assert!(waited >= Duration::from_secs(2), "retried after {waited:?}");
+    assert_eq!(
+        receipt,
+        // sha256 of {"ok":true}
+        "http 200 sha256:4062edaf750fb8074e7e83e0c9028c94e32468a8b6f1614774328ef045150f93"
+    );
 }

@@ -27,7 +27,12 @@ async fn binary_mode_posts_the_payload_with_the_contract_headers_and_the_event_i
     let transport = transport(&endpoint.url, |_| {});
     let mut event = factory::outbox_event("eu.42", 7);
     event.headers = vec![("traceparent".into(), "00-abc-def-01".into())];
-    transport.publish(&event).await.unwrap();
+    let receipt = transport.publish(&event).await.unwrap();
+    // SHA-256 of the empty body.
+    assert_eq!(
+        receipt.detail(),
+        Some("http 200 sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+    );
 
     let seen = endpoint.next().await;
     let id = event.event_id.hyphenated().to_string();
@@ -59,7 +64,8 @@ async fn structured_mode_posts_a_cloudevents_envelope_around_the_payload() {
     });
     let mut event = factory::outbox_event("a/1", 3);
     event.payload = r#"{"total": 12.50, "items": [1, 2]}"#.into();
-    transport.publish(&event).await.unwrap();
+    let receipt = transport.publish(&event).await.unwrap();
+    assert!(receipt.detail().unwrap().starts_with("http 204 sha256:"));
 
     let seen = endpoint.next().await;
     let id = event.event_id.hyphenated().to_string();
@@ -97,7 +103,11 @@ async fn answers_sort_into_retry_quarantine_and_pause() {
         Reply::status(409),
         Reply::Status(429, vec![("retry-after", "3".into())], String::new()),
         Reply::status(500),
-        Reply::status(503),
+        Reply::Status(
+            503,
+            vec![("retry-after", httpdate::fmt_http_date(in_a_minute()))],
+            String::new(),
+        ),
         Reply::Status(
             308,
             vec![("location", "http://elsewhere/hook".into())],
@@ -118,11 +128,24 @@ async fn answers_sort_into_retry_quarantine_and_pause() {
     let transport = transport(&endpoint.url, |_| {});
     let event = factory::outbox_event("a", 1);
     let mut errors = Vec::new();
+    let mut waits = Vec::new();
     for kind in expected {
         let error = transport.publish(&event).await.unwrap_err();
         assert_eq!(error.kind(), kind, "{error}");
         errors.push(error.to_string());
+        waits.push(error.retry_after());
     }
+    // Retry-After counts on 429 and 503 only, as seconds or as a date.
+    assert_eq!(waits[4], Some(Duration::from_secs(3)));
+    let wait = waits[6].expect("503's Retry-After");
+    assert!(
+        wait > Duration::from_secs(50) && wait <= Duration::from_secs(60),
+        "{wait:?}"
+    );
+    assert!(waits
+        .iter()
+        .enumerate()
+        .all(|(n, w)| w.is_none() || n == 4 || n == 6));
     // The body excerpt, on one line, says why the event was refused.
     assert!(
         errors[0].contains("400 Bad Request: missing field \"sku\" at line 1"),
@@ -135,12 +158,37 @@ async fn answers_sort_into_retry_quarantine_and_pause() {
         "{}",
         errors[7]
     );
-    transport.publish(&event).await.unwrap();
+    let receipt = transport.publish(&event).await.unwrap();
+    assert!(receipt.detail().unwrap().starts_with("http 200 sha256:"));
     // The redirect was not followed: every attempt reached the endpoint, nothing else.
     for _ in 0..9 {
         endpoint.next().await;
     }
     assert!(endpoint.requests.try_recv().is_err());
+}
+
+fn in_a_minute() -> std::time::SystemTime {
+    std::time::SystemTime::now() + Duration::from_secs(60)
+}
+
+#[tokio::test]
+async fn the_receipt_digests_the_whole_response_body() {
+    let body = "x".repeat(100_000);
+    let endpoint = Endpoint::start(vec![], Reply::Status(201, vec![], body.clone())).await;
+    let transport = transport(&endpoint.url, |_| {});
+    let receipt = transport
+        .publish(&factory::outbox_event("a", 1))
+        .await
+        .unwrap();
+    use sha2::Digest as _;
+    let digest: String = sha2::Sha256::digest(body.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(
+        receipt.detail(),
+        Some(format!("http 201 sha256:{digest}").as_str())
+    );
 }
 
 #[tokio::test]

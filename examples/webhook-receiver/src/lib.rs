@@ -39,6 +39,7 @@ use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use handoff_core::contract;
 use handoff_http::{signature, SigningSecret};
 use ledger::{Answer, Incoming, Ledger, Outcome};
 use rand::rngs::StdRng;
@@ -207,50 +208,53 @@ fn check_signature(secret: &SigningSecret, headers: &HeaderMap, body: &[u8]) -> 
     .map_err(|e| e.to_string())
 }
 
-/// The event a request describes: the `ce-id` and `Handoff-*` headers in binary mode, the
-/// `id` and `handoff*` attributes of an `application/cloudevents+json` body in structured mode.
+/// The event a request describes, read by the message contract
+/// ([`handoff_core::contract::read_event`]): from the headers in binary mode; in structured mode
+/// (`application/cloudevents+json`) from the body's attributes, mapped back to the contract's
+/// header names, with `data` as the payload.
 fn read_event(headers: &HeaderMap, body: &[u8]) -> Result<Incoming, String> {
     let structured = header(headers, "content-type")
         .is_some_and(|t| t.starts_with(handoff_http::CLOUDEVENTS_JSON));
-    let (id, aggregate_type, aggregate_id, sequence) = if structured {
-        let envelope: serde_json::Value =
-            serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
-        let get = |name: &str| {
-            envelope
-                .get(name)
-                .and_then(|v| v.as_str())
-                .map(str::to_owned)
-                .ok_or_else(|| format!("no string attribute {name:?}"))
-        };
-        (
-            get("id")?,
-            get("handoffaggregatetype")?,
-            get("handoffaggregateid")?,
-            get("handoffsequence")?,
-        )
+    let read = if structured {
+        #[derive(serde::Deserialize)]
+        struct Envelope<'a> {
+            #[serde(borrow)]
+            data: Option<&'a serde_json::value::RawValue>,
+            #[serde(flatten)]
+            attributes: std::collections::HashMap<String, serde_json::Value>,
+        }
+        let envelope: Envelope = serde_json::from_slice(body)
+            .map_err(|e| format!("the body is not a JSON object: {e}"))?;
+        let pairs = [
+            ("id", contract::header::CE_ID),
+            ("type", contract::header::CE_TYPE),
+            ("source", contract::header::CE_SOURCE),
+            ("handoffaggregatetype", contract::header::AGGREGATE_TYPE),
+            ("handoffaggregateid", contract::header::AGGREGATE_ID),
+            ("handoffsequence", contract::header::SEQUENCE),
+            ("handoffschemaversion", contract::header::SCHEMA_VERSION),
+        ];
+        let headers = pairs
+            .iter()
+            .filter_map(|(attribute, name)| {
+                let value = envelope.attributes.get(*attribute)?.as_str()?;
+                Some(((*name).to_owned(), value.to_owned()))
+            })
+            .collect();
+        let data = envelope.data.map_or("null", |d| d.get());
+        contract::read_event(headers, data.as_bytes(), "structured request")
     } else {
-        let get = |name: &str| {
-            header(headers, name)
-                .map(str::to_owned)
-                .ok_or_else(|| format!("no {name} header"))
-        };
-        (
-            get("ce-id")?,
-            get("handoff-aggregate-type")?,
-            get("handoff-aggregate-id")?,
-            get("handoff-sequence")?,
-        )
+        let headers = headers
+            .iter()
+            .filter_map(|(n, v)| Some((n.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+            .collect();
+        contract::read_event(headers, body, "binary request")
     };
-    let aggregate_id = handoff_core::subject::decode_token(&aggregate_id)
-        .map_err(|e| e.to_string())?
-        .into_owned();
-    let sequence = sequence
-        .parse::<i64>()
-        .map_err(|_| format!("sequence {sequence:?} is not an integer"))?;
+    let read = read.map_err(|malformed| malformed.reason)?;
     Ok(Incoming {
-        event_id: id,
-        aggregate_type,
-        aggregate_id,
-        sequence,
+        event_id: read.event_id.to_string(),
+        aggregate_type: read.aggregate_type,
+        aggregate_id: read.aggregate_id,
+        sequence: read.sequence,
     })
 }

@@ -206,6 +206,33 @@ async fn every_committed_event_is_applied_once_in_order_through_ambiguous_timeou
         *expected += 1;
     }
     assert!(!received.iter().any(|a| a.aggregate_id == "rolled-back"));
+
+    // Each row's receipt digests the receiver's answer for that event, which a repeat of the
+    // key gets again byte for byte.
+    let receipts: Vec<(uuid::Uuid, String, i64, Option<String>)> = sqlx::query_as(
+        "SELECT event_id, aggregate_id, aggregate_sequence, delivery_receipt FROM outbox",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    for (event_id, aggregate_id, sequence, receipt) in receipts {
+        let answer = serde_json::json!({ "applied": {
+            "event_id": event_id.to_string(),
+            "aggregate_id": aggregate_id,
+            "sequence": sequence,
+        }})
+        .to_string();
+        use sha2::Digest as _;
+        let digest: String = sha2::Sha256::digest(answer.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            receipt,
+            Some(format!("http 200 sha256:{digest}")),
+            "{event_id}"
+        );
+    }
 }
 
 #[tokio::test]
