@@ -168,7 +168,12 @@ async fn killed_http_relays_deliver_every_committed_event_once_in_order() {
     };
     wait_drained(&db.pool, Duration::from_secs(60), logs).await;
     for relay in &mut relays {
-        assert!(relay.terminate().success(), "{} exits 0:\n{}", relay.id, relay.log());
+        assert!(
+            relay.terminate().success(),
+            "{} exits 0:\n{}",
+            relay.id,
+            relay.log()
+        );
     }
 
     let committed: Vec<(uuid::Uuid, String, i64, Option<String>)> = sqlx::query_as(

@@ -6,8 +6,10 @@ use std::time::Duration;
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
 
-/// How an event is laid out in the request (CloudEvents HTTP binding).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// How an event is laid out in the request (CloudEvents HTTP binding). In config files it is
+/// spelled `"binary"` or `"structured"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum HttpMode {
     /// CloudEvents binary mode: the body is the payload's JSON text, byte for byte, and the
     /// event's attributes travel as headers (`ce-*`, `Handoff-*`, the caller's headers).
@@ -132,10 +134,11 @@ pub struct HttpConfig {
     pub endpoint: String,
     /// The request's layout. Default: [`HttpMode::Binary`].
     pub mode: HttpMode,
-    /// How long one request may take, from sending it to the end of the response body, before
-    /// it fails with [`PublishErrorKind::Timeout`](handoff_core::delivery::PublishErrorKind)
-    /// (ambiguous: retried with the same `Idempotency-Key`). The relay's lease margin must
-    /// exceed it. Default: 10 seconds.
+    /// How long one publish may take, from waiting for a request slot to the end of the
+    /// response body, before it fails with
+    /// [`PublishErrorKind::Timeout`](handoff_core::delivery::PublishErrorKind) (ambiguous:
+    /// retried with the same `Idempotency-Key`), or with `Unavailable` when no request slot
+    /// freed up within half of it (nothing is sent then). The relay's lease margin must exceed it. Default: 5 seconds.
     pub request_timeout: Duration,
     /// Most requests in flight at once, across all aggregates (the relay already sends at most
     /// one per aggregate). Default: 64.
@@ -153,7 +156,7 @@ impl Default for HttpConfig {
         HttpConfig {
             endpoint: String::new(),
             mode: HttpMode::Binary,
-            request_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(5),
             concurrency: 64,
             ce_source: "handoff".to_owned(),
             signing_secret: None,

@@ -60,7 +60,7 @@ pub enum BuildError {
 /// | 408, 409, 429, 5xx | `Transient` (retried with backoff); 429 and 503 honour `Retry-After` |
 /// | 3xx | `Unavailable`: redirects are not followed, the endpoint is misconfigured |
 /// | other 4xx | `Rejected`: the event is quarantined |
-/// | connection refused, DNS or TLS failure | `Unavailable` (not charged to the event) |
+/// | connection refused, DNS or TLS failure, no request slot free within half the timeout | `Unavailable` (not charged to the event; nothing sent) |
 /// | timeout, reset after sending | `Timeout`: ambiguous, retried with the same key |
 ///
 /// # Examples
@@ -168,6 +168,24 @@ impl HttpTransport {
         &self.config
     }
 
+    /// The endpoint as `scheme://host:port/path`, without user information or query (which may
+    /// hold credentials): what logs and errors show.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use handoff_http::{HttpConfig, HttpTransport};
+    /// let config = HttpConfig {
+    ///     endpoint: "https://user:pw@hooks.example.com/in?token=x".into(),
+    ///     ..HttpConfig::default()
+    /// };
+    /// let transport = HttpTransport::new(config).unwrap();
+    /// assert_eq!(transport.endpoint(), "https://hooks.example.com:443/in");
+    /// ```
+    pub fn endpoint(&self) -> &str {
+        &self.shown
+    }
+
     /// The headers and body of `event`'s request, without the signature.
     fn prepare(&self, event: &OutboxEvent) -> Result<Prepared, PublishError> {
         for (name, _) in &event.headers {
@@ -226,19 +244,25 @@ impl HttpTransport {
     async fn send(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         let Prepared { mut headers, body } = self.prepare(event)?;
         let timeout = self.config.request_timeout;
-        // A slot that stays busy for a whole request timeout means the endpoint is not
-        // answering at all: that is the destination's state, not the event's.
-        let _permit = tokio::time::timeout(timeout, self.permits.acquire())
+        // One deadline for the whole publish, the wait for a request slot included, so the
+        // relay's lease margin (a multiple of the timeout) covers it.
+        let deadline = tokio::time::Instant::now() + timeout;
+        // Waiting for a slot until less than half the timeout is left means the endpoint is
+        // saturated or not answering: that is the destination's state, not the event's, and a
+        // request sent with so little time left would likely end as an ambiguous timeout.
+        // Nothing is sent.
+        let saturated = || {
+            PublishError::new(
+                PublishErrorKind::Unavailable,
+                format!(
+                    "all {} request slots to {} stayed busy for most of {timeout:?}",
+                    self.config.concurrency, self.shown
+                ),
+            )
+        };
+        let _permit = tokio::time::timeout_at(deadline - timeout / 2, self.permits.acquire())
             .await
-            .map_err(|_| {
-                PublishError::new(
-                    PublishErrorKind::Unavailable,
-                    format!(
-                        "all {} request slots to {} stayed busy for {timeout:?}",
-                        self.config.concurrency, self.shown
-                    ),
-                )
-            })?
+            .map_err(|_| saturated())?
             .map_err(|_| PublishError::new(PublishErrorKind::Unavailable, "transport closed"))?;
         if let Some(secret) = &self.config.signing_secret {
             // Signed at sending, so every retry carries a fresh timestamp under the same id.
@@ -263,6 +287,7 @@ impl HttpTransport {
             .post(self.url.clone())
             .headers(headers)
             .body(body)
+            .timeout(deadline.saturating_duration_since(tokio::time::Instant::now()))
             .send()
             .await
             .map_err(|e| self.request_error(e))?;
@@ -343,9 +368,9 @@ impl HttpTransport {
 }
 
 impl Transport for HttpTransport {
-    /// POSTs `event` and waits for the answer, at most [`HttpConfig::request_timeout`] once a
-    /// request slot is free (and at most as long again for the slot). See [`HttpTransport`]
-    /// for how answers count.
+    /// POSTs `event` and waits for the answer, at most [`HttpConfig::request_timeout`] in all
+    /// (the wait for a free request slot included). See [`HttpTransport`] for how answers
+    /// count.
     async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         self.send(event).await
     }

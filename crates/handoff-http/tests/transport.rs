@@ -296,3 +296,25 @@ async fn caller_headers_cannot_override_the_key_or_the_signature() {
         assert_eq!(error.kind(), PublishErrorKind::Rejected, "{name}: {error}");
     }
 }
+
+#[tokio::test]
+async fn a_slot_busy_for_half_the_timeout_is_unavailable_and_sends_nothing() {
+    let mut endpoint = Endpoint::start(vec![Reply::Hang], Reply::status(200)).await;
+    let transport = transport(&endpoint.url, |c| {
+        c.concurrency = 1;
+        c.request_timeout = Duration::from_millis(300);
+    });
+    let (first, second) = (factory::outbox_event("a", 1), factory::outbox_event("b", 1));
+    let (first, second) = tokio::join!(transport.publish(&first), async {
+        // Starts once the first request holds the only slot.
+        let _ = endpoint.next().await;
+        transport.publish(&second).await
+    });
+    assert_eq!(first.unwrap_err().kind(), PublishErrorKind::Timeout);
+    let second = second.unwrap_err();
+    assert_eq!(second.kind(), PublishErrorKind::Unavailable, "{second}");
+    assert!(
+        endpoint.requests.try_recv().is_err(),
+        "the second event was never sent"
+    );
+}
