@@ -15,6 +15,8 @@
 //!   latency, and the order write's orders/s with each setup in place.
 //! - `handoff-bench kafka` ([`kafka`]) drains a committed backlog through the relay into Kafka
 //!   (a private tansu), against the same events produced by the Kafka transport alone.
+//! - `handoff-bench http` ([`http`]) measures the relay draining committed rows into the
+//!   reference `webhook-receiver` against POSTing the same events to it directly.
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +24,7 @@ mod cdc;
 mod cleanup;
 mod consumer;
 mod kafka;
+mod http;
 mod relay;
 mod scratch;
 mod write_path;
@@ -50,6 +53,8 @@ enum Command {
     Cdc(cdc::CdcArgs),
     /// The relay's drain into Kafka against the Kafka producer alone.
     Kafka(kafka::KafkaArgs),
+    /// The relay draining into an HTTP endpoint vs POSTing to it directly.
+    Http(http::HttpArgs),
 }
 
 #[tokio::main]
@@ -69,6 +74,7 @@ async fn main() -> std::process::ExitCode {
         Command::Cleanup(args) => cleanup::cleanup(args).await,
         Command::Cdc(args) => cdc::cdc(args).await,
         Command::Kafka(args) => kafka::kafka(args).await,
+        Command::Http(args) => http::http(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
 use handoff_kafka::{KafkaConfig, KafkaTransport};
+use handoff_http::{HttpConfig, HttpMode, HttpTransport, SigningSecret};
 use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
@@ -96,8 +97,8 @@ pub struct RelayArgs {
     /// Publication of the logical source [default: handoff_outbox].
     #[arg(long, env = "HANDOFF_PUBLICATION")]
     publication: Option<String>,
-    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix) or `kafka`
-    /// (--brokers, --topic) [default: nats].
+    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix), `kafka`
+    /// (--brokers, --topic) or `http` (POST to --endpoint) [default: nats].
     #[arg(long, env = "HANDOFF_DESTINATION", value_enum)]
     destination: Option<DestinationKind>,
     /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (required with --destination kafka).
@@ -109,6 +110,22 @@ pub struct RelayArgs {
     /// Partitions of a Kafka topic this relay creates [default: 12].
     #[arg(long, env = "HANDOFF_PARTITIONS")]
     partitions: Option<i32>,
+    /// With --destination http: the URL every event is POSTed to (redirects are not followed).
+    /// The signing secret comes from HANDOFF_HTTP_SECRET only.
+    #[arg(long, env = "HANDOFF_ENDPOINT", hide_env_values = true)]
+    endpoint: Option<String>,
+    /// With --destination http: CloudEvents mode, `binary` (payload as body, attributes as
+    /// headers) or `structured` (application/cloudevents+json) [default: binary].
+    #[arg(long, env = "HANDOFF_HTTP_MODE")]
+    http_mode: Option<HttpMode>,
+    /// With --destination http: longest a publish may take, slot wait and response body
+    /// included [default: the --publish-timeout, 5s].
+    #[arg(long, env = "HANDOFF_HTTP_TIMEOUT", value_parser = humantime::parse_duration)]
+    http_timeout: Option<Duration>,
+    /// With --destination http: most requests in flight at once, over all aggregates
+    /// [default: 64].
+    #[arg(long, env = "HANDOFF_HTTP_CONCURRENCY")]
+    http_concurrency: Option<usize>,
 }
 
 /// Where `handoff relay` publishes.
@@ -120,6 +137,8 @@ pub enum DestinationKind {
     Nats,
     /// A Kafka topic.
     Kafka,
+    /// An HTTP endpoint (webhook), one POST per event with Idempotency-Key.
+    Http,
 }
 
 /// Where `handoff relay` reads committed events from.
@@ -169,6 +188,11 @@ struct RelayFile {
     brokers: Option<String>,
     topic: Option<String>,
     partitions: Option<i32>,
+    endpoint: Option<String>,
+    http_mode: Option<HttpMode>,
+    #[serde(default, with = "humantime_serde")]
+    http_timeout: Option<Duration>,
+    http_concurrency: Option<usize>,
 }
 
 /// The destination's settings, checked.
@@ -180,6 +204,9 @@ enum Destination {
     },
     Kafka {
         config: KafkaConfig,
+    },
+    Http {
+        config: HttpConfig,
     },
 }
 
@@ -234,6 +261,13 @@ impl Settings {
             .publish_timeout
             .or(file.publish_timeout)
             .unwrap_or(defaults.publish_timeout);
+        let publish_timeout = match kind {
+            DestinationKind::Http => args
+                .http_timeout
+                .or(file.http_timeout)
+                .unwrap_or(publish_timeout),
+            DestinationKind::Nats | DestinationKind::Kafka => publish_timeout,
+        };
         let jetstream = JetStreamConfig {
             stream: args.stream.or(file.stream).unwrap_or(defaults.stream),
             subject_prefix: args
@@ -329,6 +363,25 @@ impl Settings {
                 config.validate()?;
                 Destination::Kafka { config }
             }
+            DestinationKind::Http => {
+                let Some(endpoint) = args.endpoint.or(file.endpoint) else {
+                    bail!("--destination http needs --endpoint, HANDOFF_ENDPOINT or endpoint in the config");
+                };
+                let defaults = HttpConfig::default();
+                let config = HttpConfig {
+                    endpoint,
+                    mode: args.http_mode.or(file.http_mode).unwrap_or_default(),
+                    request_timeout: publish_timeout,
+                    concurrency: args
+                        .http_concurrency
+                        .or(file.http_concurrency)
+                        .unwrap_or(defaults.concurrency),
+                    ce_source: jetstream.source,
+                    signing_secret: http_secret()?,
+                };
+                config.validate()?;
+                Destination::Http { config }
+            }
         };
         let polling = PollingConfig {
             schema,
@@ -404,6 +457,31 @@ pub async fn run(args: RelayArgs) -> Result<()> {
             info!(topic = ?topic, "destination ready");
             serve(settings, transport, shutdown).await
         }
+        Destination::Http { config } => {
+            let transport = HttpTransport::new(config.clone())?;
+            let ready = transport.wait_until_ready(Duration::from_secs(1)).await;
+            info!(
+                endpoint = transport.endpoint(),
+                mode = config.mode.as_str(),
+                signed = config.signing_secret.is_some(),
+                reachable = ready,
+                "destination ready"
+            );
+            serve(settings, transport, shutdown).await
+        }
+    }
+}
+
+/// The signing secret of the http destination: environment only, so it stays out of process
+/// listings, config files and logs.
+fn http_secret() -> Result<Option<SigningSecret>> {
+    match std::env::var("HANDOFF_HTTP_SECRET") {
+        Ok(text) if text.is_empty() => Ok(None),
+        Ok(text) => Ok(Some(
+            SigningSecret::parse(&text).context("in HANDOFF_HTTP_SECRET")?,
+        )),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => bail!("HANDOFF_HTTP_SECRET is not UTF-8"),
     }
 }
 
@@ -728,6 +806,27 @@ mod tests {
         bad.destination = Some(DestinationKind::Kafka);
         bad.brokers = Some("no-port".into());
         assert!(Settings::resolve(bad).is_err());
+    }
+
+    #[test]
+    fn the_http_destination_needs_an_endpoint_and_takes_its_own_timeout() {
+        let mut http = args("postgres://localhost/db");
+        http.destination = Some(DestinationKind::Http);
+        let error = Settings::resolve(http).unwrap_err().to_string();
+        assert!(error.contains("--endpoint"), "{error}");
+        let mut http = args("postgres://localhost/db");
+        http.destination = Some(DestinationKind::Http);
+        http.endpoint = Some("https://hooks.example.com/in".into());
+        http.http_mode = Some(HttpMode::Structured);
+        http.http_timeout = Some(Duration::from_secs(2));
+        let settings = Settings::resolve(http).unwrap();
+        let Destination::Http { config } = &settings.destination else {
+            panic!("http was asked for");
+        };
+        assert_eq!(config.mode, HttpMode::Structured);
+        assert_eq!(config.request_timeout, Duration::from_secs(2));
+        assert_eq!(config.concurrency, 64);
+        assert_eq!(settings.relay.lease_margin, Duration::from_secs(4));
     }
 
     #[test]
