@@ -100,6 +100,14 @@ pub enum ConfigError {
         /// The rule it breaks.
         reason: &'static str,
     },
+    /// The intake's queue name or prefetch cannot be used.
+    #[error("invalid queue {name:?}: {reason}")]
+    InvalidQueue {
+        /// The queue as configured.
+        name: String,
+        /// The rule it breaks.
+        reason: &'static str,
+    },
     /// A duration that must be positive is zero.
     #[error("{0} must be greater than zero")]
     ZeroDuration(&'static str),

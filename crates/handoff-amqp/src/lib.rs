@@ -8,7 +8,7 @@
 //!   exchange with routing key `<aggregate_type>.<encoded aggregate_id>`, `mandatory` set, the
 //!   event id as `message_id`, and the message contract as headers; the publish is finished
 //!   only by the broker's publisher confirm.
-//! - `AmqpIntake`: the consumers' side, a queue consumed with manual acknowledgements that
+//! - [`AmqpIntake`]: the consumers' side, a queue consumed with manual acknowledgements that
 //!   hands deliveries to `handoff-consumer` and settles them (ack after commit, nack with
 //!   requeue after a delay, reject).
 //!
@@ -36,6 +36,7 @@
 mod config;
 mod contract;
 mod error;
+mod intake;
 mod transport;
 mod url;
 
@@ -45,5 +46,6 @@ pub use lapin;
 
 pub use config::{AmqpConfig, ConfigError};
 pub use error::{ConnectError, ConnectErrorKind};
+pub use intake::{AmqpIntake, AmqpSettle, IntakeConfig, QueueDeclaration, X_DELIVERY_COUNT};
 pub use transport::AmqpTransport;
 pub use url::redact as redact_url;

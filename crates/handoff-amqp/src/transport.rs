@@ -407,7 +407,7 @@ async fn open_link(
             Some(connection) => connection,
             None => Arc::new(connect(url, &config.connection_name).await?),
         };
-        ensure_exchange(&connection, url, config).await?;
+        ensure_exchange(&connection, url, &config.exchange, config.declare_exchange).await?;
         let channel = connection
             .create_channel()
             .await
@@ -442,12 +442,12 @@ pub(crate) async fn connect(url: &BrokerUrl, name: &str) -> Result<Connection, C
 
 /// Makes sure the exchange exists: a passive declare on a throwaway channel (a missing exchange
 /// closes the channel it was asked on), then a durable topic declare if allowed.
-async fn ensure_exchange(
+pub(crate) async fn ensure_exchange(
     connection: &Connection,
     url: &BrokerUrl,
-    config: &AmqpConfig,
+    name: &str,
+    declare: bool,
 ) -> Result<(), ConnectError> {
-    let name = config.exchange.as_str();
     let exchange_error = |reason: String| ConnectError::Exchange {
         server: url.shown.clone(),
         exchange: name.to_owned(),
@@ -478,7 +478,7 @@ async fn ensure_exchange(
         Err(error) if error.is_amqp_error() => return Err(exchange_error(error.to_string())),
         Err(source) => return Err(connect_error(source, url)),
     }
-    if !config.declare_exchange {
+    if !declare {
         return Err(exchange_error(
             "does not exist, and declaring it is off; declare it or allow handoff to".to_owned(),
         ));

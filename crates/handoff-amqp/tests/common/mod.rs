@@ -109,6 +109,11 @@ impl Broker {
         self.exchanges.push(exchange.to_owned());
     }
 
+    /// Deletes `queue` when dropped.
+    pub fn owns_queue(&mut self, queue: &str) {
+        self.queues.push(queue.to_owned());
+    }
+
     /// Declares a durable queue bound to `exchange` with `binding_key`; deleted when dropped.
     pub async fn queue(&mut self, queue: &str, exchange: &str, binding_key: &str) {
         self.channel
