@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use handoff_core::delivery::{OutboxEvent, PublishError, Transport};
+use handoff_core::delivery::{OutboxEvent, PublishError, Receipt, Transport};
 use handoff_core::{EventCatalog, EventId, NewEvent};
 use handoff_nats::async_nats::jetstream;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
@@ -152,15 +152,15 @@ struct AckClock {
 }
 
 impl Transport for AckClock {
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
-        self.inner.publish(event).await?;
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
+        let receipt = self.inner.publish(event).await?;
         let now = Instant::now();
         self.acked
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .entry(event.event_id)
             .or_insert(now);
-        Ok(())
+        Ok(receipt)
     }
 
     async fn wait_until_ready(&self, at_most: Duration) -> bool {

@@ -568,7 +568,7 @@ async fn preload(transport: &JetStreamTransport, events: &[Vec<OutboxEvent>]) ->
         stream::iter(at_sequence)
             .map(|event| transport.publish(event))
             .buffer_unordered(PUBLISH_OUTSTANDING)
-            .try_collect::<Vec<()>>()
+            .try_collect::<Vec<_>>()
             .await
             .context("while preloading the stream")?;
     }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
-use handoff_core::delivery::{Claim, Failure, OutboxEvent, Source, SourceError};
+use handoff_core::delivery::{Claim, Failure, OutboxEvent, Published, Source, SourceError};
 use handoff_core::{Backoff, EventId};
 use handoff_postgres::Schema;
 use pg_walstream::{
@@ -305,9 +305,13 @@ impl Inner {
     /// row the update could not see are tried again, briefly; one still missing after that
     /// (its row deleted meanwhile, say the rows mode was switched) is left with a warning: the
     /// event itself is published.
-    async fn mark(&self, mut missing: Vec<EventId>) -> Result<(), SourceError> {
+    async fn mark(&self, mut missing: Vec<&Published>) -> Result<(), SourceError> {
         for attempt in 1..=MARK_ATTEMPTS {
-            let query = sqlx::query_scalar::<_, EventId>(&self.mark_sql).bind(&missing);
+            let ids: Vec<EventId> = missing.iter().map(|p| p.event_id).collect();
+            let receipts: Vec<Option<&str>> = missing.iter().map(|p| p.receipt.detail()).collect();
+            let query = sqlx::query_scalar::<_, EventId>(&self.mark_sql)
+                .bind(&ids)
+                .bind(&receipts);
             let published: HashSet<EventId> = self
                 .bounded(
                     "while marking events published",
@@ -316,7 +320,7 @@ impl Inner {
                 .await?
                 .into_iter()
                 .collect();
-            missing.retain(|id| !published.contains(id));
+            missing.retain(|p| !published.contains(&p.event_id));
             if missing.is_empty() {
                 return Ok(());
             }
@@ -418,19 +422,18 @@ impl Source for LogicalSource {
         })
     }
 
-    async fn mark_published(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
+    async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
         // The rows are marked before the events settle: a failed write is retried with the
         // same ids, and must still know which rows to mark.
-        let to_mark: Vec<EventId> = {
+        let to_mark: Vec<&Published> = {
             let state = self.inner.state();
-            event_ids
+            published
                 .iter()
-                .filter(|id| match state.origin(id) {
+                .filter(|p| match state.origin(&p.event_id) {
                     Some(Origin::Table) => true,
                     Some(Origin::Stream(_)) => self.inner.rows == RowMode::Keep,
                     None => false,
                 })
-                .copied()
                 .collect()
         };
         if !to_mark.is_empty() {
@@ -438,8 +441,8 @@ impl Source for LogicalSource {
         }
         let mut state = self.inner.state();
         let mut from_table = false;
-        for event_id in event_ids {
-            from_table |= state.published(event_id) == Some(Origin::Table);
+        for p in published {
+            from_table |= state.published(&p.event_id) == Some(Origin::Table);
         }
         drop(state);
         if from_table {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, PublishError, Source, SourceError, Transport,
+    Claim, Failure, OutboxEvent, PublishError, Published, Receipt, Source, SourceError, Transport,
 };
 use handoff_core::EventId;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
@@ -228,8 +228,8 @@ impl Source for CountingSource {
     async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
         self.count(self.inner.claim(max).await)
     }
-    async fn mark_published(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
-        self.count(self.inner.mark_published(event_ids).await)
+    async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
+        self.count(self.inner.mark_published(published).await)
     }
     async fn record_failures(&self, failures: &[Failure]) -> Result<(), SourceError> {
         self.count(self.inner.record_failures(failures).await)
@@ -249,7 +249,7 @@ struct CountingTransport {
 }
 
 impl Transport for CountingTransport {
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         let result = self.inner.publish(event).await;
         if let Err(error) = &result {
             eprintln!("publish failure: {error}");

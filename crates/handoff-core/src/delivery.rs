@@ -104,7 +104,7 @@ pub trait Source: Send + Sync + 'static {
     /// The store could not be reached or refused the claim; nothing was leased.
     fn claim(&self, max: usize) -> impl Future<Output = Result<Claim, SourceError>> + Send;
 
-    /// Records that the broker acknowledged these events.
+    /// Records that the broker acknowledged these events, with each one's [`Receipt`].
     ///
     /// # Errors
     ///
@@ -112,7 +112,7 @@ pub trait Source: Send + Sync + 'static {
     /// the lease expires (at least once, brief P4).
     fn mark_published(
         &self,
-        event_ids: &[EventId],
+        published: &[Published],
     ) -> impl Future<Output = Result<(), SourceError>> + Send;
 
     /// Records failed publishes and when each may be retried (brief P3).
@@ -193,6 +193,7 @@ impl PublishErrorKind {
 pub struct PublishError {
     kind: PublishErrorKind,
     message: String,
+    retry_after: Option<Duration>,
     #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
 }
@@ -203,6 +204,7 @@ impl PublishError {
         PublishError {
             kind,
             message: message.into(),
+            retry_after: None,
             source: None,
         }
     }
@@ -215,6 +217,7 @@ impl PublishError {
         PublishError {
             kind,
             message: source.to_string(),
+            retry_after: None,
             source: Some(Box::new(source)),
         }
     }
@@ -222,6 +225,93 @@ impl PublishError {
     /// What kind of failure this is.
     pub fn kind(&self) -> PublishErrorKind {
         self.kind
+    }
+
+    /// The destination asked not to be sent this event again before `delay` (an HTTP
+    /// `Retry-After`); the relay waits at least that long, whatever its own backoff says.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use handoff_core::delivery::{PublishError, PublishErrorKind};
+    ///
+    /// let error = PublishError::new(PublishErrorKind::Transient, "429 Too Many Requests")
+    ///     .with_retry_after(Duration::from_secs(30));
+    /// assert_eq!(error.retry_after(), Some(Duration::from_secs(30)));
+    /// ```
+    pub fn with_retry_after(mut self, delay: Duration) -> PublishError {
+        self.retry_after = Some(delay);
+        self
+    }
+
+    /// The delay the destination asked for, if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+}
+
+/// What a destination answered when it accepted an event, kept with the event for an operator:
+/// `"http 200 sha256:9f86d0…"`, `"kafka outbox/3@1207"`, `"jetstream OUTBOX 42"`.
+///
+/// # Examples
+///
+/// ```
+/// use handoff_core::delivery::Receipt;
+///
+/// assert_eq!(Receipt::new("kafka outbox/3@1207").detail(), Some("kafka outbox/3@1207"));
+/// assert_eq!(Receipt::none().detail(), None);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Receipt {
+    detail: Option<String>,
+}
+
+impl Receipt {
+    /// A receipt with nothing worth keeping.
+    pub fn none() -> Receipt {
+        Receipt { detail: None }
+    }
+
+    /// A receipt holding `detail` (short, one line; never a secret).
+    pub fn new(detail: impl Into<String>) -> Receipt {
+        Receipt {
+            detail: Some(detail.into()),
+        }
+    }
+
+    /// The destination's answer, if the transport kept one.
+    pub fn detail(&self) -> Option<&str> {
+        self.detail.as_deref()
+    }
+}
+
+/// One event the destination acknowledged, as the relay hands it to
+/// [`Source::mark_published`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    /// The acknowledged event.
+    pub event_id: EventId,
+    /// What the destination answered.
+    pub receipt: Receipt,
+}
+
+impl Published {
+    /// An acknowledgement of `event_id` with no receipt.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use handoff_core::delivery::Published;
+    ///
+    /// let published = Published::id(uuid::Uuid::nil());
+    /// assert_eq!(published.receipt.detail(), None);
+    /// ```
+    pub fn id(event_id: EventId) -> Published {
+        Published {
+            event_id,
+            receipt: Receipt::none(),
+        }
     }
 }
 
@@ -240,8 +330,10 @@ pub trait Transport: Send + Sync + 'static {
     ///
     /// Dropping the future leaves it unknown whether the destination holds the event; the relay
     /// treats that as a timeout and republishes under the same event id.
-    fn publish(&self, event: &OutboxEvent)
-        -> impl Future<Output = Result<(), PublishError>> + Send;
+    fn publish(
+        &self,
+        event: &OutboxEvent,
+    ) -> impl Future<Output = Result<Receipt, PublishError>> + Send;
 
     /// Waits until the destination looks reachable again, or `at_most` has passed; returns
     /// whether it is.

@@ -45,6 +45,7 @@
 
 mod backoff;
 mod catalog;
+pub mod contract;
 pub mod delivery;
 mod error;
 mod event;

@@ -6,15 +6,14 @@ use async_nats::jetstream::consumer::pull::{Config as PullConfig, Stream as Pull
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy};
 use async_nats::jetstream::message::{AckKind, Acker};
 use futures::StreamExt;
+use handoff_core::contract;
 use handoff_core::intake::{Delivery, Intake, IntakeError, MalformedEvent, ReceivedEvent, Settle};
-use handoff_core::subject::decode_token;
-use uuid::Uuid;
 
-use crate::{header, ConnectError, JetStreamConfig, JetStreamTransport, StreamError};
+use crate::{ConnectError, JetStreamConfig, JetStreamTransport, StreamError};
 
 /// The header a replay (`handoff replay`, `handoff reconcile --republish`) adds to a
 /// republished event; its value is the replay run's id (`reconcile-<id>` for a reconcile).
-pub const REPLAY: &str = "Handoff-Replay";
+pub const REPLAY: &str = contract::header::REPLAY;
 
 /// Where and how a [`JetStreamIntake`] subscribes.
 ///
@@ -299,72 +298,5 @@ fn read_event(message: &async_nats::Message) -> Result<ReceivedEvent, MalformedE
                 .map(move |value| (name.to_string(), value.as_str().to_owned()))
         })
         .collect();
-    let get = |name: &str| {
-        headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    };
-    let event_id = get(header::CE_ID).and_then(|v| Uuid::parse_str(v).ok());
-    let malformed = |reason: String| MalformedEvent {
-        reason,
-        event_id,
-        location: message.subject.to_string(),
-        headers: headers.clone(),
-        payload: String::from_utf8_lossy(&message.payload).into_owned(),
-    };
-    let required =
-        |name: &str| get(name).ok_or_else(|| malformed(format!("header {name} is missing")));
-    let event_id = match event_id {
-        Some(id) => id,
-        None => {
-            return Err(malformed(match get(header::CE_ID) {
-                Some(v) => format!("header ce-id {v:?} is not a UUID"),
-                None => "header ce-id is missing".to_owned(),
-            }))
-        }
-    };
-    let aggregate_type = required(header::AGGREGATE_TYPE)?.to_owned();
-    let encoded_id = required(header::AGGREGATE_ID)?;
-    let aggregate_id = decode_token(encoded_id)
-        .map_err(|e| malformed(format!("header {}: {e}", header::AGGREGATE_ID)))?
-        .into_owned();
-    let sequence: i64 = required(header::SEQUENCE)?
-        .parse()
-        .ok()
-        .filter(|s| *s >= 1)
-        .ok_or_else(|| {
-            malformed(format!(
-                "header {} is not a positive integer",
-                header::SEQUENCE
-            ))
-        })?;
-    let event_type = required(header::CE_TYPE)?.to_owned();
-    let schema_version: i32 = required(header::SCHEMA_VERSION)?
-        .parse()
-        .ok()
-        .filter(|v| *v >= 1)
-        .ok_or_else(|| {
-            malformed(format!(
-                "header {} is not a positive integer",
-                header::SCHEMA_VERSION
-            ))
-        })?;
-    let payload = std::str::from_utf8(&message.payload)
-        .map_err(|_| malformed("the body is not UTF-8".to_owned()))?
-        .to_owned();
-    // Its value is the replay run's id (`handoff replay`, `handoff reconcile`): any value marks
-    // a replayed copy.
-    let replayed = get(REPLAY).is_some();
-    Ok(ReceivedEvent {
-        event_id,
-        aggregate_type,
-        aggregate_id,
-        sequence,
-        event_type,
-        schema_version,
-        payload,
-        headers,
-        replayed,
-    })
+    contract::read_event(headers, &message.payload, message.subject.as_str())
 }

@@ -1,7 +1,7 @@
 //! [`JetStreamTransport`]: the relay's [`Transport`] onto one JetStream stream.
 
 use std::str::FromStr;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_nats::connection::State;
 use async_nats::jetstream::context::{
@@ -12,8 +12,8 @@ use async_nats::jetstream::stream::{Config as StreamConfig, Info as StreamInfo, 
 use async_nats::jetstream::{self, ErrorCode};
 use async_nats::{ConnectOptions, HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
-use chrono::{DateTime, SecondsFormat, Utc};
-use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Transport};
+use handoff_core::contract;
+use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
 use handoff_core::subject::encode_token;
 
 use crate::url::{self, Credentials};
@@ -374,13 +374,15 @@ impl JetStreamTransport {
 
 impl Transport for JetStreamTransport {
     /// Publishes `event` and waits at most [`JetStreamConfig::publish_timeout`] for the ack. An
-    /// ack that reports a duplicate (the stream already held this event id) is a success.
+    /// ack that reports a duplicate (the stream already held this event id) is a success. The
+    /// receipt names the stream and the message's sequence in it: `jetstream OUTBOX 42`, with
+    /// ` duplicate` appended when the stream already held the event.
     ///
     /// While the client knows it is disconnected this fails at once with
     /// [`PublishErrorKind::Unavailable`] instead of queueing the event in the client. A publish
     /// sent just before the client noticed stays queued in it and goes out after the reconnect,
     /// which the stream's duplicate window absorbs when the relay republishes the event.
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         check_subject_token(&event.aggregate_type)?;
         let subject = self.subject(event);
         let headers = self.headers(event)?;
@@ -410,7 +412,11 @@ impl Transport for JetStreamTransport {
                         configured = %self.config.stream,
                         "the event was stored by another stream than the configured one");
                 }
-                Ok(())
+                let duplicate = if ack.duplicate { " duplicate" } else { "" };
+                Ok(Receipt::new(format!(
+                    "jetstream {} {}{duplicate}",
+                    ack.stream, ack.sequence
+                )))
             }
             Ok(Err(error)) => Err(publish_error(error, &subject, self.is_connected())),
             Err(_elapsed) => {
@@ -520,59 +526,26 @@ pub(crate) fn check_subject_token(aggregate_type: &str) -> Result<(), PublishErr
     }
 }
 
-/// The contract headers, which a caller header may not duplicate (compared ignoring ASCII case,
-/// as consumers' HTTP-style header handling often does).
-const OWN_HEADERS: [&str; 11] = [
-    header::NATS_MSG_ID,
-    header::CE_SPECVERSION,
-    header::CE_ID,
-    header::CE_TYPE,
-    header::CE_SOURCE,
-    header::CE_TIME,
-    header::CONTENT_TYPE,
-    header::AGGREGATE_TYPE,
-    header::AGGREGATE_ID,
-    header::SEQUENCE,
-    header::SCHEMA_VERSION,
-];
-
+/// JetStream's dedup key, then the contract every destination sends
+/// ([`handoff_core::contract::headers`]).
 fn build_headers(source: &str, event: &OutboxEvent) -> Result<HeaderMap, PublishError> {
-    let event_id = event.event_id.hyphenated().to_string();
-    let own = [
-        (header::NATS_MSG_ID, event_id.clone()),
-        (header::CE_SPECVERSION, "1.0".to_owned()),
-        (header::CE_ID, event_id),
-        (header::CE_TYPE, event.event_type.clone()),
-        (header::CE_SOURCE, source.to_owned()),
-        (header::CE_TIME, format_time(event.occurred_at)),
-        (header::CONTENT_TYPE, "application/json".to_owned()),
-        (header::AGGREGATE_TYPE, event.aggregate_type.clone()),
-        (
-            header::AGGREGATE_ID,
-            encode_token(&event.aggregate_id).into_owned(),
-        ),
-        (header::SEQUENCE, event.aggregate_sequence.to_string()),
-        (header::SCHEMA_VERSION, event.schema_version.to_string()),
-    ];
     let mut headers = HeaderMap::new();
-    for (name, value) in own {
-        headers.insert(name, parse_value(name, &value)?);
-    }
-    for (name, value) in &event.headers {
-        if OWN_HEADERS.iter().any(|own| own.eq_ignore_ascii_case(name)) {
-            return Err(PublishError::new(
-                PublishErrorKind::Rejected,
-                format!("caller header {name:?} clashes with a header the relay sets"),
-            ));
-        }
+    headers.insert(
+        header::NATS_MSG_ID,
+        parse_value(
+            header::NATS_MSG_ID,
+            &event.event_id.hyphenated().to_string(),
+        )?,
+    );
+    for (name, value) in contract::headers(event, source)? {
         // `HeaderMap::append` panics on an invalid name or value; parse first.
-        let parsed = HeaderName::from_str(name).map_err(|_| {
+        let parsed = HeaderName::from_str(&name).map_err(|_| {
             PublishError::new(
                 PublishErrorKind::Rejected,
-                format!("caller header name {name:?} is not a valid header name"),
+                format!("header name {name:?} is not a valid header name"),
             )
         })?;
-        headers.append(parsed, parse_value(name, value)?);
+        headers.append(parsed, parse_value(&name, &value)?);
     }
     Ok(headers)
 }
@@ -584,11 +557,6 @@ fn parse_value(name: &str, value: &str) -> Result<HeaderValue, PublishError> {
             format!("the value of header {name:?} holds CR or LF"),
         )
     })
-}
-
-/// RFC 3339 in UTC with exactly six fractional digits, as consumers parse `ce-time`.
-fn format_time(at: SystemTime) -> String {
-    DateTime::<Utc>::from(at).to_rfc3339_opts(SecondsFormat::Micros, true)
 }
 
 /// A failed publish, with the subject it was for.
@@ -679,6 +647,8 @@ fn classify_api_error(code: ErrorCode) -> PublishErrorKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use handoff_core::contract::format_time;
+    use std::time::SystemTime;
 
     fn event() -> OutboxEvent {
         OutboxEvent {

@@ -40,7 +40,7 @@ impl Migration {
 }
 
 /// handoff's own migrations: the outbox, the sequence heads, the consumer inbox and the
-/// operators' tables (quarantine audit, cleanup archive and log).
+/// operators' tables (quarantine audit, cleanup archive and log), the delivery receipt.
 pub const HANDOFF_MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -65,6 +65,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         name: "operations",
         up: include_str!("../migrations/0004_operations.up.sql"),
         down: include_str!("../migrations/0004_operations.down.sql"),
+    },
+    Migration {
+        version: 5,
+        name: "delivery_receipt",
+        up: include_str!("../migrations/0005_delivery_receipt.up.sql"),
+        down: include_str!("../migrations/0005_delivery_receipt.down.sql"),
     },
 ];
 

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use handoff_core::delivery::{Claim, Failure, OutboxEvent, Source, SourceError};
+use handoff_core::delivery::{Claim, Failure, OutboxEvent, Published, Source, SourceError};
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgListener, PgPool, PgRow};
@@ -139,7 +139,7 @@ impl PollingConfig {
 /// # Examples
 ///
 /// ```no_run
-/// use handoff_core::delivery::Source;
+/// use handoff_core::delivery::{Published, Source};
 /// use handoff_postgres::{PollingConfig, PollingSource};
 ///
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -147,8 +147,8 @@ impl PollingConfig {
 /// let source = PollingSource::new(pool, config)?;
 /// let claim = source.claim(500).await?;
 /// // ... publish claim.events, then:
-/// let ids: Vec<_> = claim.events.iter().map(|e| e.event_id).collect();
-/// source.mark_published(&ids).await?;
+/// let acked: Vec<_> = claim.events.iter().map(|e| Published::id(e.event_id)).collect();
+/// source.mark_published(&acked).await?;
 /// # Ok(())
 /// # }
 /// ```
@@ -423,11 +423,14 @@ impl Source for PollingSource {
         })
     }
 
-    async fn mark_published(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
+    async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
+        let ids: Vec<EventId> = published.iter().map(|p| p.event_id).collect();
+        let receipts: Vec<Option<&str>> = published.iter().map(|p| p.receipt.detail()).collect();
         let what = "while marking events published";
         let mut conn = self.connection(what).await?;
         let query = sqlx::query(&self.sql.mark_published)
-            .bind(event_ids)
+            .bind(&ids)
+            .bind(&receipts)
             .execute(&mut *conn);
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use handoff_core::delivery::{Failure, Source};
+use handoff_core::delivery::{Failure, Published, Receipt, Source};
 use handoff_postgres::{Outbox, PollingConfig, PollingSource, Schema};
 use handoff_test::{factory, TestDb};
 
@@ -94,7 +94,20 @@ async fn a_later_event_is_never_claimed_while_an_earlier_one_is_unpublished() {
         .find(|e| e.aggregate_id == "x")
         .unwrap()
         .event_id;
-    a.mark_published(&[x1]).await.unwrap();
+    a.mark_published(&[Published {
+        event_id: x1,
+        receipt: Receipt::new("test ack 1"),
+    }])
+    .await
+    .unwrap();
+    // The destination's answer is kept with the event.
+    let receipt: Option<String> =
+        sqlx::query_scalar("SELECT delivery_receipt FROM outbox WHERE event_id = $1")
+            .bind(x1)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(receipt.as_deref(), Some("test ack 1"));
     let third = b.claim(100).await.unwrap();
     assert_eq!(sequences_of(&third.events, "x"), vec![2, 3]);
     assert!(sequences_of(&third.events, "y").is_empty());

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, PublishError, PublishErrorKind, Source, SourceError, Transport,
+    Claim, Failure, OutboxEvent, PublishError, PublishErrorKind, Published, Source, SourceError,
+    Transport,
 };
 use handoff_core::EventId;
 use tokio::sync::{mpsc, watch, Notify, Semaphore};
@@ -67,7 +68,7 @@ pub struct RelayReport {
 
 /// An event's fate, written back to the source by the bookkeeper.
 enum Outcome {
-    Published(EventId),
+    Published(Published),
     Failed(Failure),
     Released(EventId),
 }
@@ -300,7 +301,9 @@ impl<S: Source, T: Transport> Relay<S, T> {
         } else {
             // The broker is down: the claim loop's pause paces the retry, not the event.
             Some(self.config.outage_backoff.delay(1))
-        };
+        }
+        // A destination that named its own delay (HTTP Retry-After) gets at least that.
+        .map(|delay| error.retry_after().map_or(delay, |asked| asked.max(delay)));
         Failure {
             event_id: event.event_id,
             error: error.to_string(),
@@ -365,7 +368,7 @@ async fn run_lane<T: Transport>(
         freeze_if_fired(fp::BEFORE_PUBLISH).await;
         let started = Instant::now();
         match transport.publish(&event).await {
-            Ok(()) => {
+            Ok(receipt) => {
                 freeze_if_fired(fp::AFTER_ACK).await;
                 metrics::histogram!(m::ACK_SECONDS).record(started.elapsed().as_secs_f64());
                 if let Ok(age) = SystemTime::now().duration_since(event.occurred_at) {
@@ -374,7 +377,10 @@ async fn run_lane<T: Transport>(
                 metrics::counter!(m::PUBLISHED).increment(1);
                 shared.published.fetch_add(1, Ordering::Relaxed);
                 shared.finish(&event.event_id);
-                let _ = outcomes.send(Outcome::Published(event.event_id));
+                let _ = outcomes.send(Outcome::Published(Published {
+                    event_id: event.event_id,
+                    receipt,
+                }));
             }
             Err(error) => {
                 let unstarted = events.map(|e| e.event_id).collect();

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Transport};
+use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
@@ -27,7 +27,7 @@ struct Faulty {
 }
 
 impl Transport for Faulty {
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         let roll = self.rng.lock().unwrap().u32(0..100);
         match roll {
             0..10 => Err(PublishError::new(

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::stream::{FuturesUnordered, StreamExt};
-use handoff_core::delivery::{OutboxEvent, Source, Transport};
+use handoff_core::delivery::{OutboxEvent, Published, Source, Transport};
 use handoff_core::EventId;
 use handoff_postgres::{PollingConfig, PollingSource};
 use handoff_relay::{Relay, RelayConfig, RelayReport};
@@ -160,8 +160,13 @@ pub async fn naive(
         let Some(event) = claim.events.first() else {
             break;
         };
-        transport.publish(event).await.context("naive publish")?;
-        source.mark_published(&[event.event_id]).await?;
+        let receipt = transport.publish(event).await.context("naive publish")?;
+        source
+            .mark_published(&[Published {
+                event_id: event.event_id,
+                receipt,
+            }])
+            .await?;
         moved += 1;
     }
     let seconds = started.elapsed().as_secs_f64();
@@ -198,8 +203,12 @@ pub async fn sql_bound(bench: &Bench, admin: &mut PgConnection, round: usize) ->
         if claim.events.is_empty() {
             break;
         }
-        let ids: Vec<EventId> = claim.events.iter().map(|e| e.event_id).collect();
-        source.mark_published(&ids).await?;
+        let acked: Vec<Published> = claim
+            .events
+            .iter()
+            .map(|e| Published::id(e.event_id))
+            .collect();
+        source.mark_published(&acked).await?;
     }
     let seconds = marked
         .last_at()

@@ -12,8 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use handoff_core::delivery::Transport;
-use handoff_core::delivery::{Claim, Failure, OutboxEvent, PublishError, Source, SourceError};
+use handoff_core::delivery::{
+    Claim, Failure, OutboxEvent, PublishError, Published, Receipt, Source, SourceError, Transport,
+};
 use handoff_core::EventId;
 use hdrhistogram::Histogram;
 use serde::Serialize;
@@ -185,11 +186,12 @@ impl<S: Source> Source for ProbeSource<S> {
         Ok(claim)
     }
 
-    async fn mark_published(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
+    async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
         let started = Instant::now();
-        self.inner.mark_published(event_ids).await?;
-        self.log(&self.marks, started, event_ids.len());
-        self.marked.record(event_ids);
+        self.inner.mark_published(published).await?;
+        self.log(&self.marks, started, published.len());
+        let event_ids: Vec<EventId> = published.iter().map(|p| p.event_id).collect();
+        self.marked.record(&event_ids);
         Ok(())
     }
 
@@ -327,7 +329,7 @@ impl<T> ProbeTransport<T> {
 }
 
 impl<T: Transport> Transport for ProbeTransport<T> {
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         let started = Instant::now();
         let result = self.inner.publish(event).await;
         let acked = Instant::now();

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use handoff_cdc::{setup, CdcNames, LogicalConfig, LogicalSource, RowMode};
-use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Transport};
+use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
 use handoff_core::{EventId, NewEvent};
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Enqueued, Migrator, Outbox, OutboxConfig, Schema};
@@ -438,7 +438,7 @@ pub struct Faulty<T> {
 }
 
 impl<T: Transport> Transport for Faulty<T> {
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         let roll = self.rng.lock().unwrap().below(100);
         if roll < self.transient {
             self.injected.fetch_add(1, Ordering::Relaxed);
@@ -447,7 +447,7 @@ impl<T: Transport> Transport for Faulty<T> {
                 "injected: leader election",
             ));
         }
-        self.inner.publish(event).await?;
+        let receipt = self.inner.publish(event).await?;
         if roll < self.transient + self.lost_ack {
             self.injected.fetch_add(1, Ordering::Relaxed);
             return Err(PublishError::new(
@@ -455,7 +455,7 @@ impl<T: Transport> Transport for Faulty<T> {
                 "injected: ack lost",
             ));
         }
-        Ok(())
+        Ok(receipt)
     }
 
     async fn wait_until_ready(&self, at_most: Duration) -> bool {
@@ -471,7 +471,7 @@ pub struct Rejecting<T> {
 }
 
 impl<T: Transport> Transport for Rejecting<T> {
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         if self.poison.lock().unwrap().contains(&event.event_id) {
             return Err(PublishError::new(
                 PublishErrorKind::Rejected,
@@ -493,10 +493,10 @@ pub struct Counting<T> {
 }
 
 impl<T: Transport> Transport for Counting<T> {
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
-        self.inner.publish(event).await?;
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
+        let receipt = self.inner.publish(event).await?;
         self.published.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        Ok(receipt)
     }
 
     async fn wait_until_ready(&self, at_most: Duration) -> bool {
@@ -515,17 +515,17 @@ pub struct Stalling<T> {
 }
 
 impl<T: Transport> Transport for Stalling<T> {
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         let allowed = self
             .allowance
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
             .is_ok();
-        self.inner.publish(event).await?;
+        let receipt = self.inner.publish(event).await?;
         if !allowed {
             self.stalled.fetch_add(1, Ordering::Relaxed);
             std::future::pending::<()>().await;
         }
-        Ok(())
+        Ok(receipt)
     }
 
     async fn wait_until_ready(&self, at_most: Duration) -> bool {
