@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use handoff_core::contract;
 use handoff_core::intake::{Delivery, Intake, IntakeError, Settle};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
@@ -15,7 +16,7 @@ use lapin::{Acker, Channel, Connection};
 
 use crate::transport::{connect, connect_error, ensure_exchange};
 use crate::url::{self, BrokerUrl};
-use crate::{contract, ConfigError, ConnectError};
+use crate::{ConfigError, ConnectError};
 
 /// The header quorum queues set on a redelivered message: how many times it was delivered
 /// before and not acknowledged.

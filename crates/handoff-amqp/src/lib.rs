@@ -34,7 +34,6 @@
 #![warn(missing_docs)]
 
 mod config;
-mod contract;
 mod error;
 mod intake;
 mod transport;

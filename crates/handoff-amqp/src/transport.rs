@@ -3,7 +3,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Transport};
+use handoff_core::contract;
+use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
 use handoff_core::subject::encode_token;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
@@ -14,7 +15,7 @@ use lapin::{
 };
 
 use crate::url::{self, BrokerUrl};
-use crate::{contract, AmqpConfig, ConnectError};
+use crate::{AmqpConfig, ConnectError};
 
 /// AMQP's persistent delivery mode: a durable queue writes the message to disk before the
 /// broker confirms it.
@@ -301,10 +302,12 @@ impl Transport for AmqpTransport {
     /// Publishes `event` (mandatory, persistent) and waits at most
     /// [`AmqpConfig::publish_timeout`] for the broker's confirm.
     ///
+    /// The receipt is `amqp <exchange> <routing key>`.
+    ///
     /// While the connection or channel is closed this fails at once with
     /// [`PublishErrorKind::Unavailable`]; the relay then waits in
     /// [`wait_until_ready`](Transport::wait_until_ready), which reconnects.
-    async fn publish(&self, event: &OutboxEvent) -> Result<(), PublishError> {
+    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         let routing_key = Self::routing_key(event)?;
         let headers = self.headers(event)?;
         let message_id = event.event_id.hyphenated().to_string();
@@ -341,7 +344,9 @@ impl Transport for AmqpTransport {
         };
         let timeout = self.config.publish_timeout;
         match tokio::time::timeout(timeout, attempt).await {
-            Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+            Ok(Ok(Confirmation::Ack(None))) => {
+                Ok(Receipt::new(format!("amqp {exchange} {routing_key}")))
+            }
             Ok(Ok(Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)))) => {
                 Err(PublishError::new(
                     PublishErrorKind::Rejected,

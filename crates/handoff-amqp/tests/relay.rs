@@ -220,6 +220,15 @@ async fn the_relay_delivers_every_committed_event_in_order_per_aggregate() {
             .await,
         0
     );
+    // The receipt names the exchange and routing key.
+    let receipt: String = sqlx::query_scalar(
+        "SELECT delivery_receipt FROM outbox WHERE aggregate_id = 'agg.7' \
+         AND aggregate_sequence = 1",
+    )
+    .fetch_one(&setup.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(receipt, format!("amqp {} thing.agg%2E7", setup.exchange));
     // Routing keys carry the aggregate, encoded as one word.
     assert!(messages.iter().any(|m| m.routing_key == "thing.agg%2E7"));
 }

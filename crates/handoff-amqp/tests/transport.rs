@@ -20,7 +20,9 @@ async fn a_confirmed_publish_carries_the_contract_as_properties_and_headers() {
 
     let mut e = event("eu.west 42", 3);
     e.headers.push(("tracestate".into(), "k=v".into()));
-    transport.publish(&e).await.unwrap();
+    let receipt = transport.publish(&e).await.unwrap();
+    let expected = format!("amqp {exchange} order.eu%2Ewest%2042");
+    assert_eq!(receipt.detail(), Some(expected.as_str()));
 
     // The confirm came after the queue had the message: it is there without waiting.
     let messages = broker.drain(&exchange).await;
