@@ -445,8 +445,11 @@ pub(crate) async fn connect(url: &BrokerUrl, name: &str) -> Result<Connection, C
         .map_err(|source| connect_error(source, url))
 }
 
-/// Makes sure the exchange exists: a passive declare on a throwaway channel (a missing exchange
-/// closes the channel it was asked on), then a durable topic declare if allowed.
+/// Makes sure the exchange exists. With `declare`, a durable topic declare (a no-op for an
+/// exchange that exists with those settings); when the broker refuses it because the exchange
+/// exists with other settings (`PRECONDITION_FAILED`), a passive declare confirms it exists and
+/// it is used as it is. Without `declare`, only the passive declare. Each on a throwaway
+/// channel, since a refusal closes the channel it was asked on.
 pub(crate) async fn ensure_exchange(
     connection: &Connection,
     url: &BrokerUrl,
@@ -458,61 +461,63 @@ pub(crate) async fn ensure_exchange(
         exchange: name.to_owned(),
         reason,
     };
-    let probe = connection
-        .create_channel()
-        .await
-        .map_err(|source| connect_error(source, url))?;
+    if declare {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        match declare_on_own_channel(connection, url, name, durable).await? {
+            Ok(()) => return Ok(()),
+            Err(error) if soft_error(&error) == Some(AMQPSoftError::PRECONDITIONFAILED) => {}
+            Err(error) => {
+                return Err(exchange_error(format!("could not be declared: {error}")));
+            }
+        }
+    }
     let passive = ExchangeDeclareOptions {
         passive: true,
         ..ExchangeDeclareOptions::default()
     };
-    match probe
-        .exchange_declare(
-            name.into(),
-            ExchangeKind::Topic,
-            passive,
-            FieldTable::default(),
-        )
-        .await
-    {
-        Ok(()) => {
-            let _ = probe.close(200, "OK".into()).await;
-            return Ok(());
+    match declare_on_own_channel(connection, url, name, passive).await? {
+        Ok(()) if declare => {
+            tracing::info!(exchange = %name, server = %url.shown,
+                "the exchange exists with other settings than durable topic; using it as it is");
+            Ok(())
         }
-        Err(error) if soft_error(&error) == Some(AMQPSoftError::NOTFOUND) => {}
-        Err(error) if error.is_amqp_error() => return Err(exchange_error(error.to_string())),
-        Err(source) => return Err(connect_error(source, url)),
-    }
-    if !declare {
-        return Err(exchange_error(
+        Ok(()) => Ok(()),
+        Err(error) if soft_error(&error) == Some(AMQPSoftError::NOTFOUND) => Err(exchange_error(
             "does not exist, and declaring it is off; declare it or allow handoff to".to_owned(),
-        ));
+        )),
+        Err(error) => Err(exchange_error(error.to_string())),
     }
+}
+
+/// One `exchange.declare` on a channel of its own: the outer error is the connection's, the
+/// inner one the broker's answer to the declare.
+async fn declare_on_own_channel(
+    connection: &Connection,
+    url: &BrokerUrl,
+    name: &str,
+    options: ExchangeDeclareOptions,
+) -> Result<Result<(), lapin::Error>, ConnectError> {
     let channel = connection
         .create_channel()
         .await
         .map_err(|source| connect_error(source, url))?;
-    let durable = ExchangeDeclareOptions {
-        durable: true,
-        ..ExchangeDeclareOptions::default()
-    };
     match channel
         .exchange_declare(
             name.into(),
             ExchangeKind::Topic,
-            durable,
+            options,
             FieldTable::default(),
         )
         .await
     {
         Ok(()) => {
-            tracing::info!(exchange = %name, server = %url.shown, "declared durable topic exchange");
             let _ = channel.close(200, "OK".into()).await;
-            Ok(())
+            Ok(Ok(()))
         }
-        Err(error) if error.is_amqp_error() => {
-            Err(exchange_error(format!("could not be declared: {error}")))
-        }
+        Err(error) if error.is_amqp_error() => Ok(Err(error)),
         Err(source) => Err(connect_error(source, url)),
     }
 }

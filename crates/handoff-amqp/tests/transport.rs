@@ -96,6 +96,21 @@ async fn a_missing_exchange_is_declared_durable_topic_or_refused() {
     })
     .await
     .unwrap();
+
+    // An operator's exchange of another type and durability is used as it is too.
+    let direct = unique_name("declare_direct");
+    broker.owns_exchange(&direct);
+    broker
+        .channel
+        .exchange_declare(
+            direct.as_str().into(),
+            handoff_amqp::lapin::ExchangeKind::Direct,
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    AmqpTransport::connect(config(&direct)).await.unwrap();
 }
 
 #[tokio::test]

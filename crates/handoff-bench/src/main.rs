@@ -13,9 +13,12 @@
 //! - `handoff-bench cdc` ([`cdc`]) measures the CDC source (rows kept, rows deleted) against the
 //!   polling relay on one private `wal_level=logical` PostgreSQL: drain rate, commit-to-ack
 //!   latency, and the order write's orders/s with each setup in place.
+//! - `handoff-bench amqp` ([`amqp`]) measures the relay draining a committed backlog into
+//!   RabbitMQ against the raw bound of publishing the same events with confirms alone.
 
 use clap::{Parser, Subcommand};
 
+mod amqp;
 mod cdc;
 mod cleanup;
 mod consumer;
@@ -45,6 +48,8 @@ enum Command {
     Cleanup(cleanup::CleanupArgs),
     /// The CDC source (rows kept / deleted) against the polling relay: drain, latency, write.
     Cdc(cdc::CdcArgs),
+    /// RabbitMQ: the relay's drain against publishing with confirms alone.
+    Amqp(amqp::AmqpArgs),
 }
 
 #[tokio::main]
@@ -63,6 +68,7 @@ async fn main() -> std::process::ExitCode {
         Command::Consumer(args) => consumer::consumer(args).await,
         Command::Cleanup(args) => cleanup::cleanup(args).await,
         Command::Cdc(args) => cdc::cdc(args).await,
+        Command::Amqp(args) => amqp::amqp(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
