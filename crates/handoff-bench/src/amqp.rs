@@ -112,7 +112,9 @@ struct Report {
 /// Runs the bench; see the module documentation.
 pub async fn amqp(args: AmqpArgs) -> Result<()> {
     anyhow::ensure!(
-        args.aggregates > 0 && args.events >= args.aggregates && args.events % args.aggregates == 0,
+        args.aggregates > 0
+            && args.events >= args.aggregates
+            && args.events.is_multiple_of(args.aggregates),
         "--events must be a positive multiple of --aggregates"
     );
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
