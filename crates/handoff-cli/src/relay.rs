@@ -1,5 +1,5 @@
-//! `handoff relay`: the polling source, the JetStream transport and the relay loop, wired
-//! together from flags, environment and a config file.
+//! `handoff relay`: a source (polling or logical), a destination (`--destination`) and the relay
+//! loop, wired together from flags, environment and a config file.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
+use handoff_core::delivery::Transport;
 use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
@@ -94,6 +95,19 @@ pub struct RelayArgs {
     /// Publication of the logical source [default: handoff_outbox].
     #[arg(long, env = "HANDOFF_PUBLICATION")]
     publication: Option<String>,
+    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix)
+    /// [default: nats].
+    #[arg(long, env = "HANDOFF_DESTINATION", value_enum)]
+    destination: Option<DestinationKind>,
+}
+
+/// Where `handoff relay` publishes.
+#[derive(clap::ValueEnum, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DestinationKind {
+    /// A NATS JetStream stream.
+    #[default]
+    Nats,
 }
 
 /// Where `handoff relay` reads committed events from.
@@ -139,6 +153,16 @@ struct RelayFile {
     source: Option<SourceKind>,
     slot: Option<String>,
     publication: Option<String>,
+    destination: Option<DestinationKind>,
+}
+
+/// The destination's settings, checked.
+#[derive(Debug)]
+enum Destination {
+    Nats {
+        url: String,
+        config: JetStreamConfig,
+    },
 }
 
 /// Everything the relay runs with, checked.
@@ -149,10 +173,9 @@ struct Settings {
     database_url: String,
     /// The slot and publication, when the source is logical.
     logical: Option<CdcNames>,
-    nats_url: String,
+    destination: Destination,
     metrics_addr: Option<SocketAddr>,
     polling: PollingConfig,
-    jetstream: JetStreamConfig,
     relay: RelayConfig,
 }
 
@@ -186,7 +209,13 @@ impl Settings {
             .or(file.relay_id)
             .unwrap_or_else(default_relay_id);
         let lease = args.lease.or(file.lease).unwrap_or(Duration::from_secs(30));
+        let kind = args.destination.or(file.destination).unwrap_or_default();
         let defaults = JetStreamConfig::default();
+        // The time to wait for any destination's acknowledgement.
+        let publish_timeout = args
+            .publish_timeout
+            .or(file.publish_timeout)
+            .unwrap_or(defaults.publish_timeout);
         let jetstream = JetStreamConfig {
             stream: args.stream.or(file.stream).unwrap_or(defaults.stream),
             subject_prefix: args
@@ -197,17 +226,17 @@ impl Settings {
                 .duplicate_window
                 .or(file.duplicate_window)
                 .unwrap_or(defaults.duplicate_window),
-            publish_timeout: args
-                .publish_timeout
-                .or(file.publish_timeout)
-                .unwrap_or(defaults.publish_timeout),
-            source: args.ce_source.or(file.ce_source).unwrap_or(defaults.source),
+            publish_timeout,
+            source: args
+                .ce_source
+                .clone()
+                .or(file.ce_source.clone())
+                .unwrap_or(defaults.source),
             ping_interval: args
                 .nats_ping_interval
                 .or(file.nats_ping_interval)
                 .unwrap_or(defaults.ping_interval),
         };
-        jetstream.validate()?;
         let base = RelayConfig::default();
         let relay = RelayConfig {
             batch_size: args
@@ -227,7 +256,7 @@ impl Settings {
                 .or(file.max_attempts)
                 .unwrap_or(base.max_attempts),
             // A publish must be able to time out and be recorded before the lease ends.
-            lease_margin: jetstream.publish_timeout * 2,
+            lease_margin: publish_timeout * 2,
             ..base
         };
         relay.validate()?;
@@ -236,17 +265,29 @@ impl Settings {
                 "lease of {} is too short for a publish timeout of {}: it must exceed twice \
                  the timeout plus 1s",
                 humantime::format_duration(lease),
-                humantime::format_duration(jetstream.publish_timeout)
+                humantime::format_duration(publish_timeout)
             );
         }
-        if jetstream.duplicate_window <= lease {
-            bail!(
-                "duplicate window of {} must be longer than the lease of {}: a republish after \
-                 a lease expiry would not be deduplicated",
-                humantime::format_duration(jetstream.duplicate_window),
-                humantime::format_duration(lease)
-            );
-        }
+        let destination = match kind {
+            DestinationKind::Nats => {
+                jetstream.validate()?;
+                if jetstream.duplicate_window <= lease {
+                    bail!(
+                        "duplicate window of {} must be longer than the lease of {}: a \
+                         republish after a lease expiry would not be deduplicated",
+                        humantime::format_duration(jetstream.duplicate_window),
+                        humantime::format_duration(lease)
+                    );
+                }
+                Destination::Nats {
+                    url: args
+                        .nats_url
+                        .or(file.nats_url)
+                        .unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
+                    config: jetstream,
+                }
+            }
+        };
         let polling = PollingConfig {
             schema,
             relay_id,
@@ -266,13 +307,9 @@ impl Settings {
             database,
             database_url,
             logical,
-            nats_url: args
-                .nats_url
-                .or(file.nats_url)
-                .unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
+            destination,
             metrics_addr: args.metrics_addr.or(file.metrics_addr),
             polling,
-            jetstream,
             relay,
         })
     }
@@ -299,11 +336,29 @@ pub async fn run(args: RelayArgs) -> Result<()> {
         install_metrics(addr)?;
     }
 
-    // NATS first: a malformed NATS URL must end the command before anything waits.
-    let transport = tokio::select! {
-        transport = connect_nats(&settings.nats_url, &settings.jetstream) => transport?,
-        () = &mut shutdown => return Ok(()),
-    };
+    // The destination first: a malformed broker URL must end the command before anything waits.
+    match &settings.destination {
+        Destination::Nats { url, config } => {
+            let transport = tokio::select! {
+                transport = connect_nats(url, config) => transport?,
+                () = &mut shutdown => return Ok(()),
+            };
+            let stream = transport
+                .ensure_stream()
+                .await
+                .context("while ensuring the stream")?;
+            info!(stream = ?stream, "destination ready");
+            serve(settings, transport, shutdown).await
+        }
+    }
+}
+
+/// Runs the relay from the configured source into `transport` until `shutdown`.
+async fn serve<T: Transport>(
+    settings: Settings,
+    transport: T,
+    mut shutdown: impl std::future::Future<Output = ()> + Send + Unpin,
+) -> Result<()> {
     let pool = tokio::select! {
         pool = connect_postgres(&settings.database) => pool?,
         () = &mut shutdown => return Ok(()),
@@ -312,15 +367,7 @@ pub async fn run(args: RelayArgs) -> Result<()> {
         .check(&mut *pool.acquire().await?)
         .await
         .context("the outbox schema is not ready (run `handoff migrate` first)")?;
-    let stream = transport
-        .ensure_stream()
-        .await
-        .context("while ensuring the stream")?;
-    info!(
-        relay_id = %settings.polling.relay_id,
-        stream = ?stream,
-        "relay started"
-    );
+    info!(relay_id = %settings.polling.relay_id, "relay started");
 
     if let Some(names) = settings.logical.clone() {
         return run_logical(settings, names, pool, transport, shutdown).await;
@@ -343,11 +390,11 @@ pub async fn run(args: RelayArgs) -> Result<()> {
 }
 
 /// The relay over a logical replication slot instead of the polling source.
-async fn run_logical(
+async fn run_logical<T: Transport>(
     settings: Settings,
     names: CdcNames,
     pool: PgPool,
-    transport: JetStreamTransport,
+    transport: T,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
     let config = LogicalConfig {
@@ -535,7 +582,8 @@ mod tests {
     #[test]
     fn defaults_resolve() {
         let settings = Settings::resolve(args("postgres://u:secret@localhost/db")).unwrap();
-        assert_eq!(settings.jetstream.stream, "OUTBOX");
+        let Destination::Nats { config, .. } = &settings.destination;
+        assert_eq!(config.stream, "OUTBOX");
         assert_eq!(settings.polling.lease, Duration::from_secs(30));
     }
 
@@ -563,8 +611,9 @@ mod tests {
             ..RelayArgs::default()
         })
         .unwrap();
-        assert_eq!(settings.jetstream.stream, "FROM_FILE");
-        assert_eq!(settings.jetstream.subject_prefix, "flag");
+        let Destination::Nats { config, .. } = &settings.destination;
+        assert_eq!(config.stream, "FROM_FILE");
+        assert_eq!(config.subject_prefix, "flag");
         assert_eq!(settings.polling.lease, Duration::from_secs(40));
     }
 
