@@ -7,6 +7,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use handoff_amqp::{AmqpConfig, AmqpTransport};
 use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
 use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
@@ -95,10 +96,18 @@ pub struct RelayArgs {
     /// Publication of the logical source [default: handoff_outbox].
     #[arg(long, env = "HANDOFF_PUBLICATION")]
     publication: Option<String>,
-    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix)
-    /// [default: nats].
+    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix), `amqp`
+    /// (RabbitMQ; --url, --exchange) [default: nats].
     #[arg(long, env = "HANDOFF_DESTINATION", value_enum)]
     destination: Option<DestinationKind>,
+    /// AMQP broker URL of `--destination amqp`, amqp[s]://user:password@host:port/vhost. The
+    /// password, if any, is never logged [default: amqp://127.0.0.1:5672/%2f].
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    url: Option<String>,
+    /// Exchange of `--destination amqp`; declared as a durable topic exchange when missing.
+    /// Routing key: <aggregate_type>.<aggregate_id> [default: outbox].
+    #[arg(long, env = "HANDOFF_EXCHANGE")]
+    exchange: Option<String>,
 }
 
 /// Where `handoff relay` publishes.
@@ -108,6 +117,8 @@ pub enum DestinationKind {
     /// A NATS JetStream stream.
     #[default]
     Nats,
+    /// A RabbitMQ (AMQP 0-9-1) exchange, with publisher confirms.
+    Amqp,
 }
 
 /// Where `handoff relay` reads committed events from.
@@ -154,6 +165,8 @@ struct RelayFile {
     slot: Option<String>,
     publication: Option<String>,
     destination: Option<DestinationKind>,
+    url: Option<String>,
+    exchange: Option<String>,
 }
 
 /// The destination's settings, checked.
@@ -163,6 +176,8 @@ enum Destination {
         url: String,
         config: JetStreamConfig,
     },
+    /// Its `Debug` hides the URL's password.
+    Amqp { config: AmqpConfig },
 }
 
 /// Everything the relay runs with, checked.
@@ -287,6 +302,23 @@ impl Settings {
                     config: jetstream,
                 }
             }
+            DestinationKind::Amqp => {
+                let defaults = AmqpConfig::default();
+                let config = AmqpConfig {
+                    url: args.url.or(file.url).unwrap_or(defaults.url),
+                    exchange: args.exchange.or(file.exchange).unwrap_or(defaults.exchange),
+                    publish_timeout,
+                    ce_source: args
+                        .ce_source
+                        .or(file.ce_source)
+                        .unwrap_or(defaults.ce_source),
+                    // Shown by `rabbitmqctl list_connections`: which relay holds it.
+                    connection_name: format!("handoff relay {relay_id}"),
+                    ..defaults
+                };
+                config.validate()?;
+                Destination::Amqp { config }
+            }
         };
         let polling = PollingConfig {
             schema,
@@ -348,6 +380,14 @@ pub async fn run(args: RelayArgs) -> Result<()> {
                 .await
                 .context("while ensuring the stream")?;
             info!(stream = ?stream, "destination ready");
+            serve(settings, transport, shutdown).await
+        }
+        Destination::Amqp { config } => {
+            let transport = tokio::select! {
+                transport = connect_amqp(config) => transport?,
+                () = &mut shutdown => return Ok(()),
+            };
+            info!(server = transport.server(), exchange = %config.exchange, "destination ready");
             serve(settings, transport, shutdown).await
         }
     }
@@ -492,6 +532,26 @@ async fn connect_nats(url: &str, config: &JetStreamConfig) -> Result<JetStreamTr
     unreachable!("the retry loop only ends by returning")
 }
 
+/// Connects to RabbitMQ, waiting (with backoff) while it is unreachable.
+async fn connect_amqp(config: &AmqpConfig) -> Result<AmqpTransport> {
+    let backoff = Backoff {
+        initial: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+    };
+    for attempt in 1u32.. {
+        match AmqpTransport::connect(config.clone()).await {
+            Ok(transport) => return Ok(transport),
+            Err(error) if error.kind() == handoff_amqp::ConnectErrorKind::Unreachable => {
+                let delay = backoff.delay(attempt);
+                warn!(error = %error, retry_in = ?delay, "waiting for RabbitMQ");
+                tokio::time::sleep(delay).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    unreachable!("the retry loop only ends by returning")
+}
+
 /// Completes on SIGTERM or SIGINT.
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
@@ -582,7 +642,9 @@ mod tests {
     #[test]
     fn defaults_resolve() {
         let settings = Settings::resolve(args("postgres://u:secret@localhost/db")).unwrap();
-        let Destination::Nats { config, .. } = &settings.destination;
+        let Destination::Nats { config, .. } = &settings.destination else {
+            panic!("nats is the default destination");
+        };
         assert_eq!(config.stream, "OUTBOX");
         assert_eq!(settings.polling.lease, Duration::from_secs(30));
     }
@@ -611,10 +673,55 @@ mod tests {
             ..RelayArgs::default()
         })
         .unwrap();
-        let Destination::Nats { config, .. } = &settings.destination;
+        let Destination::Nats { config, .. } = &settings.destination else {
+            panic!("nats is the default destination");
+        };
         assert_eq!(config.stream, "FROM_FILE");
         assert_eq!(config.subject_prefix, "flag");
         assert_eq!(settings.polling.lease, Duration::from_secs(40));
+    }
+
+    #[test]
+    fn the_amqp_destination_resolves_from_file_and_flags_and_hides_its_password() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\ndestination = \"amqp\"\n\
+             url = \"amqp://relay:s3cret@rabbit:5672/%2f\"\nexchange = \"from_file\"\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path.clone()),
+            relay_id: Some("r1".into()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Amqp { config } = &settings.destination else {
+            panic!("the file asks for amqp");
+        };
+        assert_eq!(config.exchange, "from_file");
+        assert_eq!(config.url, "amqp://relay:s3cret@rabbit:5672/%2f");
+        assert_eq!(config.connection_name, "handoff relay r1");
+        assert_eq!(config.publish_timeout, Duration::from_secs(5));
+        assert!(!format!("{settings:?}").contains("s3cret"));
+
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path),
+            exchange: Some("flag".into()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Amqp { config } = &settings.destination else {
+            panic!("the file asks for amqp");
+        };
+        assert_eq!(config.exchange, "flag");
+
+        let mut empty_exchange = args("postgres://localhost/db");
+        empty_exchange.destination = Some(DestinationKind::Amqp);
+        empty_exchange.exchange = Some(String::new());
+        let error = Settings::resolve(empty_exchange).unwrap_err().to_string();
+        assert!(error.contains("exchange"), "{error}");
     }
 
     #[test]
