@@ -17,14 +17,17 @@
 //!   (a private tansu), against the same events produced by the Kafka transport alone.
 //! - `handoff-bench http` ([`http`]) measures the relay draining committed rows into the
 //!   reference `webhook-receiver` against POSTing the same events to it directly.
+//! - `handoff-bench amqp` ([`amqp`]) measures the relay draining a committed backlog into
+//!   RabbitMQ against the raw bound of publishing the same events with confirms alone.
 
 use clap::{Parser, Subcommand};
 
+mod amqp;
 mod cdc;
 mod cleanup;
 mod consumer;
-mod kafka;
 mod http;
+mod kafka;
 mod relay;
 mod scratch;
 mod write_path;
@@ -55,6 +58,8 @@ enum Command {
     Kafka(kafka::KafkaArgs),
     /// The relay draining into an HTTP endpoint vs POSTing to it directly.
     Http(http::HttpArgs),
+    /// RabbitMQ: the relay's drain against publishing with confirms alone.
+    Amqp(amqp::AmqpArgs),
 }
 
 #[tokio::main]
@@ -75,6 +80,7 @@ async fn main() -> std::process::ExitCode {
         Command::Cdc(args) => cdc::cdc(args).await,
         Command::Kafka(args) => kafka::kafka(args).await,
         Command::Http(args) => http::http(args).await,
+        Command::Amqp(args) => amqp::amqp(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

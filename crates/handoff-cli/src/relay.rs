@@ -7,10 +7,11 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use handoff_amqp::{AmqpConfig, AmqpTransport};
 use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
-use handoff_kafka::{KafkaConfig, KafkaTransport};
 use handoff_http::{HttpConfig, HttpMode, HttpTransport, SigningSecret};
+use handoff_kafka::{KafkaConfig, KafkaTransport};
 use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
@@ -98,9 +99,18 @@ pub struct RelayArgs {
     #[arg(long, env = "HANDOFF_PUBLICATION")]
     publication: Option<String>,
     /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix), `kafka`
-    /// (--brokers, --topic) or `http` (POST to --endpoint) [default: nats].
+    /// (--brokers, --topic), `amqp` (RabbitMQ; --url, --exchange) or `http` (POST to
+    /// --endpoint) [default: nats].
     #[arg(long, env = "HANDOFF_DESTINATION", value_enum)]
     destination: Option<DestinationKind>,
+    /// AMQP broker URL of `--destination amqp`, amqp[s]://user:password@host:port/vhost. The
+    /// password, if any, is never logged [default: amqp://127.0.0.1:5672/%2f].
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    url: Option<String>,
+    /// Exchange of `--destination amqp`; declared as a durable topic exchange when missing.
+    /// Routing key: <aggregate_type>.<aggregate_id> [default: outbox].
+    #[arg(long, env = "HANDOFF_EXCHANGE")]
+    exchange: Option<String>,
     /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (required with --destination kafka).
     #[arg(long, env = "HANDOFF_BROKERS")]
     brokers: Option<String>,
@@ -137,6 +147,8 @@ pub enum DestinationKind {
     Nats,
     /// A Kafka topic.
     Kafka,
+    /// A RabbitMQ (AMQP 0-9-1) exchange, with publisher confirms.
+    Amqp,
     /// An HTTP endpoint (webhook), one POST per event with Idempotency-Key.
     Http,
 }
@@ -185,6 +197,8 @@ struct RelayFile {
     slot: Option<String>,
     publication: Option<String>,
     destination: Option<DestinationKind>,
+    url: Option<String>,
+    exchange: Option<String>,
     brokers: Option<String>,
     topic: Option<String>,
     partitions: Option<i32>,
@@ -204,6 +218,10 @@ enum Destination {
     },
     Kafka {
         config: KafkaConfig,
+    },
+    /// Its `Debug` hides the URL's password.
+    Amqp {
+        config: AmqpConfig,
     },
     Http {
         config: HttpConfig,
@@ -266,7 +284,9 @@ impl Settings {
                 .http_timeout
                 .or(file.http_timeout)
                 .unwrap_or(publish_timeout),
-            DestinationKind::Nats | DestinationKind::Kafka => publish_timeout,
+            DestinationKind::Nats | DestinationKind::Kafka | DestinationKind::Amqp => {
+                publish_timeout
+            }
         };
         let jetstream = JetStreamConfig {
             stream: args.stream.or(file.stream).unwrap_or(defaults.stream),
@@ -363,6 +383,20 @@ impl Settings {
                 config.validate()?;
                 Destination::Kafka { config }
             }
+            DestinationKind::Amqp => {
+                let defaults = AmqpConfig::default();
+                let config = AmqpConfig {
+                    url: args.url.or(file.url).unwrap_or(defaults.url),
+                    exchange: args.exchange.or(file.exchange).unwrap_or(defaults.exchange),
+                    publish_timeout,
+                    ce_source: jetstream.source,
+                    // Shown by `rabbitmqctl list_connections`: which relay holds it.
+                    connection_name: format!("handoff relay {relay_id}"),
+                    ..defaults
+                };
+                config.validate()?;
+                Destination::Amqp { config }
+            }
             DestinationKind::Http => {
                 let Some(endpoint) = args.endpoint.or(file.endpoint) else {
                     bail!("--destination http needs --endpoint, HANDOFF_ENDPOINT or endpoint in the config");
@@ -455,6 +489,14 @@ pub async fn run(args: RelayArgs) -> Result<()> {
                 .await
                 .context("while ensuring the topic")?;
             info!(topic = ?topic, "destination ready");
+            serve(settings, transport, shutdown).await
+        }
+        Destination::Amqp { config } => {
+            let transport = tokio::select! {
+                transport = connect_amqp(config) => transport?,
+                () = &mut shutdown => return Ok(()),
+            };
+            info!(server = transport.server(), exchange = %config.exchange, "destination ready");
             serve(settings, transport, shutdown).await
         }
         Destination::Http { config } => {
@@ -645,6 +687,26 @@ async fn connect_kafka(config: &KafkaConfig) -> Result<KafkaTransport> {
     unreachable!("the retry loop only ends by returning")
 }
 
+/// Connects to RabbitMQ, waiting (with backoff) while it is unreachable.
+async fn connect_amqp(config: &AmqpConfig) -> Result<AmqpTransport> {
+    let backoff = Backoff {
+        initial: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+    };
+    for attempt in 1u32.. {
+        match AmqpTransport::connect(config.clone()).await {
+            Ok(transport) => return Ok(transport),
+            Err(error) if error.kind() == handoff_amqp::ConnectErrorKind::Unreachable => {
+                let delay = backoff.delay(attempt);
+                warn!(error = %error, retry_in = ?delay, "waiting for RabbitMQ");
+                tokio::time::sleep(delay).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    unreachable!("the retry loop only ends by returning")
+}
+
 /// Completes on SIGTERM or SIGINT.
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
@@ -827,6 +889,49 @@ mod tests {
         assert_eq!(config.request_timeout, Duration::from_secs(2));
         assert_eq!(config.concurrency, 64);
         assert_eq!(settings.relay.lease_margin, Duration::from_secs(4));
+    }
+
+    #[test]
+    fn the_amqp_destination_resolves_from_file_and_flags_and_hides_its_password() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\ndestination = \"amqp\"\n\
+             url = \"amqp://relay:s3cret@rabbit:5672/%2f\"\nexchange = \"from_file\"\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path.clone()),
+            relay_id: Some("r1".into()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Amqp { config } = &settings.destination else {
+            panic!("the file asks for amqp");
+        };
+        assert_eq!(config.exchange, "from_file");
+        assert_eq!(config.url, "amqp://relay:s3cret@rabbit:5672/%2f");
+        assert_eq!(config.connection_name, "handoff relay r1");
+        assert_eq!(config.publish_timeout, Duration::from_secs(5));
+        assert!(!format!("{settings:?}").contains("s3cret"));
+
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path),
+            exchange: Some("flag".into()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Amqp { config } = &settings.destination else {
+            panic!("the file asks for amqp");
+        };
+        assert_eq!(config.exchange, "flag");
+
+        let mut empty_exchange = args("postgres://localhost/db");
+        empty_exchange.destination = Some(DestinationKind::Amqp);
+        empty_exchange.exchange = Some(String::new());
+        let error = Settings::resolve(empty_exchange).unwrap_err().to_string();
+        assert!(error.contains("exchange"), "{error}");
     }
 
     #[test]

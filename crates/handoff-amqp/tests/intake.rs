@@ -1,0 +1,298 @@
+//! The AMQP intake under handoff-consumer against the real RabbitMQ: a duplicated publish is
+//! applied once, retries count deliveries up to the cap on classic and quorum queues, and the
+//! intake comes back after the broker closed its connection.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{close_connections_named, config, event, unique_name, url, Broker};
+use handoff_amqp::{AmqpIntake, AmqpTransport, IntakeConfig, QueueDeclaration};
+use handoff_consumer::{Consumer, ConsumerConfig, Handler, HandlerError};
+use handoff_core::delivery::Transport;
+use handoff_core::intake::ReceivedEvent;
+use handoff_postgres::{Migrator, Schema};
+use handoff_test::TestDb;
+use sqlx::PgConnection;
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+type Behaviour = Arc<dyn Fn(&ReceivedEvent) -> Result<(), HandlerError> + Send + Sync>;
+
+/// Inserts one `applied` row per application, then asks `behaviour` whether to fail (the row is
+/// rolled back with a failure).
+#[derive(Clone)]
+struct Recorder(Behaviour);
+
+impl Handler for Recorder {
+    async fn handle(
+        &self,
+        tx: &mut PgConnection,
+        event: &ReceivedEvent,
+    ) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO applied (event_id, aggregate_id, sequence) VALUES ($1, $2, $3)")
+            .bind(event.event_id)
+            .bind(&event.aggregate_id)
+            .bind(event.sequence)
+            .execute(&mut *tx)
+            .await?;
+        (self.0)(event)
+    }
+}
+
+/// A migrated schema with an `applied` table, an exchange and a queue of the test's own, the
+/// relay's transport onto the exchange.
+struct Setup {
+    db: TestDb,
+    broker: Broker,
+    exchange: String,
+    transport: AmqpTransport,
+}
+
+impl Setup {
+    async fn new(name: &str, quorum: bool) -> Self {
+        let db = TestDb::new(name).await;
+        let mut conn = db.pool.acquire().await.unwrap();
+        Migrator::handoff(Schema::default())
+            .run(&mut conn)
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE applied (n bigserial PRIMARY KEY, event_id uuid NOT NULL, \
+             aggregate_id text NOT NULL, sequence bigint NOT NULL)",
+        )
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        drop(conn);
+        let exchange = unique_name(name);
+        let mut broker = Broker::new().await;
+        broker.owns_exchange(&exchange);
+        broker.owns_queue(&exchange);
+        AmqpIntake::declare_queue(
+            &intake_config(&exchange),
+            &QueueDeclaration {
+                exchange: exchange.clone(),
+                binding_key: "order.*".into(),
+                quorum,
+                single_active_consumer: true,
+            },
+        )
+        .await
+        .unwrap();
+        let transport = AmqpTransport::connect(config(&exchange)).await.unwrap();
+        Self {
+            db,
+            broker,
+            exchange,
+            transport,
+        }
+    }
+
+    fn start(&self, handler: Recorder, max_deliveries: u64) -> Running {
+        let config = ConsumerConfig {
+            name: "amqp-test".into(),
+            max_deliveries,
+            retry_backoff: handoff_core::Backoff {
+                initial: Duration::from_millis(50),
+                max: Duration::from_millis(200),
+            },
+            ..ConsumerConfig::default()
+        };
+        let consumer = Consumer::new(config, self.db.pool.clone(), handler).unwrap();
+        let intake_config = intake_config(&self.exchange);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let intake = AmqpIntake::connect(intake_config).await.unwrap();
+            consumer
+                .run(intake, async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Running { stop, task }
+    }
+
+    async fn count(&self, query: &str) -> i64 {
+        sqlx::query_scalar(query)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    /// Waits until `query` (a scalar count) returns at least `n`, or panics after 30 s.
+    async fn wait_count(&self, query: &str, n: i64) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let count = self.count(query).await;
+            if count >= n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out: {query} = {count} < {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn applied(&self) -> Vec<(Uuid, String, i64)> {
+        sqlx::query_as("SELECT event_id, aggregate_id, sequence FROM applied ORDER BY n")
+            .fetch_all(&self.db.pool)
+            .await
+            .unwrap()
+    }
+}
+
+fn intake_config(queue: &str) -> IntakeConfig {
+    IntakeConfig {
+        url: url(),
+        queue: queue.to_owned(),
+        connection_name: format!("{queue}-consumer"),
+        ..IntakeConfig::default()
+    }
+}
+
+struct Running {
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("the consumer stopped within 30 s")
+            .expect("the consumer task did not panic");
+    }
+}
+
+#[tokio::test]
+async fn a_duplicated_publish_is_applied_once_and_in_order() {
+    let setup = Setup::new("amqp_duplicates", false).await;
+    let mut events = Vec::new();
+    for sequence in 1..=5 {
+        for a in 0..4 {
+            events.push(event(&format!("o-{a}"), sequence));
+        }
+    }
+    for e in &events {
+        setup.transport.publish(e).await.unwrap();
+    }
+    // The relay republishes after a lost confirm or a lease expiry: RabbitMQ keeps both copies.
+    for e in &events {
+        setup.transport.publish(e).await.unwrap();
+    }
+    // Every third first application fails once (rolled back), so deliveries are nacked with a
+    // delay and come back.
+    let failures = Arc::new(Mutex::new(HashMap::<Uuid, u32>::new()));
+    let seen = failures.clone();
+    let recorder = Recorder(Arc::new(move |e| {
+        let mut seen = seen.lock().unwrap();
+        let n = seen.entry(e.event_id).or_default();
+        *n += 1;
+        if *n == 1 && e.sequence % 3 == 0 {
+            Err(HandlerError::retryable("not yet"))
+        } else {
+            Ok(())
+        }
+    }));
+    let running = setup.start(recorder, 10);
+    setup
+        .wait_count("SELECT count(*) FROM processed_events", 20)
+        .await;
+    // Both copies of every event have been settled once the queue is empty and nothing is
+    // unacknowledged.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while setup.broker.depth(&setup.exchange).await > 0 {
+        assert!(Instant::now() < deadline, "the queue did not drain");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    running.stop().await;
+
+    let applied = setup.applied().await;
+    assert_eq!(applied.len(), 20, "one effect per event: {applied:?}");
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for (_, aggregate, sequence) in &applied {
+        let previous = last.insert(aggregate.clone(), *sequence).unwrap_or(0);
+        assert_eq!(
+            *sequence,
+            previous + 1,
+            "{aggregate} applied out of order: {applied:?}"
+        );
+    }
+}
+
+async fn a_failing_event_reaches_the_delivery_cap(quorum: bool) {
+    let name = if quorum {
+        "amqp_cap_quorum"
+    } else {
+        "amqp_cap_classic"
+    };
+    let setup = Setup::new(name, quorum).await;
+    let poison = event("poison", 1);
+    setup.transport.publish(&poison).await.unwrap();
+    let recorder = Recorder(Arc::new(|_| Err(HandlerError::retryable("always"))));
+    let running = setup.start(recorder, 3);
+    setup
+        .wait_count("SELECT count(*) FROM consumer_quarantine", 1)
+        .await;
+    running.stop().await;
+    let quarantined: Uuid = sqlx::query_scalar("SELECT event_id FROM consumer_quarantine")
+        .fetch_one(&setup.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(quarantined, poison.event_id);
+    assert!(setup.applied().await.is_empty());
+    // Quarantined means rejected without requeue: the queue no longer holds it.
+    assert_eq!(setup.broker.depth(&setup.exchange).await, 0);
+}
+
+#[tokio::test]
+async fn a_failing_event_reaches_the_delivery_cap_on_a_classic_queue() {
+    a_failing_event_reaches_the_delivery_cap(false).await;
+}
+
+#[tokio::test]
+async fn a_failing_event_reaches_the_delivery_cap_on_a_quorum_queue() {
+    a_failing_event_reaches_the_delivery_cap(true).await;
+}
+
+#[tokio::test]
+async fn the_intake_consumes_again_after_the_broker_closes_its_connection() {
+    let setup = Setup::new("amqp_intake_reconnect", false).await;
+    let running = setup.start(Recorder(Arc::new(|_| Ok(()))), 10);
+    for sequence in 1..=3 {
+        setup
+            .transport
+            .publish(&event("o-1", sequence))
+            .await
+            .unwrap();
+    }
+    setup
+        .wait_count("SELECT count(*) FROM processed_events", 3)
+        .await;
+    let name = format!("{}-consumer", setup.exchange);
+    assert_eq!(close_connections_named(&name), 1);
+    for sequence in 4..=6 {
+        setup
+            .transport
+            .publish(&event("o-1", sequence))
+            .await
+            .unwrap();
+    }
+    setup
+        .wait_count("SELECT count(*) FROM processed_events", 6)
+        .await;
+    running.stop().await;
+    let sequences: Vec<i64> = setup
+        .applied()
+        .await
+        .into_iter()
+        .map(|(_, _, s)| s)
+        .collect();
+    assert_eq!(sequences, vec![1, 2, 3, 4, 5, 6]);
+}
