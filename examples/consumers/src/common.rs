@@ -57,9 +57,28 @@ pub struct CommonArgs {
     /// password, if any, is never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
-    /// The broker the relay publishes to: `nats` (--nats-url, --stream, --subject-prefix).
+    /// The broker the relay publishes to: `nats` (--nats-url, --stream, --subject-prefix),
+    /// `kafka` (--brokers, --topic; the consumer name is the group) or `amqp` (--amqp-url,
+    /// --exchange; the consumer name is the queue, declared bound to `order.*`).
     #[arg(long, env = "HANDOFF_BROKER", value_enum, default_value_t = BrokerArg::Nats)]
     pub broker: BrokerArg,
+    /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (with --broker kafka).
+    #[arg(long, env = "HANDOFF_BROKERS", default_value = "127.0.0.1:9092")]
+    pub brokers: String,
+    /// Kafka topic the relay produces to (with --broker kafka).
+    #[arg(long, env = "HANDOFF_TOPIC", default_value = "outbox")]
+    pub topic: String,
+    /// AMQP broker URL (with --broker amqp); the password is never logged.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        default_value = "amqp://127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
+    pub amqp_url: String,
+    /// The relay's AMQP exchange (with --broker amqp).
+    #[arg(long, env = "HANDOFF_EXCHANGE", default_value = "outbox")]
+    pub exchange: String,
     /// NATS URL.
     #[arg(
         long,
@@ -127,6 +146,11 @@ pub struct CommonArgs {
 pub enum BrokerArg {
     /// A durable JetStream pull consumer on the relay's stream.
     Nats,
+    /// A Kafka consumer group on the relay's topic.
+    Kafka,
+    /// A RabbitMQ queue bound to the relay's exchange: a quorum queue with a single active
+    /// consumer, so running instances keep per-order order (docs/destinations.md).
+    Amqp,
 }
 
 /// The `--gap-policy` values.
@@ -269,6 +293,10 @@ pub enum RunError {
     /// NATS could not be reached, or the stream or durable consumer could not be set up.
     #[error("while subscribing to NATS: {0}")]
     Nats(#[from] IntakeConnectError),
+    /// Kafka or RabbitMQ could not be reached, or the subscription could not be set up (the
+    /// message never holds a password).
+    #[error("while subscribing to the broker: {0}")]
+    Broker(String),
     /// The metrics endpoint could not be served.
     #[error("while serving metrics on {addr}: {source}")]
     Metrics {
@@ -445,6 +473,42 @@ where
             let intake = JetStreamIntake::connect(&args.nats_url, intake_config).await?;
             info!(stream = %args.stream, consumer = %args.consumer_name, %filter, "consuming");
             consume(&consumer, intake, &args.stream, &args.consumer_name).await
+        }
+        BrokerArg::Kafka => {
+            let intake_config = handoff_kafka::IntakeConfig {
+                brokers: args.brokers.clone(),
+                topic: args.topic.clone(),
+                group_id: args.consumer_name.clone(),
+                redeliver_after: args.ack_wait,
+                ..handoff_kafka::IntakeConfig::default()
+            };
+            let intake = handoff_kafka::KafkaIntake::connect(intake_config)
+                .await
+                .map_err(|e| RunError::Broker(e.to_string()))?;
+            info!(topic = %args.topic, group = %args.consumer_name, "consuming");
+            consume(&consumer, intake, &args.topic, &args.consumer_name).await
+        }
+        BrokerArg::Amqp => {
+            let intake_config = handoff_amqp::IntakeConfig {
+                url: args.amqp_url.clone(),
+                queue: args.consumer_name.clone(),
+                ..handoff_amqp::IntakeConfig::default()
+            };
+            let declaration = handoff_amqp::QueueDeclaration {
+                exchange: args.exchange.clone(),
+                binding_key: format!("{AGGREGATE_TYPE}.*"),
+                quorum: true,
+                single_active_consumer: true,
+            };
+            let broker = |e: handoff_amqp::ConnectError| RunError::Broker(e.to_string());
+            handoff_amqp::AmqpIntake::declare_queue(&intake_config, &declaration)
+                .await
+                .map_err(broker)?;
+            let intake = handoff_amqp::AmqpIntake::connect(intake_config)
+                .await
+                .map_err(broker)?;
+            info!(exchange = %args.exchange, queue = %args.consumer_name, "consuming");
+            consume(&consumer, intake, &args.consumer_name, &args.consumer_name).await
         }
     }
 }
