@@ -645,66 +645,62 @@ async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
     unreachable!("the retry loop only ends by returning")
 }
 
-/// Connects, retrying while the server is unreachable; a malformed URL or configuration ends
-/// the command at once.
+/// Connects to the destination with `connect`, retrying with backoff (and saying what it waits
+/// for) while `unreachable` says the broker cannot be reached yet; any other error (a malformed
+/// URL, a bad configuration, refused credentials) ends the command at once.
+async fn connect_with_retry<T, E, F, Fut>(
+    broker: &str,
+    mut connect: F,
+    unreachable: impl Fn(&E) -> bool,
+) -> Result<T>
+where
+    E: std::error::Error + Send + Sync + 'static,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let backoff = Backoff {
+        initial: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+    };
+    for attempt in 1u32.. {
+        match connect().await {
+            Ok(transport) => return Ok(transport),
+            Err(error) if unreachable(&error) => {
+                let delay = backoff.delay(attempt);
+                warn!(error = %error, retry_in = ?delay, "waiting for {broker}");
+                tokio::time::sleep(delay).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    unreachable!("the retry loop only ends by returning")
+}
+
 async fn connect_nats(url: &str, config: &JetStreamConfig) -> Result<JetStreamTransport> {
-    let backoff = Backoff {
-        initial: Duration::from_millis(200),
-        max: Duration::from_secs(10),
-    };
-    for attempt in 1u32.. {
-        match JetStreamTransport::connect(url, config.clone()).await {
-            Ok(transport) => return Ok(transport),
-            Err(error) if error.kind() == ConnectErrorKind::Unreachable => {
-                let delay = backoff.delay(attempt);
-                warn!(error = %error, retry_in = ?delay, "waiting for NATS");
-                tokio::time::sleep(delay).await;
-            }
-            Err(error) => return Err(error.into()),
-        }
-    }
-    unreachable!("the retry loop only ends by returning")
+    connect_with_retry(
+        "NATS",
+        || JetStreamTransport::connect(url, config.clone()),
+        |e: &handoff_nats::ConnectError| e.kind() == ConnectErrorKind::Unreachable,
+    )
+    .await
 }
 
-/// As [`connect_nats`], for Kafka: unreachable brokers are waited for, a bad configuration ends
-/// the command.
 async fn connect_kafka(config: &KafkaConfig) -> Result<KafkaTransport> {
-    let backoff = Backoff {
-        initial: Duration::from_millis(200),
-        max: Duration::from_secs(10),
-    };
-    for attempt in 1u32.. {
-        match KafkaTransport::connect(config.clone()).await {
-            Ok(transport) => return Ok(transport),
-            Err(error) if error.kind() == handoff_kafka::ConnectErrorKind::Unreachable => {
-                let delay = backoff.delay(attempt);
-                warn!(error = %error, retry_in = ?delay, "waiting for Kafka");
-                tokio::time::sleep(delay).await;
-            }
-            Err(error) => return Err(error.into()),
-        }
-    }
-    unreachable!("the retry loop only ends by returning")
+    connect_with_retry(
+        "Kafka",
+        || KafkaTransport::connect(config.clone()),
+        |e: &handoff_kafka::ConnectError| e.kind() == handoff_kafka::ConnectErrorKind::Unreachable,
+    )
+    .await
 }
 
-/// Connects to RabbitMQ, waiting (with backoff) while it is unreachable.
 async fn connect_amqp(config: &AmqpConfig) -> Result<AmqpTransport> {
-    let backoff = Backoff {
-        initial: Duration::from_millis(200),
-        max: Duration::from_secs(10),
-    };
-    for attempt in 1u32.. {
-        match AmqpTransport::connect(config.clone()).await {
-            Ok(transport) => return Ok(transport),
-            Err(error) if error.kind() == handoff_amqp::ConnectErrorKind::Unreachable => {
-                let delay = backoff.delay(attempt);
-                warn!(error = %error, retry_in = ?delay, "waiting for RabbitMQ");
-                tokio::time::sleep(delay).await;
-            }
-            Err(error) => return Err(error.into()),
-        }
-    }
-    unreachable!("the retry loop only ends by returning")
+    connect_with_retry(
+        "RabbitMQ",
+        || AmqpTransport::connect(config.clone()),
+        |e: &handoff_amqp::ConnectError| e.kind() == handoff_amqp::ConnectErrorKind::Unreachable,
+    )
+    .await
 }
 
 /// Completes on SIGTERM or SIGINT.
