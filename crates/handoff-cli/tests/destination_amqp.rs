@@ -5,16 +5,13 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use common::{migrated, wait_drained, RelayProcess, Target};
+use common::{check_delivered, logs, migrated, wait_drained, Delivered, RelayProcess, Writers};
 use handoff_amqp::lapin::options::{BasicGetOptions, ExchangeDeleteOptions, QueueDeleteOptions};
 use handoff_amqp::lapin::types::AMQPValue;
 use handoff_amqp::lapin::{Connection, ConnectionProperties};
 use handoff_amqp::{AmqpIntake, IntakeConfig, QueueDeclaration};
-use handoff_core::NewEvent;
-use handoff_test::factory;
 use uuid::Uuid;
 
 fn amqp_url() -> String {
@@ -54,31 +51,37 @@ impl Drop for DeleteOnDrop {
     }
 }
 
-/// One message of the queue: its event id, aggregate and sequence, from the contract headers.
-fn read(delivery: &handoff_amqp::lapin::message::Delivery) -> (Uuid, String, i64) {
+/// One message of the queue, as the contract headers describe it.
+fn read(delivery: &handoff_amqp::lapin::message::Delivery, position: usize) -> Delivered {
     let headers = delivery.properties.headers().as_ref().expect("headers");
     let get = |name: &str| match headers.inner().get(name) {
         Some(AMQPValue::LongString(value)) => value.to_string(),
         other => panic!("header {name}: {other:?}"),
     };
-    let id: Uuid = get("ce-id").parse().unwrap();
+    let event_id: Uuid = get("ce-id").parse().unwrap();
     let message_id = delivery
         .properties
         .message_id()
         .as_ref()
         .unwrap()
         .to_string();
-    assert_eq!(message_id, id.to_string(), "message_id is the event id");
-    let aggregate = handoff_core::subject::decode_token(&get("Handoff-Aggregate-Id"))
-        .unwrap()
-        .into_owned();
-    (id, aggregate, get("Handoff-Sequence").parse().unwrap())
+    assert_eq!(
+        message_id,
+        event_id.to_string(),
+        "message_id is the event id"
+    );
+    Delivered {
+        event_id,
+        aggregate_id: handoff_core::subject::decode_token(&get("Handoff-Aggregate-Id"))
+            .unwrap()
+            .into_owned(),
+        sequence: get("Handoff-Sequence").parse().unwrap(),
+        position: format!("queue message {position}"),
+    }
 }
 
 #[tokio::test]
 async fn relays_killed_again_and_again_deliver_every_committed_event_in_order_to_rabbitmq() {
-    const AGGREGATES: usize = 40;
-    const TRANSACTIONS: usize = 600;
     let (db, outbox) = migrated("destination_amqp_kills").await;
     let name = handoff_test::nats::unique_name("destination_amqp");
     let _cleanup = DeleteOnDrop(name.clone());
@@ -96,49 +99,19 @@ async fn relays_killed_again_and_again_deliver_every_committed_event_in_order_to
     )
     .await
     .unwrap();
-    // The NATS settings of the shared helper are ignored by `--destination amqp`.
-    let target = Target {
-        database_url: db.url(),
-        nats_url: "nats://127.0.0.1:1".into(),
-        stream: "UNUSED".into(),
-        prefix: "unused".into(),
-    };
-    let url = amqp_url();
+    let (database_url, url) = (db.url(), amqp_url());
     let flags = ["--destination", "amqp", "--url", &url, "--exchange", &name];
     let mut relays: Vec<RelayProcess> = ["relay-a", "relay-b"]
         .iter()
-        .map(|id| RelayProcess::start(&target, id, &flags, &[]))
+        .map(|id| RelayProcess::spawn(&database_url, id, &flags, &[]))
         .collect();
-
-    // Writers: transactions of 1 to 3 events of one aggregate, four connections at once; every
-    // seventh transaction is rolled back.
-    let writers: Vec<_> = (0..4)
-        .map(|w| {
-            let (pool, outbox) = (db.pool.clone(), outbox.clone());
-            tokio::spawn(async move {
-                let mut rng = fastrand::Rng::with_seed(w);
-                let mut rolled_back = Vec::new();
-                for n in 0..TRANSACTIONS / 4 {
-                    let aggregate = format!("agg.{}", rng.usize(..AGGREGATES));
-                    let events: Vec<NewEvent> = (0..rng.u64(1..=3))
-                        .map(|k| factory::event(&aggregate, (n as u64) * 10 + k))
-                        .collect();
-                    let mut tx = pool.begin().await.unwrap();
-                    let enqueued = outbox.enqueue(&mut tx, &events).await.unwrap();
-                    if n % 7 == 3 {
-                        tx.rollback().await.unwrap();
-                        rolled_back.extend(enqueued.into_iter().map(|e| e.event_id));
-                    } else {
-                        tx.commit().await.unwrap();
-                    }
-                    if n % 25 == 0 {
-                        tokio::time::sleep(Duration::from_millis(10)).await; // spread the load
-                    }
-                }
-                rolled_back
-            })
-        })
-        .collect();
+    let writers = Writers {
+        connections: 4,
+        transactions: 600,
+        aggregates: 40,
+        rollback_every: 7,
+    }
+    .spawn(&db.pool, &outbox);
 
     // Meanwhile relay-a is SIGKILLed and restarted, at seeded random moments.
     let mut rng = fastrand::Rng::with_seed(9);
@@ -146,19 +119,11 @@ async fn relays_killed_again_and_again_deliver_every_committed_event_in_order_to
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(rng.u64(200..700))).await;
         relays[0].kill();
-        relays[0] = RelayProcess::start(&target, "relay-a", &flags, &[]);
+        relays[0] = RelayProcess::spawn(&database_url, "relay-a", &flags, &[]);
     }
-    let mut rolled_back = HashSet::new();
-    for writer in writers {
-        rolled_back.extend(writer.await.unwrap());
-    }
-    let logs = || {
-        relays
-            .iter()
-            .map(|r| format!("--- {}\n{}", r.id, r.log()))
-            .collect::<String>()
-    };
-    wait_drained(&db.pool, Duration::from_secs(60), logs).await;
+    let rolled_back = writers.await.unwrap();
+    assert!(!rolled_back.is_empty());
+    wait_drained(&db.pool, Duration::from_secs(60), || logs(&relays)).await;
     let elapsed = started.elapsed();
     for relay in &mut relays {
         assert!(
@@ -180,49 +145,14 @@ async fn relays_killed_again_and_again_deliver_every_committed_event_in_order_to
         .await
         .unwrap()
     {
-        messages.push(read(&message.delivery));
+        messages.push(read(&message.delivery, messages.len()));
     }
-
-    let rows: Vec<(Uuid, String, i64)> =
-        sqlx::query_as("SELECT event_id, aggregate_id, aggregate_sequence FROM outbox")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
-    let committed: HashMap<Uuid, (String, i64)> =
-        rows.into_iter().map(|(id, a, s)| (id, (a, s))).collect();
-    assert!(!rolled_back.is_empty());
-    let mut seen = HashSet::new();
-    let mut duplicates = 0;
-    let mut last: HashMap<String, i64> = HashMap::new();
-    for (id, aggregate, sequence) in &messages {
-        assert!(
-            !rolled_back.contains(id),
-            "rolled-back event {id} was published"
-        );
-        let Some((row_aggregate, row_sequence)) = committed.get(id) else {
-            panic!("event {id} is not in the outbox");
-        };
-        assert_eq!((row_aggregate, row_sequence), (aggregate, sequence));
-        if !seen.insert(*id) {
-            duplicates += 1;
-            continue;
-        }
-        let previous = last.insert(aggregate.clone(), *sequence).unwrap_or(0);
-        assert_eq!(
-            *sequence,
-            previous + 1,
-            "aggregate {aggregate}: sequence {sequence} reached the queue after {previous}"
-        );
-    }
-    assert_eq!(
-        seen.len(),
-        committed.len(),
-        "every committed event is in the queue"
-    );
+    // Rolled-back events are no outbox rows: the check fails on any that reached the queue.
+    let check = check_delivered(&db.pool, &messages).await;
     eprintln!(
-        "5 kills, {} committed, {} rolled back, {} messages, {duplicates} duplicates, {elapsed:?}",
-        committed.len(),
+        "5 kills, {} rolled back, {} messages, {} duplicates, {elapsed:?}",
         rolled_back.len(),
-        messages.len()
+        check.messages,
+        check.duplicates
     );
 }

@@ -6,105 +6,39 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{migrated, pending, wait_drained};
+use common::{
+    check_delivered, logs, migrated, pending, wait_drained, Delivered, RelayProcess, Writers,
+};
 use handoff_kafka::rdkafka::config::ClientConfig;
 use handoff_kafka::rdkafka::consumer::{Consumer, StreamConsumer};
 use handoff_kafka::rdkafka::message::{Headers, Message};
-use handoff_test::factory;
 use handoff_test::tansu::{unique_topic, Tansu};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-/// A `handoff relay --destination kafka` child; its stderr goes to a file for failure messages.
-struct KafkaRelay {
-    child: Child,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl KafkaRelay {
-    fn start(database_url: &str, brokers: &str, topic: &str, id: &str) -> Self {
-        Self::start_with_env(database_url, brokers, topic, id, &[])
-    }
-
-    fn start_with_env(
-        database_url: &str,
-        brokers: &str,
-        topic: &str,
-        id: &str,
-        env: &[(&str, &str)],
-    ) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join(format!("{id}.log"));
-        let stderr = std::fs::File::create(&log).unwrap();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_handoff"));
-        command
-            .args(["relay", "--database-url", database_url, "--relay-id", id])
-            .args([
-                "--destination",
-                "kafka",
-                "--brokers",
-                brokers,
-                "--topic",
-                topic,
-            ])
-            .args([
-                "--partitions",
-                "4",
-                "--lease",
-                "4s",
-                "--publish-timeout",
-                "1s",
-            ])
-            .args(["--poll-interval", "100ms"])
-            .env("RUST_LOG", "info")
-            .env_remove("FAILPOINTS")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr);
-        for (key, value) in env {
-            command.env(key, value);
-        }
-        let child = command.spawn().expect("spawn handoff relay");
-        Self {
-            child,
-            log,
-            _dir: dir,
-        }
-    }
-
-    /// SIGKILL, and reap.
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits (at most 30 s) until its log holds `needle`.
-    async fn wait_for_log(&self, needle: &str) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !self.log().contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "no {needle:?} in:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for KafkaRelay {
-    fn drop(&mut self) {
-        self.kill();
-    }
+/// A relay into `topic` (4 partitions, so keyed order is checked across partitions).
+fn kafka_relay(
+    database_url: &str,
+    brokers: &str,
+    topic: &str,
+    id: &str,
+    env: &[(&str, &str)],
+) -> RelayProcess {
+    let flags = [
+        "--destination",
+        "kafka",
+        "--brokers",
+        brokers,
+        "--topic",
+        topic,
+        "--partitions",
+        "4",
+        "--poll-interval",
+        "100ms",
+    ];
+    RelayProcess::spawn(database_url, id, &flags, env)
 }
 
 async fn published(pool: &PgPool) -> i64 {
@@ -167,29 +101,17 @@ async fn every_committed_event_reaches_kafka_in_order_through_relay_sigkills() {
     let topic = unique_topic("dest_kafka");
     let url = db.url();
 
-    // Writers: 600 events over 30 aggregates, one per transaction, and every 50th transaction
-    // rolled back instead.
-    let writer_pool = db.pool.clone();
-    let writer_outbox = outbox.clone();
-    let writer = tokio::spawn(async move {
-        let mut rolled_back = HashSet::new();
-        for n in 0..600u64 {
-            let mut tx = writer_pool.begin().await.unwrap();
-            let event = factory::event(&format!("agg-{}", n % 30), n);
-            let enqueued = writer_outbox.enqueue(&mut tx, &[event]).await.unwrap();
-            if n % 50 == 49 {
-                rolled_back.extend(enqueued.iter().map(|e| e.event_id));
-                tx.rollback().await.unwrap();
-            } else {
-                tx.commit().await.unwrap();
-            }
-        }
-        rolled_back
-    });
+    let writer = Writers {
+        connections: 2,
+        transactions: 400,
+        aggregates: 30,
+        rollback_every: 50,
+    }
+    .spawn(&db.pool, &outbox);
 
     // A relay frozen right after the broker's acknowledgement (failpoint), then SIGKILLed: what
     // it published stays unmarked until its lease runs out, and the others publish it again.
-    let frozen = KafkaRelay::start_with_env(
+    let frozen = kafka_relay(
         &url,
         &broker.brokers(),
         &topic,
@@ -197,12 +119,14 @@ async fn every_committed_event_reaches_kafka_in_order_through_relay_sigkills() {
         &[("FAILPOINTS", "relay.after_ack=return")],
     );
     if cfg!(feature = "failpoints") {
-        frozen.wait_for_log("failpoint fired").await;
+        frozen
+            .wait_for_log("failpoint fired", Duration::from_secs(30))
+            .await;
     }
     drop(frozen);
 
-    let mut relays: Vec<KafkaRelay> = (0..2)
-        .map(|n| KafkaRelay::start(&url, &broker.brokers(), &topic, &format!("k-{n}")))
+    let mut relays: Vec<RelayProcess> = (0..2)
+        .map(|n| kafka_relay(&url, &broker.brokers(), &topic, &format!("k-{n}"), &[]))
         .collect();
     // Three rounds: once the relays have published more, SIGKILL one (leaving whatever it had
     // published but not marked) and start a fresh one in its place.
@@ -213,85 +137,56 @@ async fn every_committed_event_reaches_kafka_in_order_through_relay_sigkills() {
             assert!(
                 Instant::now() < deadline,
                 "the relays did not publish {target} events:\n{}",
-                relays
-                    .iter()
-                    .map(KafkaRelay::log)
-                    .collect::<Vec<_>>()
-                    .join("\n---\n")
+                logs(&relays)
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let victim = round % relays.len();
         relays[victim].kill();
-        relays[victim] =
-            KafkaRelay::start(&url, &broker.brokers(), &topic, &format!("k-{}", round + 2));
+        let id = format!("k-{}", round + 2);
+        relays[victim] = kafka_relay(&url, &broker.brokers(), &topic, &id, &[]);
     }
     let rolled_back = writer.await.unwrap();
-    wait_drained(&db.pool, Duration::from_secs(45), || {
-        relays
-            .iter()
-            .map(KafkaRelay::log)
-            .collect::<Vec<_>>()
-            .join("\n---\n")
-    })
-    .await;
+    assert!(!rolled_back.is_empty());
+    wait_drained(&db.pool, Duration::from_secs(45), || logs(&relays)).await;
     assert_eq!(pending(&db.pool).await, 0);
+    let committed: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let records = read_as_group(&broker.brokers(), &topic, committed as usize).await;
 
-    let rows: Vec<(Uuid, String, i64)> =
-        sqlx::query_as("SELECT event_id, aggregate_id, aggregate_sequence FROM outbox")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(rows.len(), 600 - 12);
-    let committed: HashMap<Uuid, (String, i64)> = rows
-        .into_iter()
-        .map(|(id, aggregate, sequence)| (id, (aggregate, sequence)))
-        .collect();
-    let records = read_as_group(&broker.brokers(), &topic, committed.len()).await;
-
-    // Per partition in offset order (a group read interleaves partitions), keeping the first
-    // copy of each id: per aggregate 1, 2, 3 ... in one partition.
+    // Per partition in offset order (a group read interleaves partitions): per aggregate the
+    // first copies 1, 2, 3 ..., every aggregate in one partition, its id as the key.
     let mut ordered = records.clone();
     ordered.sort_by_key(|(partition, offset, ..)| (*partition, *offset));
-    let mut seen = HashSet::new();
-    let mut duplicates = 0;
-    let mut next: HashMap<String, (i32, i64)> = HashMap::new();
-    for (partition, offset, id, key, sequence) in &ordered {
-        assert!(
-            !rolled_back.contains(id),
-            "rolled-back event {id} reached the topic"
-        );
-        let Some((aggregate, stored_sequence)) = committed.get(id) else {
-            panic!("message {partition}@{offset} for event {id} that the outbox does not hold");
-        };
-        assert_eq!((key, sequence), (aggregate, stored_sequence));
-        if !seen.insert(*id) {
-            duplicates += 1;
-            continue;
-        }
-        let (home, expected) = next.entry(key.clone()).or_insert((*partition, 1));
-        assert_eq!(partition, home, "{key} moved partition");
-        assert_eq!(
-            sequence, expected,
-            "{key}: {sequence} at {partition}@{offset}, expected {expected}"
-        );
-        *expected += 1;
+    let mut home: HashMap<&str, i32> = HashMap::new();
+    for (partition, _, _, key, _) in &ordered {
+        let first = *home.entry(key).or_insert(*partition);
+        assert_eq!(first, *partition, "{key} moved partition");
     }
-    assert_eq!(
-        seen.len(),
-        committed.len(),
-        "every committed event reached the topic"
-    );
-    assert_eq!(next.len(), 30);
+    assert_eq!(home.len(), 30);
+    let delivered: Vec<Delivered> = ordered
+        .iter()
+        .map(|(partition, offset, id, key, sequence)| Delivered {
+            event_id: *id,
+            aggregate_id: key.clone(),
+            sequence: *sequence,
+            position: format!("{partition}@{offset}"),
+        })
+        .collect();
+    let check = check_delivered(&db.pool, &delivered).await;
     if cfg!(feature = "failpoints") {
         assert!(
-            duplicates > 0,
+            check.duplicates > 0,
             "the frozen relay's events were published twice"
         );
     }
     eprintln!(
-        "{} messages for {} events: {duplicates} duplicates from the SIGKILLs, deduplicated by ce-id",
-        records.len(),
-        committed.len()
+        "{} messages for {committed} events ({} rolled back): {} duplicates from the SIGKILLs, \
+         deduplicated by ce-id",
+        check.messages,
+        rolled_back.len(),
+        check.duplicates
     );
 }

@@ -1,4 +1,5 @@
-//! Running `handoff relay` as a real process, and reading what reached the stream.
+//! Running `handoff relay` as a real process, writers to feed it, and checking what reached the
+//! stream or another destination against the outbox.
 
 #![allow(dead_code)] // each test binary uses a part
 
@@ -8,6 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use handoff_core::NewEvent;
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
 use handoff_test::nats::StoredMessage;
 use handoff_test::{factory, TestDb};
@@ -61,19 +63,33 @@ pub struct RelayProcess {
 }
 
 impl RelayProcess {
-    /// Starts a relay with a short lease and publish timeout (so takeovers in tests are quick),
-    /// plus `extra` flags and `env`.
+    /// Starts a NATS relay publishing to `target`, with `extra` flags and `env` (see
+    /// [`RelayProcess::spawn`]).
     pub fn start(target: &Target, id: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut args = vec![
+            "--nats-url",
+            &target.nats_url,
+            "--stream",
+            &target.stream,
+            "--subject-prefix",
+            &target.prefix,
+        ];
+        args.extend_from_slice(extra);
+        Self::spawn(&target.database_url, id, &args, env)
+    }
+
+    /// Starts `handoff relay` on `database_url` with a short lease and publish timeout (so
+    /// takeovers in tests are quick), plus `args` (the destination's flags and any other) and
+    /// `env`. A `FAILPOINTS` of the test's own environment is not passed on.
+    pub fn spawn(database_url: &str, id: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join(format!("{id}.log"));
         let stderr = std::fs::File::create(&log).unwrap();
         let mut command = Command::new(env!("CARGO_BIN_EXE_handoff"));
         command
-            .args(["relay", "--database-url", &target.database_url])
-            .args(["--nats-url", &target.nats_url, "--stream", &target.stream])
-            .args(["--subject-prefix", &target.prefix, "--relay-id", id])
+            .args(["relay", "--database-url", database_url, "--relay-id", id])
             .args(["--lease", "4s", "--publish-timeout", "1s"])
-            .args(extra)
+            .args(args)
             .env("RUST_LOG", "info,handoff_relay=debug")
             .env_remove("FAILPOINTS")
             .stdin(Stdio::null())
@@ -190,9 +206,44 @@ pub struct StreamCheck {
     pub duplicates: usize,
 }
 
-/// Checks the stream against the outbox: every outbox event is in the stream, nothing else is,
-/// and per aggregate the first copies come in sequence order 1, 2, 3 ... (brief P5).
+/// One message as it reached a destination: the event it carries and where it was found (for
+/// failure messages).
+#[derive(Debug, Clone)]
+pub struct Delivered {
+    pub event_id: Uuid,
+    pub aggregate_id: String,
+    pub sequence: i64,
+    pub position: String,
+}
+
+/// Checks the stream against the outbox (see [`check_delivered`]).
 pub async fn check_stream(pool: &PgPool, messages: &[StoredMessage]) -> StreamCheck {
+    let delivered: Vec<Delivered> = messages
+        .iter()
+        .map(|message| {
+            let header = |name: &str| {
+                message
+                    .header(name)
+                    .unwrap_or_else(|| panic!("message {}: no {name}", message.sequence))
+            };
+            Delivered {
+                event_id: header("Nats-Msg-Id").parse().unwrap(),
+                aggregate_id: handoff_core::subject::decode_token(header("Handoff-Aggregate-Id"))
+                    .unwrap()
+                    .into_owned(),
+                sequence: header("Handoff-Sequence").parse().unwrap(),
+                position: format!("stream sequence {}", message.sequence),
+            }
+        })
+        .collect();
+    check_delivered(pool, &delivered).await
+}
+
+/// Checks what reached a destination, in the order it holds it, against the outbox: every
+/// outbox event is there, nothing else is (so no rolled-back event either), each message
+/// carries its event's aggregate and sequence, and per aggregate the first copies come in
+/// sequence order 1, 2, 3 ... (brief P5). Later copies are counted as duplicates.
+pub async fn check_delivered(pool: &PgPool, delivered: &[Delivered]) -> StreamCheck {
     let rows: Vec<(Uuid, String, i64)> =
         sqlx::query_as("SELECT event_id, aggregate_id, aggregate_sequence FROM outbox")
             .fetch_all(pool)
@@ -205,40 +256,105 @@ pub async fn check_stream(pool: &PgPool, messages: &[StoredMessage]) -> StreamCh
 
     let mut seen = HashSet::new();
     let mut duplicates = 0;
-    let mut last: HashMap<String, i64> = HashMap::new();
-    for message in messages {
-        let id: Uuid = message
-            .header("Nats-Msg-Id")
-            .expect("Nats-Msg-Id")
-            .parse()
-            .unwrap();
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for message in delivered {
+        let id = message.event_id;
         let Some((aggregate, sequence)) = expected.get(&id) else {
             panic!(
-                "message {} for event {id} that the outbox does not hold",
-                message.sequence
+                "{} holds event {id}, which the outbox does not (rolled back?)",
+                message.position
             );
         };
+        assert_eq!(
+            (&message.aggregate_id, message.sequence),
+            (aggregate, *sequence),
+            "{}: event {id} with another aggregate or sequence than its outbox row",
+            message.position
+        );
         if !seen.insert(id) {
             duplicates += 1;
             continue;
         }
-        let previous = last.insert(aggregate.clone(), *sequence).unwrap_or(0);
+        let previous = last.insert(aggregate, *sequence).unwrap_or(0);
         assert_eq!(
             *sequence,
             previous + 1,
-            "aggregate {aggregate}: sequence {sequence} reached the stream (at {}) after {previous}",
-            message.sequence
+            "aggregate {aggregate}: sequence {sequence} arrived ({}) after {previous}",
+            message.position
         );
     }
     let missing: Vec<_> = expected.keys().filter(|id| !seen.contains(id)).collect();
     assert!(
         missing.is_empty(),
-        "{} events never reached the stream: {:?}",
+        "{} events never arrived: {:?}",
         missing.len(),
         &missing[..missing.len().min(5)]
     );
     StreamCheck {
-        messages: messages.len(),
+        messages: delivered.len(),
         duplicates,
     }
+}
+
+/// How [`spawn_writers`] writes: `connections` writers at once, `transactions` in all, each of
+/// 1 to 3 events of one of `aggregates` aggregates (`agg-0`, `agg-1`, ...); every
+/// `rollback_every`-th transaction of a writer is rolled back instead of committed.
+pub struct Writers {
+    pub connections: u64,
+    pub transactions: u64,
+    pub aggregates: usize,
+    pub rollback_every: u64,
+}
+
+impl Writers {
+    /// Starts the writers; the task ends when they all have, with the ids of the events they
+    /// rolled back.
+    pub fn spawn(self, pool: &PgPool, outbox: &Outbox) -> tokio::task::JoinHandle<HashSet<Uuid>> {
+        let writers: Vec<_> = (0..self.connections)
+            .map(|w| {
+                let (pool, outbox) = (pool.clone(), outbox.clone());
+                let (per_writer, aggregates) =
+                    (self.transactions / self.connections, self.aggregates);
+                let rollback_every = self.rollback_every;
+                tokio::spawn(async move {
+                    let mut rng = fastrand::Rng::with_seed(w);
+                    let mut rolled_back = Vec::new();
+                    for n in 0..per_writer {
+                        let aggregate = format!("agg-{}", rng.usize(..aggregates));
+                        let events: Vec<NewEvent> = (0..rng.u64(1..=3))
+                            .map(|k| factory::event(&aggregate, n * 10 + k))
+                            .collect();
+                        let mut tx = pool.begin().await.unwrap();
+                        let enqueued = outbox.enqueue(&mut tx, &events).await.unwrap();
+                        if n % rollback_every == rollback_every - 1 {
+                            tx.rollback().await.unwrap();
+                            rolled_back.extend(enqueued.into_iter().map(|e| e.event_id));
+                        } else {
+                            tx.commit().await.unwrap();
+                        }
+                        if n % 20 == 0 {
+                            // Spread the load over the relays' kills.
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    }
+                    rolled_back
+                })
+            })
+            .collect();
+        tokio::spawn(async move {
+            let mut rolled_back = HashSet::new();
+            for writer in writers {
+                rolled_back.extend(writer.await.unwrap());
+            }
+            rolled_back
+        })
+    }
+}
+
+/// The logs of `relays`, one after the other, for failure messages.
+pub fn logs(relays: &[RelayProcess]) -> String {
+    relays
+        .iter()
+        .map(|r| format!("--- {}\n{}", r.id, r.log()))
+        .collect()
 }
