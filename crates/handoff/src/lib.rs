@@ -9,6 +9,9 @@
 //!   transaction, and the relay's polling source;
 //! - `relay` (`handoff-relay`, feature `relay`): the relay loop over any source and transport;
 //! - `nats` (`handoff-nats`, feature `nats`): the NATS JetStream transport and intake;
+//! - `kafka` (`handoff-kafka`, feature `kafka`), `amqp` (`handoff-amqp`, feature `amqp`) and
+//!   `http` (`handoff-http`, feature `http`): the other destinations (docs/destinations.md),
+//!   Kafka and RabbitMQ with an intake for consumers too;
 //! - `consumer` (`handoff-consumer`, feature `consumer`): the consumer loop with its inbox, gap
 //!   policy, quarantine and idempotent outside calls.
 //!
@@ -45,6 +48,15 @@
 #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
 pub use handoff_consumer as consumer;
 pub use handoff_core as core;
+#[cfg(feature = "amqp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+pub use handoff_amqp as amqp;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub use handoff_http as http;
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub use handoff_kafka as kafka;
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use handoff_nats as nats;
