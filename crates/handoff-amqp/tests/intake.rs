@@ -4,43 +4,15 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{close_connections_named, config, event, unique_name, url, Broker};
 use handoff_amqp::{AmqpIntake, AmqpTransport, IntakeConfig, QueueDeclaration};
-use handoff_consumer::{Consumer, ConsumerConfig, Handler, HandlerError};
+use handoff_consumer::{Consumer, ConsumerConfig, HandlerError};
 use handoff_core::delivery::Transport;
-use handoff_core::intake::ReceivedEvent;
-use handoff_postgres::{Migrator, Schema};
+use handoff_test::inbox::{self, Recorder, Running};
 use handoff_test::TestDb;
-use sqlx::PgConnection;
-use tokio::sync::oneshot;
 use uuid::Uuid;
-
-type Behaviour = Arc<dyn Fn(&ReceivedEvent) -> Result<(), HandlerError> + Send + Sync>;
-
-/// Inserts one `applied` row per application, then asks `behaviour` whether to fail (the row is
-/// rolled back with a failure).
-#[derive(Clone)]
-struct Recorder(Behaviour);
-
-impl Handler for Recorder {
-    async fn handle(
-        &self,
-        tx: &mut PgConnection,
-        event: &ReceivedEvent,
-    ) -> Result<(), HandlerError> {
-        sqlx::query("INSERT INTO applied (event_id, aggregate_id, sequence) VALUES ($1, $2, $3)")
-            .bind(event.event_id)
-            .bind(&event.aggregate_id)
-            .bind(event.sequence)
-            .execute(&mut *tx)
-            .await?;
-        (self.0)(event)
-    }
-}
 
 /// A migrated schema with an `applied` table, an exchange and a queue of the test's own, the
 /// relay's transport onto the exchange.
@@ -53,20 +25,7 @@ struct Setup {
 
 impl Setup {
     async fn new(name: &str, quorum: bool) -> Self {
-        let db = TestDb::new(name).await;
-        let mut conn = db.pool.acquire().await.unwrap();
-        Migrator::handoff(Schema::default())
-            .run(&mut conn)
-            .await
-            .unwrap();
-        sqlx::raw_sql(
-            "CREATE TABLE applied (n bigserial PRIMARY KEY, event_id uuid NOT NULL, \
-             aggregate_id text NOT NULL, sequence bigint NOT NULL)",
-        )
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        drop(conn);
+        let db = inbox::applied_db(name).await;
         let exchange = unique_name(name);
         let mut broker = Broker::new().await;
         broker.owns_exchange(&exchange);
@@ -103,46 +62,17 @@ impl Setup {
         };
         let consumer = Consumer::new(config, self.db.pool.clone(), handler).unwrap();
         let intake_config = intake_config(&self.exchange);
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let intake = AmqpIntake::connect(intake_config).await.unwrap();
-            consumer
-                .run(intake, async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
-        Running { stop, task }
+        Running::spawn(consumer, async move {
+            AmqpIntake::connect(intake_config).await.unwrap()
+        })
     }
 
-    async fn count(&self, query: &str) -> i64 {
-        sqlx::query_scalar(query)
-            .fetch_one(&self.db.pool)
-            .await
-            .unwrap()
-    }
-
-    /// Waits until `query` (a scalar count) returns at least `n`, or panics after 30 s.
     async fn wait_count(&self, query: &str, n: i64) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let count = self.count(query).await;
-            if count >= n {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out: {query} = {count} < {n}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        inbox::wait_count(&self.db.pool, query, n).await;
     }
 
     async fn applied(&self) -> Vec<(Uuid, String, i64)> {
-        sqlx::query_as("SELECT event_id, aggregate_id, sequence FROM applied ORDER BY n")
-            .fetch_all(&self.db.pool)
-            .await
-            .unwrap()
+        inbox::applied(&self.db.pool).await
     }
 }
 
@@ -152,21 +82,6 @@ fn intake_config(queue: &str) -> IntakeConfig {
         queue: queue.to_owned(),
         connection_name: format!("{queue}-consumer"),
         ..IntakeConfig::default()
-    }
-}
-
-struct Running {
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Running {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("the consumer stopped within 30 s")
-            .expect("the consumer task did not panic");
     }
 }
 
@@ -188,18 +103,13 @@ async fn a_duplicated_publish_is_applied_once_and_in_order() {
     }
     // Every third first application fails once (rolled back), so deliveries are nacked with a
     // delay and come back.
-    let failures = Arc::new(Mutex::new(HashMap::<Uuid, u32>::new()));
-    let seen = failures.clone();
-    let recorder = Recorder(Arc::new(move |e| {
-        let mut seen = seen.lock().unwrap();
-        let n = seen.entry(e.event_id).or_default();
-        *n += 1;
-        if *n == 1 && e.sequence % 3 == 0 {
+    let recorder = Recorder::new(|e, call| {
+        if call == 1 && e.sequence % 3 == 0 {
             Err(HandlerError::retryable("not yet"))
         } else {
             Ok(())
         }
-    }));
+    });
     let running = setup.start(recorder, 10);
     setup
         .wait_count("SELECT count(*) FROM processed_events", 20)
@@ -213,17 +123,7 @@ async fn a_duplicated_publish_is_applied_once_and_in_order() {
     }
     running.stop().await;
 
-    let applied = setup.applied().await;
-    assert_eq!(applied.len(), 20, "one effect per event: {applied:?}");
-    let mut last: HashMap<String, i64> = HashMap::new();
-    for (_, aggregate, sequence) in &applied {
-        let previous = last.insert(aggregate.clone(), *sequence).unwrap_or(0);
-        assert_eq!(
-            *sequence,
-            previous + 1,
-            "{aggregate} applied out of order: {applied:?}"
-        );
-    }
+    inbox::assert_applied_once_in_order(&setup.applied().await, 20);
 }
 
 async fn a_failing_event_reaches_the_delivery_cap(quorum: bool) {
@@ -235,7 +135,7 @@ async fn a_failing_event_reaches_the_delivery_cap(quorum: bool) {
     let setup = Setup::new(name, quorum).await;
     let poison = event("poison", 1);
     setup.transport.publish(&poison).await.unwrap();
-    let recorder = Recorder(Arc::new(|_| Err(HandlerError::retryable("always"))));
+    let recorder = Recorder::new(|_, _| Err(HandlerError::retryable("always")));
     let running = setup.start(recorder, 3);
     setup
         .wait_count("SELECT count(*) FROM consumer_quarantine", 1)
@@ -264,7 +164,7 @@ async fn a_failing_event_reaches_the_delivery_cap_on_a_quorum_queue() {
 #[tokio::test]
 async fn the_intake_consumes_again_after_the_broker_closes_its_connection() {
     let setup = Setup::new("amqp_intake_reconnect", false).await;
-    let running = setup.start(Recorder(Arc::new(|_| Ok(()))), 10);
+    let running = setup.start(Recorder::ok(), 10);
     for sequence in 1..=3 {
         setup
             .transport

@@ -2,70 +2,29 @@
 //! a consumer group that settles out of order across aggregates, commits only the settled
 //! prefix, absorbs duplicates in the inbox, and resumes from its commit point after a restart.
 
-use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use handoff_consumer::{Consumer, ConsumerConfig, Handler, HandlerError};
+use handoff_consumer::{Consumer, ConsumerConfig, HandlerError};
 use handoff_core::delivery::OutboxEvent;
 use handoff_core::intake::ReceivedEvent;
 use handoff_kafka::{IntakeConfig, KafkaConfig, KafkaIntake, KafkaTransport};
-use handoff_postgres::{Migrator, Schema};
+use handoff_test::inbox::{self, Recorder, Running};
 use handoff_test::tansu::{unique_topic, Tansu};
 use handoff_test::{factory, TestDb};
-use sqlx::PgConnection;
-use tokio::sync::oneshot;
 use uuid::Uuid;
 
-/// Whether the handler fails an event on its n-th call (1 the first time).
-type FailWhen = Arc<dyn Fn(&ReceivedEvent, u32) -> bool + Send + Sync>;
-
-/// Inserts one `applied` row per application (a second application of one event would be a
-/// second row); counts handler calls per event; fails while `fail` says so.
-#[derive(Clone)]
-struct Recorder {
-    calls: Arc<Mutex<HashMap<Uuid, u32>>>,
-    fail: FailWhen,
-}
-
-impl Recorder {
-    fn new(fail: impl Fn(&ReceivedEvent, u32) -> bool + Send + Sync + 'static) -> Self {
-        Self {
-            calls: Arc::default(),
-            fail: Arc::new(fail),
+/// A recorder that fails an event (retryably) on the calls `fail(event, call)` names, call 1
+/// being the first.
+fn fails_when(fail: impl Fn(&ReceivedEvent, u32) -> bool + Send + Sync + 'static) -> Recorder {
+    Recorder::new(move |event, call| {
+        if fail(event, call) {
+            Err(HandlerError::retryable("injected: not yet"))
+        } else {
+            Ok(())
         }
-    }
-
-    fn calls(&self) -> HashMap<Uuid, u32> {
-        self.calls.lock().unwrap().clone()
-    }
-}
-
-impl Handler for Recorder {
-    async fn handle(
-        &self,
-        tx: &mut PgConnection,
-        event: &ReceivedEvent,
-    ) -> Result<(), HandlerError> {
-        let call = {
-            let mut calls = self.calls.lock().unwrap();
-            let n = calls.entry(event.event_id).or_default();
-            *n += 1;
-            *n
-        };
-        sqlx::query("INSERT INTO applied (event_id, aggregate_id, sequence) VALUES ($1, $2, $3)")
-            .bind(event.event_id)
-            .bind(&event.aggregate_id)
-            .bind(event.sequence)
-            .execute(&mut *tx)
-            .await?;
-        if (self.fail)(event, call) {
-            return Err(HandlerError::retryable("injected: not yet"));
-        }
-        Ok(())
-    }
+    })
 }
 
 struct Setup {
@@ -78,20 +37,7 @@ struct Setup {
 impl Setup {
     async fn new(name: &str, partitions: i32) -> Self {
         let broker = Tansu::start().unwrap();
-        let db = TestDb::new(name).await;
-        let mut conn = db.pool.acquire().await.unwrap();
-        Migrator::handoff(Schema::default())
-            .run(&mut conn)
-            .await
-            .unwrap();
-        sqlx::raw_sql(
-            "CREATE TABLE applied (n bigserial PRIMARY KEY, event_id uuid NOT NULL, \
-             aggregate_id text NOT NULL, sequence bigint NOT NULL)",
-        )
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        drop(conn);
+        let db = inbox::applied_db(name).await;
         let topic = unique_topic(name);
         let transport = KafkaTransport::connect(KafkaConfig {
             brokers: broker.brokers(),
@@ -133,64 +79,19 @@ impl Setup {
             ..ConsumerConfig::default()
         };
         let consumer = Consumer::new(config, self.db.pool.clone(), recorder).unwrap();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            consumer
-                .run(intake, async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
-        Running { stop, task }
+        Running::spawn(consumer, std::future::ready(intake))
     }
 
     async fn count(&self, query: &str) -> i64 {
-        sqlx::query_scalar(query)
-            .fetch_one(&self.db.pool)
-            .await
-            .unwrap()
+        inbox::count(&self.db.pool, query).await
     }
 
     async fn wait_processed(&self, n: i64) {
-        let query = "SELECT count(*) FROM processed_events";
-        wait_for(&format!("{n} processed events"), || async {
-            self.count(query).await >= n
-        })
-        .await;
+        inbox::wait_count(&self.db.pool, "SELECT count(*) FROM processed_events", n).await;
     }
 
     async fn applied(&self) -> Vec<(Uuid, String, i64)> {
-        sqlx::query_as("SELECT event_id, aggregate_id, sequence FROM applied ORDER BY n")
-            .fetch_all(&self.db.pool)
-            .await
-            .unwrap()
-    }
-}
-
-struct Running {
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Running {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("the consumer stopped within 30 s")
-            .unwrap();
-    }
-}
-
-async fn wait_for<F, Fut>(what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while !condition().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        inbox::applied(&self.db.pool).await
     }
 }
 
@@ -203,16 +104,6 @@ fn events(prefix: &str, aggregates: usize, per: u64) -> Vec<OutboxEvent> {
         }
     }
     out
-}
-
-fn assert_in_order_once(applied: &[(Uuid, String, i64)], expected: usize) {
-    assert_eq!(applied.len(), expected, "one effect per event: {applied:?}");
-    let mut next: HashMap<&str, i64> = HashMap::new();
-    for (_, aggregate, sequence) in applied {
-        let want = next.entry(aggregate).or_insert(1);
-        assert_eq!(sequence, want, "{aggregate} applied out of order");
-        *want += 1;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,7 +119,7 @@ async fn a_duplicated_publish_and_naks_apply_each_effect_once_in_order() {
     }
     // Each aggregate's second event fails on its first two calls (rolled back, naked and
     // delivered again from memory), while other aggregates settle past it.
-    let recorder = Recorder::new(|event, call| event.sequence == 2 && call <= 2);
+    let recorder = fails_when(|event, call| event.sequence == 2 && call <= 2);
     let running = setup.start("dupes", recorder.clone()).await;
     setup.wait_processed(48).await;
     // A marker after everything: once applied, every copy before it was delivered.
@@ -236,7 +127,7 @@ async fn a_duplicated_publish_and_naks_apply_each_effect_once_in_order() {
     setup.wait_processed(49).await;
     running.stop().await;
 
-    assert_in_order_once(&setup.applied().await[..], 49);
+    inbox::assert_applied_once_in_order(&setup.applied().await[..], 49);
     let calls = recorder.calls();
     for event in &events {
         let want = if event.aggregate_sequence == 2 { 3 } else { 1 };
@@ -262,7 +153,7 @@ async fn a_restart_resumes_from_the_commit_point_and_redelivers_what_was_unsettl
     let failing = Arc::new(AtomicBool::new(true));
     let fail = failing.clone();
     let recorder =
-        Recorder::new(move |event, _| event.event_id == stuck && fail.load(Ordering::SeqCst));
+        fails_when(move |event, _| event.event_id == stuck && fail.load(Ordering::SeqCst));
     let running = setup.start("restart", recorder.clone()).await;
     // Everything but r-0's events 3 and 4.
     setup.wait_processed(18).await;
@@ -272,7 +163,7 @@ async fn a_restart_resumes_from_the_commit_point_and_redelivers_what_was_unsettl
 
     // The second run: the unsettled tail comes again; the inbox absorbs what was applied.
     failing.store(false, Ordering::SeqCst);
-    let second = Recorder::new(|_, _| false);
+    let second = Recorder::ok();
     let running = setup.start("restart", second.clone()).await;
     setup.wait_processed(20).await;
     running.stop().await;
@@ -283,14 +174,14 @@ async fn a_restart_resumes_from_the_commit_point_and_redelivers_what_was_unsettl
         2,
         "only r-0#3 and r-0#4 reached the handler: {calls:?}"
     );
-    assert_in_order_once(&setup.applied().await[..], 20);
+    inbox::assert_applied_once_in_order(&setup.applied().await[..], 20);
 
     // A third run after everything was settled starts at the end: only new events come.
     let later = events("later", 2, 1);
     for event in &later {
         setup.publish(event).await;
     }
-    let third = Recorder::new(|_, _| false);
+    let third = Recorder::ok();
     let running = setup.start("restart", third.clone()).await;
     setup.wait_processed(22).await;
     running.stop().await;

@@ -4,6 +4,7 @@
 //!   (default `postgres://postgres@127.0.0.1:5432/test`), so tests run in parallel without
 //!   sharing rows; dropped (with everything in it) when the test ends.
 //! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
+//! - [`inbox`]: a consumer under test on any intake, recording each application of an effect.
 //! - [`nats`]: the shared NATS server's URL, a private `nats-server` to stop and kill, and
 //!   reading a stream back.
 //! - [`tansu`]: a private tansu broker (Kafka protocol) for the Kafka destination's tests.
@@ -17,6 +18,7 @@ use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 pub mod cluster;
 pub mod factory;
+pub mod inbox;
 pub mod nats;
 pub mod proxy;
 pub mod tansu;

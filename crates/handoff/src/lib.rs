@@ -44,13 +44,13 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
+#[cfg(feature = "amqp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+pub use handoff_amqp as amqp;
 #[cfg(feature = "consumer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
 pub use handoff_consumer as consumer;
 pub use handoff_core as core;
-#[cfg(feature = "amqp")]
-#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
-pub use handoff_amqp as amqp;
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use handoff_http as http;

@@ -12,12 +12,11 @@ use handoff_consumer::{Consumer, ConsumerConfig, Gap, GapDecision, Handler, Hand
 use handoff_core::delivery::{OutboxEvent, Transport};
 use handoff_core::intake::ReceivedEvent;
 use handoff_nats::{IntakeConfig, JetStreamConfig, JetStreamIntake, JetStreamTransport};
-use handoff_postgres::{Migrator, Schema};
+use handoff_test::inbox;
+pub use handoff_test::inbox::Running;
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::TestDb;
 use sqlx::PgConnection;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 /// A migrated schema with an `applied` table, a stream of its own and the relay's transport.
@@ -30,22 +29,9 @@ pub struct Setup {
 
 impl Setup {
     pub async fn new(name: &str) -> Self {
-        let db = TestDb::new(name).await;
-        let mut conn = db.pool.acquire().await.unwrap();
-        Migrator::handoff(Schema::default())
-            .run(&mut conn)
-            .await
-            .unwrap();
         // One row per application of an event's effect: a second application of one event is a
         // second row, and `n` is the order of application.
-        sqlx::raw_sql(
-            "CREATE TABLE applied (n bigserial PRIMARY KEY, event_id uuid NOT NULL, \
-             aggregate_id text NOT NULL, sequence bigint NOT NULL)",
-        )
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        drop(conn);
+        let db = inbox::applied_db(name).await;
         prepare_shared_server().await;
         let stream = unique_name(name);
         let cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
@@ -134,41 +120,17 @@ impl Setup {
         .await
         .unwrap();
         let consumer = Consumer::new(config, self.db.pool.clone(), handler).unwrap();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            consumer
-                .run(intake, async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
-        Running {
-            stop: Some(stop),
-            task,
-        }
+        Running::spawn(consumer, std::future::ready(intake))
     }
 
     /// Rows of `applied`, in application order: (event id, aggregate, sequence).
     pub async fn applied(&self) -> Vec<(Uuid, String, i64)> {
-        sqlx::query_as("SELECT event_id, aggregate_id, sequence FROM applied ORDER BY n")
-            .fetch_all(&self.db.pool)
-            .await
-            .unwrap()
+        inbox::applied(&self.db.pool).await
     }
 
-    /// Waits until `query` (a scalar count) returns at least `n`, or panics after 30 s.
+    /// Waits until `query` (a scalar count) returns at least `n`, or panics after 40 s.
     pub async fn wait_count(&self, query: &str, n: i64) {
-        let pool = self.db.pool.clone();
-        let query = query.to_owned();
-        wait_for(&format!("{query} >= {n}"), || {
-            let pool = pool.clone();
-            let query = query.clone();
-            async move {
-                let count: i64 = sqlx::query_scalar(&query).fetch_one(&pool).await.unwrap();
-                count >= n
-            }
-        })
-        .await;
+        inbox::wait_count(&self.db.pool, query, n).await;
     }
 }
 
@@ -182,25 +144,6 @@ where
     while !condition().await {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A consumer running in a task.
-pub struct Running {
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
-}
-
-impl Running {
-    /// Completes its shutdown future and waits for it to return.
-    pub async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        tokio::time::timeout(Duration::from_secs(30), &mut self.task)
-            .await
-            .expect("the consumer stopped within 30 s")
-            .expect("the consumer task did not panic");
     }
 }
 
@@ -258,12 +201,7 @@ impl Handler for Recorder {
         tx: &mut PgConnection,
         event: &ReceivedEvent,
     ) -> Result<(), HandlerError> {
-        sqlx::query("INSERT INTO applied (event_id, aggregate_id, sequence) VALUES ($1, $2, $3)")
-            .bind(event.event_id)
-            .bind(&event.aggregate_id)
-            .bind(event.sequence)
-            .execute(&mut *tx)
-            .await?;
+        inbox::record(tx, event).await?;
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
