@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{close_connections_named, config, unique_name, Broker, Message};
 use handoff_amqp::AmqpTransport;
@@ -111,26 +111,12 @@ impl Setup {
     }
 
     async fn count(&self, query: &str) -> i64 {
-        sqlx::query_scalar(query)
-            .fetch_one(&self.db.pool)
-            .await
-            .unwrap()
+        handoff_test::inbox::count(&self.db.pool, query).await
     }
 
     /// Waits until `query` returns at least `n`, or panics after 40 s.
     async fn wait_count(&self, query: &str, n: i64) {
-        let deadline = Instant::now() + Duration::from_secs(40);
-        loop {
-            let count = self.count(query).await;
-            if count >= n {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out: {query} = {count} < {n}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        handoff_test::inbox::wait_count(&self.db.pool, query, n).await;
     }
 }
 

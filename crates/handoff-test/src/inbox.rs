@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use handoff_consumer::{Consumer, Handler, HandlerError};
 use handoff_core::intake::{Intake, ReceivedEvent};
-use handoff_postgres::{Migrator, Schema};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -24,23 +23,18 @@ use crate::TestDb;
 /// How long [`wait_count`] waits before it fails the test.
 const PATIENCE: Duration = Duration::from_secs(40);
 
-/// A fresh schema (see [`TestDb::new`]) with handoff's migrations and the `applied` table.
+/// A fresh schema with handoff's migrations (see [`TestDb::migrated`]) and the `applied` table.
 ///
 /// # Panics
 ///
 /// When PostgreSQL is unreachable or a migration fails: the test cannot go on.
 pub async fn applied_db(name: &str) -> TestDb {
-    let db = TestDb::new(name).await;
-    let mut conn = db.pool.acquire().await.unwrap();
-    Migrator::handoff(Schema::default())
-        .run(&mut conn)
-        .await
-        .unwrap();
+    let db = TestDb::migrated(name).await;
     sqlx::raw_sql(
         "CREATE TABLE applied (n bigserial PRIMARY KEY, event_id uuid NOT NULL, \
          aggregate_id text NOT NULL, sequence bigint NOT NULL)",
     )
-    .execute(&mut *conn)
+    .execute(&db.pool)
     .await
     .unwrap();
     db

@@ -45,6 +45,22 @@ pub struct TestDb {
 }
 
 impl TestDb {
+    /// As [`new`](Self::new), with handoff's migrations applied in the schema.
+    ///
+    /// # Panics
+    ///
+    /// When PostgreSQL is unreachable or a migration fails.
+    pub async fn migrated(name: &str) -> Self {
+        let db = Self::new(name).await;
+        let mut conn = db.pool.acquire().await.unwrap();
+        handoff_postgres::Migrator::handoff(handoff_postgres::Schema::default())
+            .run(&mut conn)
+            .await
+            .unwrap();
+        drop(conn);
+        db
+    }
+
     /// Creates the schema `t_<name>_<pid>_<n>` (the name sanitised and shortened).
     ///
     /// # Panics

@@ -10,7 +10,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use handoff_core::NewEvent;
-use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
+use handoff_postgres::{Outbox, OutboxConfig};
 use handoff_test::nats::StoredMessage;
 use handoff_test::{factory, TestDb};
 use sqlx::PgPool;
@@ -18,12 +18,7 @@ use uuid::Uuid;
 
 /// A fresh schema with handoff's migrations, and an outbox for the test events.
 pub async fn migrated(name: &str) -> (TestDb, Outbox) {
-    let db = TestDb::new(name).await;
-    let mut conn = db.pool.acquire().await.unwrap();
-    Migrator::handoff(Schema::default())
-        .run(&mut conn)
-        .await
-        .unwrap();
+    let db = TestDb::migrated(name).await;
     let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
     (db, outbox)
 }
