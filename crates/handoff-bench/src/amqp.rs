@@ -15,7 +15,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,16 +28,17 @@ use handoff_amqp::lapin::types::FieldTable;
 use handoff_amqp::lapin::{Channel, Connection, ConnectionProperties};
 use handoff_amqp::{AmqpConfig, AmqpTransport};
 use handoff_core::delivery::{OutboxEvent, Transport};
-use handoff_postgres::{Migrator, PollingSource, Schema};
+use handoff_postgres::PollingSource;
 use handoff_relay::{Relay, RelayConfig};
 use serde::Serialize;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection as _, PgConnection};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection as _, PgConnection};
 use tokio::sync::watch;
 
+use crate::machine;
 use crate::relay::drain::polling_config;
 use crate::relay::probe::{Marked, ProbeSource};
-use crate::relay::workload::{self, Workload};
+use crate::relay::workload::{self, Backlog, Workload};
 use crate::scratch::ScratchDatabase;
 
 /// Connections of the relay's pool, as `handoff relay` opens them.
@@ -111,41 +111,30 @@ struct Report {
 
 /// Runs the bench; see the module documentation.
 pub async fn amqp(args: AmqpArgs) -> Result<()> {
-    anyhow::ensure!(
-        args.aggregates > 0
-            && args.events >= args.aggregates
-            && args.events.is_multiple_of(args.aggregates),
-        "--events must be a positive multiple of --aggregates"
-    );
+    let workload = Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
-    let server = PgConnectOptions::from_str(&args.database_url)
-        .context("invalid --database-url")?
-        .disable_statement_logging();
-    let scratch = ScratchDatabase::create(&server).await?;
     let name = format!("handoff_bench_{}", std::process::id());
-    let result = run(&args, &scratch, &name).await;
-    // Dropped whatever happened, so a failed run leaves nothing behind.
+    let result = ScratchDatabase::run_in(&args.database_url, async |scratch| {
+        run(&args, workload, scratch, &name).await
+    })
+    .await;
+    // Deleted whatever happened, so a failed run leaves nothing behind.
     let cleaned = delete_topology(&args.amqp_url, &name).await;
-    let dropped = scratch.drop_database().await;
-    result.and(cleaned).and(dropped)
+    result.and(cleaned)
 }
 
-async fn run(args: &AmqpArgs, scratch: &ScratchDatabase, name: &str) -> Result<()> {
-    let load_average_at_start = std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "));
+async fn run(
+    args: &AmqpArgs,
+    workload: Workload,
+    scratch: &ScratchDatabase,
+    name: &str,
+) -> Result<()> {
+    let load_average_at_start = machine::load_average();
     let mut admin = PgConnection::connect_with(&scratch.options).await?;
-    Migrator::handoff(Schema::default())
-        .run(&mut admin)
-        .await
-        .context("while migrating the scratch database")?;
-    let workload = Workload {
-        events: args.events,
-        aggregates: args.aggregates,
-    };
-    workload::reset(&mut admin, workload, true).await?;
-    let events = workload::load(&mut admin).await?;
-    let payload_bytes = events.iter().map(|e| e.payload.len()).sum::<usize>() / events.len();
+    let Backlog {
+        events,
+        payload_bytes,
+    } = workload::preload(&mut admin, workload).await?;
 
     let config = AmqpConfig {
         url: args.amqp_url.clone(),
@@ -156,7 +145,7 @@ async fn run(args: &AmqpArgs, scratch: &ScratchDatabase, name: &str) -> Result<(
     let reader = Reader::new(&args.amqp_url, name).await?;
     let outstanding = RelayConfig::default().max_in_flight.min(args.aggregates);
     let rabbitmq = reader.server_version();
-    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let cores = machine::cores();
     println!(
         "amqp: {} events over {} aggregates (~{payload_bytes} B payloads), {} round(s), \
          {outstanding} confirms outstanding in the raw bound; RabbitMQ {rabbitmq}; {cores} cores, \

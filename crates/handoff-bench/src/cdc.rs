@@ -37,12 +37,13 @@ use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::machine::{self, commit_probe, nats_port};
 use crate::relay::cpu::{self, CpuShare};
 use crate::relay::drain::{check_stream, polling_config, ReportSummary, StreamCheck};
 use crate::relay::latency::{commit_to_ack, wait_acked, write_paced, SETTLE};
 use crate::relay::probe::{quantile_ms, Marked, ProbeSource, ProbeTransport, SourceStats};
 use crate::relay::workload::{self, Workload};
-use crate::relay::{commit_probe, nats_port, Bench};
+use crate::relay::Bench;
 use crate::write_path::{self, Variant};
 
 /// The stream this bench owns: its own name and subjects, so it can run beside the `relay`
@@ -268,12 +269,7 @@ struct Ratio {
 
 /// Starts the private PostgreSQL, runs every phase, prints the tables, writes the JSON.
 pub async fn cdc(args: CdcArgs) -> Result<()> {
-    anyhow::ensure!(
-        args.aggregates > 0
-            && args.events >= args.aggregates
-            && args.events / args.aggregates * args.aggregates == args.events,
-        "--events must be a positive multiple of --aggregates"
-    );
+    Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(
         args.events_per_tx > 0 && args.backlog_writers > 0,
         "--events-per-tx and --backlog-writers must be at least 1"
@@ -369,10 +365,8 @@ async fn run(
     .await?;
     let nats_server_version = bench.transport().await?.client().server_info().version;
     let commit_ms = commit_probe(&mut admin).await?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let load_average_at_start = std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "));
+    let cores = machine::cores();
+    let load_average_at_start = machine::load_average();
     println!(
         "cdc: {} events over {} aggregates, {} per transaction; {cores} cores, load {}; \
          private postgres {}; nats-server {nats_server_version}; one-row commit p50 {commit_ms:.2} ms",

@@ -13,7 +13,6 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,10 +27,11 @@ use handoff_postgres::{
 use handoff_relay::{Relay, RelayConfig};
 use hdrhistogram::Histogram;
 use serde::Serialize;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 use tokio::sync::watch;
 
+use crate::machine;
 use crate::scratch::ScratchDatabase;
 
 /// The stream the benchmark owns: deleted and created again before every phase.
@@ -177,13 +177,10 @@ pub async fn cleanup(args: CleanupArgs) -> Result<()> {
         args.seconds > LEAD_IN.as_secs() + 1,
         "--seconds must leave room after the 2 s lead-in"
     );
-    let server = PgConnectOptions::from_str(&args.database_url)
-        .context("invalid --database-url")?
-        .disable_statement_logging();
-    let scratch = ScratchDatabase::create(&server).await?;
-    let result = run(&args, &scratch).await;
-    let dropped = scratch.drop_database().await;
-    result.and(dropped)
+    ScratchDatabase::run_in(&args.database_url, async |scratch| {
+        run(&args, scratch).await
+    })
+    .await
 }
 
 async fn run(args: &CleanupArgs, scratch: &ScratchDatabase) -> Result<()> {
@@ -195,7 +192,7 @@ async fn run(args: &CleanupArgs, scratch: &ScratchDatabase) -> Result<()> {
     let postgres: String = sqlx::query_scalar("SELECT version()")
         .fetch_one(&mut admin)
         .await?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = machine::cores();
     println!(
         "cleanup: {} published rows, writer {}/s over {} connections for {} s per phase, \
          batch {}, pause {:?}, {} round(s); {cores} cores",
@@ -258,9 +255,7 @@ async fn run(args: &CleanupArgs, scratch: &ScratchDatabase) -> Result<()> {
         date: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
         command: std::env::args().collect::<Vec<_>>().join(" "),
         cores,
-        load_average_at_start: std::fs::read_to_string("/proc/loadavg")
-            .ok()
-            .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")),
+        load_average_at_start: machine::load_average(),
         postgres,
         rows: args.rows,
         rate: args.rate,

@@ -19,7 +19,6 @@
 //! reservations is the expected total, and with the inbox every event has its dedup row and
 //! every aggregate stands at its last sequence; a mismatch fails the bench.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,6 +40,7 @@ use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 use tokio::sync::Notify;
 use uuid::Uuid;
 
+use crate::machine::{commit_probe, nats_port, Machine};
 use crate::scratch::ScratchDatabase;
 
 // The relay bench's CPU accounting: the two benches must report CPU the same way.
@@ -246,19 +246,6 @@ struct Goal {
     met: bool,
 }
 
-#[derive(Serialize)]
-struct Machine {
-    cores: usize,
-    memory_gib: Option<f64>,
-    load_average_at_start: Option<String>,
-    postgres: BTreeMap<String, String>,
-    nats_server_version: String,
-    /// Median time of a one-row autocommit INSERT, in ms, at the start and at the end: the
-    /// disk's flush latency, which bounds every commit of both variants.
-    commit_ms_at_start: f64,
-    commit_ms_at_end: f64,
-}
-
 /// What every run shares.
 struct Bench {
     options: PgConnectOptions,
@@ -273,12 +260,8 @@ struct Bench {
 
 /// Runs both variants for every round, prints the table, writes the JSON.
 pub async fn consumer(args: ConsumerArgs) -> Result<()> {
-    anyhow::ensure!(
-        args.aggregates > 0
-            && args.events >= args.aggregates
-            && args.events.is_multiple_of(args.aggregates),
-        "--events must be a positive multiple of --aggregates"
-    );
+    // The same shape rule as the relay's backlog.
+    crate::relay::workload::Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     anyhow::ensure!(
         args.concurrency > 0 && args.skus > 0,
@@ -363,7 +346,7 @@ async fn run(
         run_timeout: Duration::from_secs(args.run_timeout_seconds),
         jetstream: jetstream::new(transport.client().clone()),
     };
-    let mut machine = machine(&mut admin, transport).await?;
+    let mut machine = Machine::read(&mut admin, transport.client().server_info().version).await?;
     println!(
         "consumer: {} events over {} aggregates ({} each, ~{payload_bytes} B payloads, {} SKUs), \
          concurrency {}, pool {}, max_ack_pending {}, batch {}, {} round(s); {} cores, load {}; \
@@ -898,65 +881,4 @@ fn print_table(
          {:.3} ms; no inbox / inbox = {:.2}",
         cpu.inbox_ms, cpu.no_inbox_ms, cpu.no_inbox_over_inbox
     );
-}
-
-/// The port of the first server in a NATS URL; 4222 when it names none.
-fn nats_port(url: &str) -> u16 {
-    let first = url.split(',').next().unwrap_or(url);
-    let host_port = first.rsplit('@').next().unwrap_or(first);
-    let host_port = host_port.split("://").last().unwrap_or(host_port);
-    host_port
-        .rsplit_once(':')
-        .and_then(|(_, port)| port.trim_end_matches('/').parse().ok())
-        .unwrap_or(4222)
-}
-
-async fn machine(admin: &mut PgConnection, transport: &JetStreamTransport) -> Result<Machine> {
-    let settings: Vec<(String, String)> = sqlx::query_as(
-        "SELECT name, setting FROM pg_settings
-         WHERE name IN ('server_version', 'fsync', 'synchronous_commit', 'shared_buffers',
-                        'max_connections')
-         ORDER BY name",
-    )
-    .fetch_all(&mut *admin)
-    .await?;
-    let memory_gib = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        let kib: f64 = m
-            .lines()
-            .find(|l| l.starts_with("MemTotal:"))?
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()?;
-        Some(kib / 1024.0 / 1024.0)
-    });
-    Ok(Machine {
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        memory_gib,
-        load_average_at_start: std::fs::read_to_string("/proc/loadavg")
-            .ok()
-            .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")),
-        postgres: settings.into_iter().collect(),
-        nats_server_version: transport.client().server_info().version,
-        commit_ms_at_start: commit_probe(admin).await?,
-        commit_ms_at_end: f64::NAN,
-    })
-}
-
-/// Median of 200 one-row autocommit INSERTs, in ms: one WAL flush each.
-async fn commit_probe(admin: &mut PgConnection) -> Result<f64> {
-    admin
-        .execute("CREATE TABLE IF NOT EXISTS bench_commit_probe (n int)")
-        .await?;
-    let mut times = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3)?;
-    for n in 0..200 {
-        let started = Instant::now();
-        sqlx::query("INSERT INTO bench_commit_probe VALUES ($1)")
-            .bind(n)
-            .execute(&mut *admin)
-            .await?;
-        times.saturating_record(started.elapsed().as_micros() as u64);
-    }
-    admin.execute("DROP TABLE bench_commit_probe").await?;
-    Ok(times.value_at_quantile(0.5) as f64 / 1000.0)
 }

@@ -15,23 +15,21 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use handoff_core::delivery::{OutboxEvent, Transport};
 use handoff_http::{HttpConfig, HttpMode, HttpTransport};
-use handoff_postgres::{Migrator, PollingSource, Schema};
+use handoff_postgres::PollingSource;
 use handoff_relay::{Relay, RelayConfig};
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::PgConnectOptions;
-use sqlx::{ConnectOptions, Connection, PgConnection};
+use sqlx::{Connection, PgConnection};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::relay::drain::polling_config;
-use crate::relay::workload::{self, Workload};
+use crate::relay::workload::{self, Backlog, Workload};
 use crate::scratch::ScratchDatabase;
 
 /// Flags of `handoff-bench http`.
@@ -95,35 +93,20 @@ struct Report {
 
 /// Runs `handoff-bench http`.
 pub async fn http(args: HttpArgs) -> Result<()> {
-    anyhow::ensure!(
-        args.aggregates > 0
-            && args.events >= args.aggregates
-            && args.events.is_multiple_of(args.aggregates),
-        "--events must be a positive multiple of --aggregates"
-    );
+    let workload = Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
-    let server = PgConnectOptions::from_str(&args.database_url)
-        .context("invalid --database-url")?
-        .disable_statement_logging();
-    let scratch = ScratchDatabase::create(&server).await?;
-    let result = run(&args, &scratch).await;
-    let dropped = scratch.drop_database().await;
-    result.and(dropped)
+    ScratchDatabase::run_in(&args.database_url, async |scratch| {
+        run(&args, workload, scratch).await
+    })
+    .await
 }
 
-async fn run(args: &HttpArgs, scratch: &ScratchDatabase) -> Result<()> {
+async fn run(args: &HttpArgs, workload: Workload, scratch: &ScratchDatabase) -> Result<()> {
     let mut admin = PgConnection::connect_with(&scratch.options).await?;
-    Migrator::handoff(Schema::default())
-        .run(&mut admin)
-        .await
-        .context("while migrating the scratch database")?;
-    let workload = Workload {
-        events: args.events,
-        aggregates: args.aggregates,
-    };
-    workload::reset(&mut admin, workload, true).await?;
-    let events = workload::load(&mut admin).await?;
-    let payload_bytes = events.iter().map(|e| e.payload.len()).sum::<usize>() / events.len();
+    let Backlog {
+        events,
+        payload_bytes,
+    } = workload::preload(&mut admin, workload).await?;
     let receiver_path = match &args.receiver {
         Some(path) => path.clone(),
         None => std::env::current_exe()?

@@ -15,7 +15,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,12 +22,12 @@ use anyhow::{Context, Result};
 use futures::StreamExt;
 use handoff_core::delivery::OutboxEvent;
 use handoff_kafka::{read_topic, KafkaConfig, KafkaTransport};
-use handoff_postgres::{Migrator, PollingSource, Schema};
+use handoff_postgres::PollingSource;
 use handoff_relay::{Relay, RelayConfig};
 use handoff_test::tansu::Tansu;
 use serde::Serialize;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgConnection};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 
 use crate::relay::drain::polling_config;
@@ -105,23 +104,15 @@ struct Report {
 
 /// Runs the rounds, prints the JSON report, writes it to `--json`.
 pub async fn kafka(args: KafkaArgs) -> Result<()> {
-    anyhow::ensure!(
-        args.aggregates > 0
-            && args.events >= args.aggregates
-            && args.events.is_multiple_of(args.aggregates),
-        "--events must be a positive multiple of --aggregates"
-    );
+    let workload = Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
-    let server = PgConnectOptions::from_str(&args.database_url)
-        .context("invalid --database-url")?
-        .disable_statement_logging();
-    let scratch = ScratchDatabase::create(&server).await?;
-    let result = run(&args, &scratch).await;
-    let dropped = scratch.drop_database().await;
-    result.and(dropped)
+    ScratchDatabase::run_in(&args.database_url, async |scratch| {
+        run(&args, workload, scratch).await
+    })
+    .await
 }
 
-async fn run(args: &KafkaArgs, scratch: &ScratchDatabase) -> Result<()> {
+async fn run(args: &KafkaArgs, workload: Workload, scratch: &ScratchDatabase) -> Result<()> {
     // Kept alive for the whole run; dropping it kills the broker.
     let (_tansu, brokers, broker) = match &args.brokers {
         Some(brokers) => (None, brokers.clone(), format!("kafka at {brokers}")),
@@ -136,14 +127,8 @@ async fn run(args: &KafkaArgs, scratch: &ScratchDatabase) -> Result<()> {
         }
     };
     let mut admin = PgConnection::connect_with(&scratch.options).await?;
-    Migrator::handoff(Schema::default())
-        .run(&mut admin)
-        .await
-        .context("while migrating the scratch database")?;
-    let workload = Workload {
-        events: args.events,
-        aggregates: args.aggregates,
-    };
+    // Migrated and preloaded here; each variant below starts from a fresh copy of the backlog.
+    workload::preload(&mut admin, workload).await?;
     let relay_config = RelayConfig::default();
     let in_flight = relay_config.max_in_flight;
     let mut runs = Vec::new();

@@ -28,6 +28,7 @@ mod cleanup;
 mod consumer;
 mod http;
 mod kafka;
+mod machine;
 mod relay;
 mod scratch;
 mod write_path;

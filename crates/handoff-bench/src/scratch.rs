@@ -1,9 +1,11 @@
 //! The scratch database every benchmark runs in: created on the given server at the start of a
 //! run and dropped at its end, so a run never touches an existing database.
 
+use std::str::FromStr;
+
 use anyhow::{Context, Result};
 use sqlx::postgres::PgConnectOptions;
-use sqlx::{Connection, Executor, PgConnection};
+use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 
 /// A database created for one benchmark run and dropped at its end.
 pub struct ScratchDatabase {
@@ -30,6 +32,22 @@ impl ScratchDatabase {
             options: server.clone().database(&name),
             name,
         })
+    }
+
+    /// Runs `bench` in a scratch database on the server `database_url` names (statements not
+    /// logged), then drops the database whatever `bench` returned, so a failed run leaves
+    /// nothing behind.
+    pub async fn run_in(
+        database_url: &str,
+        bench: impl AsyncFnOnce(&ScratchDatabase) -> Result<()>,
+    ) -> Result<()> {
+        let server = PgConnectOptions::from_str(database_url)
+            .context("invalid --database-url")?
+            .disable_statement_logging();
+        let scratch = Self::create(&server).await?;
+        let result = bench(&scratch).await;
+        let dropped = scratch.drop_database().await;
+        result.and(dropped)
     }
 
     /// Drops the database, disconnecting whoever is still connected.

@@ -12,24 +12,22 @@
 //! The relay's source and transport are wrapped in pass-through probes ([`probe`]) that time
 //! every claim, mark and publish; they also give the exact instant the last event was marked.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use handoff_core::delivery::OutboxEvent;
 use handoff_nats::async_nats::jetstream;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
-use handoff_postgres::{Migrator, Schema};
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgConnection};
+use sqlx::{Connection, PgConnection};
 
+use crate::machine::{commit_probe, nats_port, Machine};
 use crate::scratch::ScratchDatabase;
 use drain::{DrainRun, DrainVariant};
 use latency::LatencyRun;
-use workload::Workload;
+use workload::{Backlog, Workload};
 
 pub(crate) mod cpu;
 pub(crate) mod drain;
@@ -218,20 +216,6 @@ struct Results {
 }
 
 #[derive(Serialize)]
-struct Machine {
-    cores: usize,
-    memory_gib: Option<f64>,
-    load_average_at_start: Option<String>,
-    postgres: BTreeMap<String, String>,
-    nats_server_version: String,
-    /// Median time of a one-row autocommit INSERT, in ms, before the drains and after the
-    /// latency scenarios: the disk's flush latency, which bounds every one-event-per-commit
-    /// figure (naive, NOTIFY-serialised writers).
-    commit_ms_at_start: f64,
-    commit_ms_at_end: f64,
-}
-
-#[derive(Serialize)]
 struct Ratios {
     relay_1_over_naive: f64,
     relay_1_over_min_bound: f64,
@@ -256,37 +240,21 @@ struct External {
 
 /// Runs every variant and the latency scenarios, prints the tables, writes the JSON.
 pub async fn relay(args: RelayArgs) -> Result<()> {
-    anyhow::ensure!(
-        args.aggregates > 0
-            && args.events >= args.aggregates
-            && args.events / args.aggregates * args.aggregates == args.events,
-        "--events must be a positive multiple of --aggregates"
-    );
+    let workload = Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     anyhow::ensure!(args.writers > 0, "--writers must be at least 1");
-    let server = PgConnectOptions::from_str(&args.database_url)
-        .context("invalid --database-url")?
-        .disable_statement_logging();
-    let scratch = ScratchDatabase::create(&server).await?;
-    let result = run(&args, &scratch).await;
-    // Dropped whatever happened, so a failed run leaves nothing behind.
-    let dropped = scratch.drop_database().await;
-    result.and(dropped)
+    ScratchDatabase::run_in(&args.database_url, async |scratch| {
+        run(&args, workload, scratch).await
+    })
+    .await
 }
 
-async fn run(args: &RelayArgs, scratch: &ScratchDatabase) -> Result<()> {
+async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) -> Result<()> {
     let mut admin = PgConnection::connect_with(&scratch.options).await?;
-    Migrator::handoff(Schema::default())
-        .run(&mut admin)
-        .await
-        .context("while migrating the scratch database")?;
-    let workload = Workload {
-        events: args.events,
-        aggregates: args.aggregates,
-    };
-    workload::reset(&mut admin, workload, true).await?;
-    let events = workload::load(&mut admin).await?;
-    let payload_bytes = events.iter().map(|e| e.payload.len()).sum::<usize>() / events.len();
+    let Backlog {
+        events,
+        payload_bytes,
+    } = workload::preload(&mut admin, workload).await?;
 
     let jetstream = JetStreamConfig {
         stream: STREAM.to_owned(),
@@ -302,7 +270,8 @@ async fn run(args: &RelayArgs, scratch: &ScratchDatabase) -> Result<()> {
         drain_timeout: Duration::from_secs(args.drain_timeout_seconds),
         events,
     };
-    let mut machine = machine(&mut admin, &bench).await?;
+    let nats_server_version = bench.transport().await?.client().server_info().version;
+    let mut machine = Machine::read(&mut admin, nats_server_version).await?;
     println!(
         "relay: {} events over {} aggregates ({} each, ~{payload_bytes} B payloads), {} round(s); \
          {} cores, load {}; postgres {}; nats-server {}; one-row commit p50 {:.2} ms",
@@ -633,68 +602,4 @@ fn met(met: bool) -> &'static str {
     } else {
         "NOT met"
     }
-}
-
-/// The port of the first server in a NATS URL; 4222 when it names none.
-pub(crate) fn nats_port(url: &str) -> u16 {
-    let first = url.split(',').next().unwrap_or(url);
-    let host_port = first.rsplit('@').next().unwrap_or(first);
-    let host_port = host_port.split("://").last().unwrap_or(host_port);
-    host_port
-        .rsplit_once(':')
-        .and_then(|(_, port)| port.trim_end_matches('/').parse().ok())
-        .unwrap_or(4222)
-}
-
-async fn machine(admin: &mut PgConnection, bench: &Bench) -> Result<Machine> {
-    let settings: Vec<(String, String)> = sqlx::query_as(
-        "SELECT name, setting FROM pg_settings
-         WHERE name IN ('server_version', 'fsync', 'synchronous_commit', 'shared_buffers',
-                        'max_connections')
-         ORDER BY name",
-    )
-    .fetch_all(&mut *admin)
-    .await?;
-    let transport = bench.transport().await?;
-    let memory_gib = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        let kib: f64 = m
-            .lines()
-            .find(|l| l.starts_with("MemTotal:"))?
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()?;
-        Some(kib / 1024.0 / 1024.0)
-    });
-    Ok(Machine {
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        memory_gib,
-        load_average_at_start: std::fs::read_to_string("/proc/loadavg")
-            .ok()
-            .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")),
-        postgres: settings.into_iter().collect(),
-        nats_server_version: transport.client().server_info().version,
-        commit_ms_at_start: commit_probe(admin).await?,
-        commit_ms_at_end: f64::NAN,
-    })
-}
-
-/// Median of 200 one-row autocommit INSERTs, in ms: one WAL flush each.
-pub(crate) async fn commit_probe(admin: &mut PgConnection) -> Result<f64> {
-    sqlx::query("CREATE TABLE IF NOT EXISTS bench_commit_probe (n int)")
-        .execute(&mut *admin)
-        .await?;
-    let mut times = probe::histogram();
-    for n in 0..200 {
-        let started = std::time::Instant::now();
-        sqlx::query("INSERT INTO bench_commit_probe VALUES ($1)")
-            .bind(n)
-            .execute(&mut *admin)
-            .await?;
-        times.saturating_record(started.elapsed().as_micros() as u64);
-    }
-    sqlx::query("DROP TABLE bench_commit_probe")
-        .execute(&mut *admin)
-        .await?;
-    Ok(probe::quantile_ms(&times, 0.5))
 }

@@ -10,6 +10,7 @@
 
 use anyhow::{Context, Result};
 use handoff_core::delivery::OutboxEvent;
+use handoff_postgres::{Migrator, Schema};
 use sqlx::{Executor, PgConnection};
 
 /// Size of the preloaded backlog.
@@ -22,6 +23,16 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// `events` over `aggregates`, the same number each: `events` must be a positive multiple of
+    /// `aggregates`.
+    pub fn new(events: usize, aggregates: usize) -> Result<Self> {
+        anyhow::ensure!(
+            aggregates > 0 && events >= aggregates && events.is_multiple_of(aggregates),
+            "--events must be a positive multiple of --aggregates"
+        );
+        Ok(Self { events, aggregates })
+    }
+
     /// Events per aggregate.
     pub fn per_aggregate(&self) -> usize {
         self.events / self.aggregates
@@ -123,4 +134,28 @@ pub async fn unpublished(conn: &mut PgConnection) -> Result<i64> {
             .fetch_one(&mut *conn)
             .await?,
     )
+}
+
+/// The backlog in the outbox and in memory, as the destination benches start from it.
+pub struct Backlog {
+    /// The outbox's events in claim order, byte for byte as the relay reads them.
+    pub events: Vec<OutboxEvent>,
+    /// Mean payload size.
+    pub payload_bytes: usize,
+}
+
+/// Migrates the scratch database behind `admin`, preloads `workload` into its outbox and reads
+/// it back into memory.
+pub async fn preload(admin: &mut PgConnection, workload: Workload) -> Result<Backlog> {
+    Migrator::handoff(Schema::default())
+        .run(admin)
+        .await
+        .context("while migrating the scratch database")?;
+    reset(admin, workload, true).await?;
+    let events = load(admin).await?;
+    let payload_bytes = events.iter().map(|e| e.payload.len()).sum::<usize>() / events.len();
+    Ok(Backlog {
+        events,
+        payload_bytes,
+    })
 }
