@@ -49,10 +49,10 @@ impl DemoKafka {
         let tansu = tokio::task::spawn_blocking(Tansu::start)
             .await
             .context("the task starting the private tansu broker failed")?
+            // Its error says how to install tansu when it is missing.
             .context(
                 "while starting a private tansu broker for --destination kafka (tansu is looked \
-                 up as HANDOFF_TANSU, on PATH, then in ~/.cargo/bin; install it with: cargo \
-                 install tansu@0.6.0 --locked --features dynostore)",
+                 up as HANDOFF_TANSU, on PATH, then in ~/.cargo/bin)",
             )?;
         let topic = KafkaTopic {
             brokers: tansu.brokers(),
