@@ -59,7 +59,7 @@ pub struct CommonArgs {
     pub database_url: String,
     /// The broker the relay publishes to: `nats` (--nats-url, --stream, --subject-prefix),
     /// `kafka` (--brokers, --topic; the consumer name is the group) or `amqp` (--amqp-url,
-    /// --exchange; the consumer name is the queue, declared bound to `order.*`).
+    /// --exchange; --queue, by default the consumer name, declared bound to `order.*`).
     #[arg(long, env = "HANDOFF_BROKER", value_enum, default_value_t = BrokerArg::Nats)]
     pub broker: BrokerArg,
     /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (with --broker kafka).
@@ -79,6 +79,11 @@ pub struct CommonArgs {
     /// The relay's AMQP exchange (with --broker amqp).
     #[arg(long, env = "HANDOFF_EXCHANGE", default_value = "outbox")]
     pub exchange: String,
+    /// The AMQP queue to consume (with --broker amqp), declared bound to the exchange with
+    /// `order.*` [default: the consumer name]. Another name lets two deployments that share a
+    /// broker (such as a demo run next to a real consumer) keep their queues apart.
+    #[arg(long, env = "HANDOFF_QUEUE")]
+    pub queue: Option<String>,
     /// NATS URL.
     #[arg(
         long,
@@ -205,6 +210,11 @@ impl CommonArgs {
             Some(name) => Ok(Schema::named(name.as_str())?),
             None => Ok(Schema::default()),
         }
+    }
+
+    /// The RabbitMQ queue to consume with `--broker amqp`: `--queue`, else the consumer name.
+    pub fn amqp_queue(&self) -> &str {
+        self.queue.as_deref().unwrap_or(&self.consumer_name)
     }
 
     /// The JetStream subscription these flags describe: a durable pull consumer named after
@@ -489,9 +499,10 @@ where
             consume(&consumer, intake, &args.topic, &args.consumer_name).await
         }
         BrokerArg::Amqp => {
+            let queue = args.amqp_queue();
             let intake_config = handoff_amqp::IntakeConfig {
                 url: args.amqp_url.clone(),
-                queue: args.consumer_name.clone(),
+                queue: queue.to_owned(),
                 ..handoff_amqp::IntakeConfig::default()
             };
             let declaration = handoff_amqp::QueueDeclaration {
@@ -507,8 +518,8 @@ where
             let intake = handoff_amqp::AmqpIntake::connect(intake_config)
                 .await
                 .map_err(broker)?;
-            info!(exchange = %args.exchange, queue = %args.consumer_name, "consuming");
-            consume(&consumer, intake, &args.consumer_name, &args.consumer_name).await
+            info!(exchange = %args.exchange, %queue, "consuming");
+            consume(&consumer, intake, queue, &args.consumer_name).await
         }
     }
 }
@@ -695,6 +706,14 @@ mod tests {
         let intake = args.intake_config();
         assert_eq!(intake.filter(), "outbox.order.*");
         assert_eq!(intake.durable_name, "c");
+    }
+
+    #[test]
+    fn the_amqp_queue_is_the_consumer_name_unless_given() {
+        assert_eq!(parse(&[]).unwrap().amqp_queue(), "c");
+        let args = parse(&["--queue", "demo_1_c"]).unwrap();
+        assert_eq!(args.amqp_queue(), "demo_1_c");
+        assert_eq!(args.consumer_name, "c");
     }
 
     #[test]

@@ -2,13 +2,14 @@
 //! (`inventory`, `payments`), each on a database of its own; the wait until both have applied
 //! every event; and their stop with SIGTERM.
 
+use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use sqlx::PgPool;
 use tokio::process::{Child, Command};
 
-use crate::broker::Broker;
+use crate::destination::Target;
 use crate::process::{shown, sibling_binary, spawn_ready, terminate, Stderr};
 use crate::Resources;
 
@@ -23,7 +24,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(500);
 
 /// The consumer names: in `processed_events` and `external_calls`, and the durable JetStream
-/// consumers' names.
+/// consumers' or the Kafka consumer groups' names.
 pub const INVENTORY: &str = "inventory";
 /// See [`INVENTORY`].
 pub const PAYMENTS: &str = "payments";
@@ -63,8 +64,11 @@ pub struct Receivers {
     inventory_url: String,
     /// The payments consumer's database.
     payments_url: String,
-    /// The demo's stream.
-    broker: Broker,
+    /// The demo's stream, topic or exchange.
+    target: Target,
+    /// Where each consumer serves its metrics (inventory, payments), with Kafka and RabbitMQ:
+    /// their duplicate counts tell when the copies of step 12 have all been received.
+    metrics: [Option<SocketAddr>; 2],
 }
 
 /// Where the receivers keep their data.
@@ -77,12 +81,12 @@ pub struct Databases<'a> {
     pub provider: &'a str,
 }
 
-/// Starts the payment provider, then the two consumers on the demo's stream, each stored in
-/// its slot of `resources` before it is waited for.
+/// Starts the payment provider, then the two consumers on the demo's stream, topic or queues,
+/// each stored in its slot of `resources` before it is waited for.
 pub async fn start(
     resources: &mut Resources,
     databases: &Databases<'_>,
-    broker: &Broker,
+    target: &Target,
 ) -> Result<Receivers> {
     let exe = sibling_binary("payment-provider", "payment provider")?;
     let mut command = Command::new(&exe);
@@ -116,15 +120,22 @@ pub async fn start(
         provider_url,
         inventory_url: databases.inventory.to_owned(),
         payments_url: databases.payments.to_owned(),
-        broker: broker.clone(),
+        target: target.clone(),
+        metrics: [None, None],
     };
+    if !matches!(target, Target::Nats(_)) {
+        receivers.metrics = [Some(free_loopback()?), Some(free_loopback()?)];
+    }
     for name in [INVENTORY, PAYMENTS] {
         let (exe, pid) = receivers.start_consumer(resources, name).await?;
-        println!(
-            "\n   started {exe} (pid {pid}) on its own database, consuming\n   {} as the \
-             durable consumer {name}",
-            broker.stream
-        );
+        let what = match target {
+            Target::Nats(broker) => format!("{} as the durable consumer {name}", broker.stream),
+            Target::Kafka(kafka) => {
+                format!("the topic {} as the consumer group {name}", kafka.topic)
+            }
+            Target::Amqp(amqp) => format!("the queue {}", amqp.queue_of(name)),
+        };
+        println!("\n   started {exe} (pid {pid}) on its own database, consuming\n   {what}");
         if name == INVENTORY {
             println!(
                 "   it reserves stock: OrderCreated and OrderLineAdded add, OrderCancelled releases"
@@ -152,27 +163,49 @@ struct Started {
 }
 
 /// Starts the consumer `name` (also its binary's name) on `database_url` and the demo's
-/// stream, and waits until it consumes.
+/// stream, topic or queue, and waits until it consumes.
 async fn consumer(
     name: &'static str,
     database_url: &str,
-    broker: &Broker,
+    target: &Target,
     extra: &[&str],
     slot: &mut Option<Child>,
 ) -> Result<Started> {
     let exe = sibling_binary(name, name)?;
     let mut command = Command::new(&exe);
+    // URLs by environment rather than flags: they may hold passwords, which `ps` would show.
+    let from = match target {
+        Target::Nats(broker) => {
+            command
+                .args(["--stream", &broker.stream])
+                .args(["--subject-prefix", &broker.prefix])
+                .env("NATS_URL", &broker.url);
+            broker.stream.clone()
+        }
+        Target::Kafka(kafka) => {
+            command
+                .args(["--broker", "kafka"])
+                .args(["--brokers", &kafka.brokers])
+                .args(["--topic", &kafka.topic]);
+            kafka.topic.clone()
+        }
+        Target::Amqp(amqp) => {
+            let queue = amqp.queue_of(name);
+            command
+                .args(["--broker", "amqp"])
+                .args(["--exchange", &amqp.exchange])
+                .args(["--queue", queue])
+                .env("AMQP_URL", &amqp.url);
+            queue.to_owned()
+        }
+    };
     command
-        .args(["--stream", &broker.stream])
-        .args(["--subject-prefix", &broker.prefix])
         .args(["--consumer-name", name])
         .args(extra)
-        // URLs by environment rather than flags: they may hold passwords, which `ps` would show.
-        .env("DATABASE_URL", database_url)
-        .env("NATS_URL", &broker.url);
+        .env("DATABASE_URL", database_url);
     quiet(&mut command);
     let ready = spawn_ready(command, name, "consuming ", slot).await?;
-    let expected = format!("{} as {name}", broker.stream);
+    let expected = format!("{from} as {name}");
     ensure!(
         ready.rest == expected,
         "{name} printed \"consuming {}\", expected \"consuming {expected}\"",
@@ -244,20 +277,26 @@ impl Receivers {
         resources: &mut Resources,
         name: &str,
     ) -> Result<(String, u32)> {
+        let index = usize::from(name != INVENTORY);
+        let metrics = self.metrics[index].map(|addr| addr.to_string());
+        let mut extra: Vec<&str> = Vec::new();
+        if let Some(addr) = &metrics {
+            extra.extend(["--metrics-addr", addr]);
+        }
         let started = if name == INVENTORY {
             let slot = &mut resources.inventory;
-            consumer(INVENTORY, &self.inventory_url, &self.broker, &[], slot).await?
+            consumer(INVENTORY, &self.inventory_url, &self.target, &extra, slot).await?
         } else {
-            let extra = [
+            extra.extend([
                 "--provider-url",
                 &self.provider_url,
                 "--provider-timeout",
                 PROVIDER_TIMEOUT,
                 "--ack-wait",
                 PAYMENTS_ACK_WAIT,
-            ];
+            ]);
             let slot = &mut resources.payments;
-            consumer(PAYMENTS, &self.payments_url, &self.broker, &extra, slot).await?
+            consumer(PAYMENTS, &self.payments_url, &self.target, &extra, slot).await?
         };
         let Started { exe, pid, stderr } = started;
         if name == INVENTORY {
@@ -329,6 +368,9 @@ impl Receivers {
         resources: &mut Resources,
         events: usize,
     ) -> Result<[u64; 2]> {
+        let Target::Nats(broker) = self.target.clone() else {
+            bail!("a JetStream redelivery needs --destination nats");
+        };
         for (slot, stderr, name) in [
             (&mut resources.inventory, &mut self.inventory, INVENTORY),
             (&mut resources.payments, &mut self.payments, PAYMENTS),
@@ -344,11 +386,11 @@ impl Receivers {
                     .await);
             }
         }
-        let context = async_nats::jetstream::new(self.broker.client.clone());
+        let context = async_nats::jetstream::new(broker.client.clone());
         let mut stream = context
-            .get_stream(&self.broker.stream)
+            .get_stream(&broker.stream)
             .await
-            .with_context(|| format!("while looking up the stream {}", self.broker.stream))?;
+            .with_context(|| format!("while looking up the stream {}", broker.stream))?;
         for name in [INVENTORY, PAYMENTS] {
             stream
                 .delete_consumer(name)
@@ -397,6 +439,48 @@ impl Receivers {
                     APPLY_TIMEOUT.as_secs(),
                     delivered[0],
                     delivered[1]
+                );
+            }
+        }
+    }
+
+    /// Waits until both consumers have received `copies` deliveries of events they had
+    /// already applied (their `handoff_consumer_duplicates_total`, read from their metrics
+    /// endpoints) and so acknowledged them without applying; fails when a receiver exits or
+    /// after [`APPLY_TIMEOUT`]. Returns the count of each (inventory, payments).
+    ///
+    /// For Kafka and RabbitMQ, after the demo published every event again: neither broker
+    /// tells a client how far another consumer got as plainly as JetStream does.
+    pub async fn wait_for_duplicates(
+        &mut self,
+        resources: &mut Resources,
+        copies: usize,
+    ) -> Result<[u64; 2]> {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .context("while building the HTTP client for the consumers' metrics")?;
+        let started = Instant::now();
+        let mut tick = tokio::time::interval(POLL_INTERVAL);
+        loop {
+            tick.tick().await;
+            self.check_running(resources).await?;
+            let mut counts = [0; 2];
+            for (index, name) in [INVENTORY, PAYMENTS].into_iter().enumerate() {
+                let addr = self.metrics[index]
+                    .with_context(|| format!("{name} was started without a metrics endpoint"))?;
+                counts[index] = duplicates(&client, addr, name).await?;
+            }
+            if counts.iter().all(|n| *n >= copies as u64) {
+                return Ok(counts);
+            }
+            if started.elapsed() >= APPLY_TIMEOUT {
+                bail!(
+                    "after {}s the consumers have not received the {copies} copies (duplicates \
+                     so far: inventory {}, payments {})",
+                    APPLY_TIMEOUT.as_secs(),
+                    counts[0],
+                    counts[1]
                 );
             }
         }
@@ -455,6 +539,48 @@ impl Receivers {
     }
 }
 
+/// A loopback address with a port nothing listens on now, for a consumer's metrics. The port
+/// is free when probed and taken by the consumer a moment later; should another process take
+/// it in between, the consumer fails to start and says so.
+fn free_loopback() -> Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("while looking for a free port")?;
+    listener
+        .local_addr()
+        .context("while looking for a free port")
+}
+
+/// `handoff_consumer_duplicates_total` of the consumer `name`, from its metrics endpoint: 0
+/// while it has counted none.
+async fn duplicates(client: &reqwest::Client, addr: SocketAddr, name: &str) -> Result<u64> {
+    let url = format!("http://{addr}/metrics");
+    let text = client
+        .get(&url)
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .with_context(|| format!("while reading {name}'s metrics at {url}"))?
+        .text()
+        .await
+        .with_context(|| format!("while reading {name}'s metrics at {url}"))?;
+    Ok(duplicate_count(&text, name))
+}
+
+/// The value of `handoff_consumer_duplicates_total{consumer="<name>"}` in a Prometheus text
+/// exposition; 0 when it is not there.
+fn duplicate_count(exposition: &str, name: &str) -> u64 {
+    let label = format!("consumer=\"{name}\"");
+    exposition
+        .lines()
+        .filter(|line| {
+            line.starts_with("handoff_consumer_duplicates_total") && line.contains(&label)
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        // A counter's value is a whole number, written as such or as a float.
+        .map(|value| value as u64)
+        .max()
+        .unwrap_or(0)
+}
+
 /// `; quarantined: ...` when a consumer gave up on events, for the timeout's message.
 async fn quarantine_note(inventory: &PgPool, payments: &PgPool) -> String {
     let mut notes = Vec::new();
@@ -477,5 +603,19 @@ async fn quarantine_note(inventory: &PgPool, payments: &PgPool) -> String {
         String::new()
     } else {
         format!("; {}", notes.join("; "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn duplicate_counts_are_read_per_consumer() {
+        let exposition = "# TYPE handoff_consumer_duplicates_total counter\n\
+            handoff_consumer_duplicates_total{consumer=\"inventory\"} 12\n\
+            handoff_consumer_applied_total{consumer=\"inventory\"} 99\n";
+        assert_eq!(duplicate_count(exposition, INVENTORY), 12);
+        assert_eq!(duplicate_count(exposition, PAYMENTS), 0);
     }
 }

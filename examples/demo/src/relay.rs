@@ -1,5 +1,5 @@
-//! `handoff relay` as a child process: started on the demo's database and stream, watched until
-//! the outbox is drained, stopped with SIGTERM.
+//! `handoff relay` as a child process: started on the demo's database and destination (stream,
+//! topic or exchange), watched until the outbox is drained, stopped with SIGTERM.
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -9,7 +9,8 @@ use futures::StreamExt;
 use sqlx::PgPool;
 use tokio::process::{Child, Command};
 
-use crate::broker::Broker;
+use crate::destination::Target;
+use crate::kafka::PARTITIONS;
 use crate::process::{shown, sibling_binary, terminate, Stderr};
 
 /// How long the relay may take to publish every event before the demo gives up.
@@ -28,28 +29,48 @@ pub struct Relay {
 
 /// What the demo saw while the relay drained the outbox.
 pub struct Drained {
-    /// From the relay's start until the subscriber received the last message.
+    /// From the relay's start until the subscriber received the last message (NATS), or
+    /// until the outbox was seen drained (other destinations).
     pub last_message: Duration,
-    /// Messages a plain NATS subscriber on `<prefix>.>` received meanwhile.
+    /// Messages a plain NATS subscriber on `<prefix>.>` received meanwhile; 0 without one.
     pub received: usize,
 }
 
-/// Starts `handoff relay` on the demo's database and stream, and stores the child in `slot` (so
-/// it is killed at exit whatever happens next).
+/// Starts `handoff relay` on the demo's database and destination, and stores the child in
+/// `slot` (so it is killed at exit whatever happens next).
 ///
 /// The service must have migrated the database already: the relay refuses a schema that is
 /// not current.
-pub async fn start(database_url: &str, broker: &Broker, slot: &mut Option<Child>) -> Result<Relay> {
+pub async fn start(database_url: &str, target: &Target, slot: &mut Option<Child>) -> Result<Relay> {
     let exe = sibling_binary("handoff", "handoff")?;
     let mut command = Command::new(&exe);
+    command.arg("relay");
+    match target {
+        Target::Nats(broker) => {
+            command
+                .args(["--stream", &broker.stream])
+                .args(["--subject-prefix", &broker.prefix])
+                // URLs by environment rather than flags: they may hold passwords, which `ps`
+                // would show.
+                .env("NATS_URL", &broker.url);
+        }
+        Target::Kafka(kafka) => {
+            command
+                .args(["--destination", "kafka"])
+                .args(["--brokers", &kafka.brokers])
+                .args(["--topic", &kafka.topic])
+                .args(["--partitions", &PARTITIONS.to_string()]);
+        }
+        Target::Amqp(amqp) => {
+            command
+                .args(["--destination", "amqp"])
+                .args(["--exchange", &amqp.exchange])
+                .env("AMQP_URL", &amqp.url);
+        }
+    }
     command
-        .arg("relay")
-        .args(["--stream", &broker.stream])
-        .args(["--subject-prefix", &broker.prefix])
         .args(["--relay-id", RELAY_ID])
-        // URLs by environment rather than flags: they may hold passwords, which `ps` would show.
         .env("DATABASE_URL", database_url)
-        .env("NATS_URL", &broker.url)
         // Warnings and errors only: the demo itself tells what the relay does.
         .env("RUST_LOG", "warn")
         .env("NO_COLOR", "1")
@@ -77,7 +98,10 @@ pub async fn start(database_url: &str, broker: &Broker, slot: &mut Option<Child>
         shown(&exe),
         child.id().unwrap_or(0),
         database_name(database_url),
-        broker.stream
+        match target {
+            Target::Nats(broker) => broker.stream.clone(),
+            other => other.container(),
+        }
     );
     Ok(Relay {
         stderr: Stderr::forward(stderr, "relay"),
@@ -85,18 +109,22 @@ pub async fn start(database_url: &str, broker: &Broker, slot: &mut Option<Child>
 }
 
 impl Relay {
-    /// Waits until no outbox row is unpublished and `subscriber` has received at least
-    /// `expected` messages, checking every [`POLL_INTERVAL`] that the relay still runs.
+    /// Waits until no outbox row is unpublished and `subscriber`, when there is one, has
+    /// received at least `expected` messages, checking every [`POLL_INTERVAL`] that the relay
+    /// still runs.
     ///
     /// `started` is when the relay was started; `subscriber` must have been subscribed before.
+    /// Without a subscriber (Kafka, RabbitMQ) the outbox alone tells: the relay marks a row
+    /// only once the broker has acknowledged its event.
     pub async fn wait_until_drained(
         &mut self,
         slot: &mut Option<Child>,
         pool: &PgPool,
-        subscriber: &mut async_nats::Subscriber,
+        mut subscriber: Option<&mut async_nats::Subscriber>,
         expected: usize,
         started: Instant,
     ) -> Result<Drained> {
+        let watching = subscriber.is_some();
         let Some(child) = slot.as_mut() else {
             bail!("the relay is not running");
         };
@@ -107,8 +135,15 @@ impl Relay {
         let mut last_message = Duration::ZERO;
         let mut pending = i64::MAX;
         loop {
+            let next_message = async {
+                match subscriber.as_mut() {
+                    Some(subscriber) => subscriber.next().await,
+                    // Nothing to receive: only the ticks and the deadline wake the loop.
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
-                message = subscriber.next() => match message {
+                message = next_message => match message {
                     Some(_) => {
                         received += 1;
                         last_message = started.elapsed();
@@ -127,6 +162,9 @@ impl Relay {
                     .fetch_one(pool)
                     .await
                     .context("while counting unpublished outbox rows")?;
+                    if pending == 0 && !watching {
+                        return Ok(Drained { last_message: started.elapsed(), received });
+                    }
                     if pending == 0 && received >= expected {
                         return Ok(Drained { last_message, received });
                     }
@@ -143,9 +181,16 @@ impl Relay {
                     let why = last_error
                         .map(|e| format!("; last publish error: {e}"))
                         .unwrap_or_default();
+                    let subscriber = if watching {
+                        format!(
+                            " and the subscriber received {received} of {expected} message(s)"
+                        )
+                    } else {
+                        String::new()
+                    };
                     return Err(self.stderr.explain_now(format!(
-                        "after {}s, {pending} outbox event(s) are still unpublished and the \
-                         subscriber received {received} of {expected} message(s){why}",
+                        "after {}s, {pending} outbox event(s) are still unpublished{subscriber}\
+                         {why}",
                         DRAIN_TIMEOUT.as_secs()
                     )));
                 }

@@ -1,5 +1,5 @@
-//! What reached JetStream: the demo's stream read back in stream order, printed, and checked
-//! against the outbox.
+//! What reached the destination: the demo's stream, topic or audit queue read back in order,
+//! printed, and checked against the outbox.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -7,38 +7,105 @@ use anyhow::{bail, ensure, Context, Result};
 use handoff_test::nats::{read_stream, StoredMessage};
 
 use crate::broker::Broker;
+use crate::destination::Destination;
 use crate::table::{self, Align};
 use crate::walkthrough::{short_id, OutboxRow, Report};
 
 /// How many characters of each payload the listing shows.
 const PAYLOAD_EXCERPT: usize = 34;
 
-/// What the stream was found to hold, for the summary.
+/// What the destination was found to hold, for the summary.
 pub struct StreamCheck {
-    /// Messages in the stream.
+    /// Messages read back.
     pub messages: usize,
 }
 
+/// One message as read back from the destination, whatever the broker.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// Where it is: the stream sequence, `partition@offset`, or its place in the queue (from 1).
+    pub position: String,
+    /// The Kafka partition it is in; `None` elsewhere.
+    pub partition: Option<i32>,
+    /// Where it was published: the subject, the Kafka key, or the routing key.
+    pub route: String,
+    /// Every header as `(name, value)`.
+    pub headers: Vec<(String, String)>,
+    /// The body, byte for byte.
+    pub payload: Vec<u8>,
+}
+
+impl Record {
+    /// The first value of header `name` (compared without regard to ASCII case: Kafka and
+    /// AMQP keep the case handoff wrote, but a reader should not depend on it).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+impl From<StoredMessage> for Record {
+    fn from(message: StoredMessage) -> Self {
+        Self {
+            position: message.sequence.to_string(),
+            partition: None,
+            route: message.subject,
+            headers: message.headers,
+            payload: message.payload,
+        }
+    }
+}
+
 /// Every message of the demo's stream, in stream order.
-pub async fn read(broker: &Broker) -> Result<Vec<StoredMessage>> {
+pub async fn read(broker: &Broker) -> Result<Vec<Record>> {
     let client = broker.client.clone();
     let stream = broker.stream.clone();
     // It panics on failure: in a task of its own, a panic becomes an error we can report.
-    tokio::spawn(async move { read_stream(&client, &stream).await })
+    let messages = tokio::spawn(async move { read_stream(&client, &stream).await })
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))
-        .with_context(|| format!("while reading the stream {}", broker.stream))
+        .with_context(|| format!("while reading the stream {}", broker.stream))?;
+    Ok(messages.into_iter().map(Record::from).collect())
+}
+
+/// The first two columns of the listing: where a message is, and where it was published.
+fn columns(destination: Destination) -> [&'static str; 2] {
+    match destination {
+        Destination::Nats => ["STREAM SEQ", "SUBJECT"],
+        Destination::Kafka => ["PARTITION@OFFSET", "KEY"],
+        Destination::Amqp => ["QUEUE POS", "ROUTING KEY"],
+    }
+}
+
+/// What one message is called in the checks' messages.
+fn noun(destination: Destination) -> &'static str {
+    match destination {
+        Destination::Nats => "stream message",
+        Destination::Kafka => "record",
+        Destination::Amqp => "queued message",
+    }
+}
+
+/// Where the messages were read from, in the checks' messages.
+fn place(destination: Destination) -> &'static str {
+    match destination {
+        Destination::Nats => "the stream",
+        Destination::Kafka => "the topic",
+        Destination::Amqp => "the audit queue",
+    }
 }
 
 /// Prints one line per message: where it is in the stream, where it was published, and what
 /// it carries.
-pub fn print(messages: &[StoredMessage]) {
+pub fn print(destination: Destination, messages: &[Record]) {
     let cells: Vec<Vec<String>> = messages
         .iter()
         .map(|message| {
             vec![
-                message.sequence.to_string(),
-                short_subject(&message.subject),
+                message.position.clone(),
+                short_subject(&message.route),
                 message.header("Handoff-Sequence").unwrap_or("-").to_owned(),
                 message.header("ce-type").unwrap_or("-").to_owned(),
                 message
@@ -49,10 +116,11 @@ pub fn print(messages: &[StoredMessage]) {
             ]
         })
         .collect();
+    let [position, route] = columns(destination);
     table::print(
         &[
-            "STREAM SEQ",
-            "SUBJECT",
+            position,
+            route,
             "HANDOFF-SEQUENCE",
             "CE-TYPE",
             "SCHEMA VER",
@@ -70,14 +138,20 @@ pub fn print(messages: &[StoredMessage]) {
     );
 }
 
-/// Checks the stream against the outbox and prints the result per order: each order's
-/// messages carry `Handoff-Sequence` 1, 2, 3 ... in stream order with no gap and no duplicate,
-/// each message is one committed outbox event, and every committed event is there.
+/// Checks what was read back against the outbox and prints the result per order: each
+/// order's messages carry `Handoff-Sequence` 1, 2, 3 ... in the order read with no gap and no
+/// duplicate, each message is one committed outbox event, and every committed event is there.
+///
+/// The order read is the stream's, the queue's, or for Kafka partition by partition in offset
+/// order: all events of one order share a partition (the key is the order id), so each
+/// order's events are in their partition's order.
 pub fn check(
-    messages: &[StoredMessage],
+    destination: Destination,
+    messages: &[Record],
     rows: &[OutboxRow],
     report: &Report,
 ) -> Result<StreamCheck> {
+    let (noun, place) = (noun(destination), place(destination));
     let committed: HashMap<(&str, i64), &str> = rows
         .iter()
         .map(|row| {
@@ -93,30 +167,30 @@ pub fn check(
         let header = |name: &str| {
             message.header(name).with_context(|| {
                 format!(
-                    "stream message {} ({}) has no {name} header",
-                    message.sequence, message.subject
+                    "{noun} {} ({}) has no {name} header",
+                    message.position, message.route
                 )
             })
         };
         let order = header("Handoff-Aggregate-Id")?;
         let sequence: i64 = header("Handoff-Sequence")?.parse().with_context(|| {
             format!(
-                "stream message {} has a Handoff-Sequence that is not a number",
-                message.sequence
+                "{noun} {} has a Handoff-Sequence that is not a number",
+                message.position
             )
         })?;
         let event_type = header("ce-type")?;
         match committed.get(&(order, sequence)) {
             Some(committed_type) if *committed_type == event_type => {}
             Some(committed_type) => bail!(
-                "stream message {} is {event_type} for order {order} sequence {sequence}, but the \
+                "{noun} {} is {event_type} for order {order} sequence {sequence}, but the \
                  outbox committed {committed_type} there",
-                message.sequence
+                message.position
             ),
             None => bail!(
-                "stream message {} ({event_type}, order {order}, sequence {sequence}) is no \
+                "{noun} {} ({event_type}, order {order}, sequence {sequence}) is no \
                  committed outbox event",
-                message.sequence
+                message.position
             ),
         }
         per_order.entry(order).or_default().push(sequence);
@@ -125,8 +199,7 @@ pub fn check(
         let expected: Vec<i64> = (1..=sequences.len() as i64).collect();
         if *sequences != expected {
             bail!(
-                "order {order}: the stream holds Handoff-Sequence {} in this order; expected {}: \
-                 {}",
+                "order {order}: {place} holds Handoff-Sequence {} in this order; expected {}: {}",
                 list(sequences),
                 list(&expected),
                 what_is_wrong(sequences)
@@ -141,7 +214,7 @@ pub fn check(
             .unwrap_or(&[]);
         ensure!(
             sequences.len() == in_outbox,
-            "order {order}: {} message(s) in the stream for {in_outbox} committed event(s); \
+            "order {order}: {} message(s) in {place} for {in_outbox} committed event(s); \
              missing: {}",
             sequences.len(),
             list(&((sequences.len() as i64 + 1)..=in_outbox as i64).collect::<Vec<_>>())
@@ -156,13 +229,12 @@ pub fn check(
     }
     ensure!(
         messages.len() == rows.len(),
-        "the stream holds {} message(s) for {} committed event(s)",
+        "{place} holds {} message(s) for {} committed event(s)",
         messages.len(),
         rows.len()
     );
     println!(
-        "   nothing else: the replayed retry and the {} refused commands put no message in the \
-         stream",
+        "   nothing else: the replayed retry and the {} refused commands put no message in {place}",
         report.refused
     );
     Ok(StreamCheck {
@@ -204,11 +276,12 @@ fn what_is_wrong(sequences: &[i64]) -> String {
     "published out of order".to_owned()
 }
 
-/// The subject with its last token (the order id) shortened as everywhere else in the demo.
+/// The subject or routing key with its last token (the order id) shortened as everywhere else
+/// in the demo; a Kafka key is the order id alone.
 fn short_subject(subject: &str) -> String {
     match subject.rsplit_once('.') {
         Some((head, id)) => format!("{head}.{}", short_id(id)),
-        None => subject.to_owned(),
+        None => short_id(subject),
     }
 }
 

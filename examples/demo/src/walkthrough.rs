@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::destination::Destination;
 use crate::stream::StreamCheck;
 use crate::table::{self, Align};
 
@@ -408,16 +409,26 @@ pub fn print_versions(rows: &[OutboxRow]) -> Result<()> {
 
 /// Prints the summary of a run whose checks all passed; `more` are the receivers' lines, in
 /// the same form.
-pub fn print_summary(report: &Report, rows: &[OutboxRow], stream: &StreamCheck, more: &[String]) {
+pub fn print_summary(
+    destination: Destination,
+    report: &Report,
+    rows: &[OutboxRow],
+    stream: &StreamCheck,
+    more: &[String],
+) {
     let published = rows.iter().filter(|r| r.published_at.is_some()).count();
     println!("   orders created:               {}", report.orders.len());
     println!(
         "   events in the outbox:         {} ({published} marked published by the relay)",
         rows.len()
     );
+    let label = match destination {
+        Destination::Nats => "messages in JetStream:",
+        Destination::Kafka => "records in Kafka:",
+        Destination::Amqp => "messages in RabbitMQ:",
+    };
     println!(
-        "   messages in JetStream:        {}, one per event; per order 1..n in order, no gap, no \
-         duplicate",
+        "   {label:<30}{}, one per event; per order 1..n in order, no gap, no duplicate",
         stream.messages
     );
     println!(
@@ -429,13 +440,32 @@ pub fn print_summary(report: &Report, rows: &[OutboxRow], stream: &StreamCheck, 
         println!("   {line}");
     }
     println!();
-    for line in [
-        "Delivery is at least once: had the relay crashed between JetStream's ack and marking the",
-        "row, the next relay would publish again, and the stream would drop the copy by its",
-        "Nats-Msg-Id (the event id) within its duplicate window. Consumers make the effect",
-        "exactly-once by recording that id in their inbox (processed_events) in the transaction",
-        "of the effect, and an outside call by retrying it only under the same Idempotency-Key.",
-    ] {
+    let closing: &[&str] = match destination {
+        Destination::Nats => &[
+            "Delivery is at least once: had the relay crashed between JetStream's ack and marking the",
+            "row, the next relay would publish again, and the stream would drop the copy by its",
+            "Nats-Msg-Id (the event id) within its duplicate window. Consumers make the effect",
+            "exactly-once by recording that id in their inbox (processed_events) in the transaction",
+            "of the effect, and an outside call by retrying it only under the same Idempotency-Key.",
+        ],
+        Destination::Kafka => &[
+            "Delivery is at least once: had the relay crashed between Kafka's delivery report and",
+            "marking the row, the next relay would publish again, and the topic would hold a second",
+            "record with the same ce-id, as after step 12: Kafka drops no copy by id. Consumers make",
+            "the effect exactly-once by recording that id in their inbox (processed_events) in the",
+            "transaction of the effect, and an outside call by retrying it only under the same",
+            "Idempotency-Key.",
+        ],
+        Destination::Amqp => &[
+            "Delivery is at least once: had the relay crashed between RabbitMQ's confirm and marking",
+            "the row, the next relay would publish again, and the queues would hold a second copy",
+            "with the same message_id, as after step 12: RabbitMQ drops no copy by id. Consumers make",
+            "the effect exactly-once by recording that id in their inbox (processed_events) in the",
+            "transaction of the effect, and an outside call by retrying it only under the same",
+            "Idempotency-Key.",
+        ],
+    };
+    for line in closing {
         println!("   {line}");
     }
 }
