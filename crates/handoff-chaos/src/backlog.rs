@@ -31,8 +31,8 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
 use crate::run::{
-    check_all, connect, free_port, prepare, redeliveries, settle, Fault, Kind, Load, Phase,
-    RelaySource, RunError, Urls, World,
+    check_all, connect, free_port, prepare, redeliveries, settle, Destination, Fault, Kind, Load,
+    Phase, RelaySource, RunError, Urls, World,
 };
 use crate::{Report, Violation};
 
@@ -517,6 +517,7 @@ pub async fn backlog(config: &BacklogConfig) -> Result<BacklogReport, RunError> 
         &config.bin_dir,
         config.log_dir.as_deref(),
         RelaySource::Polling,
+        Destination::Nats,
     )
     .await?;
     let mut targets = Vec::new();
@@ -771,7 +772,7 @@ async fn drill(
         retries: load.retries.load(Ordering::Relaxed),
         refused: load.refused.load(Ordering::Relaxed),
         abandoned: load.abandoned.load(Ordering::Relaxed),
-        redeliveries: redeliveries(&urls.nats, check.stream_messages).await,
+        redeliveries: redeliveries(&urls.broker, check.stream_messages).await,
         settle_seconds,
         settled,
         failures,

@@ -86,6 +86,9 @@ pub enum CheckError {
     /// The stream could not be read.
     #[error("nats: {0}")]
     Nats(String),
+    /// A Kafka topic or a RabbitMQ queue could not be read.
+    #[error("{0}")]
+    Broker(String),
     /// The payment provider could not be read.
     #[error("could not read the payment provider's charges")]
     Provider(#[from] reqwest::Error),
@@ -255,11 +258,36 @@ struct Intent {
 ///
 /// [`CheckError`] when a database, the stream or the provider cannot be read.
 pub async fn check(config: &CheckConfig) -> Result<Report, CheckError> {
+    // The database first: with both unreachable, the database is what the user must fix first.
     let pool = connect(&config.database_url).await?;
     let client = async_nats::connect(&config.nats_url)
         .await
         .map_err(|e| CheckError::Nats(format!("connect to {}: {e}", config.nats_url)))?;
     let messages = stream::read_stream(&client, &config.stream, &config.subject_prefix).await?;
+    check_with(config, pool, &messages).await
+}
+
+/// Checks every invariant as [`check`] does, against `messages` read from another destination
+/// than `config`'s stream (a Kafka topic, a RabbitMQ queue: see [`stream`]), in the order the
+/// destination holds them. `config`'s NATS fields are not used.
+///
+/// # Errors
+///
+/// [`CheckError`] when a database or the provider cannot be read.
+pub async fn check_messages(
+    config: &CheckConfig,
+    messages: &[StreamMessage],
+) -> Result<Report, CheckError> {
+    let pool = connect(&config.database_url).await?;
+    check_with(config, pool, messages).await
+}
+
+/// Checks every invariant over the order service's database behind `pool` and `messages`.
+async fn check_with(
+    config: &CheckConfig,
+    pool: PgPool,
+    messages: &[StreamMessage],
+) -> Result<Report, CheckError> {
     let mut report = Report::default();
     let world = World::read(&pool).await?;
     pool.close().await;
@@ -270,7 +298,7 @@ pub async fn check(config: &CheckConfig) -> Result<Report, CheckError> {
     report.stream_messages = messages.len() as u64;
     let mut violations = Vec::new();
     world.check_intents(&mut violations);
-    report.duplicates_absorbed = world.check_stream(&messages, &mut violations);
+    report.duplicates_absorbed = world.check_stream(messages, &mut violations);
     if let Some(url) = &config.inventory_database_url {
         let pool = connect(url).await?;
         let counts = world.check_inventory(&pool, &mut violations).await?;

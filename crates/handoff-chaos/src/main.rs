@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use handoff_chaos::run::{RelaySource, RunConfig, RunReport};
+use handoff_chaos::run::{Destination, RelaySource, RunConfig, RunReport};
 use handoff_chaos::{check, CheckConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -60,9 +60,33 @@ struct RunArgs {
     /// or `logical` (one streaming a replication slot, two standing by).
     #[arg(long, value_enum, default_value = "polling")]
     relay_source: Source,
+    /// Where the relays publish and the consumers read: `nats` (a private nats-server, itself
+    /// killed too), `kafka` (a private tansu, not killed: its memory storage would not survive)
+    /// or `amqp` (the RabbitMQ at AMQP_URL, with an exchange and queues of the run's own; not
+    /// killed: a shared server).
+    #[arg(long, value_enum, default_value = "nats")]
+    destination: DestinationArg,
     /// Print the whole report as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// `--destination`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum DestinationArg {
+    Nats,
+    Kafka,
+    Amqp,
+}
+
+impl From<DestinationArg> for Destination {
+    fn from(destination: DestinationArg) -> Destination {
+        match destination {
+            DestinationArg::Nats => Destination::Nats,
+            DestinationArg::Kafka => Destination::Kafka,
+            DestinationArg::Amqp => Destination::Amqp,
+        }
+    }
 }
 
 /// `--relay-source`.
@@ -105,6 +129,9 @@ struct SoakArgs {
     /// Where the relays read committed events from (as for `run`).
     #[arg(long, value_enum, default_value = "polling")]
     relay_source: Source,
+    /// Where the relays publish and the consumers read (as for `run`).
+    #[arg(long, value_enum, default_value = "nats")]
+    destination: DestinationArg,
     /// Print the whole report as JSON.
     #[arg(long)]
     json: bool,
@@ -179,16 +206,16 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 report: None,
                 min_kills: 0,
             };
-            let (duration, seed) = (args.duration, args.seed);
-            return chaos(
-                &runtime,
-                duration,
-                seed,
-                args.settle_timeout,
-                args.log_dir,
-                args.relay_source.into(),
-                output,
-            );
+            let config = RunConfig {
+                duration: args.duration,
+                seed: args.seed,
+                bin_dir: PathBuf::new(),
+                log_dir: args.log_dir,
+                settle_timeout: args.settle_timeout,
+                relay_source: args.relay_source.into(),
+                destination: args.destination.into(),
+            };
+            return chaos(&runtime, config, output);
         }
         Command::Soak(args) => {
             let output = Output {
@@ -196,16 +223,16 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 report: args.report,
                 min_kills: args.min_kills,
             };
-            let (duration, seed) = (args.duration, args.seed);
-            return chaos(
-                &runtime,
-                duration,
-                seed,
-                args.settle_timeout,
-                args.log_dir,
-                args.relay_source.into(),
-                output,
-            );
+            let config = RunConfig {
+                duration: args.duration,
+                seed: args.seed,
+                bin_dir: PathBuf::new(),
+                log_dir: args.log_dir,
+                settle_timeout: args.settle_timeout,
+                relay_source: args.relay_source.into(),
+                destination: args.destination.into(),
+            };
+            return chaos(&runtime, config, output);
         }
         Command::Backlog(args) => return backlog(&runtime, args),
     };
@@ -240,32 +267,23 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     Ok(report.holds())
 }
 
+/// Runs the chaos run of `config` (its `bin_dir` is this executable's directory, whatever it
+/// says) and deals with its report as `output` says.
 fn chaos(
     runtime: &tokio::runtime::Runtime,
-    duration: Duration,
-    seed: u64,
-    settle_timeout: Duration,
-    log_dir: Option<PathBuf>,
-    relay_source: RelaySource,
+    mut config: RunConfig,
     output: Output,
 ) -> anyhow::Result<bool> {
     let own = std::env::current_exe().context("locate the handoff-chaos executable")?;
-    let bin_dir = own
+    config.bin_dir = own
         .parent()
         .context("the handoff-chaos executable has no directory")?
         .to_owned();
-    if let Some(dir) = &log_dir {
+    if let Some(dir) = &config.log_dir {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("create the log directory {}", dir.display()))?;
     }
-    let config = RunConfig {
-        duration,
-        seed,
-        bin_dir,
-        log_dir,
-        settle_timeout,
-        relay_source,
-    };
+    let duration = config.duration;
     let progress = progress_bar(duration);
     // On Ctrl-C the run's future is dropped and the runtime with it when we return: its
     // children are killed (kill_on_drop) and its servers stopped by their Drop.
@@ -335,8 +353,12 @@ fn print_summary(report: &RunReport) -> anyhow::Result<()> {
         .collect();
     let total: u64 = report.kills.values().sum();
     println!(
-        "seed {}, {:.1} s of load: {} commands ({} retries, {} refused, {} abandoned)",
+        "seed {}, destination {}, {:.1} s of load: {} commands ({} retries, {} refused, {} \
+         abandoned)",
         report.seed,
+        serde_json::to_value(report.destination)?
+            .as_str()
+            .unwrap_or("?"),
         report.duration_seconds,
         report.commands,
         report.retries,

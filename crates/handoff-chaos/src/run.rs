@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use handoff_test::cluster::{ClusterError, PrivatePostgres};
 use handoff_test::nats::NatsServer;
+use handoff_test::tansu::Tansu;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -35,7 +36,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::{check, CheckConfig, CheckError, Report, Violation};
+use crate::{check, check_messages, stream, CheckConfig, CheckError, Report, Violation};
 
 /// The stream the run's relays publish to.
 pub const STREAM: &str = "CHAOS";
@@ -90,6 +91,49 @@ pub struct RunConfig {
     pub settle_timeout: Duration,
     /// Where the relays read committed events from.
     pub relay_source: RelaySource,
+    /// Where the relays publish and the consumers read.
+    pub destination: Destination,
+}
+
+/// Where the run's relays publish and its consumers read (`handoff relay --destination`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Destination {
+    /// A private nats-server with JetStream: the relays publish to a stream, each consumer is
+    /// a durable pull consumer. The server is a fault target: it keeps its stream on disk.
+    #[default]
+    Nats,
+    /// A private tansu (a Kafka-protocol broker): the relays produce to a topic of 4
+    /// partitions keyed by aggregate, each consumer is a consumer group. tansu runs with
+    /// memory storage, which a kill wipes, so the broker is not a fault target on this
+    /// destination. Nor are the consumers: tansu 0.6's group coordinator keeps a SIGKILLed
+    /// member's partitions past its session timeout (seen: a restarted sole member assigned 0
+    /// of 4 partitions for minutes), so a consumer kill would test tansu, not handoff. The
+    /// consumers still ride out the kills of their database and of the payment provider.
+    Kafka,
+    /// The machine's RabbitMQ (`AMQP_URL`, by default guest on 127.0.0.1:5672), with an
+    /// exchange and queues of the run's own, deleted at the end: each consumer reads a quorum
+    /// queue with a single active consumer, and an audit queue bound to every routing key
+    /// holds what the checker reads. A shared server, so not a fault target.
+    Amqp,
+}
+
+impl Destination {
+    /// The kinds of process a run on this destination kills: every kind, except the broker
+    /// where a kill would lose what it holds (tansu's memory) or hit a shared server
+    /// (RabbitMQ), and the consumers on Kafka (see [`Destination::Kafka`]).
+    pub fn fault_targets(self) -> Vec<Kind> {
+        Kind::ALL
+            .into_iter()
+            .filter(|&kind| match self {
+                Destination::Nats => true,
+                Destination::Amqp => kind != Kind::NatsServer,
+                Destination::Kafka => {
+                    !matches!(kind, Kind::NatsServer | Kind::Inventory | Kind::Payments)
+                }
+            })
+            .collect()
+    }
 }
 
 /// Where the run's relays read committed events from.
@@ -120,6 +164,7 @@ impl Default for RunConfig {
             log_dir: None,
             settle_timeout: Duration::from_secs(120),
             relay_source: RelaySource::Polling,
+            destination: Destination::Nats,
         }
     }
 }
@@ -259,8 +304,31 @@ fn millis<S: serde::Serializer>(value: &Duration, serializer: S) -> Result<S::Ok
 /// assert_eq!(a, schedule(7, Duration::from_secs(20)));
 /// ```
 pub fn schedule(seed: u64, duration: Duration) -> Vec<Fault> {
+    schedule_of(seed, duration, &Kind::ALL)
+}
+
+/// The fault schedule of `seed` over `duration` for a run on `destination`: [`schedule`] over
+/// the destination's [`fault_targets`](Destination::fault_targets) only.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use handoff_chaos::run::{schedule, schedule_for, Destination, Kind};
+///
+/// let nats = schedule_for(7, Duration::from_secs(20), Destination::Nats);
+/// assert_eq!(nats, schedule(7, Duration::from_secs(20)));
+/// let kafka = schedule_for(7, Duration::from_secs(20), Destination::Kafka);
+/// assert!(kafka.iter().all(|fault| fault.kind != Kind::NatsServer));
+/// ```
+pub fn schedule_for(seed: u64, duration: Duration, destination: Destination) -> Vec<Fault> {
+    schedule_of(seed, duration, &destination.fault_targets())
+}
+
+/// The schedule over the process kinds `kinds`.
+fn schedule_of(seed: u64, duration: Duration, kinds: &[Kind]) -> Vec<Fault> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let targets: Vec<(Kind, usize)> = Kind::ALL
+    let targets: Vec<(Kind, usize)> = kinds
         .iter()
         .flat_map(|&kind| (0..kind.instances()).map(move |i| (kind, i)))
         .collect();
@@ -293,7 +361,7 @@ pub fn schedule(seed: u64, duration: Duration) -> Vec<Fault> {
         // kind (the two servers as much as the three relays) is hit once in every round of
         // seven kills, so even a short run kills each of them.
         if deck.is_empty() {
-            deck = Kind::ALL.to_vec();
+            deck = kinds.to_vec();
             deck.shuffle(&mut rng);
         }
         let dealt = deck
@@ -328,6 +396,8 @@ pub struct RunReport {
     pub seed: u64,
     /// Where the relays read committed events from.
     pub relay_source: RelaySource,
+    /// Where the relays published and the consumers read.
+    pub destination: Destination,
     /// How long load and faults lasted, in seconds.
     pub duration_seconds: f64,
     /// SIGKILLs sent, per process kind (every kind listed, zero included).
@@ -353,7 +423,8 @@ pub struct RunReport {
     pub duplicates_absorbed: u64,
     /// Per consumer, deliveries beyond the first of each message (after a kill, an ack
     /// wait, a rejected early event): each was absorbed by the inbox or applied late. From
-    /// JetStream's consumer info, delivered consumer sequence minus the stream's messages.
+    /// JetStream's consumer info, delivered consumer sequence minus the stream's messages;
+    /// empty on Kafka and RabbitMQ, which keep no such count per consumer.
     pub redeliveries: BTreeMap<String, u64>,
     /// Recovery time: from the end of the faults until the outbox was drained and both
     /// consumers had applied every event, in seconds.
@@ -398,6 +469,9 @@ pub enum RunError {
     /// The private nats-server failed.
     #[error("private nats-server: {0}")]
     Nats(String),
+    /// The Kafka or RabbitMQ destination could not be set up.
+    #[error("{0}")]
+    Broker(String),
     /// A child process or a log file could not be created.
     #[error("while starting {what}: {source}")]
     Spawn {
@@ -446,6 +520,7 @@ impl RunError {
             Self::Check(_) => RunErrorKind::Check,
             Self::Postgres(_)
             | Self::Nats(_)
+            | Self::Broker(_)
             | Self::Spawn { .. }
             | Self::Database(_)
             | Self::NotReady(_)
@@ -494,12 +569,16 @@ pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         &config.bin_dir,
         config.log_dir.as_deref(),
         config.relay_source,
+        config.destination,
     )
     .await?;
-    world.start_up(&urls).await?;
+    if let Err(error) = world.start_up(&urls).await {
+        world.tear_down().await;
+        return Err(error);
+    }
 
     let (phase, phase_rx) = watch::channel(Phase::Faults);
-    let faults = schedule(config.seed, config.duration);
+    let faults = schedule_for(config.seed, config.duration, config.destination);
     let started = Instant::now();
     let supervisor = tokio::spawn(world.supervise(faults, started, phase_rx));
     let outcome = drive(config, &urls, started, &phase).await;
@@ -514,6 +593,7 @@ pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     report.kills = kills;
     report.unplanned_exits = unplanned_exits;
     report.relay_source = config.relay_source;
+    report.destination = config.destination;
     Ok(report)
 }
 
@@ -524,6 +604,7 @@ pub(crate) async fn prepare(
     bin_dir: &Path,
     log_dir: Option<&Path>,
     relay_source: RelaySource,
+    destination: Destination,
 ) -> Result<(World, Urls), RunError> {
     for name in BINARIES {
         let path = bin_dir.join(name);
@@ -546,22 +627,59 @@ pub(crate) async fn prepare(
             .await?;
     }
     admin.close().await;
-    let nats = blocking(NatsServer::start)
-        .await?
-        .map_err(|e| RunError::Nats(e.to_string()))?;
+    let (mut nats, mut tansu) = (None, None);
+    let broker = match destination {
+        Destination::Nats => {
+            let server = blocking(NatsServer::start)
+                .await?
+                .map_err(|e| RunError::Nats(e.to_string()))?;
+            let url = server.url();
+            nats = Some(server);
+            BrokerUrls::Nats(url)
+        }
+        Destination::Kafka => {
+            let server = blocking(Tansu::start)
+                .await?
+                .map_err(|e| RunError::Broker(format!("private tansu: {e}")))?;
+            let brokers = server.brokers();
+            tansu = Some(server);
+            BrokerUrls::Kafka {
+                brokers,
+                topic: "chaos".to_owned(),
+            }
+        }
+        Destination::Amqp => {
+            let exchange = format!(
+                "handoff_chaos_{}_{:06x}",
+                std::process::id(),
+                rand::rng().random_range(0..0x100_0000)
+            );
+            let topology = BrokerUrls::Amqp {
+                url: std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned()),
+                exchange,
+            };
+            topology.declare_queues().await?;
+            topology
+        }
+    };
     let urls = Urls {
         admin: admin_url,
         orders: postgres.url("orders"),
         inventory: postgres.url("inventory"),
         payments: postgres.url("payments"),
         provider_db: postgres.url("provider"),
-        nats: nats.url(),
+        broker,
         service: format!("http://127.0.0.1:{}", free_port()?),
         provider: format!("http://127.0.0.1:{}", free_port()?),
     };
     let world = World {
         postgres: Some(postgres),
-        nats: Some(nats),
+        tansu,
+        amqp: match &urls.broker {
+            amqp @ BrokerUrls::Amqp { .. } => Some(amqp.clone()),
+            _ => None,
+        },
+        nats,
         postgres_back_at: None,
         nats_back_at: None,
         procs: processes(bin_dir, log_dir, &urls, relay_source),
@@ -592,10 +710,11 @@ async fn drive(
     Ok(RunReport {
         // Set by `run` from its configuration.
         relay_source: RelaySource::Polling,
+        destination: Destination::Nats,
         seed: config.seed,
         duration_seconds: duration.as_secs_f64(),
         kills: BTreeMap::new(),
-        schedule: schedule(config.seed, config.duration),
+        schedule: schedule_for(config.seed, config.duration, config.destination),
         unplanned_exits: BTreeMap::new(),
         events: report.intents,
         commands: load.commands.load(Ordering::Relaxed),
@@ -603,7 +722,7 @@ async fn drive(
         refused: load.refused.load(Ordering::Relaxed),
         abandoned: load.abandoned.load(Ordering::Relaxed),
         duplicates_absorbed: report.duplicates_absorbed,
-        redeliveries: redeliveries(&urls.nats, report.stream_messages).await,
+        redeliveries: redeliveries(&urls.broker, report.stream_messages).await,
         settle_seconds: settle_time.as_secs_f64(),
         settled,
         violations: report.violations.clone(),
@@ -614,16 +733,26 @@ async fn drive(
 /// Runs the checker over the whole run: the outbox, the stream, both consumers' databases and
 /// the provider's charges.
 pub(crate) async fn check_all(urls: &Urls) -> Result<Report, CheckError> {
-    check(&CheckConfig {
+    let config = CheckConfig {
         database_url: urls.orders.clone(),
-        nats_url: urls.nats.clone(),
+        nats_url: match &urls.broker {
+            BrokerUrls::Nats(url) => url.clone(),
+            _ => String::new(),
+        },
         stream: STREAM.to_owned(),
         subject_prefix: SUBJECT_PREFIX.to_owned(),
         inventory_database_url: Some(urls.inventory.clone()),
         payments_database_url: Some(urls.payments.clone()),
         provider_url: Some(urls.provider.clone()),
-    })
-    .await
+    };
+    let messages = match &urls.broker {
+        BrokerUrls::Nats(_) => return check(&config).await,
+        BrokerUrls::Kafka { brokers, topic } => stream::read_topic(brokers, topic).await?,
+        BrokerUrls::Amqp { url, exchange } => {
+            stream::drain_queue(url, &queue_name(exchange, AUDIT_QUEUE)).await?
+        }
+    };
+    check_messages(&config, &messages).await
 }
 
 /// Waits until no outbox row is pending and each consumer's inbox holds at least as many rows
@@ -674,8 +803,11 @@ async fn settled(urls: &Urls) -> Result<bool, sqlx::Error> {
 
 /// Per consumer, how many deliveries went beyond one per stream message; a consumer whose
 /// info cannot be read is left out (and logged): the figure is informative, not checked.
-pub(crate) async fn redeliveries(nats_url: &str, messages: u64) -> BTreeMap<String, u64> {
+pub(crate) async fn redeliveries(broker: &BrokerUrls, messages: u64) -> BTreeMap<String, u64> {
     let mut counts = BTreeMap::new();
+    let BrokerUrls::Nats(nats_url) = broker else {
+        return counts;
+    };
     let stream = match async_nats::connect(nats_url).await {
         Ok(client) => async_nats::jetstream::new(client).get_stream(STREAM).await,
         Err(error) => {
@@ -896,11 +1028,183 @@ pub(crate) struct Urls {
     pub(crate) inventory: String,
     pub(crate) payments: String,
     pub(crate) provider_db: String,
-    pub(crate) nats: String,
+    /// The destination.
+    pub(crate) broker: BrokerUrls,
     /// The order service's base URL (a fixed port, kept across restarts).
     pub(crate) service: String,
     /// The payment provider's base URL (a fixed port, kept across restarts).
     pub(crate) provider: String,
+}
+
+/// The destination of a run, and how its relays and consumers reach it.
+#[derive(Debug, Clone)]
+pub(crate) enum BrokerUrls {
+    /// The private nats-server's URL.
+    Nats(String),
+    /// The private tansu's bootstrap address and the run's topic.
+    Kafka { brokers: String, topic: String },
+    /// RabbitMQ's URL and the run's exchange; the queues are named after it.
+    Amqp { url: String, exchange: String },
+}
+
+/// RabbitMQ when `AMQP_URL` is not set.
+const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// The suffix of the run's audit queue on RabbitMQ, which the checker reads.
+const AUDIT_QUEUE: &str = "audit";
+
+/// The name of the run's queue `suffix` on the exchange `exchange`: unique per run, so runs side
+/// by side on one RabbitMQ (and whatever else uses it) never share a queue.
+fn queue_name(exchange: &str, suffix: &str) -> String {
+    format!("{exchange}_{suffix}")
+}
+
+impl BrokerUrls {
+    /// The run's RabbitMQ queues with their declarations: the audit queue bound to every
+    /// routing key, and each consumer's queue declared as the reference consumers declare it.
+    fn amqp_queues(exchange: &str) -> Vec<(String, handoff_amqp::QueueDeclaration)> {
+        let declaration = |binding_key: &str, consumer: bool| handoff_amqp::QueueDeclaration {
+            exchange: exchange.to_owned(),
+            binding_key: binding_key.to_owned(),
+            quorum: consumer,
+            single_active_consumer: consumer,
+        };
+        let mut queues = vec![(queue_name(exchange, AUDIT_QUEUE), declaration("#", false))];
+        for kind in [Kind::Inventory, Kind::Payments] {
+            queues.push((
+                queue_name(exchange, kind.name()),
+                declaration(&format!("{}.*", crate::ORDER), true),
+            ));
+        }
+        queues
+    }
+
+    /// Declares the exchange and the run's queues on RabbitMQ before any relay starts: the
+    /// relays publish with `mandatory`, and a consumer's queue declared only when the
+    /// consumer starts would miss what was published before. Nothing to do elsewhere.
+    async fn declare_queues(&self) -> Result<(), RunError> {
+        let BrokerUrls::Amqp { url, exchange } = self else {
+            return Ok(());
+        };
+        for (queue, declaration) in Self::amqp_queues(exchange) {
+            let config = handoff_amqp::IntakeConfig {
+                url: url.clone(),
+                queue: queue.clone(),
+                connection_name: "handoff-chaos".to_owned(),
+                ..handoff_amqp::IntakeConfig::default()
+            };
+            handoff_amqp::AmqpIntake::declare_queue(&config, &declaration)
+                .await
+                .map_err(|e| RunError::Broker(format!("while declaring {queue}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Deletes the run's RabbitMQ queues and exchange; failures are logged, not returned.
+    async fn delete_queues(&self) {
+        use handoff_amqp::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+        use handoff_amqp::lapin::{Connection, ConnectionProperties};
+
+        let BrokerUrls::Amqp { url, exchange } = self else {
+            return;
+        };
+        let attempt = async {
+            let connection = Connection::connect(url, ConnectionProperties::default()).await?;
+            let channel = connection.create_channel().await?;
+            for (queue, _) in Self::amqp_queues(exchange) {
+                channel
+                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await?;
+            }
+            channel
+                .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                .await?;
+            let _ = channel.close(200, "OK".into()).await;
+            let _ = connection.close(200, "OK".into()).await;
+            Ok::<_, handoff_amqp::lapin::Error>(())
+        };
+        match tokio::time::timeout(Duration::from_secs(10), attempt).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                tracing::warn!(%error, %exchange, "could not delete the run's queues")
+            }
+            Err(_) => tracing::warn!(%exchange, "deleting the run's queues took over 10 s"),
+        }
+    }
+
+    /// The relays' flags and environment for this destination.
+    fn relay_flags(&self) -> (Vec<String>, Vec<(&'static str, String)>) {
+        let strings = |items: &[&str]| items.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        match self {
+            BrokerUrls::Nats(url) => (
+                strings(&["--stream", STREAM, "--subject-prefix", SUBJECT_PREFIX]),
+                vec![("NATS_URL", url.clone())],
+            ),
+            BrokerUrls::Kafka { brokers, topic } => (
+                strings(&[
+                    "--destination",
+                    "kafka",
+                    "--brokers",
+                    brokers,
+                    "--topic",
+                    topic,
+                    "--partitions",
+                    "4",
+                ]),
+                Vec::new(),
+            ),
+            BrokerUrls::Amqp { url, exchange } => (
+                strings(&["--destination", "amqp", "--exchange", exchange]),
+                vec![("AMQP_URL", url.clone())],
+            ),
+        }
+    }
+
+    /// The flags and environment of consumer `kind` for this destination.
+    fn consumer_flags(&self, kind: Kind) -> (Vec<String>, Vec<(&'static str, String)>) {
+        let strings = |items: &[&str]| items.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        match self {
+            BrokerUrls::Nats(url) => (
+                strings(&["--stream", STREAM, "--subject-prefix", SUBJECT_PREFIX]),
+                vec![("NATS_URL", url.clone())],
+            ),
+            BrokerUrls::Kafka { brokers, topic } => (
+                strings(&["--broker", "kafka", "--brokers", brokers, "--topic", topic]),
+                Vec::new(),
+            ),
+            BrokerUrls::Amqp { url, exchange } => (
+                strings(&[
+                    "--broker",
+                    "amqp",
+                    "--exchange",
+                    exchange,
+                    "--queue",
+                    &queue_name(exchange, kind.name()),
+                ]),
+                vec![("AMQP_URL", url.clone())],
+            ),
+        }
+    }
+
+    /// Whether the relays have made the destination ready (the stream or topic exists; the
+    /// exchange was declared with the queues).
+    async fn ready(&self) -> bool {
+        match self {
+            BrokerUrls::Nats(url) => match async_nats::connect(url).await {
+                Ok(client) => async_nats::jetstream::new(client)
+                    .get_stream(STREAM)
+                    .await
+                    .is_ok(),
+                Err(_) => false,
+            },
+            BrokerUrls::Kafka { brokers, topic } => {
+                handoff_kafka::read_topic(brokers, topic, Duration::from_secs(5))
+                    .await
+                    .is_ok()
+            }
+            BrokerUrls::Amqp { .. } => true,
+        }
+    }
 }
 
 /// What the supervisor is to do.
@@ -1010,13 +1314,11 @@ fn processes(
         ],
         vec![("DATABASE_URL", urls.orders.clone())],
     )];
+    let (relay_flags, relay_env) = urls.broker.relay_flags();
     for instance in 0..Kind::Relay.instances() {
-        let mut args = strings(&[
-            "relay",
-            "--stream",
-            STREAM,
-            "--subject-prefix",
-            SUBJECT_PREFIX,
+        let mut args = strings(&["relay"]);
+        args.extend(relay_flags.iter().cloned());
+        args.extend(strings(&[
             // Short leases and polls: a killed relay's claims come back within seconds.
             "--lease",
             "4s",
@@ -1028,7 +1330,7 @@ fn processes(
             // being held for an operator during a long run.
             "--max-attempts",
             "1000",
-        ]);
+        ]));
         args.extend(["--relay-id".to_owned(), format!("chaos-relay-{instance}")]);
         if relay_source == RelaySource::Logical {
             args.extend(strings(&[
@@ -1040,16 +1342,9 @@ fn processes(
                 CDC_PUBLICATION,
             ]));
         }
-        procs.push(proc(
-            Kind::Relay,
-            instance,
-            "handoff",
-            args,
-            vec![
-                ("DATABASE_URL", urls.orders.clone()),
-                ("NATS_URL", urls.nats.clone()),
-            ],
-        ));
+        let mut env = vec![("DATABASE_URL", urls.orders.clone())];
+        env.extend(relay_env.iter().cloned());
+        procs.push(proc(Kind::Relay, instance, "handoff", args, env));
     }
     procs.push(proc(
         Kind::PaymentProvider,
@@ -1064,12 +1359,10 @@ fn processes(
         vec![("DATABASE_URL", urls.provider_db.clone())],
     ));
     for kind in [Kind::Inventory, Kind::Payments] {
+        let (consumer_flags, consumer_env) = urls.broker.consumer_flags(kind);
         for instance in 0..kind.instances() {
-            let mut args = strings(&[
-                "--stream",
-                STREAM,
-                "--subject-prefix",
-                SUBJECT_PREFIX,
+            let mut args = consumer_flags.clone();
+            args.extend(strings(&[
                 "--consumer-name",
                 kind.name(),
                 // A killed instance's unacknowledged events come back after this.
@@ -1081,7 +1374,7 @@ fn processes(
                 "1000",
                 "--concurrency",
                 "4",
-            ]);
+            ]));
             let url = if kind == Kind::Inventory {
                 urls.inventory.clone()
             } else {
@@ -1093,13 +1386,9 @@ fn processes(
                 ]));
                 urls.payments.clone()
             };
-            procs.push(proc(
-                kind,
-                instance,
-                kind.name(),
-                args,
-                vec![("DATABASE_URL", url), ("NATS_URL", urls.nats.clone())],
-            ));
+            let mut env = vec![("DATABASE_URL", url)];
+            env.extend(consumer_env.iter().cloned());
+            procs.push(proc(kind, instance, kind.name(), args, env));
         }
     }
     procs
@@ -1109,7 +1398,12 @@ fn processes(
 /// (`kill_on_drop`) and stops the servers.
 pub(crate) struct World {
     postgres: Option<PrivatePostgres>,
+    /// The private nats-server (destination nats).
     nats: Option<NatsServer>,
+    /// The private tansu (destination kafka).
+    tansu: Option<Tansu>,
+    /// The run's exchange and queues on RabbitMQ (destination amqp), deleted at tear-down.
+    amqp: Option<BrokerUrls>,
     postgres_back_at: Option<Instant>,
     nats_back_at: Option<Instant>,
     /// The child processes, started or not.
@@ -1142,13 +1436,8 @@ impl World {
             self.set_up_slot(urls).await?;
         }
         self.start_kind(Kind::Relay)?;
-        let client = async_nats::connect(&urls.nats)
-            .await
-            .map_err(|e| RunError::Nats(e.to_string()))?;
-        let jetstream = async_nats::jetstream::new(client);
-        self.wait(Kind::Relay, "a relay to create the stream", || {
-            let jetstream = jetstream.clone();
-            async move { jetstream.get_stream(STREAM).await.is_ok() }
+        self.wait(Kind::Relay, "a relay to create the stream or topic", || {
+            urls.broker.ready()
         })
         .await?;
         self.start_kind(Kind::PaymentProvider)?;
@@ -1430,6 +1719,10 @@ impl World {
             }
         }
         drop(self.nats.take());
+        drop(self.tansu.take());
+        if let Some(amqp) = self.amqp.take() {
+            amqp.delete_queues().await;
+        }
         if let Some(postgres) = self.postgres.take() {
             match blocking(move || postgres.stop()).await {
                 Ok(Ok(())) => {}

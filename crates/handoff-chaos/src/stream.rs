@@ -1,4 +1,6 @@
-//! Reading a whole JetStream stream, in stream order, with the headers the checker needs.
+//! Reading what a destination holds, in its order, with the headers the checker needs: a whole
+//! JetStream stream ([`read_stream`]), a Kafka topic ([`read_topic`]) or a RabbitMQ queue
+//! ([`drain_queue`]).
 
 use std::time::Duration;
 
@@ -15,9 +17,11 @@ const NEXT_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// One message of the stream, as the checker sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamMessage {
-    /// The broker's sequence of the message in the stream.
+    /// The broker's sequence of the message in the stream; for a topic or a queue, its
+    /// position in the order [`read_topic`] or [`drain_queue`] returns (from 1).
     pub stream_sequence: u64,
-    /// The subject it was published on.
+    /// The subject it was published on; for a topic, `<topic>/<partition>@<offset>`; for a
+    /// queue, the routing key.
     pub subject: String,
     /// `ce-id` parsed as a UUID; `None` when absent or not a UUID.
     pub event_id: Option<Uuid>,
@@ -86,14 +90,11 @@ pub async fn read_stream(
         };
         let subject = message.subject.to_string();
         if subject_prefix.is_empty() || subject.starts_with(&prefix) {
-            out.push(StreamMessage {
+            out.push(StreamMessage::from_headers(
                 stream_sequence,
-                event_id: header("ce-id").and_then(|v| Uuid::parse_str(&v).ok()),
-                sequence: header("Handoff-Sequence").and_then(|v| v.parse().ok()),
-                replayed: header("Handoff-Replay").is_some(),
-                skipped: header(handoff_core::intake::SKIPPED_HEADER).is_some(),
                 subject,
-            });
+                header,
+            ));
         }
         // The last sequence alone is not enough: when the stream's last message was deleted
         // no message carries it, and only the pending count says nothing is left.
@@ -101,5 +102,96 @@ pub async fn read_stream(
             break;
         }
     }
+    Ok(out)
+}
+
+impl StreamMessage {
+    /// The message at `stream_sequence` with the contract headers `header` looks up.
+    fn from_headers(
+        stream_sequence: u64,
+        subject: String,
+        header: impl Fn(&str) -> Option<String>,
+    ) -> Self {
+        Self {
+            stream_sequence,
+            event_id: header("ce-id").and_then(|v| Uuid::parse_str(&v).ok()),
+            sequence: header("Handoff-Sequence").and_then(|v| v.parse().ok()),
+            replayed: header("Handoff-Replay").is_some(),
+            skipped: header(handoff_core::intake::SKIPPED_HEADER).is_some(),
+            subject,
+        }
+    }
+}
+
+/// How long reading a whole topic may take.
+const TOPIC_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Every message of the Kafka `topic`, partition by partition, each in offset order. An
+/// aggregate's events share a partition (the key is the aggregate id), so per aggregate this is
+/// the order a consumer sees; the numbering runs across partitions.
+///
+/// # Errors
+///
+/// [`CheckError::Broker`] when the topic cannot be read.
+pub async fn read_topic(brokers: &str, topic: &str) -> Result<Vec<StreamMessage>, CheckError> {
+    let records = handoff_kafka::read_topic(brokers, topic, TOPIC_READ_TIMEOUT)
+        .await
+        .map_err(|e| CheckError::Broker(e.to_string()))?;
+    Ok(records
+        .iter()
+        .enumerate()
+        .map(|(index, record)| {
+            let subject = format!("{topic}/{}@{}", record.partition, record.offset);
+            StreamMessage::from_headers(index as u64 + 1, subject, |name| {
+                record.header(name).map(str::to_owned)
+            })
+        })
+        .collect())
+}
+
+/// Every message of the RabbitMQ `queue`, in queue order, taken off it: the queue is empty
+/// afterwards. For an audit queue of the checker's own, bound to the relay's exchange before
+/// the relays started, once the relays are done publishing.
+///
+/// # Errors
+///
+/// [`CheckError::Broker`] when the queue cannot be read.
+pub async fn drain_queue(url: &str, queue: &str) -> Result<Vec<StreamMessage>, CheckError> {
+    use handoff_amqp::lapin::options::BasicGetOptions;
+    use handoff_amqp::lapin::types::AMQPValue;
+    use handoff_amqp::lapin::{Connection, ConnectionProperties};
+
+    let broker = |what: &str, e: &dyn std::fmt::Display| {
+        CheckError::Broker(format!("rabbitmq queue {queue}: {what}: {e}"))
+    };
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(|e| broker("connect", &e))?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| broker("channel", &e))?;
+    let mut out = Vec::new();
+    while let Some(message) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .map_err(|e| broker("get", &e))?
+    {
+        let delivery = message.delivery;
+        let headers = delivery.properties.headers().clone().unwrap_or_default();
+        let header = |name: &str| match headers.inner().get(name) {
+            Some(AMQPValue::LongString(value)) => Some(value.to_string()),
+            Some(AMQPValue::ShortString(value)) => Some(value.to_string()),
+            _ => None,
+        };
+        out.push(StreamMessage::from_headers(
+            out.len() as u64 + 1,
+            delivery.routing_key.to_string(),
+            header,
+        ));
+    }
+    // The channel first: lapin logs an error for a connection closed under an open channel.
+    let _ = channel.close(200, "OK".into()).await;
+    let _ = connection.close(200, "OK".into()).await;
     Ok(out)
 }

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use std::time::Duration;
 
-use handoff_chaos::run::{schedule, BINARIES};
+use handoff_chaos::run::{schedule_for, Destination, BINARIES};
 
 const CHAOS: &str = env!("CARGO_BIN_EXE_handoff-chaos");
 
@@ -40,13 +40,17 @@ const CI_LOGICAL_DURATION: Duration = Duration::from_secs(60);
 
 #[test]
 fn a_short_chaos_run_kills_processes_and_every_invariant_holds() {
-    let report = chaos_run(CI_DURATION, &[]);
+    let report = chaos_run(CI_DURATION, Destination::Nats, &[]);
     assert_eq!(report["relay_source"], "polling");
 }
 
 #[test]
 fn a_chaos_run_with_the_logical_source_kills_the_streaming_relay_and_every_invariant_holds() {
-    let report = chaos_run(CI_LOGICAL_DURATION, &["--relay-source", "logical"]);
+    let report = chaos_run(
+        CI_LOGICAL_DURATION,
+        Destination::Nats,
+        &["--relay-source", "logical"],
+    );
     assert_eq!(report["relay_source"], "logical");
     // One relay streams the slot and two stand by: killing relays makes a standby take over.
     assert!(
@@ -58,11 +62,13 @@ fn a_chaos_run_with_the_logical_source_kills_the_streaming_relay_and_every_invar
 /// Runs `handoff-chaos run` for `duration` with seed 7 and `extra` arguments, asserts what
 /// every run must show (the seed's schedule followed, every kind killed, settled, no
 /// violation, every intent checked), and returns the report.
-fn chaos_run(duration: Duration, extra: &[&str]) -> serde_json::Value {
+fn chaos_run(duration: Duration, destination: Destination, extra: &[&str]) -> serde_json::Value {
     let _ = bin_dir();
     let seconds = format!("{}s", duration.as_secs());
+    let name = serde_json::to_value(destination).expect("destination as JSON");
     let output = Command::new(CHAOS)
         .args(["run", "--duration", &seconds, "--seed", "7", "--json"])
+        .args(["--destination", name.as_str().expect("a name")])
         .args(extra)
         .output()
         .expect("run handoff-chaos");
@@ -77,6 +83,7 @@ fn chaos_run(duration: Duration, extra: &[&str]) -> serde_json::Value {
     let report: serde_json::Value =
         serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}"));
     assert_eq!(report["seed"], 7);
+    assert_eq!(report["destination"], name);
     assert_eq!(
         report["violations"],
         serde_json::json!([]),
@@ -99,7 +106,7 @@ fn chaos_run(duration: Duration, extra: &[&str]) -> serde_json::Value {
     let total: u64 = kills.values().filter_map(serde_json::Value::as_u64).sum();
     assert!(total > 0, "nothing was killed: {stdout}");
     // The run followed the seed's schedule: the same seed, the same kills at the same times.
-    let planned = schedule(7, duration);
+    let planned = schedule_for(7, duration, destination);
     assert_eq!(
         report["schedule"],
         serde_json::to_value(&planned).expect("schedule as JSON"),
@@ -117,6 +124,41 @@ fn chaos_run(duration: Duration, extra: &[&str]) -> serde_json::Value {
     // Every event reached the stream and both consumers: the checker's own counts agree.
     assert_eq!(report["check"]["intents"], report["events"]);
     report
+}
+
+/// The CI's chaos runs on Kafka and RabbitMQ: shorter, since the NATS run covers the services'
+/// side at length; long enough that relays and consumers are killed more than once.
+const CI_OTHER_DESTINATION_DURATION: Duration = Duration::from_secs(45);
+
+/// Asserts that the broker was never killed and each of `killed` was.
+fn assert_broker_spared(report: &serde_json::Value, killed: &[&str]) {
+    let kills = &report["kills"];
+    assert_eq!(kills["nats-server"], 0, "{report}");
+    for kind in killed {
+        assert!(
+            kills[kind].as_u64().is_some_and(|n| n > 0),
+            "no {kind} was killed: {kills}"
+        );
+    }
+    assert_eq!(report["redeliveries"], serde_json::json!({}));
+}
+
+#[test]
+fn a_chaos_run_on_kafka_kills_relays_and_servers_and_every_invariant_holds() {
+    let report = chaos_run(CI_OTHER_DESTINATION_DURATION, Destination::Kafka, &[]);
+    // The consumers are not fault targets on Kafka (see `Destination::Kafka`).
+    assert_broker_spared(
+        &report,
+        &["relay", "postgres", "order-service", "payment-provider"],
+    );
+    assert_eq!(report["kills"]["inventory"], 0);
+    assert_eq!(report["kills"]["payments"], 0);
+}
+
+#[test]
+fn a_chaos_run_on_rabbitmq_kills_relays_and_consumers_and_every_invariant_holds() {
+    let report = chaos_run(CI_OTHER_DESTINATION_DURATION, Destination::Amqp, &[]);
+    assert_broker_spared(&report, &["relay", "inventory", "payments", "postgres"]);
 }
 
 #[test]

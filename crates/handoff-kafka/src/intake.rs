@@ -56,6 +56,13 @@ pub struct IntakeConfig {
     /// How long after a delivery was dropped without being settled (an abandoned apply) it is
     /// delivered again, as a JetStream ack wait would. Default 30 s.
     pub redeliver_after: Duration,
+    /// How long the group coordinator waits for a silent member before it hands that member's
+    /// partitions to the others (`session.timeout.ms`; heartbeats go every third of it).
+    /// Default 10 s, not librdkafka's 45 s: a consumer instance that crashed holds its
+    /// partitions, and every rebalance meanwhile, until this passes, and an outbox consumer
+    /// would rather fail over quickly. The brokers bound it (`group.min.session.timeout.ms`,
+    /// 6 s by default).
+    pub session_timeout: Duration,
 }
 
 impl Default for IntakeConfig {
@@ -67,6 +74,7 @@ impl Default for IntakeConfig {
             client_id: "handoff".to_owned(),
             max_unsettled: 1000,
             redeliver_after: Duration::from_secs(30),
+            session_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -106,9 +114,17 @@ impl IntakeConfig {
         if self.client_id.is_empty() || !self.client_id.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ConfigError::InvalidClientId(self.client_id.clone()).into());
         }
+        if self.session_timeout < Duration::from_secs(1) || self.session_timeout > MAX_SESSION {
+            return Err(IntakeConfigError::Invalid(
+                "session_timeout must be from 1 s to 1 hour",
+            ));
+        }
         Ok(())
     }
 }
+
+/// The longest [`IntakeConfig::session_timeout`]: librdkafka's own bound.
+const MAX_SESSION: Duration = Duration::from_secs(3600);
 
 /// Why an [`IntakeConfig`] is unusable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -390,6 +406,14 @@ impl KafkaIntake {
             // A new group reads the topic from its start, as a new durable JetStream consumer.
             .set("auto.offset.reset", "earliest")
             .set("allow.auto.create.topics", "false")
+            .set(
+                "session.timeout.ms",
+                config.session_timeout.as_millis().to_string(),
+            )
+            .set(
+                "heartbeat.interval.ms",
+                (config.session_timeout.as_millis() / 3).to_string(),
+            )
             .create_with_context(IntakeContext {
                 tracks: Arc::clone(&tracks),
                 topic: config.topic.clone(),
