@@ -508,9 +508,10 @@ impl Settle for AmqpSettle {
     }
 }
 
-/// The header table as text pairs: strings as they are, numbers in decimal, anything else in
-/// its debug form (handoff's own headers are all strings).
-fn headers_of(table: Option<&FieldTable>) -> Vec<(String, String)> {
+/// A message's header table as text pairs: strings as they are, numbers in decimal, anything
+/// else in its debug form (handoff's own headers are all strings). For readers of a queue
+/// outside the intake (checkers, demos) that want the headers the intake would see.
+pub fn headers_of(table: Option<&FieldTable>) -> Vec<(String, String)> {
     let Some(table) = table else {
         return Vec::new();
     };

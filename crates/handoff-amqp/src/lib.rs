@@ -45,6 +45,8 @@ pub use lapin;
 
 pub use config::{AmqpConfig, ConfigError};
 pub use error::{ConnectError, ConnectErrorKind};
-pub use intake::{AmqpIntake, AmqpSettle, IntakeConfig, QueueDeclaration, X_DELIVERY_COUNT};
+pub use intake::{
+    headers_of, AmqpIntake, AmqpSettle, IntakeConfig, QueueDeclaration, X_DELIVERY_COUNT,
+};
 pub use transport::AmqpTransport;
 pub use url::redact as redact_url;

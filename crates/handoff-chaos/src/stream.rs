@@ -158,7 +158,6 @@ pub async fn read_topic(brokers: &str, topic: &str) -> Result<Vec<StreamMessage>
 /// [`CheckError::Broker`] when the queue cannot be read.
 pub async fn drain_queue(url: &str, queue: &str) -> Result<Vec<StreamMessage>, CheckError> {
     use handoff_amqp::lapin::options::BasicGetOptions;
-    use handoff_amqp::lapin::types::AMQPValue;
     use handoff_amqp::lapin::{Connection, ConnectionProperties};
 
     let broker = |what: &str, e: &dyn std::fmt::Display| {
@@ -178,11 +177,12 @@ pub async fn drain_queue(url: &str, queue: &str) -> Result<Vec<StreamMessage>, C
         .map_err(|e| broker("get", &e))?
     {
         let delivery = message.delivery;
-        let headers = delivery.properties.headers().clone().unwrap_or_default();
-        let header = |name: &str| match headers.inner().get(name) {
-            Some(AMQPValue::LongString(value)) => Some(value.to_string()),
-            Some(AMQPValue::ShortString(value)) => Some(value.to_string()),
-            _ => None,
+        let headers = handoff_amqp::headers_of(delivery.properties.headers().as_ref());
+        let header = |name: &str| {
+            headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, value)| value.clone())
         };
         out.push(StreamMessage::from_headers(
             out.len() as u64 + 1,

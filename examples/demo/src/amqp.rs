@@ -236,7 +236,7 @@ pub async fn read(target: &AmqpExchange) -> Result<Vec<Record>> {
             position: (records.len() + 1).to_string(),
             partition: None,
             route: delivery.routing_key.to_string(),
-            headers: headers_of(delivery.properties.headers().as_ref()),
+            headers: handoff_amqp::headers_of(delivery.properties.headers().as_ref()),
             payload: delivery.data,
         });
     }
@@ -304,23 +304,4 @@ pub async fn republish(target: &AmqpExchange, records: &[Record]) -> Result<usiz
     let _ = channel.close(200, "OK".into()).await;
     let _ = connection.close(200, "OK".into()).await;
     Ok(records.len())
-}
-
-/// The header table as text pairs (handoff's headers are all long strings).
-fn headers_of(table: Option<&FieldTable>) -> Vec<(String, String)> {
-    let Some(table) = table else {
-        return Vec::new();
-    };
-    table
-        .inner()
-        .iter()
-        .map(|(name, value)| {
-            let text = match value {
-                AMQPValue::LongString(s) => s.to_string(),
-                AMQPValue::ShortString(s) => s.to_string(),
-                other => format!("{other:?}"),
-            };
-            (name.to_string(), text)
-        })
-        .collect()
 }
