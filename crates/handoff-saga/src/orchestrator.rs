@@ -1,0 +1,655 @@
+//! The orchestrator: starts sagas, consumes replies through the inbox, and fires durable
+//! deadlines. Every transition is one local transaction that locks the saga's row, writes its
+//! new state and history row, and enqueues the next command in the same outbox.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_consumer::{Handler, HandlerError};
+use handoff_core::intake::ReceivedEvent;
+use handoff_core::EventCatalog;
+use handoff_postgres::{EnqueueError, Outbox, OutboxConfig, Schema};
+use serde_json::{Map, Value};
+use sqlx::{Connection, PgConnection, PgPool};
+use tracing::{debug, info, warn};
+use uuid::Uuid;
+
+use crate::definition::{DefinitionError, SagaDefinition};
+use crate::message::{Command, Direction, Reply, REPLY_AGGREGATE_TYPE};
+use crate::metrics;
+use crate::state::{SagaRecord, SagaState, COLUMNS};
+use crate::transition::{decide, Decision, Input, Position, Timer, Transition};
+
+/// How an [`Orchestrator`] runs.
+#[derive(Debug, Clone)]
+pub struct OrchestratorConfig {
+    /// The schema holding the saga tables and the outbox. Default: the `search_path`.
+    pub schema: Schema,
+    /// How often the deadline sweep looks for sagas whose timer passed.
+    pub sweep_interval: Duration,
+    /// Sagas handled per sweep, at most.
+    pub sweep_batch: i64,
+    /// How often the `handoff_sagas` gauge is counted again.
+    pub gauge_interval: Duration,
+}
+
+impl Default for OrchestratorConfig {
+    fn default() -> Self {
+        Self {
+            schema: Schema::default(),
+            sweep_interval: Duration::from_millis(500),
+            sweep_batch: 100,
+            gauge_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What an application does when a saga ends, in the transaction that ends it: confirm or
+/// cancel the order the saga was about, for instance. Every method defaults to doing nothing.
+///
+/// An error rolls the transition back; the reply is delivered again, or the deadline fires
+/// again, so the hook runs until it succeeds.
+pub trait SagaHooks: Send + Sync + 'static {
+    /// Every step succeeded.
+    fn completed(
+        &self,
+        tx: &mut PgConnection,
+        saga: &SagaRecord,
+    ) -> impl Future<Output = Result<(), HookError>> + Send {
+        let _ = (tx, saga);
+        std::future::ready(Ok(()))
+    }
+
+    /// A step failed and every earlier step was undone.
+    fn compensated(
+        &self,
+        tx: &mut PgConnection,
+        saga: &SagaRecord,
+    ) -> impl Future<Output = Result<(), HookError>> + Send {
+        let _ = (tx, saga);
+        std::future::ready(Ok(()))
+    }
+
+    /// A compensation kept failing: the saga waits for an operator.
+    fn stuck(
+        &self,
+        tx: &mut PgConnection,
+        saga: &SagaRecord,
+    ) -> impl Future<Output = Result<(), HookError>> + Send {
+        let _ = (tx, saga);
+        std::future::ready(Ok(()))
+    }
+}
+
+/// No hooks.
+impl SagaHooks for () {}
+
+/// A [`SagaHooks`] method failed.
+#[derive(Debug, thiserror::Error)]
+#[error("saga hook failed: {0}")]
+pub struct HookError(pub String);
+
+impl From<sqlx::Error> for HookError {
+    fn from(error: sqlx::Error) -> Self {
+        Self(error.to_string())
+    }
+}
+
+/// Why a saga operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SagaError {
+    /// No definition of this saga type was given to the orchestrator.
+    #[error("unknown saga type {0:?}")]
+    UnknownSagaType(String),
+    /// A saga's data must be a JSON object (replies merge keys into it).
+    #[error("saga data must be a JSON object")]
+    DataNotObject,
+    /// A saga with this id exists already.
+    #[error("saga {0} was already started")]
+    AlreadyStarted(Uuid),
+    /// No saga has this id.
+    #[error("no saga {0}")]
+    NotFound(Uuid),
+    /// The operator action needs a stuck saga.
+    #[error("saga {saga_id} is {state}; only a stuck saga can be resumed or resolved")]
+    NotStuck {
+        /// The saga.
+        saga_id: Uuid,
+        /// Its state.
+        state: SagaState,
+    },
+    /// An operator action needs a reason for the audit.
+    #[error("a reason is required")]
+    NoReason,
+    /// The saga tables do not exist.
+    #[error("the saga tables are missing; run `handoff migrate` (schema {schema})")]
+    NotMigrated {
+        /// The schema searched.
+        schema: String,
+    },
+    /// A saga definition was refused.
+    #[error(transparent)]
+    Definition(#[from] DefinitionError),
+    /// The next command could not be enqueued.
+    #[error("while sending a saga command: {0}")]
+    Enqueue(#[from] EnqueueError),
+    /// A hook failed.
+    #[error(transparent)]
+    Hook(#[from] HookError),
+    /// Any other database error.
+    #[error("saga database error: {0}")]
+    Database(#[source] sqlx::Error),
+}
+
+impl SagaError {
+    pub(crate) fn from_sqlx(error: sqlx::Error, schema: &Schema) -> Self {
+        match &error {
+            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => {
+                Self::NotMigrated {
+                    schema: schema.name().unwrap_or("search_path").to_owned(),
+                }
+            }
+            _ => Self::Database(error),
+        }
+    }
+
+    /// Whether running the same transaction again can succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Database(_) | Self::Hook(_) => true,
+            Self::Enqueue(e) => e.is_retryable() || matches!(e, EnqueueError::Database(_)),
+            _ => false,
+        }
+    }
+}
+
+/// Runs sagas: [`start`](Self::start) in the caller's transaction, replies through the inbox
+/// (it is the [`Handler`] of the consumer reading [`REPLY_AGGREGATE_TYPE`] events), deadlines
+/// through [`run`](Self::run).
+///
+/// Cheap to clone. Any number of orchestrators may share a database: a saga's row lock
+/// serialises its transitions, and the deadline sweep skips rows another one holds.
+///
+/// # Examples
+///
+/// ```no_run
+/// use handoff_saga::{Orchestrator, OrchestratorConfig, SagaDefinition, Step};
+///
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let place_order = SagaDefinition::new("place-order")
+///     .step(Step::new("reserve-stock", "inventory", "ReserveStock").compensated_by("ReleaseStock"))
+///     .step(Step::new("charge", "payments", "Charge").compensated_by("Refund"));
+/// let orchestrator = Orchestrator::new(OrchestratorConfig::default(), [place_order], ())?;
+///
+/// // In the transaction that creates the order: the saga's row and its first command.
+/// let mut tx = pool.begin().await?;
+/// let saga_id = uuid::Uuid::now_v7();
+/// orchestrator
+///     .start(&mut tx, "place-order", saga_id, serde_json::json!({"sku": "book", "quantity": 1}))
+///     .await?;
+/// tx.commit().await?;
+///
+/// // Deadlines, until shutdown; replies go through a handoff_consumer::Consumer.
+/// orchestrator.run(pool, async { tokio::signal::ctrl_c().await.ok(); }).await;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Orchestrator<H = ()> {
+    inner: Arc<Inner<H>>,
+}
+
+impl<H> Clone for Orchestrator<H> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner<H> {
+    definitions: BTreeMap<String, SagaDefinition>,
+    saga_types: Vec<String>,
+    outbox: Outbox,
+    config: OrchestratorConfig,
+    hooks: H,
+    sql: Sql,
+}
+
+#[derive(Debug)]
+struct Sql {
+    insert: String,
+    history: String,
+    lock: String,
+    lock_due: String,
+    due: String,
+    update: String,
+    open_counts: String,
+}
+
+impl Sql {
+    fn new(schema: &Schema) -> Self {
+        let sagas = schema.qualify("saga_instances");
+        let history = schema.qualify("saga_history");
+        Self {
+            insert: format!(
+                "INSERT INTO {sagas} (saga_id, saga_type, state, step, data, attempt, command_id, \
+                 deadline_at, deadline_kind) \
+                 VALUES ($1, $2, 'running', 0, $3, 1, $4, now() + $5 * interval '1 second', 'reply') \
+                 ON CONFLICT (saga_id) DO NOTHING"
+            ),
+            history: format!(
+                "INSERT INTO {history} (saga_id, version, state, step, kind, detail) \
+                 VALUES ($1, $2, $3, $4, $5, $6)"
+            ),
+            lock: format!("SELECT {COLUMNS} FROM {sagas} WHERE saga_id = $1 FOR UPDATE"),
+            lock_due: format!(
+                "SELECT {COLUMNS} FROM {sagas} \
+                 WHERE saga_id = $1 AND deadline_at <= now() FOR UPDATE SKIP LOCKED"
+            ),
+            due: format!(
+                "SELECT saga_id FROM {sagas} \
+                 WHERE deadline_at <= now() AND saga_type = ANY($1) \
+                 ORDER BY deadline_at LIMIT $2"
+            ),
+            update: format!(
+                "UPDATE {sagas} SET state = $2, step = $3, data = $4, version = version + 1, \
+                 attempt = $5, command_id = coalesce($6, command_id), \
+                 deadline_at = now() + $7 * interval '1 second', deadline_kind = $8, \
+                 failure = coalesce($9, failure), stuck_reason = $10, updated_at = now(), \
+                 ended_at = CASE WHEN $2 IN ('completed', 'compensated', 'resolved') \
+                                 THEN now() END \
+                 WHERE saga_id = $1 AND version = $11 \
+                 RETURNING {COLUMNS}"
+            ),
+            open_counts: format!(
+                "SELECT saga_type, state, count(*) FROM {sagas} \
+                 WHERE state IN ('running', 'compensating', 'stuck') AND saga_type = ANY($1) \
+                 GROUP BY saga_type, state"
+            ),
+        }
+    }
+}
+
+impl<H: SagaHooks> Orchestrator<H> {
+    /// An orchestrator of the given saga types.
+    ///
+    /// # Errors
+    ///
+    /// [`SagaError::Definition`] when a definition is invalid or two share a type.
+    pub fn new(
+        config: OrchestratorConfig,
+        definitions: impl IntoIterator<Item = SagaDefinition>,
+        hooks: H,
+    ) -> Result<Self, SagaError> {
+        let mut by_type = BTreeMap::new();
+        let mut catalog = EventCatalog::new();
+        for definition in definitions {
+            definition.validate()?;
+            catalog = definition.declare_commands(catalog);
+            let saga_type = definition.saga_type().to_owned();
+            if by_type.insert(saga_type.clone(), definition).is_some() {
+                return Err(DefinitionError::DuplicateSagaType(saga_type).into());
+            }
+        }
+        let outbox_config = OutboxConfig {
+            schema: config.schema.clone(),
+            ..OutboxConfig::default()
+        };
+        let outbox = Outbox::new(outbox_config, catalog)
+            .expect("the default limits accept events");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                saga_types: by_type.keys().cloned().collect(),
+                definitions: by_type,
+                outbox,
+                sql: Sql::new(&config.schema),
+                config,
+                hooks,
+            }),
+        })
+    }
+
+    /// The commands the orchestrator sends, for an application that wants them in its own
+    /// outbox's catalog too.
+    pub fn catalog(&self) -> &EventCatalog {
+        self.inner.outbox.catalog()
+    }
+
+    /// Starts saga `saga_id` of type `saga_type` in the caller's transaction: writes its row
+    /// and enqueues its first command. Both commit with the caller's business change, or
+    /// neither does.
+    ///
+    /// # Errors
+    ///
+    /// [`SagaError::UnknownSagaType`], [`SagaError::DataNotObject`] and
+    /// [`SagaError::AlreadyStarted`] leave the transaction usable; after any other error it is
+    /// aborted and must be rolled back.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe; roll the transaction back if the call is cancelled.
+    pub async fn start(
+        &self,
+        tx: &mut PgConnection,
+        saga_type: &str,
+        saga_id: Uuid,
+        data: Value,
+    ) -> Result<(), SagaError> {
+        let inner = &self.inner;
+        let definition = inner
+            .definitions
+            .get(saga_type)
+            .ok_or_else(|| SagaError::UnknownSagaType(saga_type.to_owned()))?;
+        if !data.is_object() {
+            return Err(SagaError::DataNotObject);
+        }
+        let first = &definition.steps()[0];
+        let command = Command {
+            saga_id,
+            saga_type: saga_type.to_owned(),
+            step: 0,
+            step_name: first.name.clone(),
+            direction: Direction::Forward,
+            attempt: 1,
+            data: data.clone(),
+            command_id: Uuid::now_v7(),
+            action: first.action.clone(),
+        };
+        let inserted = sqlx::query(&inner.sql.insert)
+            .bind(saga_id)
+            .bind(saga_type)
+            .bind(&data)
+            .bind(command.command_id)
+            .bind(first.retry.reply_timeout.as_secs_f64())
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| SagaError::from_sqlx(e, &inner.config.schema))?;
+        if inserted.rows_affected() == 0 {
+            return Err(SagaError::AlreadyStarted(saga_id));
+        }
+        self.record(tx, saga_id, 1, SagaState::Running, 0, "started", Some(&first.name))
+            .await?;
+        inner
+            .outbox
+            .enqueue(tx, &[command.to_event(&first.participant)])
+            .await?;
+        metrics::transition(saga_type, "started");
+        debug!(%saga_id, saga_type, "saga started");
+        Ok(())
+    }
+
+    /// Applies one reply, in the consumer's transaction `tx` (this is what the [`Handler`]
+    /// implementation calls). A reply to a command that is no longer current changes nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`SagaError::NotFound`] for a reply to a saga that does not exist; otherwise as
+    /// [`start`](Self::start).
+    pub async fn apply_reply(&self, tx: &mut PgConnection, reply: &Reply) -> Result<(), SagaError> {
+        let inner = &self.inner;
+        let saga: Option<SagaRecord> = sqlx::query_as(&inner.sql.lock)
+            .bind(reply.saga_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| SagaError::from_sqlx(e, &inner.config.schema))?;
+        let saga = saga.ok_or(SagaError::NotFound(reply.saga_id))?;
+        let Some(definition) = inner.definitions.get(&saga.saga_type) else {
+            // Another orchestrator's saga type: its own consumer applies the reply.
+            debug!(saga_id = %saga.saga_id, saga_type = saga.saga_type, "reply to a saga type this orchestrator does not run");
+            return Ok(());
+        };
+        match decide(definition, position(&saga), Input::Reply(reply)) {
+            Decision::Ignore(why) => {
+                metrics::ignored_reply(&saga.saga_type);
+                debug!(saga_id = %saga.saga_id, step = reply.step, direction = %reply.direction, why, "reply ignored");
+                Ok(())
+            }
+            Decision::Transition(transition) => {
+                self.apply(tx, definition, saga, transition).await.map(drop)
+            }
+        }
+    }
+
+    /// Fires the deadlines that have passed: each in a transaction of its own, skipping sagas
+    /// another orchestrator holds. Returns how many sagas moved.
+    ///
+    /// # Errors
+    ///
+    /// [`SagaError`] from the database; the sagas handled before it stay committed.
+    pub async fn sweep(&self, pool: &PgPool) -> Result<usize, SagaError> {
+        let inner = &self.inner;
+        let schema = &inner.config.schema;
+        let due: Vec<Uuid> = sqlx::query_scalar(&inner.sql.due)
+            .bind(&inner.saga_types)
+            .bind(inner.config.sweep_batch)
+            .fetch_all(pool)
+            .await
+            .map_err(|e| SagaError::from_sqlx(e, schema))?;
+        let mut moved = 0;
+        for saga_id in due {
+            let mut tx = pool.begin().await.map_err(SagaError::Database)?;
+            let saga: Option<SagaRecord> = sqlx::query_as(&inner.sql.lock_due)
+                .bind(saga_id)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(|e| SagaError::from_sqlx(e, schema))?;
+            // Gone from under us: a reply moved it first, or another orchestrator holds it.
+            let Some(saga) = saga else { continue };
+            let definition = &inner.definitions[&saga.saga_type];
+            if let Decision::Transition(transition) =
+                decide(definition, position(&saga), Input::Deadline)
+            {
+                self.apply(&mut tx, definition, saga, transition).await?;
+                tx.commit().await.map_err(SagaError::Database)?;
+                moved += 1;
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Fires deadlines every `sweep_interval` and keeps the `handoff_sagas` gauge current,
+    /// until `shutdown` completes. Errors are logged and the next round tries again: the
+    /// deadlines are rows, so nothing is lost while the database is away.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe between rounds; a round cancelled midway rolls its open transaction back.
+    pub async fn run(&self, pool: PgPool, shutdown: impl Future<Output = ()> + Send) {
+        let config = &self.inner.config;
+        let mut sweep = tokio::time::interval(config.sweep_interval);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut gauges = tokio::time::interval(config.gauge_interval);
+        gauges.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        info!(saga_types = ?self.inner.saga_types, "saga orchestrator running");
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                _ = sweep.tick() => match self.sweep(&pool).await {
+                    Ok(0) => {}
+                    Ok(moved) => debug!(moved, "saga deadlines fired"),
+                    Err(error) => warn!(%error, "saga deadline sweep failed; trying again"),
+                },
+                _ = gauges.tick() => if let Err(error) = self.count(&pool).await {
+                    warn!(%error, "could not count sagas");
+                },
+            }
+        }
+        info!("saga orchestrator stopped");
+    }
+
+    /// Sets the `handoff_sagas{saga_type, state}` gauge of the sagas in flight or stuck.
+    async fn count(&self, pool: &PgPool) -> Result<(), SagaError> {
+        let inner = &self.inner;
+        let rows: Vec<(String, String, i64)> = sqlx::query_as(&inner.sql.open_counts)
+            .bind(&inner.saga_types)
+            .fetch_all(pool)
+            .await
+            .map_err(|e| SagaError::from_sqlx(e, &inner.config.schema))?;
+        for saga_type in &inner.saga_types {
+            for state in [SagaState::Running, SagaState::Compensating, SagaState::Stuck] {
+                let n = rows
+                    .iter()
+                    .find(|(t, s, _)| t == saga_type && s == state.as_str())
+                    .map_or(0, |(_, _, n)| *n);
+                metrics::open(saga_type, state, n);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes one transition: the saga's row (checked against the version read), its history
+    /// row, the next command and the hook, all in `tx`.
+    async fn apply(
+        &self,
+        tx: &mut PgConnection,
+        definition: &SagaDefinition,
+        saga: SagaRecord,
+        t: Transition,
+    ) -> Result<SagaRecord, SagaError> {
+        let inner = &self.inner;
+        let schema = &inner.config.schema;
+        let mut data = saga.data.clone();
+        merge(&mut data, t.merge);
+        let command = t.send.map(|send| {
+            let step = definition.step_at(send.step).expect("step in range");
+            let action = match send.direction {
+                Direction::Forward => step.action.clone(),
+                Direction::Compensate => step.compensation.clone().expect("a compensable step"),
+            };
+            let command = Command {
+                saga_id: saga.saga_id,
+                saga_type: saga.saga_type.clone(),
+                step: send.step,
+                step_name: step.name.clone(),
+                direction: send.direction,
+                attempt: send.attempt,
+                data: data.clone(),
+                command_id: Uuid::now_v7(),
+                action,
+            };
+            (command, step.participant.clone())
+        });
+        let (deadline, deadline_kind) = match t.timer {
+            Some(Timer::Reply(after)) => (Some(after.as_secs_f64()), Some("reply")),
+            Some(Timer::Retry(after)) => (Some(after.as_secs_f64()), Some("retry")),
+            None => (None, None),
+        };
+        let updated: Option<SagaRecord> = sqlx::query_as(&inner.sql.update)
+            .bind(saga.saga_id)
+            .bind(t.state.as_str())
+            .bind(t.step)
+            .bind(&data)
+            .bind(t.attempt)
+            .bind(command.as_ref().map(|(c, _)| c.command_id))
+            .bind(deadline)
+            .bind(deadline_kind)
+            .bind(&t.failure)
+            .bind(&t.stuck_reason)
+            .bind(saga.version)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| SagaError::from_sqlx(e, schema))?;
+        // The row is locked, so the version cannot have moved; a miss is a bug, not a race.
+        let updated = updated.ok_or(SagaError::NotFound(saga.saga_id))?;
+        self.record(
+            tx,
+            updated.saga_id,
+            updated.version,
+            updated.state,
+            updated.step,
+            t.kind,
+            t.detail.as_deref(),
+        )
+        .await?;
+        if let Some((command, participant)) = &command {
+            inner
+                .outbox
+                .enqueue(tx, &[command.to_event(participant)])
+                .await?;
+        }
+        match updated.state {
+            SagaState::Completed => inner.hooks.completed(tx, &updated).await?,
+            SagaState::Compensated => inner.hooks.compensated(tx, &updated).await?,
+            SagaState::Stuck => {
+                warn!(saga_id = %updated.saga_id, saga_type = updated.saga_type,
+                      reason = updated.stuck_reason.as_deref(), "saga stuck: an operator must resume or resolve it");
+                inner.hooks.stuck(tx, &updated).await?;
+            }
+            _ => {}
+        }
+        metrics::transition(&updated.saga_type, t.kind);
+        debug!(saga_id = %updated.saga_id, state = %updated.state, step = updated.step, kind = t.kind, "saga moved");
+        Ok(updated)
+    }
+
+    /// Writes one `saga_history` row.
+    #[allow(clippy::too_many_arguments)]
+    async fn record(
+        &self,
+        tx: &mut PgConnection,
+        saga_id: Uuid,
+        version: i64,
+        state: SagaState,
+        step: i32,
+        kind: &str,
+        detail: Option<&str>,
+    ) -> Result<(), SagaError> {
+        sqlx::query(&self.inner.sql.history)
+            .bind(saga_id)
+            .bind(version)
+            .bind(state.as_str())
+            .bind(step)
+            .bind(kind)
+            .bind(detail)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| SagaError::from_sqlx(e, &self.inner.config.schema))?;
+        Ok(())
+    }
+}
+
+impl<H: SagaHooks> Handler for Orchestrator<H> {
+    async fn handle(&self, tx: &mut PgConnection, event: &ReceivedEvent) -> Result<(), HandlerError> {
+        if event.aggregate_type != REPLY_AGGREGATE_TYPE {
+            return Err(HandlerError::permanent(format!(
+                "the saga orchestrator reads {REPLY_AGGREGATE_TYPE} events, not {}",
+                event.aggregate_type
+            )));
+        }
+        let reply = Reply::from_event(event)
+            .map_err(|e| HandlerError::permanent(e.to_string()))?;
+        // A savepoint, so a failed transition leaves the consumer's transaction usable for
+        // its quarantine row.
+        let mut savepoint = tx.begin().await?;
+        match self.apply_reply(&mut savepoint, &reply).await {
+            Ok(()) => {
+                savepoint.commit().await?;
+                Ok(())
+            }
+            Err(error) if error.is_retryable() => Err(HandlerError::retryable(error.to_string())),
+            Err(error) => Err(HandlerError::permanent(error.to_string())),
+        }
+    }
+}
+
+fn position(saga: &SagaRecord) -> Position {
+    Position {
+        state: saga.state,
+        step: saga.step,
+        attempt: saga.attempt,
+        retry_due: saga.deadline_kind.as_deref() == Some("retry"),
+    }
+}
+
+/// Merges a reply's keys into the saga's data.
+fn merge(data: &mut Value, keys: Map<String, Value>) {
+    if let Value::Object(object) = data {
+        object.extend(keys);
+    }
+}
