@@ -2,7 +2,7 @@
 //!
 //! `handoff migrate` applies the embedded schema migrations; `handoff relay` publishes committed
 //! outbox events to NATS JetStream; `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
-//! are the operator's commands. Each lives in its own module.
+//! are the operator's commands, `saga` the sagas' operator's. Each lives in its own module.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -18,6 +18,7 @@ mod reconcile;
 mod relay;
 mod replay;
 mod republish;
+mod saga;
 mod status;
 
 #[derive(Parser)]
@@ -50,6 +51,8 @@ enum Command {
     Cleanup(cleanup::CleanupArgs),
     /// Set up and inspect the logical-replication source (`handoff relay --source logical`).
     Cdc(cdc::CdcArgs),
+    /// Sagas an orchestrator runs in this database: list, show, resume or resolve a stuck one.
+    Saga(saga::SagaArgs),
 }
 
 #[derive(clap::Args)]
@@ -120,6 +123,7 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Replay(args) => replay::run(args).await.map(success),
         Command::Cleanup(args) => cleanup::run(args).await.map(success),
         Command::Cdc(args) => cdc::run(args).await,
+        Command::Saga(args) => saga::run(args).await.map(success),
     }
 }
 

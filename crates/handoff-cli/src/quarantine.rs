@@ -80,15 +80,16 @@ enum QuarantineCommand {
     },
 }
 
+/// Who acts, for the audit trails of `quarantine` and `saga`.
 #[derive(clap::Args, Debug)]
-struct ActorArgs {
+pub struct ActorArgs {
     /// Who acts, for the audit [default: $USER@<host>].
     #[arg(long, env = "HANDOFF_ACTOR")]
     actor: Option<String>,
 }
 
 impl ActorArgs {
-    fn name(&self) -> String {
+    pub fn name(&self) -> String {
         self.actor.clone().unwrap_or_else(|| {
             let user = std::env::var("USER")
                 .or_else(|_| std::env::var("LOGNAME"))

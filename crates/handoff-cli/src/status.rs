@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use handoff_postgres::{Status, StatusReport};
+use handoff_saga::{SagaAdmin, SagaCount, SagaRecord, SagaState};
 use serde::Serialize;
+use sqlx::postgres::PgPoolOptions;
 
 use crate::args::{duration, DatabaseArgs};
 use crate::format::{age, bytes, since};
@@ -37,8 +39,41 @@ pub struct StatusArgs {
 struct Output<'a> {
     #[serde(flatten)]
     report: &'a StatusReport,
+    sagas: &'a Sagas,
     alerts: Vec<Alert>,
     healthy: bool,
+}
+
+/// The sagas not ended, and the stuck ones in full (brief F2).
+#[derive(Serialize)]
+struct Sagas {
+    /// Per type and state, of `running`, `compensating` and `stuck`.
+    open: Vec<SagaCount>,
+    stuck_count: i64,
+    /// The most recently stuck, at most `--top`.
+    stuck: Vec<SagaRecord>,
+}
+
+impl Sagas {
+    async fn read(args: &StatusArgs) -> Result<Self> {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(args.database.options("handoff-status")?)
+            .await?;
+        let admin = SagaAdmin::new(pool, args.database.schema()?);
+        let open = admin.open_counts().await?;
+        let stuck_count = open
+            .iter()
+            .filter(|c| c.state == SagaState::Stuck.as_str())
+            .map(|c| c.count)
+            .sum();
+        let stuck = admin.list(Some(SagaState::Stuck), args.top).await?;
+        Ok(Self {
+            open,
+            stuck_count,
+            stuck,
+        })
+    }
 }
 
 /// One alert condition that holds.
@@ -53,10 +88,12 @@ pub async fn run(args: StatusArgs) -> Result<ExitCode> {
     let report = Status::new(&args.database.schema()?)
         .read(&mut conn, args.stuck_after, args.top)
         .await?;
-    let alerts = alerts(&report, &args);
+    let sagas = Sagas::read(&args).await?;
+    let alerts = alerts(&report, &sagas, &args);
     if args.json {
         let output = Output {
             report: &report,
+            sagas: &sagas,
             healthy: alerts.is_empty(),
             alerts,
         };
@@ -64,6 +101,7 @@ pub async fn run(args: StatusArgs) -> Result<ExitCode> {
         return Ok(exit_code(output.healthy));
     }
     print_report(&report, &args);
+    print_sagas(&sagas);
     if alerts.is_empty() {
         println!("healthy");
     }
@@ -82,8 +120,17 @@ fn exit_code(healthy: bool) -> ExitCode {
 }
 
 /// The conditions `deploy/prometheus/alerts.yml` also watches, judged from one reading.
-fn alerts(report: &StatusReport, args: &StatusArgs) -> Vec<Alert> {
+fn alerts(report: &StatusReport, sagas: &Sagas, args: &StatusArgs) -> Vec<Alert> {
     let mut alerts = Vec::new();
+    if sagas.stuck_count > 0 {
+        alerts.push(Alert {
+            name: "stuck_sagas",
+            message: format!(
+                "{} saga(s) stuck on a failing compensation; see `handoff saga list --state stuck`",
+                sagas.stuck_count
+            ),
+        });
+    }
     if report.quarantined > 0 {
         alerts.push(Alert {
             name: "quarantine_not_empty",
@@ -123,6 +170,30 @@ fn alerts(report: &StatusReport, args: &StatusArgs) -> Vec<Alert> {
         });
     }
     alerts
+}
+
+fn print_sagas(sagas: &Sagas) {
+    if sagas.open.is_empty() {
+        println!("sagas in flight      0");
+        return;
+    }
+    println!("sagas in flight");
+    for count in &sagas.open {
+        println!(
+            "  {:<26} {:<13} {}",
+            count.saga_type, count.state, count.count
+        );
+    }
+    for saga in &sagas.stuck {
+        println!(
+            "  stuck {} {} step {} since {}: {}",
+            saga.saga_id,
+            saga.saga_type,
+            saga.step,
+            since(saga.updated_at),
+            saga.stuck_reason.as_deref().unwrap_or("-")
+        );
+    }
 }
 
 fn print_report(report: &StatusReport, args: &StatusArgs) {

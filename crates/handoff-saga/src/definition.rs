@@ -294,17 +294,27 @@ mod tests {
         let dotted = SagaDefinition::new("x").step(Step::new("a", "inv.entory", "A"));
         assert!(matches!(
             dotted.validate(),
-            Err(DefinitionError::InvalidName { what: "participant", .. })
+            Err(DefinitionError::InvalidName {
+                what: "participant",
+                ..
+            })
         ));
         let twice = SagaDefinition::new("x")
             .step(Step::new("a", "p", "A"))
             .step(Step::new("a", "p", "B"));
-        assert!(matches!(twice.validate(), Err(DefinitionError::DuplicateStep { .. })));
-        let never = SagaDefinition::new("x").step(Step::new("a", "p", "A").with_retry(RetryPolicy {
-            attempts: 0,
-            ..RetryPolicy::default()
-        }));
-        assert!(matches!(never.validate(), Err(DefinitionError::InvalidRetry { .. })));
+        assert!(matches!(
+            twice.validate(),
+            Err(DefinitionError::DuplicateStep { .. })
+        ));
+        let never =
+            SagaDefinition::new("x").step(Step::new("a", "p", "A").with_retry(RetryPolicy {
+                attempts: 0,
+                ..RetryPolicy::default()
+            }));
+        assert!(matches!(
+            never.validate(),
+            Err(DefinitionError::InvalidRetry { .. })
+        ));
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub const REPLY_EVENT_TYPE: &str = "SagaReply";
 pub const SCHEMA_VERSION: i32 = 1;
 
 /// The header carrying the saga id on commands and replies, for tracing and filtering.
-pub const SAGA_ID_HEADER: &str = "Handoff-Saga-Id";
+pub const SAGA_ID_HEADER: &str = "Saga-Id";
 
 /// The aggregate type of the commands sent to `participant`.
 ///
@@ -352,7 +352,10 @@ mod tests {
         event.payload = "[1,2]".into();
         assert!(matches!(
             Command::from_event(&event),
-            Err(MessageError::Malformed { expected: "command", .. })
+            Err(MessageError::Malformed {
+                expected: "command",
+                ..
+            })
         ));
     }
 }

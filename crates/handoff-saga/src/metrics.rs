@@ -22,7 +22,8 @@ pub(crate) fn transition(saga_type: &str, kind: &'static str) {
 }
 
 pub(crate) fn ignored_reply(saga_type: &str) {
-    counter!("handoff_saga_ignored_replies_total", "saga_type" => saga_type.to_owned()).increment(1);
+    counter!("handoff_saga_ignored_replies_total", "saga_type" => saga_type.to_owned())
+        .increment(1);
 }
 
 pub(crate) fn open(saga_type: &str, state: SagaState, count: i64) {

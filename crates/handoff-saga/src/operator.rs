@@ -133,14 +133,16 @@ impl SagaAdmin {
         }))
     }
 
-    /// Sagas per type and state.
+    /// Sagas per type and state, of those not ended (`running`, `compensating`, `stuck`):
+    /// read from a partial index, so as cheap with a million ended sagas as with none.
     ///
     /// # Errors
     ///
     /// As [`list`](Self::list).
-    pub async fn counts(&self) -> Result<Vec<SagaCount>, SagaError> {
+    pub async fn open_counts(&self) -> Result<Vec<SagaCount>, SagaError> {
         let sql = format!(
             "SELECT saga_type, state, count(*) AS count FROM {} \
+             WHERE state IN ('running', 'compensating', 'stuck') \
              GROUP BY saga_type, state ORDER BY saga_type, state",
             self.table("saga_instances")
         );
@@ -166,7 +168,8 @@ impl SagaAdmin {
     ) -> Result<SagaRecord, SagaError> {
         let set = "state = 'compensating', attempt = 0, deadline_at = now(), \
                    deadline_kind = 'retry', stuck_reason = NULL, ended_at = NULL";
-        self.act(saga_id, actor, reason, "resume", "resumed", set).await
+        self.act(saga_id, actor, reason, "resume", "resumed", set)
+            .await
     }
 
     /// Closes a stuck saga by hand: the operator has undone (or accepted) what the failing
@@ -183,7 +186,8 @@ impl SagaAdmin {
     ) -> Result<SagaRecord, SagaError> {
         let set = "state = 'resolved', deadline_at = NULL, deadline_kind = NULL, \
                    stuck_reason = NULL, ended_at = now()";
-        self.act(saga_id, actor, reason, "resolve", "resolved", set).await
+        self.act(saga_id, actor, reason, "resolve", "resolved", set)
+            .await
     }
 
     /// One operator action: in one transaction, check the saga is stuck, change it, and write

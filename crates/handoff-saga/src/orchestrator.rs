@@ -300,8 +300,7 @@ impl<H: SagaHooks> Orchestrator<H> {
             schema: config.schema.clone(),
             ..OutboxConfig::default()
         };
-        let outbox = Outbox::new(outbox_config, catalog)
-            .expect("the default limits accept events");
+        let outbox = Outbox::new(outbox_config, catalog).expect("the default limits accept events");
         Ok(Self {
             inner: Arc::new(Inner {
                 saga_types: by_type.keys().cloned().collect(),
@@ -372,8 +371,16 @@ impl<H: SagaHooks> Orchestrator<H> {
         if inserted.rows_affected() == 0 {
             return Err(SagaError::AlreadyStarted(saga_id));
         }
-        self.record(tx, saga_id, 1, SagaState::Running, 0, "started", Some(&first.name))
-            .await?;
+        self.record(
+            tx,
+            saga_id,
+            1,
+            SagaState::Running,
+            0,
+            "started",
+            Some(&first.name),
+        )
+        .await?;
         inner
             .outbox
             .enqueue(tx, &[command.to_event(&first.participant)])
@@ -492,7 +499,11 @@ impl<H: SagaHooks> Orchestrator<H> {
             .await
             .map_err(|e| SagaError::from_sqlx(e, &inner.config.schema))?;
         for saga_type in &inner.saga_types {
-            for state in [SagaState::Running, SagaState::Compensating, SagaState::Stuck] {
+            for state in [
+                SagaState::Running,
+                SagaState::Compensating,
+                SagaState::Stuck,
+            ] {
                 let n = rows
                     .iter()
                     .find(|(t, s, _)| t == saga_type && s == state.as_str())
@@ -615,15 +626,18 @@ impl<H: SagaHooks> Orchestrator<H> {
 }
 
 impl<H: SagaHooks> Handler for Orchestrator<H> {
-    async fn handle(&self, tx: &mut PgConnection, event: &ReceivedEvent) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        tx: &mut PgConnection,
+        event: &ReceivedEvent,
+    ) -> Result<(), HandlerError> {
         if event.aggregate_type != REPLY_AGGREGATE_TYPE {
             return Err(HandlerError::permanent(format!(
                 "the saga orchestrator reads {REPLY_AGGREGATE_TYPE} events, not {}",
                 event.aggregate_type
             )));
         }
-        let reply = Reply::from_event(event)
-            .map_err(|e| HandlerError::permanent(e.to_string()))?;
+        let reply = Reply::from_event(event).map_err(|e| HandlerError::permanent(e.to_string()))?;
         // A savepoint, so a failed transition leaves the consumer's transaction usable for
         // its quarantine row.
         let mut savepoint = tx.begin().await?;

@@ -48,7 +48,8 @@ pub trait Participant: Send + Sync + 'static {
         command: &Command,
     ) -> impl Future<Output = Result<Map<String, Value>, StepError>> + Send;
 
-    /// Undoes a step that `perform` did.
+    /// Undoes a step that `perform` did. The command's data includes what `perform` returned,
+    /// also when the orchestrator never received that reply.
     fn compensate(
         &self,
         tx: &mut PgConnection,
@@ -117,10 +118,15 @@ impl<P: Participant> SagaParticipant<P> {
     /// # Errors
     ///
     /// [`InboxError`] when `name` is not a valid name (letters, digits, `-`, `_`).
-    pub fn new(name: impl Into<String>, schema: Schema, participant: P) -> Result<Self, InboxError> {
+    pub fn new(
+        name: impl Into<String>,
+        schema: Schema,
+        participant: P,
+    ) -> Result<Self, InboxError> {
         let name = name.into();
         validate_consumer_name(&name)?;
-        let catalog = EventCatalog::new().declare(REPLY_AGGREGATE_TYPE, REPLY_EVENT_TYPE, SCHEMA_VERSION);
+        let catalog =
+            EventCatalog::new().declare(REPLY_AGGREGATE_TYPE, REPLY_EVENT_TYPE, SCHEMA_VERSION);
         let steps = schema.qualify("saga_participant_steps");
         Ok(Self {
             lookup: format!(
@@ -170,7 +176,10 @@ impl<P: Participant> SagaParticipant<P> {
             Direction::Forward => match (compensation, forward) {
                 // Undone (or closed with nothing to undo) before this command came: refused,
                 // and not recorded, so it stays refused.
-                (Some(_), _) => self.failed(command, "the step was compensated before its command arrived"),
+                (Some(_), _) => self.failed(
+                    command,
+                    "the step was compensated before its command arrived",
+                ),
                 (None, Some((_, reply))) => self.again(command, reply),
                 (None, None) => {
                     let reply = self.run(tx, command).await?;
@@ -180,7 +189,16 @@ impl<P: Participant> SagaParticipant<P> {
             },
             Direction::Compensate => match (compensation, forward) {
                 (Some((_, reply)), _) => self.again(command, reply),
-                (None, Some(("succeeded", _))) => {
+                (None, Some(("succeeded", recorded))) => {
+                    // What the step returned, even if its reply never reached the orchestrator
+                    // (a step that timed out there is compensated all the same).
+                    let mut command = command.clone();
+                    if let (Some(data), Some(Value::Object(returned))) =
+                        (command.data.as_object_mut(), recorded.get("data"))
+                    {
+                        data.extend(returned.clone());
+                    }
+                    let command = &command;
                     let reply = self.run(tx, command).await?;
                     // A failed undo is not recorded: the next attempt tries again.
                     if reply.outcome == Outcome::Succeeded {
@@ -244,7 +262,12 @@ impl<P: Participant> SagaParticipant<P> {
         reply
     }
 
-    async fn record(&self, tx: &mut PgConnection, command: &Command, reply: &Reply) -> Result<(), StepError> {
+    async fn record(
+        &self,
+        tx: &mut PgConnection,
+        command: &Command,
+        reply: &Reply,
+    ) -> Result<(), StepError> {
         sqlx::query(&self.insert)
             .bind(&self.name)
             .bind(command.saga_id)
@@ -259,8 +282,13 @@ impl<P: Participant> SagaParticipant<P> {
 }
 
 impl<P: Participant> Handler for SagaParticipant<P> {
-    async fn handle(&self, tx: &mut PgConnection, event: &ReceivedEvent) -> Result<(), HandlerError> {
-        let command = Command::from_event(event).map_err(|e| HandlerError::permanent(e.to_string()))?;
+    async fn handle(
+        &self,
+        tx: &mut PgConnection,
+        event: &ReceivedEvent,
+    ) -> Result<(), HandlerError> {
+        let command =
+            Command::from_event(event).map_err(|e| HandlerError::permanent(e.to_string()))?;
         match self.answer(tx, &command).await {
             Ok(reply) => {
                 debug!(saga_id = %command.saga_id, step = command.step, direction = %command.direction,

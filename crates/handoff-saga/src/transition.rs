@@ -233,9 +233,7 @@ pub(crate) fn decide(definition: &SagaDefinition, at: Position, input: Input<'_>
                 // The step may or may not have taken effect: undo it too. A participant
                 // answers the compensation of a step it never did with success, and records
                 // it so the late command, should it still come, is refused.
-                Direction::Forward => {
-                    turn_back(definition, at.step, at.step, reason, "timed_out")
-                }
+                Direction::Forward => turn_back(definition, at.step, at.step, reason, "timed_out"),
                 Direction::Compensate => stuck(at, reason),
             }
         }
@@ -322,9 +320,17 @@ mod tests {
             ..RetryPolicy::default()
         };
         SagaDefinition::new("order")
-            .step(Step::new("reserve", "inventory", "Reserve").compensated_by("Release").with_retry(retry))
+            .step(
+                Step::new("reserve", "inventory", "Reserve")
+                    .compensated_by("Release")
+                    .with_retry(retry),
+            )
             .step(Step::new("notify", "mail", "Notify").with_retry(retry))
-            .step(Step::new("charge", "payments", "Charge").compensated_by("Refund").with_retry(retry))
+            .step(
+                Step::new("charge", "payments", "Charge")
+                    .compensated_by("Refund")
+                    .with_retry(retry),
+            )
     }
 
     fn at(state: SagaState, step: i32, attempt: i32) -> Position {
@@ -454,8 +460,15 @@ mod tests {
             Input::Reply(&reply(0, Direction::Compensate, Outcome::Failed)),
         ));
         assert_eq!(t.state, SagaState::Stuck);
-        assert_eq!(t.stuck_reason.as_deref(), Some("Release failed 3 times; last: no"));
-        let t = transition(decide(&def, at(SagaState::Compensating, 0, 3), Input::Deadline));
+        assert_eq!(
+            t.stuck_reason.as_deref(),
+            Some("Release failed 3 times; last: no")
+        );
+        let t = transition(decide(
+            &def,
+            at(SagaState::Compensating, 0, 3),
+            Input::Deadline,
+        ));
         assert_eq!(t.state, SagaState::Stuck);
     }
 
