@@ -143,7 +143,8 @@ impl AmqpTransport {
     }
 
     /// The routing key `event` is published with:
-    /// `<aggregate_type>.<encode_token(aggregate_id)>`.
+    /// `<aggregate_type>.<encode_token(aggregate_id)>`, or `global` for an event of the global
+    /// lane (global order mode; bind one queue with `global` to read it in order).
     ///
     /// The aggregate id is percent-encoded by [`encode_token`], so any id is exactly one word
     /// (no `.`) and decodes back; consumers bind with `<aggregate_type>.*` or `#`.
@@ -161,13 +162,17 @@ impl AmqpTransport {
     /// # use handoff_core::delivery::OutboxEvent;
     /// # let event = OutboxEvent {
     /// #     event_id: uuid::Uuid::nil(), aggregate_type: "order".into(),
-    /// #     aggregate_id: "eu.42".into(), aggregate_sequence: 1, event_type: "OrderPlaced".into(),
+    /// #     aggregate_id: "eu.42".into(), aggregate_sequence: 1, global_sequence: None,
+    /// #     event_type: "OrderPlaced".into(),
     /// #     schema_version: 1, payload: "{}".into(), headers: vec![],
     /// #     occurred_at: SystemTime::UNIX_EPOCH, attempt_count: 0,
     /// # };
     /// assert_eq!(handoff_amqp::AmqpTransport::routing_key(&event).unwrap(), "order.eu%2E42");
     /// ```
     pub fn routing_key(event: &OutboxEvent) -> Result<String, PublishError> {
+        if event.global_sequence.is_some() {
+            return Ok("global".to_owned());
+        }
         let kind = &event.aggregate_type;
         let one_word = !kind.is_empty()
             && kind
@@ -614,6 +619,7 @@ mod tests {
             aggregate_type: aggregate_type.into(),
             aggregate_id: aggregate_id.into(),
             aggregate_sequence: 7,
+            global_sequence: None,
             event_type: "OrderPlaced".into(),
             schema_version: 3,
             payload: r#"{"total":10}"#.into(),

@@ -17,7 +17,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::failpoints::{self as fp, freeze_if_fired};
 use crate::metrics as m;
-use crate::{RelayConfig, RelayConfigError};
+use crate::{OrderMode, RelayConfig, RelayConfigError};
 
 /// Moves committed events from a [`Source`] to a [`Transport`] at least once, in order per
 /// aggregate (brief P1-P6).
@@ -30,6 +30,9 @@ use crate::{RelayConfig, RelayConfigError};
 ///   another, can overtake a lane.
 /// - Acknowledgements, failures and releases are written back in batches by one task, apart
 ///   from publishing, so a database round trip never stalls the broker pipeline.
+/// - With [`RelayConfig::order`] set to [`OrderMode::Global`], each claim is one lane in global
+///   sequence order instead: strictly one publish at a time. The source hands out the global
+///   lane's front to one relay at a time, so the lane is never overtaken either.
 /// - A broker that is down pauses claiming (no tight loop, no database load) until the
 ///   transport says it is reachable again.
 ///
@@ -200,7 +203,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
                 }
                 claim = claim_rx.recv(), if claims_open => match claim {
                     Some(claim) => {
-                        for lane in lanes_of(claim.events) {
+                        for lane in lanes_of(claim.events, self.config.order) {
                             lanes.push(run_lane(
                                 lane,
                                 self.transport.clone(),
@@ -276,6 +279,14 @@ impl<S: Source, T: Transport> Relay<S, T> {
                     "event held for an operator: it will not be retried, and the later events \
                      of its aggregate wait behind it"
                 );
+                if let Some(global) = event.global_sequence {
+                    error!(
+                        event_id = %event.event_id,
+                        global_sequence = global,
+                        "the global lane is blocked: no global event is published until this \
+                         one is retried or skipped (`handoff quarantine`)"
+                    );
+                }
             } else {
                 shared.retried.fetch_add(1, Ordering::Relaxed);
                 debug!(event_id = %event.event_id, error = %error, "publish failed; will retry");
@@ -321,8 +332,16 @@ fn in_flight(shared: &Shared) -> usize {
         .len()
 }
 
-/// Splits a claim into one lane per aggregate, each in sequence order.
-fn lanes_of(events: Vec<OutboxEvent>) -> Vec<Vec<OutboxEvent>> {
+/// Splits a claim into one lane per aggregate, each in sequence order; in global order mode the
+/// claim is one lane in global sequence order.
+fn lanes_of(mut events: Vec<OutboxEvent>, order: OrderMode) -> Vec<Vec<OutboxEvent>> {
+    if order == OrderMode::Global {
+        if events.is_empty() {
+            return Vec::new();
+        }
+        events.sort_by_key(|e| e.global_sequence);
+        return vec![events];
+    }
     let mut lanes: HashMap<(String, String), Vec<OutboxEvent>> = HashMap::new();
     for event in events {
         lanes
@@ -603,6 +622,7 @@ mod tests {
             aggregate_type: "thing".into(),
             aggregate_id: aggregate.into(),
             aggregate_sequence: sequence,
+            global_sequence: None,
             event_type: "ThingHappened".into(),
             schema_version: 1,
             payload: "{}".into(),
@@ -621,7 +641,7 @@ mod tests {
             event("a", 2),
             event("b", 2),
         ];
-        let mut lanes = lanes_of(claim);
+        let mut lanes = lanes_of(claim, OrderMode::Aggregate);
         lanes.sort_by(|x, y| x[0].aggregate_id.cmp(&y[0].aggregate_id));
         let shape: Vec<Vec<(String, i64)>> = lanes
             .iter()
@@ -638,5 +658,20 @@ mod tests {
                 vec![("b".into(), 1), ("b".into(), 2)],
             ]
         );
+    }
+
+    #[test]
+    fn a_global_claim_is_one_lane_in_global_order() {
+        let mut claim = Vec::new();
+        for (aggregate, sequence, global) in [("a", 2, 4), ("b", 1, 1), ("a", 1, 2), ("b", 2, 3)] {
+            let mut e = event(aggregate, sequence);
+            e.global_sequence = Some(global);
+            claim.push(e);
+        }
+        let lanes = lanes_of(claim, OrderMode::Global);
+        assert_eq!(lanes.len(), 1);
+        let order: Vec<Option<i64>> = lanes[0].iter().map(|e| e.global_sequence).collect();
+        assert_eq!(order, [Some(1), Some(2), Some(3), Some(4)]);
+        assert!(lanes_of(Vec::new(), OrderMode::Global).is_empty());
     }
 }
