@@ -121,10 +121,7 @@ async fn a_rolled_back_transaction_leaves_no_gap() {
     enqueue_one(&db, &global, "a", 1).await;
     let mut tx = db.pool.begin().await.unwrap();
     global
-        .enqueue(
-            &mut tx,
-            &[factory::event("a", 2), factory::event("b", 2)],
-        )
+        .enqueue(&mut tx, &[factory::event("a", 2), factory::event("b", 2)])
         .await
         .unwrap();
     tx.rollback().await.unwrap();
@@ -163,7 +160,10 @@ async fn aggregate_mode_events_stay_unnumbered_and_each_source_takes_only_its_ow
         .collect();
     assert_eq!(claimed, vec![("p", None), ("p", None)]);
     let lane = per_aggregate.other_lane().await.unwrap();
-    assert_eq!(lane.pending, 1, "the global event is left for a global relay");
+    assert_eq!(
+        lane.pending, 1,
+        "the global event is left for a global relay"
+    );
 
     let global = source(&db, "relay-g", OrderMode::Global);
     let claim = global.claim(100).await.unwrap();
