@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -86,6 +86,10 @@ struct Shared {
     /// Woken after every batch of outcomes is written: predecessors got marked, so events the
     /// last claim had to leave behind may be claimable now.
     progress: Notify,
+    /// Claimed events whose outcome is not written back yet (the bookkeeper lags the lanes).
+    /// Until it is 0, a claim may still find events blocked behind this relay's own unwritten
+    /// outcomes; in global order mode the lane's front is this relay's own lease.
+    unsettled: AtomicUsize,
     published: AtomicU64,
     retried: AtomicU64,
     held: AtomicU64,
@@ -159,6 +163,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
             retried: AtomicU64::new(0),
             held: AtomicU64::new(0),
             released: AtomicU64::new(0),
+            unsettled: AtomicUsize::new(0),
         });
         // Up until a publish says otherwise, so the gauge exists from the start rather than from
         // the first outage (a dashboard panel and `absent()` need the series).
@@ -324,6 +329,10 @@ impl<S: Source, T: Transport> Relay<S, T> {
     }
 }
 
+fn unsettled(shared: &Shared) -> usize {
+    shared.unsettled.load(Ordering::Relaxed)
+}
+
 fn in_flight(shared: &Shared) -> usize {
     shared
         .in_flight
@@ -461,6 +470,14 @@ async fn claim_loop<S: Source, T: Transport>(
             }
         }
 
+        if config.order == OrderMode::Global && unsettled(&shared) > 0 {
+            // The lane's front is this relay's own lease until the outcomes are written: a
+            // claim now could only come back empty. Wait for the bookkeeper instead.
+            tokio::select! {
+                _ = stop.changed() => break,
+                () = shared.progress.notified() => continue,
+            }
+        }
         if capacity.available_permits() < batch {
             debug!(
                 in_flight = in_flight(&shared),
@@ -515,6 +532,7 @@ async fn claim_loop<S: Source, T: Transport>(
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .extend(claim.events.iter().map(|e| e.event_id));
+            shared.unsettled.fetch_add(claimed, Ordering::Relaxed);
             metrics::gauge!(m::IN_FLIGHT).set(in_flight(&shared) as f64);
             if claims.send(claim).await.is_err() {
                 break;
@@ -525,7 +543,7 @@ async fn claim_loop<S: Source, T: Transport>(
             // writer commits, our own outcomes unblock something, or the poll interval ends.
             tokio::select! {
                 _ = stop.changed() => break,
-                () = shared.progress.notified(), if claimed > 0 || in_flight(&shared) > 0 => {}
+                () = shared.progress.notified(), if claimed > 0 || unsettled(&shared) > 0 => {}
                 woke = source.wait_for_work(config.poll_interval) => {
                     if let Err(error) = woke {
                         warn!(error = %error, "wake-up channel failed: polling");
@@ -551,6 +569,7 @@ async fn bookkeep<S: Source>(
 ) {
     let mut buffer = Vec::with_capacity(4096);
     while outcomes.recv_many(&mut buffer, 4096).await > 0 {
+        let written = buffer.len();
         let mut published = Vec::new();
         let mut failures = Vec::new();
         let mut released = Vec::new();
@@ -579,6 +598,12 @@ async fn bookkeep<S: Source>(
                 .fetch_add(released.len() as u64, Ordering::Relaxed);
             persist("release", &config, &stop, || source.release(&released)).await;
         }
+        shared
+            .unsettled
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_sub(written))
+            })
+            .ok();
         shared.progress.notify_one();
     }
 }
