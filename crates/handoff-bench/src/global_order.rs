@@ -244,7 +244,7 @@ const MODES: [OrderMode; 2] = [OrderMode::Aggregate, OrderMode::Global];
 /// The slots of [`MODES`] in the order round `round` runs them: alternating which goes first,
 /// so neither always runs on a warmer server.
 fn alternate(round: usize) -> [usize; 2] {
-    if round % 2 == 0 {
+    if round.is_multiple_of(2) {
         [0, 1]
     } else {
         [1, 0]
