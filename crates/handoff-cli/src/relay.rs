@@ -1021,6 +1021,43 @@ mod tests {
     }
 
     #[test]
+    fn the_order_mode_comes_from_flag_or_file_and_global_needs_the_polling_source() {
+        let settings = Settings::resolve(args("postgres://localhost/db")).unwrap();
+        assert_eq!(settings.relay.order, OrderMode::Aggregate);
+        assert_eq!(settings.polling.order, OrderMode::Aggregate);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\norder = \"global\"\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path.clone()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        assert_eq!(
+            (settings.relay.order, settings.polling.order),
+            (OrderMode::Global, OrderMode::Global)
+        );
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path),
+            order: Some(OrderMode::Aggregate),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        assert_eq!(settings.relay.order, OrderMode::Aggregate);
+
+        let mut logical = args("postgres://localhost/db");
+        logical.order = Some(OrderMode::Global);
+        logical.source = Some(SourceKind::Logical);
+        let error = Settings::resolve(logical).unwrap_err().to_string();
+        assert!(error.contains("--order global"), "{error}");
+    }
+
+    #[test]
     fn passwords_are_redacted() {
         assert_eq!(
             redact("bad url postgres://u:pw@h/db"),
