@@ -630,6 +630,19 @@ mod tests {
     }
 
     #[test]
+    fn a_global_event_goes_out_under_the_key_global_with_its_number() {
+        let mut global = event("order", "o-1");
+        global.global_sequence = Some(42);
+        assert_eq!(AmqpTransport::routing_key(&global).unwrap(), "global");
+        let headers = contract::headers(&global, "handoff").unwrap();
+        assert!(headers.contains(&("Handoff-Global-Sequence".to_owned(), "42".to_owned())));
+        let per_aggregate = contract::headers(&event("order", "o-1"), "handoff").unwrap();
+        assert!(per_aggregate
+            .iter()
+            .all(|(name, _)| name != "Handoff-Global-Sequence"));
+    }
+
+    #[test]
     fn routing_keys_are_two_words() {
         let key = AmqpTransport::routing_key(&event("order", "eu.west 42")).unwrap();
         assert_eq!(key, "order.eu%2Ewest%2042");

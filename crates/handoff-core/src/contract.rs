@@ -315,6 +315,20 @@ mod tests {
     }
 
     #[test]
+    fn the_global_sequence_is_sent_only_for_global_events_and_is_reserved() {
+        let plain = headers(&event(), "handoff").unwrap();
+        assert!(plain.iter().all(|(n, _)| n != header::GLOBAL_SEQUENCE));
+        let mut global = event();
+        global.global_sequence = Some(1234);
+        let sent = headers(&global, "handoff").unwrap();
+        assert_eq!(sent.len(), plain.len() + 1);
+        assert!(sent.contains(&(header::GLOBAL_SEQUENCE.to_owned(), "1234".to_owned())));
+        let mut forged = event();
+        forged.headers = vec![("handoff-global-sequence".into(), "1".into())];
+        assert!(headers(&forged, "handoff").is_err());
+    }
+
+    #[test]
     fn what_is_written_reads_back() {
         let event = event();
         let read = read_event(headers(&event, "src").unwrap(), b"{\"a\":1}", "here").unwrap();

@@ -616,6 +616,26 @@ mod tests {
     }
 
     #[test]
+    fn a_global_event_is_keyed_global_so_the_lane_keeps_one_partition() {
+        let mut event = OutboxEvent {
+            event_id: uuid::Uuid::nil(),
+            aggregate_type: "order".into(),
+            aggregate_id: "o-7".into(),
+            aggregate_sequence: 1,
+            global_sequence: None,
+            event_type: "OrderPlaced".into(),
+            schema_version: 1,
+            payload: "{}".into(),
+            headers: Vec::new(),
+            occurred_at: std::time::SystemTime::UNIX_EPOCH,
+            attempt_count: 0,
+        };
+        assert_eq!(kafka_key(&event), b"o-7");
+        event.global_sequence = Some(3);
+        assert_eq!(kafka_key(&event), b"global");
+    }
+
+    #[test]
     fn receipts_name_topic_partition_and_offset() {
         let delivered = Delivered {
             topic: "outbox".into(),

@@ -687,6 +687,27 @@ mod tests {
     }
 
     #[test]
+    fn a_global_event_goes_to_the_one_global_subject_with_its_number() {
+        let mut global = event();
+        global.global_sequence = Some(9);
+        assert_eq!(subject_for("outbox", &global), "outbox.global");
+        let headers = build_headers("handoff", &global).unwrap();
+        assert_eq!(
+            headers
+                .get(header::GLOBAL_SEQUENCE)
+                .map(|v| v.as_str().to_owned()),
+            Some("9".to_owned())
+        );
+        assert_eq!(
+            headers
+                .get(header::NATS_MSG_ID)
+                .map(|v| v.as_str().to_owned()),
+            Some(global.event_id.hyphenated().to_string())
+        );
+        assert_ne!(subject_for("outbox", &event()), "outbox.global");
+    }
+
+    #[test]
     fn subject_encodes_the_aggregate_id_as_one_token() {
         assert_eq!(
             subject_for("outbox", &event()),
