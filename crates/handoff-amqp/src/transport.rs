@@ -143,7 +143,8 @@ impl AmqpTransport {
     }
 
     /// The routing key `event` is published with:
-    /// `<aggregate_type>.<encode_token(aggregate_id)>`.
+    /// `<aggregate_type>.<encode_token(aggregate_id)>`, or `global` for an event of the global
+    /// lane (global order mode; bind one queue with `global` to read it in order).
     ///
     /// The aggregate id is percent-encoded by [`encode_token`], so any id is exactly one word
     /// (no `.`) and decodes back; consumers bind with `<aggregate_type>.*` or `#`.
@@ -161,13 +162,17 @@ impl AmqpTransport {
     /// # use handoff_core::delivery::OutboxEvent;
     /// # let event = OutboxEvent {
     /// #     event_id: uuid::Uuid::nil(), aggregate_type: "order".into(),
-    /// #     aggregate_id: "eu.42".into(), aggregate_sequence: 1, event_type: "OrderPlaced".into(),
+    /// #     aggregate_id: "eu.42".into(), aggregate_sequence: 1, global_sequence: None,
+    /// #     event_type: "OrderPlaced".into(),
     /// #     schema_version: 1, payload: "{}".into(), headers: vec![],
     /// #     occurred_at: SystemTime::UNIX_EPOCH, attempt_count: 0,
     /// # };
     /// assert_eq!(handoff_amqp::AmqpTransport::routing_key(&event).unwrap(), "order.eu%2E42");
     /// ```
     pub fn routing_key(event: &OutboxEvent) -> Result<String, PublishError> {
+        if event.global_sequence.is_some() {
+            return Ok("global".to_owned());
+        }
         let kind = &event.aggregate_type;
         let one_word = !kind.is_empty()
             && kind
@@ -614,6 +619,7 @@ mod tests {
             aggregate_type: aggregate_type.into(),
             aggregate_id: aggregate_id.into(),
             aggregate_sequence: 7,
+            global_sequence: None,
             event_type: "OrderPlaced".into(),
             schema_version: 3,
             payload: r#"{"total":10}"#.into(),
@@ -621,6 +627,19 @@ mod tests {
             occurred_at: SystemTime::UNIX_EPOCH + Duration::new(1_796_238_994, 123_456_789),
             attempt_count: 0,
         }
+    }
+
+    #[test]
+    fn a_global_event_goes_out_under_the_key_global_with_its_number() {
+        let mut global = event("order", "o-1");
+        global.global_sequence = Some(42);
+        assert_eq!(AmqpTransport::routing_key(&global).unwrap(), "global");
+        let headers = contract::headers(&global, "handoff").unwrap();
+        assert!(headers.contains(&("Handoff-Global-Sequence".to_owned(), "42".to_owned())));
+        let per_aggregate = contract::headers(&event("order", "o-1"), "handoff").unwrap();
+        assert!(per_aggregate
+            .iter()
+            .all(|(name, _)| name != "Handoff-Global-Sequence"));
     }
 
     #[test]

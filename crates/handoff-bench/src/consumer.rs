@@ -502,6 +502,7 @@ fn events(aggregates: usize, per_aggregate: usize, skus: usize) -> Result<Vec<Ve
                         aggregate_type: "order".to_owned(),
                         aggregate_id: order_id,
                         aggregate_sequence: i64::try_from(sequence)?,
+                        global_sequence: None,
                         event_type: "OrderPlaced".to_owned(),
                         schema_version: 1,
                         payload: serde_json::to_string(&payload)?,

@@ -19,6 +19,9 @@
 //!   reference `webhook-receiver` against POSTing the same events to it directly.
 //! - `handoff-bench amqp` ([`amqp`]) measures the relay draining a committed backlog into
 //!   RabbitMQ against the raw bound of publishing the same events with confirms alone.
+//! - `handoff-bench global-order` ([`global_order`]) measures strict global order against
+//!   per-aggregate order: the order write's orders/s at several client counts, and one relay's
+//!   drain of the same backlog.
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +29,7 @@ mod amqp;
 mod cdc;
 mod cleanup;
 mod consumer;
+mod global_order;
 mod http;
 mod kafka;
 mod machine;
@@ -61,6 +65,8 @@ enum Command {
     Http(http::HttpArgs),
     /// RabbitMQ: the relay's drain against publishing with confirms alone.
     Amqp(amqp::AmqpArgs),
+    /// Strict global order vs per-aggregate order: write path and relay drain.
+    GlobalOrder(global_order::GlobalOrderArgs),
 }
 
 #[tokio::main]
@@ -82,6 +88,7 @@ async fn main() -> std::process::ExitCode {
         Command::Kafka(args) => kafka::kafka(args).await,
         Command::Http(args) => http::http(args).await,
         Command::Amqp(args) => amqp::amqp(args).await,
+        Command::GlobalOrder(args) => global_order::global_order(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

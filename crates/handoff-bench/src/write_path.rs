@@ -211,7 +211,17 @@ pub(crate) async fn measure(
     clients: usize,
     duration: Duration,
 ) -> Result<Cell> {
-    let outbox = order_service::outbox();
+    measure_with(options, variant, clients, duration, order_service::outbox()).await
+}
+
+/// As [`measure`], enqueueing through `outbox` (such as one in global order mode).
+pub(crate) async fn measure_with(
+    options: &PgConnectOptions,
+    variant: Variant,
+    clients: usize,
+    duration: Duration,
+    outbox: handoff::Outbox,
+) -> Result<Cell> {
     let request = CreateOrder {
         customer_id: "c-bench".into(),
         lines: vec![
@@ -308,7 +318,7 @@ fn order_created(order: &order_service::model::Order) -> Result<handoff::NewEven
     Ok(order_service::events::OrderCreatedVersion::V2.event(order)?)
 }
 
-fn median(mut cells: Vec<Cell>) -> Cell {
+pub(crate) fn median(mut cells: Vec<Cell>) -> Cell {
     cells.sort_by(|a, b| a.orders_per_second.total_cmp(&b.orders_per_second));
     let mid = cells.len() / 2;
     cells.swap_remove(mid)

@@ -71,6 +71,9 @@ pub(crate) fn decode(row: &RowData) -> Result<StreamedRow, RowError> {
         aggregate_type: required(row, "aggregate_type")?.to_owned(),
         aggregate_id: required(row, "aggregate_id")?.to_owned(),
         aggregate_sequence: parsed(row, "aggregate_sequence")?,
+        // The logical source serves per-aggregate order only (`handoff relay --order global`
+        // refuses it), so the column is not read.
+        global_sequence: None,
         event_type: required(row, "event_type")?.to_owned(),
         schema_version: parsed(row, "schema_version")?,
         payload: required(row, "payload")?.to_owned(),

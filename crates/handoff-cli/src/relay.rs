@@ -13,7 +13,7 @@ use handoff_core::delivery::Transport;
 use handoff_http::{HttpConfig, HttpMode, HttpTransport, SigningSecret};
 use handoff_kafka::{KafkaConfig, KafkaTransport};
 use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
-use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
+use handoff_postgres::{Migrator, OrderMode, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
 use serde::Deserialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -136,6 +136,13 @@ pub struct RelayArgs {
     /// [default: 64].
     #[arg(long, env = "HANDOFF_HTTP_CONCURRENCY")]
     http_concurrency: Option<usize>,
+    /// `aggregate`: order per aggregate, aggregates in parallel; events with a global sequence
+    /// are left alone. `global`: only the global lane (events written in global order mode),
+    /// strictly in global sequence order, one publish at a time, through one subject
+    /// `<prefix>.global` (Kafka key and AMQP routing key `global`); needs migration 0006 and
+    /// the polling source [default: aggregate].
+    #[arg(long, env = "HANDOFF_ORDER")]
+    order: Option<OrderMode>,
 }
 
 /// Where `handoff relay` publishes.
@@ -207,6 +214,7 @@ struct RelayFile {
     #[serde(default, with = "humantime_serde")]
     http_timeout: Option<Duration>,
     http_concurrency: Option<usize>,
+    order: Option<String>,
 }
 
 /// The destination's settings, checked.
@@ -251,7 +259,19 @@ impl Settings {
         let Some(database_url) = args.database_url.or(file.database_url) else {
             bail!("no database: set --database-url, DATABASE_URL or database_url in the config");
         };
-        let logical = match args.source.or(file.source).unwrap_or_default() {
+        let order = match (args.order, &file.order) {
+            (Some(order), _) => order,
+            (None, Some(name)) => name.parse().context("order in the config file")?,
+            (None, None) => OrderMode::default(),
+        };
+        let source_kind = args.source.or(file.source).unwrap_or_default();
+        if order == OrderMode::Global && source_kind == SourceKind::Logical {
+            bail!(
+                "--order global needs --source polling: the logical source does not read the \
+                 global sequence"
+            );
+        }
+        let logical = match source_kind {
             SourceKind::Polling => None,
             SourceKind::Logical => Some(CdcNames::new(
                 args.slot.or(file.slot).unwrap_or_else(|| "handoff".into()),
@@ -329,6 +349,7 @@ impl Settings {
                 .unwrap_or(base.max_attempts),
             // A publish must be able to time out and be recorded before the lease ends.
             lease_margin: publish_timeout * 2,
+            order,
             ..base
         };
         relay.validate()?;
@@ -429,6 +450,7 @@ impl Settings {
                 .query_timeout
                 .or(file.query_timeout)
                 .unwrap_or(Duration::from_secs(10)),
+            order,
             ..PollingConfig::default()
         };
         polling.validate()?;
@@ -457,9 +479,11 @@ fn default_relay_id() -> String {
 }
 
 pub async fn run(args: RelayArgs) -> Result<()> {
-    let settings = Settings::resolve(args)?;
+    // First of all: from here on SIGTERM/SIGINT stop the relay cleanly, also during start-up
+    // (connecting, waiting for a broker), instead of killing it by their default action.
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
+    let settings = Settings::resolve(args)?;
 
     if let Some(addr) = settings.metrics_addr {
         install_metrics(addr)?;
@@ -537,11 +561,29 @@ async fn serve<T: Transport>(
         pool = connect_postgres(&settings.database) => pool?,
         () = &mut shutdown => return Ok(()),
     };
+    if settings.relay.order == OrderMode::Global {
+        let head = settings.polling.schema.qualify("outbox_global_head");
+        let migrated: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(&head)
+            .fetch_one(&pool)
+            .await
+            .context("while looking for the global order lane")?;
+        if !migrated {
+            bail!(
+                "--order global needs migration 0006 (global_order), which this database lacks \
+                 ({head} is missing): run `handoff migrate` first"
+            );
+        }
+    }
     Migrator::handoff(settings.polling.schema.clone())
         .check(&mut *pool.acquire().await?)
         .await
         .context("the outbox schema is not ready (run `handoff migrate` first)")?;
-    info!(relay_id = %settings.polling.relay_id, "relay started");
+    info!(
+        relay_id = %settings.polling.relay_id,
+        order = %settings.relay.order,
+        "relay started"
+    );
 
     if let Some(names) = settings.logical.clone() {
         return run_logical(settings, names, pool, transport, shutdown).await;
@@ -550,12 +592,14 @@ async fn serve<T: Transport>(
     if settings.metrics_addr.is_some() {
         tokio::spawn(report_backlog(source.clone()));
     }
+    let watch_lanes = tokio::spawn(report_other_lane(source.clone()));
     let relay = Relay::from_shared(
         source.clone(),
         std::sync::Arc::new(transport),
         settings.relay,
     )?;
     let report = relay.run(shutdown).await;
+    watch_lanes.abort();
     if let Err(error) = source.unregister().await {
         warn!(error = %error, "could not unregister the wait; it expires by itself");
     }
@@ -703,19 +747,65 @@ async fn connect_amqp(config: &AmqpConfig) -> Result<AmqpTransport> {
     .await
 }
 
-/// Completes on SIGTERM or SIGINT.
-async fn shutdown_signal() {
+/// Installs the SIGTERM and SIGINT handlers now (not at the first poll: a signal that arrives
+/// before then must not kill the process by its default action) and returns a future that
+/// completes on either.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
+    let handlers = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
-    ) else {
-        // Without signal handlers the relay can only be killed; its leases expire then.
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM received"),
-        _ = int.recv() => info!("SIGINT received"),
+    );
+    async move {
+        let (Ok(mut term), Ok(mut int)) = handlers else {
+            // Without signal handlers the relay can only be killed; its leases expire then.
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM received"),
+            _ = int.recv() => info!("SIGINT received"),
+        }
+    }
+}
+
+/// Warns, every 30 s at most, about what this relay's order mode leaves pending (events the
+/// other mode writes, which need a relay in that mode) and about a global lane blocked by a
+/// held event.
+async fn report_other_lane(source: std::sync::Arc<PollingSource>) {
+    let order = source.config().order;
+    let mut tick = tokio::time::interval(Duration::from_secs(30));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let lane = match source.other_lane().await {
+            Ok(lane) => lane,
+            Err(error) => {
+                warn!(error = %error, "could not read the other order mode's backlog");
+                continue;
+            }
+        };
+        if lane.pending > 0 {
+            match order {
+                OrderMode::Global => warn!(
+                    pending = lane.pending,
+                    "per-aggregate (unnumbered) events are pending; this relay runs with \
+                     --order global and does not publish them: run a relay with --order \
+                     aggregate too, or write them in global order mode"
+                ),
+                OrderMode::Aggregate => warn!(
+                    pending = lane.pending,
+                    "events of the global lane are pending; this relay runs with --order \
+                     aggregate and leaves them alone: run a relay with --order global"
+                ),
+            }
+        }
+        if order == OrderMode::Global && lane.global_front_held {
+            tracing::error!(
+                global_sequence = lane.global_front,
+                "the global lane is blocked by an event held for an operator: nothing after \
+                 it is published until it is retried or skipped (`handoff quarantine`)"
+            );
+        }
     }
 }
 
@@ -928,6 +1018,43 @@ mod tests {
         empty_exchange.exchange = Some(String::new());
         let error = Settings::resolve(empty_exchange).unwrap_err().to_string();
         assert!(error.contains("exchange"), "{error}");
+    }
+
+    #[test]
+    fn the_order_mode_comes_from_flag_or_file_and_global_needs_the_polling_source() {
+        let settings = Settings::resolve(args("postgres://localhost/db")).unwrap();
+        assert_eq!(settings.relay.order, OrderMode::Aggregate);
+        assert_eq!(settings.polling.order, OrderMode::Aggregate);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\norder = \"global\"\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path.clone()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        assert_eq!(
+            (settings.relay.order, settings.polling.order),
+            (OrderMode::Global, OrderMode::Global)
+        );
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path),
+            order: Some(OrderMode::Aggregate),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        assert_eq!(settings.relay.order, OrderMode::Aggregate);
+
+        let mut logical = args("postgres://localhost/db");
+        logical.order = Some(OrderMode::Global);
+        logical.source = Some(SourceKind::Logical);
+        let error = Settings::resolve(logical).unwrap_err().to_string();
+        assert!(error.contains("--order global"), "{error}");
     }
 
     #[test]

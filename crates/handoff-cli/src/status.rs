@@ -160,6 +160,16 @@ fn alerts(report: &StatusReport, sagas: &Sagas, args: &StatusArgs) -> Vec<Alert>
             ),
         });
     }
+    if report.global_lane_blocked {
+        alerts.push(Alert {
+            name: "global_lane_blocked",
+            message: format!(
+                "the global lane is blocked: global sequence {} is held for an operator and \
+                 no later global event is published until it is retried or skipped",
+                report.global_front.unwrap_or_default()
+            ),
+        });
+    }
     if report.expired_leases > 0 {
         alerts.push(Alert {
             name: "expired_leases",
@@ -204,6 +214,20 @@ fn print_report(report: &StatusReport, args: &StatusArgs) {
     );
     println!("quarantined          {}", report.quarantined);
     println!("expired leases       {}", report.expired_leases);
+    if report.global_pending > 0 || report.global_lane_blocked {
+        println!(
+            "global lane          {} pending, front {}{}",
+            report.global_pending,
+            report
+                .global_front
+                .map_or_else(|| "-".to_owned(), |f| f.to_string()),
+            if report.global_lane_blocked {
+                " (BLOCKED: held for an operator)"
+            } else {
+                ""
+            }
+        );
+    }
     println!(
         "stuck aggregates     {} (first pending event older than {})",
         report.stuck_aggregate_count,

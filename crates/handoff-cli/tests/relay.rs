@@ -418,3 +418,22 @@ async fn a_relay_killed_right_after_its_claim_leaves_the_rows_to_the_next_relay(
 async fn a_relay_killed_before_it_publishes_leaves_the_rows_to_the_next_relay() {
     killed_before_anything_was_published("relay_before_publish_kill", "relay.before_publish").await;
 }
+
+#[tokio::test]
+async fn sigterm_while_the_broker_is_awaited_at_start_stops_the_relay_cleanly() {
+    // The signal handlers are installed before any start-up work, so a SIGTERM during it is a
+    // clean stop (exit 0), not death by the signal's default action.
+    let db = TestDb::new("relay_sigterm_at_start").await;
+    let mut relay = RelayProcess::spawn(
+        &db.url(),
+        "starting-relay",
+        &["--nats-url", "nats://127.0.0.1:1"],
+        &[],
+    );
+    relay
+        .wait_for_log("waiting for NATS", Duration::from_secs(30))
+        .await;
+    let status = relay.terminate();
+    assert!(status.success(), "{status:?}:\n{}", relay.log());
+    assert!(relay.log().contains("SIGTERM received"), "{}", relay.log());
+}

@@ -19,6 +19,7 @@
 //!     aggregate_type: "order".into(),
 //!     aggregate_id: "eu.42".into(),
 //!     aggregate_sequence: 3,
+//!     global_sequence: None,
 //!     event_type: "OrderPaid".into(),
 //!     schema_version: 1,
 //!     payload: r#"{"total":12}"#.into(),
@@ -74,6 +75,9 @@ pub mod header {
     pub const SEQUENCE: &str = "Handoff-Sequence";
     /// The payload's schema version, in decimal.
     pub const SCHEMA_VERSION: &str = "Handoff-Schema-Version";
+    /// The event's place in the global lane, in decimal; sent only for events written in
+    /// global order mode (see [`OrderMode`](crate::OrderMode)).
+    pub const GLOBAL_SEQUENCE: &str = "Handoff-Global-Sequence";
     /// Set on a copy an operator republished (`handoff replay`, `handoff reconcile`); its value
     /// is the replay run's id.
     pub const REPLAY: &str = "Handoff-Replay";
@@ -87,7 +91,7 @@ pub mod header {
 
 /// The headers a caller's own header may not be named (compared ignoring ASCII case, as
 /// HTTP-style header handling does).
-const RESERVED: [&str; 12] = [
+const RESERVED: [&str; 13] = [
     header::CE_SPECVERSION,
     header::CE_ID,
     header::CE_TYPE,
@@ -98,6 +102,7 @@ const RESERVED: [&str; 12] = [
     header::AGGREGATE_ID,
     header::SEQUENCE,
     header::SCHEMA_VERSION,
+    header::GLOBAL_SEQUENCE,
     header::NATS_MSG_ID,
     header::IDEMPOTENCY_KEY,
 ];
@@ -109,6 +114,7 @@ const RESERVED: [&str; 12] = [
 ///   `Content-Type: application/json`;
 /// - `Handoff-Aggregate-Type`, `Handoff-Aggregate-Id` (encoded by [`encode_token`]),
 ///   `Handoff-Sequence` and `Handoff-Schema-Version`;
+/// - `Handoff-Global-Sequence`, only for an event with a [`OutboxEvent::global_sequence`];
 /// - every entry of [`OutboxEvent::headers`] (such as `traceparent`), as given.
 ///
 /// # Errors
@@ -124,7 +130,8 @@ const RESERVED: [&str; 12] = [
 /// # use handoff_core::delivery::OutboxEvent;
 /// # let mut event = OutboxEvent {
 /// #     event_id: uuid::Uuid::nil(), aggregate_type: "order".into(), aggregate_id: "o-1".into(),
-/// #     aggregate_sequence: 1, event_type: "OrderPlaced".into(), schema_version: 1,
+/// #     aggregate_sequence: 1, global_sequence: None, event_type: "OrderPlaced".into(),
+/// #     schema_version: 1,
 /// #     payload: "{}".into(), headers: vec![], occurred_at: std::time::SystemTime::now(),
 /// #     attempt_count: 0,
 /// # };
@@ -156,6 +163,9 @@ pub fn headers(
     for (name, value) in own {
         check_value(name, &value)?;
         headers.push((name.to_owned(), value));
+    }
+    if let Some(global) = event.global_sequence {
+        headers.push((header::GLOBAL_SEQUENCE.to_owned(), global.to_string()));
     }
     for (name, value) in &event.headers {
         if RESERVED.iter().any(|own| own.eq_ignore_ascii_case(name)) {
@@ -294,6 +304,7 @@ mod tests {
             aggregate_type: "order".into(),
             aggregate_id: "a b/ü".into(),
             aggregate_sequence: 7,
+            global_sequence: None,
             event_type: "OrderPlaced".into(),
             schema_version: 2,
             payload: "{}".into(),
@@ -301,6 +312,20 @@ mod tests {
             occurred_at: SystemTime::now(),
             attempt_count: 0,
         }
+    }
+
+    #[test]
+    fn the_global_sequence_is_sent_only_for_global_events_and_is_reserved() {
+        let plain = headers(&event(), "handoff").unwrap();
+        assert!(plain.iter().all(|(n, _)| n != header::GLOBAL_SEQUENCE));
+        let mut global = event();
+        global.global_sequence = Some(1234);
+        let sent = headers(&global, "handoff").unwrap();
+        assert_eq!(sent.len(), plain.len() + 1);
+        assert!(sent.contains(&(header::GLOBAL_SEQUENCE.to_owned(), "1234".to_owned())));
+        let mut forged = event();
+        forged.headers = vec![("handoff-global-sequence".into(), "1".into())];
+        assert!(headers(&forged, "handoff").is_err());
     }
 
     #[test]

@@ -25,6 +25,11 @@ pub struct OutboxEvent {
     pub aggregate_id: String,
     /// The event's place in its aggregate's history: 1, 2, 3 ...
     pub aggregate_sequence: i64,
+    /// The event's place in the global lane (1, 2, 3 ... over the whole outbox) when it was
+    /// written in [`OrderMode::Global`](crate::OrderMode::Global); `None` for a per-aggregate
+    /// event. Transports route global events through one ordered channel and send this as
+    /// [`header::GLOBAL_SEQUENCE`](crate::contract::header::GLOBAL_SEQUENCE).
+    pub global_sequence: Option<i64>,
     /// The event's type name.
     pub event_type: String,
     /// The payload's shape version.

@@ -11,6 +11,7 @@
 //! - [`subject`], the reversible encoding of aggregate ids into broker subject tokens;
 //! - [`delivery`], the relay's seams: a [`delivery::Source`] of committed events and a
 //!   [`delivery::Transport`] that publishes them;
+//! - [`OrderMode`], per-aggregate (default) or strict global order;
 //! - [`intake`], the consumer's seam: an [`intake::Intake`] of delivered events, each settled
 //!   through [`intake::Settle`].
 //!
@@ -51,6 +52,7 @@ mod error;
 mod event;
 pub mod intake;
 mod limits;
+mod order;
 pub mod subject;
 
 pub use backoff::Backoff;
@@ -58,3 +60,4 @@ pub use catalog::EventCatalog;
 pub use error::{ValidationError, ValidationErrorKind};
 pub use event::{Event, EventId, NewEvent};
 pub use limits::{Limits, LimitsError, HEADER_ROOM_BYTES, NATS_DEFAULT_MAX_PAYLOAD};
+pub use order::{OrderMode, ParseOrderModeError};

@@ -96,7 +96,9 @@ pub struct TopicSummary {
 /// never duplicate or reorder a message within a partition. Each event goes to
 /// [`KafkaConfig::topic`] with the aggregate id as its key (so one aggregate's events share a
 /// partition, in order; partitioned by `murmur2_random`, the Java client's hash, so other
-/// producers agree on the partition of a key), the payload's JSON text as its value, and the
+/// producers agree on the partition of a key; an event of the global lane has the key `global`,
+/// so the whole lane shares one partition, in global order), the payload's JSON text as its
+/// value, and the
 /// message contract's headers (see [`headers`](Self::headers)). A publish completes only with
 /// the delivery report, which tells the partition and offset ([`Delivered`]).
 ///
@@ -388,7 +390,7 @@ impl KafkaTransport {
             });
         }
         let record = FutureRecord::to(&self.config.topic)
-            .key(event.aggregate_id.as_bytes())
+            .key(kafka_key(event))
             .payload(event.payload.as_bytes())
             .headers(headers);
         let producer = self.producer();
@@ -576,6 +578,16 @@ pub(crate) fn classify(
     }
 }
 
+/// The record key: the aggregate id, or `global` for an event of the global lane (one key, so
+/// one partition holds the whole lane in order).
+fn kafka_key(event: &OutboxEvent) -> &[u8] {
+    if event.global_sequence.is_some() {
+        b"global"
+    } else {
+        event.aggregate_id.as_bytes()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -601,6 +613,26 @@ mod tests {
             classify(Some(C::MessageTimedOut), PublishErrorKind::Unavailable),
             PublishErrorKind::Unavailable
         );
+    }
+
+    #[test]
+    fn a_global_event_is_keyed_global_so_the_lane_keeps_one_partition() {
+        let mut event = OutboxEvent {
+            event_id: uuid::Uuid::nil(),
+            aggregate_type: "order".into(),
+            aggregate_id: "o-7".into(),
+            aggregate_sequence: 1,
+            global_sequence: None,
+            event_type: "OrderPlaced".into(),
+            schema_version: 1,
+            payload: "{}".into(),
+            headers: Vec::new(),
+            occurred_at: std::time::SystemTime::UNIX_EPOCH,
+            attempt_count: 0,
+        };
+        assert_eq!(kafka_key(&event), b"o-7");
+        event.global_sequence = Some(3);
+        assert_eq!(kafka_key(&event), b"global");
     }
 
     #[test]

@@ -16,5 +16,5 @@
 pub const NATS_MSG_ID: &str = handoff_core::contract::header::NATS_MSG_ID;
 pub use handoff_core::contract::header::{
     AGGREGATE_ID, AGGREGATE_TYPE, CE_ID, CE_SOURCE, CE_SPECVERSION, CE_TIME, CE_TYPE, CONTENT_TYPE,
-    SCHEMA_VERSION, SEQUENCE,
+    GLOBAL_SEQUENCE, SCHEMA_VERSION, SEQUENCE,
 };

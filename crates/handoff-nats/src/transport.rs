@@ -19,12 +19,17 @@ use handoff_core::subject::encode_token;
 use crate::url::{self, Credentials};
 use crate::{header, ConnectError, JetStreamConfig, StreamError};
 
+/// The last subject token of the global lane: `<subject_prefix>.global`.
+pub const GLOBAL_TOKEN: &str = "global";
+
 /// The connection name the server shows in its monitoring endpoints.
 const CLIENT_NAME: &str = "handoff";
 
 /// Publishes outbox events to one JetStream stream and waits for each acknowledgement.
 ///
-/// Each event goes to `<subject_prefix>.<aggregate_type>.<encode_token(aggregate_id)>` with
+/// Each event goes to `<subject_prefix>.<aggregate_type>.<encode_token(aggregate_id)>` (an
+/// event of the global lane, with a [`global_sequence`](OutboxEvent::global_sequence), to the
+/// one subject `<subject_prefix>.global`, whose stream order is then the global order) with
 /// `Nats-Msg-Id` set to its event id (so JetStream drops a republish inside the
 /// [duplicate window](JetStreamConfig::duplicate_window)), CloudEvents binary-mode headers and
 /// handoff's own headers; see [`headers`](Self::headers). The body is the payload's JSON text,
@@ -268,7 +273,9 @@ impl JetStreamTransport {
     }
 
     /// The subject `event` is published to:
-    /// `<subject_prefix>.<aggregate_type>.<encode_token(aggregate_id)>`.
+    /// `<subject_prefix>.<aggregate_type>.<encode_token(aggregate_id)>`, or
+    /// `<subject_prefix>.global` for an event of the global lane (global order mode: one
+    /// subject, so a consumer of it reads the events in global sequence order).
     ///
     /// The aggregate id is percent-encoded by [`encode_token`], so any id becomes exactly one
     /// token and can be decoded back; consumers subscribe to `<prefix>.<aggregate_type>.*`.
@@ -281,6 +288,8 @@ impl JetStreamTransport {
     /// event.aggregate_type = "order".into();
     /// event.aggregate_id = "eu.42".into();
     /// assert_eq!(transport.subject(&event), "outbox.order.eu%2E42");
+    /// event.global_sequence = Some(7);
+    /// assert_eq!(transport.subject(&event), "outbox.global");
     /// # }
     /// ```
     pub fn subject(&self, event: &OutboxEvent) -> String {
@@ -502,6 +511,9 @@ pub(crate) fn subject_covers_prefix(pattern: &str, prefix: &str) -> bool {
 }
 
 fn subject_for(prefix: &str, event: &OutboxEvent) -> String {
+    if event.global_sequence.is_some() {
+        return format!("{prefix}.{GLOBAL_TOKEN}");
+    }
     format!(
         "{prefix}.{}.{}",
         event.aggregate_type,
@@ -656,6 +668,7 @@ mod tests {
             aggregate_type: "order".into(),
             aggregate_id: "eu.west 42".into(),
             aggregate_sequence: 7,
+            global_sequence: None,
             event_type: "OrderPlaced".into(),
             schema_version: 3,
             payload: r#"{"total":10}"#.into(),
@@ -671,6 +684,27 @@ mod tests {
 
     fn get<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
         headers.get(name).map(HeaderValue::as_str)
+    }
+
+    #[test]
+    fn a_global_event_goes_to_the_one_global_subject_with_its_number() {
+        let mut global = event();
+        global.global_sequence = Some(9);
+        assert_eq!(subject_for("outbox", &global), "outbox.global");
+        let headers = build_headers("handoff", &global).unwrap();
+        assert_eq!(
+            headers
+                .get(header::GLOBAL_SEQUENCE)
+                .map(|v| v.as_str().to_owned()),
+            Some("9".to_owned())
+        );
+        assert_eq!(
+            headers
+                .get(header::NATS_MSG_ID)
+                .map(|v| v.as_str().to_owned()),
+            Some(global.event_id.hyphenated().to_string())
+        );
+        assert_ne!(subject_for("outbox", &event()), "outbox.global");
     }
 
     #[test]

@@ -21,6 +21,9 @@ WITH head AS MATERIALIZED (
     FROM {schema}outbox o
     WHERE o.published_at IS NULL
       AND o.available_at <= now()
+      -- Events of the global lane are claim_global.sql's: published here, in parallel lanes,
+      -- they could overtake each other.
+      AND o.global_sequence IS NULL
       AND NOT EXISTS (
           SELECT 1
           FROM {schema}outbox p
@@ -51,6 +54,7 @@ run AS MATERIALIZED (
           AND s.aggregate_sequence > h.aggregate_sequence
           AND s.published_at IS NULL
           AND s.available_at <= now()
+          AND s.global_sequence IS NULL
         ORDER BY s.aggregate_sequence
         LIMIT greatest(0, $2 - (SELECT count(*) FROM head))
         FOR UPDATE SKIP LOCKED

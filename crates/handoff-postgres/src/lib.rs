@@ -66,6 +66,7 @@ pub use cleanup::{
     Cleanup, CleanupConfig, CleanupError, CleanupErrorKind, CleanupPhase, CleanupProgress,
     CleanupReport, BATCH_SIZE_RANGE,
 };
+pub use handoff_core::OrderMode;
 pub use inbox::{
     validate_consumer_name, Admission, CallRecord, CallResponse, CallStatus, Inbox, InboxError,
     InboxErrorKind, QuarantineKind, MAX_CONSUMER_NAME_BYTES,
@@ -87,7 +88,7 @@ pub use retained::{
 };
 pub use schema::{Schema, SchemaError};
 pub use source::{
-    header_pairs, read_outbox_event, Backlog, PollingConfig, PollingConfigError, PollingSource,
-    WAKE_CHANNEL,
+    header_pairs, read_outbox_event, Backlog, OtherLane, PollingConfig, PollingConfigError,
+    PollingSource, WAKE_CHANNEL,
 };
 pub use status::{CleanupRun, Status, StatusReport, StuckAggregate, TableSize};

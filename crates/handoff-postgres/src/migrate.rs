@@ -41,7 +41,7 @@ impl Migration {
 
 /// handoff's own migrations: the outbox, the sequence heads, the consumer inbox and the
 /// operators' tables (quarantine audit, cleanup archive and log), the delivery receipt, the
-/// saga tables.
+/// opt-in global order lane, and the saga tables.
 pub const HANDOFF_MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -72,6 +72,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         name: "delivery_receipt",
         up: include_str!("../migrations/0005_delivery_receipt.up.sql"),
         down: include_str!("../migrations/0005_delivery_receipt.down.sql"),
+    },
+    Migration {
+        version: 6,
+        name: "global_order",
+        up: include_str!("../migrations/0006_global_order.up.sql"),
+        down: include_str!("../migrations/0006_global_order.down.sql"),
     },
     Migration {
         version: 7,

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use handoff_core::{EventCatalog, EventId, Limits, LimitsError, NewEvent, ValidationError};
+use handoff_core::{
+    EventCatalog, EventId, Limits, LimitsError, NewEvent, OrderMode, ValidationError,
+};
 use sqlx::PgConnection;
 
 use crate::schema::Schema;
@@ -12,10 +14,15 @@ use crate::schema::Schema;
 /// # Examples
 ///
 /// ```
-/// use handoff_postgres::{OutboxConfig, Schema};
+/// use handoff_postgres::{OrderMode, OutboxConfig, Schema};
 ///
 /// let config = OutboxConfig { schema: Schema::named("events")?, ..OutboxConfig::default() };
 /// assert!(config.validate().is_ok());
+///
+/// // Strict global order (docs/global-order.md): every event also takes the next number of
+/// // one sequence over the whole outbox; run the relay with `--order global` to publish it.
+/// let global = OutboxConfig { order: OrderMode::Global, ..OutboxConfig::default() };
+/// assert_eq!(global.order.to_string(), "global");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, Default)]
@@ -24,6 +31,11 @@ pub struct OutboxConfig {
     pub schema: Schema,
     /// Size and shape limits checked before anything is written.
     pub limits: Limits,
+    /// Per-aggregate order (the default) or strict global order. In
+    /// [`OrderMode::Global`] every event also takes the next global sequence in the caller's
+    /// transaction, which serialises all global-order writers on one row until they commit
+    /// (needs migration 0006).
+    pub order: OrderMode,
 }
 
 impl OutboxConfig {
@@ -190,10 +202,18 @@ struct Inner {
     config: OutboxConfig,
     catalog: EventCatalog,
     enqueue_sql: String,
+    /// The enqueue statement of global order mode.
+    enqueue_global_sql: String,
+    /// The global head update of global order mode.
+    global_reserve_sql: String,
 }
 
 /// The enqueue statement, with `{schema}` to be replaced by the schema prefix.
 const ENQUEUE_SQL: &str = include_str!("../queries/enqueue.sql");
+/// [`ENQUEUE_SQL`] with a global sequence per event.
+const ENQUEUE_GLOBAL_SQL: &str = include_str!("../queries/enqueue_global.sql");
+/// Reserves places in the global lane.
+const GLOBAL_RESERVE_SQL: &str = include_str!("../queries/global_reserve.sql");
 
 impl Outbox {
     /// An outbox accepting the events declared in `catalog`.
@@ -203,12 +223,17 @@ impl Outbox {
     /// [`LimitsError`] when the configuration is invalid.
     pub fn new(config: OutboxConfig, catalog: EventCatalog) -> Result<Self, LimitsError> {
         config.validate()?;
-        let enqueue_sql = ENQUEUE_SQL.replace("{schema}", &config.schema.prefix());
+        let prefix = config.schema.prefix();
+        let enqueue_sql = ENQUEUE_SQL.replace("{schema}", &prefix);
+        let enqueue_global_sql = ENQUEUE_GLOBAL_SQL.replace("{schema}", &prefix);
+        let global_reserve_sql = GLOBAL_RESERVE_SQL.replace("{schema}", &prefix);
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 catalog,
                 enqueue_sql,
+                enqueue_global_sql,
+                global_reserve_sql,
             }),
         })
     }
@@ -250,6 +275,12 @@ impl Outbox {
     /// ran `BEGIN`. Outside a transaction the statement autocommits, which is almost never what
     /// an outbox user wants.
     ///
+    /// In [`OrderMode::Global`] the batch first reserves its global sequences (one more round
+    /// trip), in the order given, and the global head row stays locked until the transaction
+    /// ends: every other global-order writer waits for this commit. Enqueue as late in the
+    /// transaction as possible, and do not lock other rows after it that another global-order
+    /// writer may hold while it waits here.
+    ///
     /// # Errors
     ///
     /// [`EnqueueError::Invalid`] before anything is sent (the transaction can go on); after a
@@ -265,16 +296,35 @@ impl Outbox {
         events: &[NewEvent],
     ) -> Result<Vec<Enqueued>, EnqueueError> {
         self.validate(events)?;
+        let mut groups = group_by_aggregate(events);
+        let global = self.inner.config.order == OrderMode::Global && !events.is_empty();
+        if global {
+            let last: i64 = sqlx::query_scalar(&self.inner.global_reserve_sql)
+                .bind(events.len() as i64)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|e| self.classify_sqlx(e))?;
+            assign_global(&mut groups, events, last);
+        }
+        let sql = if global {
+            &self.inner.enqueue_global_sql
+        } else {
+            &self.inner.enqueue_sql
+        };
         let mut enqueued = Vec::with_capacity(events.len());
-        for group in group_by_aggregate(events) {
-            let rows: Vec<(uuid::Uuid, i64)> = sqlx::query_as(&self.inner.enqueue_sql)
+        for group in groups {
+            let mut query = sqlx::query_as(sql)
                 .bind(group.aggregate_type)
                 .bind(group.aggregate_id)
                 .bind(&group.event_ids)
                 .bind(&group.event_types)
                 .bind(&group.schema_versions)
                 .bind(&group.payloads)
-                .bind(&group.headers)
+                .bind(&group.headers);
+            if global {
+                query = query.bind(&group.global_sequences);
+            }
+            let rows: Vec<(uuid::Uuid, i64)> = query
                 .fetch_all(&mut *conn)
                 .await
                 .map_err(|e| self.classify_sqlx(e))?;
@@ -292,6 +342,10 @@ impl Outbox {
     /// `outbox_heads` row is neither read nor written, which saves a heap and an index write per
     /// transaction. Use one mode per aggregate type: [`enqueue`](Self::enqueue) keeps its own
     /// count in `outbox_heads` and does not see sequences written here.
+    ///
+    /// In [`OrderMode::Global`] the events also take the next global sequences (through
+    /// `handoff_enqueue_versioned_global`, migration 0006), which locks the global head row
+    /// until the transaction ends, after the caller's own aggregate lock.
     ///
     /// # Errors
     ///
@@ -348,8 +402,9 @@ impl Outbox {
     /// SQL call to splice into the caller's own statement, so that the business write and the
     /// events go to the server in ONE statement and ONE round trip.
     ///
-    /// The call (`handoff_enqueue_versioned(...)`, installed by the migrations) returns the last
-    /// sequence written. Calling it from a scalar subquery over the caller's data-modifying CTE
+    /// The call (`handoff_enqueue_versioned(...)`, installed by the migrations; in
+    /// [`OrderMode::Global`] `handoff_enqueue_versioned_global(...)`, which also assigns the
+    /// global sequences) returns the last sequence written. Calling it from a scalar subquery over the caller's data-modifying CTE
     /// enqueues the events only when the business write happened (an idempotent command whose
     /// key already exists writes nothing at all). Same rules and errors as `enqueue_versioned`,
     /// raised when the statement runs.
@@ -395,7 +450,10 @@ impl Outbox {
                 .inner
                 .config
                 .schema
-                .qualify("handoff_enqueue_versioned"),
+                .qualify(match self.inner.config.order {
+                    OrderMode::Aggregate => "handoff_enqueue_versioned",
+                    OrderMode::Global => "handoff_enqueue_versioned_global",
+                }),
             aggregate_type: group.as_ref().map_or("", |g| g.aggregate_type).to_owned(),
             aggregate_id: group.as_ref().map_or("", |g| g.aggregate_id).to_owned(),
             first_sequence,
@@ -453,21 +511,38 @@ impl Outbox {
         use tokio_postgres::types::Type;
 
         self.validate(events)?;
+        let mut groups = group_by_aggregate(events);
+        let global = self.inner.config.order == OrderMode::Global && !events.is_empty();
+        if global {
+            let count = events.len() as i64;
+            let row = client
+                .query_typed_one(&self.inner.global_reserve_sql, &[(&count, Type::INT8)])
+                .await
+                .map_err(|e| self.classify_tokio_postgres(e))?;
+            let last: i64 = row
+                .try_get(0)
+                .map_err(|e| EnqueueError::Database(DriverError::TokioPostgres(e)))?;
+            assign_global(&mut groups, events, last);
+        }
         let mut enqueued = Vec::with_capacity(events.len());
-        for group in group_by_aggregate(events) {
+        for group in groups {
+            let mut params: Vec<(&(dyn tokio_postgres::types::ToSql + Sync), Type)> = vec![
+                (&group.aggregate_type, Type::TEXT),
+                (&group.aggregate_id, Type::TEXT),
+                (&group.event_ids, Type::UUID_ARRAY),
+                (&group.event_types, Type::TEXT_ARRAY),
+                (&group.schema_versions, Type::INT4_ARRAY),
+                (&group.payloads, Type::TEXT_ARRAY),
+                (&group.headers, Type::TEXT_ARRAY),
+            ];
+            let sql = if global {
+                params.push((&group.global_sequences, Type::INT8_ARRAY));
+                &self.inner.enqueue_global_sql
+            } else {
+                &self.inner.enqueue_sql
+            };
             let rows = client
-                .query_typed(
-                    &self.inner.enqueue_sql,
-                    &[
-                        (&group.aggregate_type, Type::TEXT),
-                        (&group.aggregate_id, Type::TEXT),
-                        (&group.event_ids, Type::UUID_ARRAY),
-                        (&group.event_types, Type::TEXT_ARRAY),
-                        (&group.schema_versions, Type::INT4_ARRAY),
-                        (&group.payloads, Type::TEXT_ARRAY),
-                        (&group.headers, Type::TEXT_ARRAY),
-                    ],
-                )
+                .query_typed(sql, &params)
                 .await
                 .map_err(|e| self.classify_tokio_postgres(e))?;
             collect(&mut enqueued, tokio_postgres_rows(&rows)?);
@@ -563,8 +638,8 @@ impl Outbox {
         match (sqlstate, constraint) {
             (Some("23505"), Some("outbox_pkey")) => EnqueueError::DuplicateEventId,
             (Some("23505"), Some("outbox_aggregate_sequence_key")) => EnqueueError::SequenceTaken,
-            // undefined_table
-            (Some("42P01"), _) => EnqueueError::NotMigrated {
+            // undefined_table; undefined_function (global order mode before migration 0006)
+            (Some("42P01" | "42883"), _) => EnqueueError::NotMigrated {
                 schema: self
                     .inner
                     .config
@@ -698,6 +773,21 @@ struct AggregateBatch<'a> {
     schema_versions: Vec<i32>,
     payloads: Vec<&'a str>,
     headers: Vec<String>,
+    /// Filled by [`assign_global`] in global order mode only.
+    global_sequences: Vec<i64>,
+}
+
+/// Gives the events of a batch the global sequences `last - n + 1 ..= last` in the order the
+/// caller gave them (so one aggregate's events keep their relative order globally too).
+fn assign_global(groups: &mut [AggregateBatch<'_>], events: &[NewEvent], last: i64) {
+    let first = last - events.len() as i64 + 1;
+    for (event, global) in events.iter().zip(first..) {
+        if let Some(group) = groups.iter_mut().find(|g| {
+            (g.aggregate_type, g.aggregate_id) == (event.aggregate_type(), event.aggregate_id())
+        }) {
+            group.global_sequences.push(global);
+        }
+    }
 }
 
 /// Splits a batch by aggregate, keeping each aggregate's events in the order given, and sorts
@@ -720,6 +810,7 @@ fn group_by_aggregate(events: &[NewEvent]) -> Vec<AggregateBatch<'_>> {
                     schema_versions: Vec::new(),
                     payloads: Vec::new(),
                     headers: Vec::new(),
+                    global_sequences: Vec::new(),
                 });
                 groups.len() - 1
             }
@@ -798,5 +889,18 @@ mod tests {
         assert_eq!(groups[0].aggregate_id, "a");
         assert_eq!(groups[1].aggregate_id, "b");
         assert_eq!(groups[1].payloads, ["1", "3"]);
+    }
+
+    #[test]
+    fn global_sequences_follow_the_given_order_across_groups() {
+        let events = [
+            NewEvent::new("order", "b", "E", 1, "1"),
+            NewEvent::new("order", "a", "E", 1, "2"),
+            NewEvent::new("order", "b", "E", 1, "3"),
+        ];
+        let mut groups = group_by_aggregate(&events);
+        assign_global(&mut groups, &events, 12);
+        assert_eq!(groups[0].global_sequences, [11]);
+        assert_eq!(groups[1].global_sequences, [10, 12]);
     }
 }

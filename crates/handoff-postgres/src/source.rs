@@ -11,8 +11,11 @@ use tokio::sync::Mutex;
 use tokio::time::error::Elapsed;
 
 use crate::Schema;
+use handoff_core::OrderMode;
 
 const CLAIM_SQL: &str = include_str!("../queries/claim.sql");
+const CLAIM_GLOBAL_SQL: &str = include_str!("../queries/claim_global.sql");
+const GLOBAL_PENDING_SQL: &str = include_str!("../queries/global_pending.sql");
 const MARK_PUBLISHED_SQL: &str = include_str!("../queries/mark_published.sql");
 const RECORD_FAILURES_SQL: &str = include_str!("../queries/record_failures.sql");
 const RELEASE_SQL: &str = include_str!("../queries/release.sql");
@@ -61,6 +64,12 @@ pub struct PollingConfig {
     /// the ping would hang as well and hold a pool slot for good. Well above the slowest claim
     /// of a batch; at least 100 ms. Default: 10 seconds.
     pub query_timeout: Duration,
+    /// Which events this source hands out. [`OrderMode::Aggregate`] (the default): the
+    /// per-aggregate events, in ordered lanes per aggregate; events with a global sequence are
+    /// left alone. [`OrderMode::Global`]: only the global lane, from its lowest unpublished
+    /// event on, to one relay at a time (needs migration 0006); per-aggregate events are left
+    /// alone.
+    pub order: OrderMode,
 }
 
 impl Default for PollingConfig {
@@ -73,6 +82,7 @@ impl Default for PollingConfig {
             listen: true,
             stuck_after: Duration::from_secs(60),
             query_timeout: Duration::from_secs(10),
+            order: OrderMode::Aggregate,
         }
     }
 }
@@ -167,6 +177,7 @@ struct Sql {
     wait: String,
     unwait: String,
     backlog: String,
+    global_pending: String,
 }
 
 /// The unpublished part of the outbox, as [`PollingSource::backlog`] reads it.
@@ -188,6 +199,19 @@ pub struct Backlog {
     pub outbox_bytes: i64,
 }
 
+/// What [`PollingSource::other_lane`] found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OtherLane {
+    /// Unpublished events this source's order mode does not publish: per-aggregate events for
+    /// a global-order source, global events for an aggregate-order one.
+    pub pending: i64,
+    /// The lowest unpublished global sequence, if any.
+    pub global_front: Option<i64>,
+    /// Whether that event is held for an operator (quarantined): the whole global lane waits
+    /// behind it until it is retried or skipped (`handoff quarantine`).
+    pub global_front_held: bool,
+}
+
 /// The wake-up state. A tokio mutex: the listener is awaited while held.
 #[derive(Default)]
 struct Wake {
@@ -207,13 +231,17 @@ impl PollingSource {
         let prefix = config.schema.prefix();
         let sql = |template: &str| template.replace("{schema}", &prefix);
         let sql = Sql {
-            claim: sql(CLAIM_SQL),
+            claim: sql(match config.order {
+                OrderMode::Aggregate => CLAIM_SQL,
+                OrderMode::Global => CLAIM_GLOBAL_SQL,
+            }),
             mark_published: sql(MARK_PUBLISHED_SQL),
             record_failures: sql(RECORD_FAILURES_SQL),
             release: sql(RELEASE_SQL),
             wait: sql(RELAY_WAIT_SQL),
             unwait: sql(RELAY_UNWAIT_SQL),
             backlog: sql(BACKLOG_SQL),
+            global_pending: sql(GLOBAL_PENDING_SQL),
         };
         Ok(PollingSource {
             pool,
@@ -252,6 +280,34 @@ impl PollingSource {
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         let row = self.bounded(&mut conn, outcome, what)?;
         read_backlog(&row).map_err(|e| SourceError::new("while reading the backlog", e))
+    }
+
+    /// What the other order mode left pending: in global mode the per-aggregate events, in
+    /// aggregate mode the global ones. This source never publishes them; a relay in the other
+    /// mode must. Also tells whether the global lane is blocked by a held event.
+    ///
+    /// # Errors
+    ///
+    /// The database could not be reached, or migration 0006 is missing.
+    pub async fn other_lane(&self) -> Result<OtherLane, SourceError> {
+        let what = "while reading the pending events of the other order mode";
+        let mut conn = self.connection(what).await?;
+        let query = sqlx::query(&self.sql.global_pending).fetch_one(&mut *conn);
+        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+        let row = self.bounded(&mut conn, outcome, what)?;
+        let read = |row: &PgRow| -> Result<OtherLane, sqlx::Error> {
+            let global: i64 = row.try_get("global_pending")?;
+            let unnumbered: i64 = row.try_get("unnumbered_pending")?;
+            Ok(OtherLane {
+                pending: match self.config.order {
+                    OrderMode::Aggregate => global,
+                    OrderMode::Global => unnumbered,
+                },
+                global_front_held: row.try_get("global_front_held")?,
+                global_front: row.try_get("global_front")?,
+            })
+        };
+        read(&row).map_err(|e| SourceError::new(what, e))
     }
 
     /// Stops the writers' notifications on this relay's account.
@@ -335,8 +391,8 @@ pub(crate) fn read_backlog(row: &PgRow) -> Result<Backlog, sqlx::Error> {
 
 /// Reads one outbox row as the relay gets it: the columns `claim.sql` returns (`event_id`,
 /// `aggregate_type`, `aggregate_id`, `aggregate_sequence`, `event_type`, `schema_version`,
-/// `payload` and `headers` as text, `occurred_at`, `attempt_count`), for tools that select rows
-/// the same way (benchmarks, replays).
+/// `payload` and `headers` as text, `occurred_at`, `attempt_count`, and optionally
+/// `global_sequence`), for tools that select rows the same way (benchmarks, replays).
 ///
 /// # Errors
 ///
@@ -349,6 +405,12 @@ pub fn read_outbox_event(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
         aggregate_type: row.try_get("aggregate_type")?,
         aggregate_id: row.try_get("aggregate_id")?,
         aggregate_sequence: row.try_get("aggregate_sequence")?,
+        global_sequence: match row.try_get("global_sequence") {
+            Ok(global) => global,
+            // Tools that select rows their own way need not name the column.
+            Err(sqlx::Error::ColumnNotFound(_)) => None,
+            Err(e) => return Err(e),
+        },
         event_type: row.try_get("event_type")?,
         schema_version: row.try_get("schema_version")?,
         payload: row.try_get("payload")?,

@@ -17,12 +17,14 @@ const BACKLOG_SQL: &str = include_str!("../queries/backlog.sql");
 const STUCK_SQL: &str = include_str!("../queries/status/stuck.sql");
 const TABLES_SQL: &str = include_str!("../queries/status/tables.sql");
 const LAST_CLEANUP_SQL: &str = include_str!("../queries/status/last_cleanup.sql");
+const GLOBAL_PENDING_SQL: &str = include_str!("../queries/global_pending.sql");
 
 /// The tables whose size the report shows: the outbox's, then the consumer side's, which live
 /// in the same database only when a consumer shares it.
 const TABLES: &[&str] = &[
     "outbox",
     "outbox_heads",
+    "outbox_global_head",
     "outbox_archive",
     "outbox_quarantine_actions",
     "processed_events",
@@ -54,6 +56,7 @@ pub struct Status {
     backlog_sql: String,
     stuck_sql: String,
     last_cleanup_sql: String,
+    global_pending_sql: String,
     tables: Vec<String>,
 }
 
@@ -77,6 +80,13 @@ pub struct StatusReport {
     pub tables: Vec<TableSize>,
     /// The latest cleanup run, if any.
     pub last_cleanup: Option<CleanupRun>,
+    /// Unpublished events of the global lane (written in global order mode).
+    pub global_pending: i64,
+    /// The lowest unpublished global sequence: where a `--order global` relay is.
+    pub global_front: Option<i64>,
+    /// Whether that event is held for an operator. A held event blocks the whole global lane:
+    /// nothing after it is published until it is retried or skipped.
+    pub global_lane_blocked: bool,
 }
 
 /// An aggregate whose first unpublished event has waited too long.
@@ -145,6 +155,7 @@ impl Status {
             backlog_sql: sql(BACKLOG_SQL),
             stuck_sql: sql(STUCK_SQL),
             last_cleanup_sql: sql(LAST_CLEANUP_SQL),
+            global_pending_sql: sql(GLOBAL_PENDING_SQL),
             tables: TABLES.iter().map(|t| schema.qualify(t)).collect(),
         }
     }
@@ -199,6 +210,9 @@ impl Status {
             .await?
             .map(|row| read_cleanup(&row))
             .transpose()?;
+        let global = sqlx::query(&self.global_pending_sql)
+            .fetch_one(&mut *conn)
+            .await?;
         Ok(StatusReport {
             pending: backlog.pending,
             oldest_pending_age_seconds: backlog.oldest_age.map_or(0.0, |age| age.as_secs_f64()),
@@ -208,6 +222,9 @@ impl Status {
             stuck_aggregates,
             tables,
             last_cleanup,
+            global_pending: global.try_get("global_pending")?,
+            global_front: global.try_get("global_front")?,
+            global_lane_blocked: global.try_get("global_front_held")?,
         })
     }
 }

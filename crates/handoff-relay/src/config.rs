@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-pub use handoff_core::Backoff;
+pub use handoff_core::{Backoff, OrderMode};
 
 /// Settings of a [`Relay`](crate::Relay). `Default` is what `handoff relay` runs with.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,6 +31,11 @@ pub struct RelayConfig {
     /// On shutdown, how long in-flight publishes may take to finish before their events are
     /// released unfinished.
     pub shutdown_grace: Duration,
+    /// How claimed events are published. [`OrderMode::Aggregate`] (the default): one lane per
+    /// aggregate, lanes in parallel. [`OrderMode::Global`]: the whole claim is one lane in
+    /// global sequence order, each event published only after the previous one's
+    /// acknowledgement. The source must be set up for the same mode.
+    pub order: OrderMode,
 }
 
 impl Default for RelayConfig {
@@ -50,6 +55,7 @@ impl Default for RelayConfig {
                 max: Duration::from_secs(10),
             },
             shutdown_grace: Duration::from_secs(10),
+            order: OrderMode::Aggregate,
         }
     }
 }

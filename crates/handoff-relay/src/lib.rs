@@ -28,5 +28,5 @@ pub mod failpoints;
 pub mod metrics;
 mod relay;
 
-pub use config::{Backoff, RelayConfig, RelayConfigError};
+pub use config::{Backoff, OrderMode, RelayConfig, RelayConfigError};
 pub use relay::{Relay, RelayReport};

@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -17,7 +17,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::failpoints::{self as fp, freeze_if_fired};
 use crate::metrics as m;
-use crate::{RelayConfig, RelayConfigError};
+use crate::{OrderMode, RelayConfig, RelayConfigError};
 
 /// Moves committed events from a [`Source`] to a [`Transport`] at least once, in order per
 /// aggregate (brief P1-P6).
@@ -30,6 +30,9 @@ use crate::{RelayConfig, RelayConfigError};
 ///   another, can overtake a lane.
 /// - Acknowledgements, failures and releases are written back in batches by one task, apart
 ///   from publishing, so a database round trip never stalls the broker pipeline.
+/// - With [`RelayConfig::order`] set to [`OrderMode::Global`], each claim is one lane in global
+///   sequence order instead: strictly one publish at a time. The source hands out the global
+///   lane's front to one relay at a time, so the lane is never overtaken either.
 /// - A broker that is down pauses claiming (no tight loop, no database load) until the
 ///   transport says it is reachable again.
 ///
@@ -83,6 +86,10 @@ struct Shared {
     /// Woken after every batch of outcomes is written: predecessors got marked, so events the
     /// last claim had to leave behind may be claimable now.
     progress: Notify,
+    /// Claimed events whose outcome is not written back yet (the bookkeeper lags the lanes).
+    /// Until it is 0, a claim may still find events blocked behind this relay's own unwritten
+    /// outcomes; in global order mode the lane's front is this relay's own lease.
+    unsettled: AtomicUsize,
     published: AtomicU64,
     retried: AtomicU64,
     held: AtomicU64,
@@ -156,6 +163,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
             retried: AtomicU64::new(0),
             held: AtomicU64::new(0),
             released: AtomicU64::new(0),
+            unsettled: AtomicUsize::new(0),
         });
         // Up until a publish says otherwise, so the gauge exists from the start rather than from
         // the first outage (a dashboard panel and `absent()` need the series).
@@ -200,7 +208,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
                 }
                 claim = claim_rx.recv(), if claims_open => match claim {
                     Some(claim) => {
-                        for lane in lanes_of(claim.events) {
+                        for lane in lanes_of(claim.events, self.config.order) {
                             lanes.push(run_lane(
                                 lane,
                                 self.transport.clone(),
@@ -276,6 +284,14 @@ impl<S: Source, T: Transport> Relay<S, T> {
                     "event held for an operator: it will not be retried, and the later events \
                      of its aggregate wait behind it"
                 );
+                if let Some(global) = event.global_sequence {
+                    error!(
+                        event_id = %event.event_id,
+                        global_sequence = global,
+                        "the global lane is blocked: no global event is published until this \
+                         one is retried or skipped (`handoff quarantine`)"
+                    );
+                }
             } else {
                 shared.retried.fetch_add(1, Ordering::Relaxed);
                 debug!(event_id = %event.event_id, error = %error, "publish failed; will retry");
@@ -313,6 +329,10 @@ impl<S: Source, T: Transport> Relay<S, T> {
     }
 }
 
+fn unsettled(shared: &Shared) -> usize {
+    shared.unsettled.load(Ordering::Relaxed)
+}
+
 fn in_flight(shared: &Shared) -> usize {
     shared
         .in_flight
@@ -321,8 +341,16 @@ fn in_flight(shared: &Shared) -> usize {
         .len()
 }
 
-/// Splits a claim into one lane per aggregate, each in sequence order.
-fn lanes_of(events: Vec<OutboxEvent>) -> Vec<Vec<OutboxEvent>> {
+/// Splits a claim into one lane per aggregate, each in sequence order; in global order mode the
+/// claim is one lane in global sequence order.
+fn lanes_of(mut events: Vec<OutboxEvent>, order: OrderMode) -> Vec<Vec<OutboxEvent>> {
+    if order == OrderMode::Global {
+        if events.is_empty() {
+            return Vec::new();
+        }
+        events.sort_by_key(|e| e.global_sequence);
+        return vec![events];
+    }
     let mut lanes: HashMap<(String, String), Vec<OutboxEvent>> = HashMap::new();
     for event in events {
         lanes
@@ -442,6 +470,14 @@ async fn claim_loop<S: Source, T: Transport>(
             }
         }
 
+        if config.order == OrderMode::Global && unsettled(&shared) > 0 {
+            // The lane's front is this relay's own lease until the outcomes are written: a
+            // claim now could only come back empty. Wait for the bookkeeper instead.
+            tokio::select! {
+                _ = stop.changed() => break,
+                () = shared.progress.notified() => continue,
+            }
+        }
         if capacity.available_permits() < batch {
             debug!(
                 in_flight = in_flight(&shared),
@@ -496,6 +532,7 @@ async fn claim_loop<S: Source, T: Transport>(
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .extend(claim.events.iter().map(|e| e.event_id));
+            shared.unsettled.fetch_add(claimed, Ordering::Relaxed);
             metrics::gauge!(m::IN_FLIGHT).set(in_flight(&shared) as f64);
             if claims.send(claim).await.is_err() {
                 break;
@@ -506,7 +543,7 @@ async fn claim_loop<S: Source, T: Transport>(
             // writer commits, our own outcomes unblock something, or the poll interval ends.
             tokio::select! {
                 _ = stop.changed() => break,
-                () = shared.progress.notified(), if claimed > 0 || in_flight(&shared) > 0 => {}
+                () = shared.progress.notified(), if claimed > 0 || unsettled(&shared) > 0 => {}
                 woke = source.wait_for_work(config.poll_interval) => {
                     if let Err(error) = woke {
                         warn!(error = %error, "wake-up channel failed: polling");
@@ -532,6 +569,7 @@ async fn bookkeep<S: Source>(
 ) {
     let mut buffer = Vec::with_capacity(4096);
     while outcomes.recv_many(&mut buffer, 4096).await > 0 {
+        let written = buffer.len();
         let mut published = Vec::new();
         let mut failures = Vec::new();
         let mut released = Vec::new();
@@ -560,6 +598,12 @@ async fn bookkeep<S: Source>(
                 .fetch_add(released.len() as u64, Ordering::Relaxed);
             persist("release", &config, &stop, || source.release(&released)).await;
         }
+        shared
+            .unsettled
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_sub(written))
+            })
+            .ok();
         shared.progress.notify_one();
     }
 }
@@ -603,6 +647,7 @@ mod tests {
             aggregate_type: "thing".into(),
             aggregate_id: aggregate.into(),
             aggregate_sequence: sequence,
+            global_sequence: None,
             event_type: "ThingHappened".into(),
             schema_version: 1,
             payload: "{}".into(),
@@ -621,7 +666,7 @@ mod tests {
             event("a", 2),
             event("b", 2),
         ];
-        let mut lanes = lanes_of(claim);
+        let mut lanes = lanes_of(claim, OrderMode::Aggregate);
         lanes.sort_by(|x, y| x[0].aggregate_id.cmp(&y[0].aggregate_id));
         let shape: Vec<Vec<(String, i64)>> = lanes
             .iter()
@@ -638,5 +683,20 @@ mod tests {
                 vec![("b".into(), 1), ("b".into(), 2)],
             ]
         );
+    }
+
+    #[test]
+    fn a_global_claim_is_one_lane_in_global_order() {
+        let mut claim = Vec::new();
+        for (aggregate, sequence, global) in [("a", 2, 4), ("b", 1, 1), ("a", 1, 2), ("b", 2, 3)] {
+            let mut e = event(aggregate, sequence);
+            e.global_sequence = Some(global);
+            claim.push(e);
+        }
+        let lanes = lanes_of(claim, OrderMode::Global);
+        assert_eq!(lanes.len(), 1);
+        let order: Vec<Option<i64>> = lanes[0].iter().map(|e| e.global_sequence).collect();
+        assert_eq!(order, [Some(1), Some(2), Some(3), Some(4)]);
+        assert!(lanes_of(Vec::new(), OrderMode::Global).is_empty());
     }
 }

@@ -42,6 +42,7 @@ pub fn outbox_event(aggregate_id: &str, n: u64) -> OutboxEvent {
         aggregate_type: AGGREGATE_TYPE.to_owned(),
         aggregate_id: aggregate_id.to_owned(),
         aggregate_sequence: i64::try_from(n).unwrap_or(i64::MAX),
+        global_sequence: None,
         event_type: EVENT_TYPE.to_owned(),
         schema_version: 1,
         payload: format!(r#"{{"n":{n}}}"#),

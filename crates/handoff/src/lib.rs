@@ -65,7 +65,9 @@ pub use handoff_postgres as postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "relay")))]
 pub use handoff_relay as relay;
 
-pub use handoff_core::{Event, EventCatalog, EventId, Limits, NewEvent, ValidationError};
+pub use handoff_core::{
+    Event, EventCatalog, EventId, Limits, NewEvent, OrderMode, ValidationError,
+};
 pub use handoff_postgres::{
     EnqueueError, EnqueueErrorKind, Enqueued, MigrateError, Migrator, Outbox, OutboxConfig, Schema,
 };

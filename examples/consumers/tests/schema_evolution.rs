@@ -225,6 +225,7 @@ fn outbox_event(new: &NewEvent, event_id: Uuid) -> OutboxEvent {
         aggregate_type: new.aggregate_type().to_owned(),
         aggregate_id: new.aggregate_id().to_owned(),
         aggregate_sequence: 1,
+        global_sequence: None,
         event_type: new.event_type().to_owned(),
         schema_version: new.schema_version(),
         payload: new.payload().to_owned(),

@@ -16,7 +16,7 @@ pub mod model;
 pub mod store;
 
 use handoff::postgres::{MigrateError, Migration, MigrationReport};
-use handoff::{Migrator, Outbox, OutboxConfig, Schema};
+use handoff::{Migrator, OrderMode, Outbox, OutboxConfig, Schema};
 use sqlx::{PgConnection, PgPool};
 
 /// The service's own migrations, recorded apart from handoff's.
@@ -62,8 +62,18 @@ pub async fn check_migrations(conn: &mut PgConnection) -> Result<(), MigrateErro
 
 /// The outbox the service enqueues through.
 pub fn outbox() -> Outbox {
-    // The default configuration is valid by construction.
-    Outbox::new(OutboxConfig::default(), events::catalog()).expect("default outbox config is valid")
+    outbox_in(OrderMode::Aggregate)
+}
+
+/// The outbox the service enqueues through, in `order` mode: with [`OrderMode::Global`] every
+/// event also takes the next global sequence (docs/global-order.md).
+pub fn outbox_in(order: OrderMode) -> Outbox {
+    let config = OutboxConfig {
+        order,
+        ..OutboxConfig::default()
+    };
+    // The default configuration, whatever the order mode, is valid by construction.
+    Outbox::new(config, events::catalog()).expect("default outbox config is valid")
 }
 
 /// The HTTP application over `pool` (already migrated), writing the current `OrderCreated`.
@@ -73,5 +83,15 @@ pub fn app(pool: PgPool) -> axum::Router {
 
 /// The HTTP application over `pool` (already migrated), writing `OrderCreated` in `version`.
 pub fn app_writing(pool: PgPool, version: events::OrderCreatedVersion) -> axum::Router {
-    api::router(store::Store::new(pool, outbox()).writing_order_created(version))
+    app_with(pool, version, OrderMode::Aggregate)
+}
+
+/// The HTTP application over `pool` (already migrated), writing `OrderCreated` in `version`
+/// and enqueueing in `order` mode.
+pub fn app_with(
+    pool: PgPool,
+    version: events::OrderCreatedVersion,
+    order: OrderMode,
+) -> axum::Router {
+    api::router(store::Store::new(pool, outbox_in(order)).writing_order_created(version))
 }

@@ -36,6 +36,11 @@ struct Args {
         value_parser = clap::value_parser!(i32).range(1..=2)
     )]
     order_created_version: i32,
+    /// `aggregate`: events are ordered per order only. `global`: every event also takes the
+    /// next number of one global sequence in its transaction (writers serialise on it); run the
+    /// relay with `--order global` to publish them, in that order, on `<prefix>.global`.
+    #[arg(long, env = "ORDER_SERVICE_ORDER", default_value_t = handoff::OrderMode::Aggregate)]
+    order: handoff::OrderMode,
 }
 
 #[tokio::main]
@@ -82,8 +87,13 @@ async fn run(args: Args) -> Result<()> {
     let addr = listener.local_addr()?;
     // The one line on stdout: scripts wait for it to know the service is ready.
     println!("listening on {addr}");
-    tracing::info!(%addr, order_created_version = version.number(), "order service ready");
-    axum::serve(listener, order_service::app_writing(pool, version))
+    tracing::info!(
+        %addr,
+        order_created_version = version.number(),
+        order = %args.order,
+        "order service ready"
+    );
+    axum::serve(listener, order_service::app_with(pool, version, args.order))
         .with_graceful_shutdown(shutdown())
         .await?;
     Ok(())

@@ -19,13 +19,21 @@ impl Service {
     }
 
     async fn start_writing(name: &str, version: OrderCreatedVersion) -> Self {
+        Self::start_with(name, version, handoff::OrderMode::Aggregate).await
+    }
+
+    async fn start_with(
+        name: &str,
+        version: OrderCreatedVersion,
+        order: handoff::OrderMode,
+    ) -> Self {
         let db = TestDb::with_pool_size(name, 16).await;
         let mut conn = db.pool.acquire().await.unwrap();
         order_service::migrate(&mut conn).await.unwrap();
         drop(conn);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
-        let app = order_service::app_writing(db.pool.clone(), version);
+        let app = order_service::app_with(db.pool.clone(), version, order);
         tokio::spawn(async move { axum::serve(listener, app).await });
         Self {
             db,
@@ -400,4 +408,49 @@ async fn a_failed_enqueue_rolls_the_order_back_and_shows_no_sql_to_the_client() 
     let (status, _, replayed) = svc.post("/orders", Some(&k), doomed).await;
     assert_eq!((status, replayed), (StatusCode::CREATED, false));
     assert_eq!(svc.counts().await, (1, 1, 1));
+}
+
+#[tokio::test]
+async fn in_global_order_every_event_of_every_order_takes_the_next_global_number() {
+    let svc = Service::start_with(
+        "orders_global",
+        OrderCreatedVersion::default(),
+        handoff::OrderMode::Global,
+    )
+    .await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let (status, body, _) = svc.post("/orders", Some(&key()), ORDER).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        ids.push(body["order_id"].as_str().unwrap().to_owned());
+    }
+    // Lines added at once to two orders, then a cancel: every command's event is numbered.
+    let adds = (0..6).map(|i| {
+        let path = format!("/orders/{}/lines", ids[i % 2]);
+        let body = format!(r#"{{"sku": "s-{i}", "quantity": 1, "unit_price_cents": 10}}"#);
+        let svc = &svc;
+        async move { svc.post(&path, Some(&key()), &body).await }
+    });
+    for (status, body, _) in futures::future::join_all(adds).await {
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let (status, body, _) = svc
+        .post(&format!("/orders/{}/cancel", ids[2]), Some(&key()), "")
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    let rows: Vec<(i64, String, i64)> = sqlx::query_as(
+        "SELECT global_sequence, aggregate_id, aggregate_sequence FROM outbox
+         ORDER BY global_sequence",
+    )
+    .fetch_all(&svc.db.pool)
+    .await
+    .unwrap();
+    let globals: Vec<i64> = rows.iter().map(|r| r.0).collect();
+    assert_eq!(globals, (1..=10).collect::<Vec<_>>());
+    let mut last = std::collections::HashMap::new();
+    for (global, aggregate, sequence) in &rows {
+        let previous = last.insert(aggregate.clone(), *sequence).unwrap_or(0);
+        assert_eq!(*sequence, previous + 1, "{aggregate} at global {global}");
+    }
 }

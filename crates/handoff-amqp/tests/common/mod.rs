@@ -240,6 +240,7 @@ pub fn event(aggregate_id: &str, sequence: i64) -> OutboxEvent {
         aggregate_type: "order".into(),
         aggregate_id: aggregate_id.into(),
         aggregate_sequence: sequence,
+        global_sequence: None,
         event_type: "OrderPlaced".into(),
         schema_version: 2,
         payload: format!(r#"{{"aggregate":"{aggregate_id}","sequence":{sequence}}}"#),

@@ -154,6 +154,7 @@ pub fn event(aggregate: &str, sequence: i64) -> OutboxEvent {
         aggregate_type: "order".into(),
         aggregate_id: aggregate.into(),
         aggregate_sequence: sequence,
+        global_sequence: None,
         event_type: "OrderCreated".into(),
         schema_version: 1,
         payload: format!(r#"{{"n":{sequence}}}"#),

@@ -333,6 +333,7 @@ pub fn order_event<E: Event + Serialize>(
         aggregate_type: E::AGGREGATE_TYPE.to_owned(),
         aggregate_id: order_id.to_string(),
         aggregate_sequence: sequence,
+        global_sequence: None,
         event_type: E::EVENT_TYPE.to_owned(),
         schema_version: E::SCHEMA_VERSION,
         payload: serde_json::to_string(payload).expect("serialise the payload"),

@@ -1,0 +1,72 @@
+-- Lease to relay $1 for $3 seconds the front of the global lane: up to $2 events with
+-- consecutive global sequences, starting at the lowest unpublished one (brief F3, global order
+-- mode; docs/global-order.md).
+--
+-- One statement, so one short transaction, as claim.sql. The lane has one front, so at most one
+-- relay publishes it at a time: the claim starts at the lowest unpublished global event or
+-- nowhere. If that row is leased (to this relay's previous claim or to another relay), locked
+-- by a concurrent claim (SKIP LOCKED), backing off after a failure, or held for an operator
+-- (quarantined: available_at = 'infinity'), nothing is claimed, and the whole lane waits. So
+-- global sequence k+1 is never leased while k is unpublished outside the same claim.
+--
+-- Per-aggregate events (global_sequence IS NULL) are not this query's: claim.sql takes them.
+WITH front AS MATERIALIZED (
+    -- The lowest unpublished global event, read from the front of outbox_global_pending_idx.
+    SELECT o.event_id
+    FROM {schema}outbox o
+    WHERE o.published_at IS NULL
+      AND o.global_sequence IS NOT NULL
+    ORDER BY o.global_sequence
+    LIMIT 1
+),
+head AS MATERIALIZED (
+    -- The front, if it is claimable right now. Under READ COMMITTED the lock re-reads the row:
+    -- a front that another claim leased or that got published since this statement's snapshot
+    -- fails the predicate and the lane is left alone this round.
+    SELECT o.event_id, o.global_sequence
+    FROM {schema}outbox o
+    JOIN front f ON f.event_id = o.event_id
+    WHERE o.published_at IS NULL
+      AND o.available_at <= now()
+    FOR UPDATE OF o SKIP LOCKED
+),
+run AS MATERIALIZED (
+    -- The front and the events right behind it. Only the unbroken prefix counts: the first
+    -- missing, unavailable or locked global sequence ends the run.
+    SELECT n.event_id, n.global_sequence, n.claimed_by,
+           n.global_sequence - h.global_sequence + 1
+               = row_number() OVER (ORDER BY n.global_sequence) AS unbroken
+    FROM head h
+    CROSS JOIN LATERAL (
+        SELECT s.event_id, s.global_sequence, s.claimed_by
+        FROM {schema}outbox s
+        WHERE s.global_sequence >= h.global_sequence
+          AND s.published_at IS NULL
+          AND s.available_at <= now()
+        ORDER BY s.global_sequence
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED
+    ) n
+),
+picked AS (
+    -- The unbroken prefix only: a row after a hole would overtake the hole. Sequences only grow
+    -- along the run, so once a row is not unbroken no later one is.
+    SELECT r.event_id, r.claimed_by
+    FROM run r
+    WHERE r.unbroken
+)
+UPDATE {schema}outbox o
+SET claimed_by = $1,
+    claim_until = now() + make_interval(secs => $3),
+    available_at = now() + make_interval(secs => $3)
+FROM picked
+WHERE o.event_id = picked.event_id
+-- As claim.sql, with the global sequence; the relay publishes the rows in that order.
+RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
+          o.global_sequence, o.event_type, o.schema_version,
+          CASE WHEN o.skip_reason IS NULL THEN o.payload::text ELSE 'null' END AS payload,
+          CASE WHEN o.skip_reason IS NULL THEN o.headers::text
+               ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
+          END AS headers,
+          o.occurred_at, o.attempt_count,
+          picked.claimed_by IS NOT NULL AS taken_over
