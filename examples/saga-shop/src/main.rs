@@ -1,0 +1,119 @@
+//! `saga-shop orders|inventory|payments`: one service of the reference place-order saga per
+//! process. Each prints `ready` once its relay and consumer run, and stops on SIGTERM.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use handoff_postgres::Schema;
+use handoff_saga::{Orchestrator, OrchestratorConfig, SagaParticipant, REPLY_AGGREGATE_TYPE};
+use reqwest::Url;
+use saga_shop::service::{self, ServiceArgs};
+use saga_shop::{inventory, orders, payments};
+
+#[derive(Parser)]
+#[command(name = "saga-shop", version, about = "The reference place-order saga, one service per process")]
+struct Cli {
+    #[command(subcommand)]
+    service: Service,
+}
+
+#[derive(Subcommand)]
+enum Service {
+    /// The orchestrator: reads the participants' replies, fires the saga deadlines, confirms
+    /// or cancels orders.
+    Orders {
+        #[command(flatten)]
+        service: ServiceArgs,
+        /// How long a participant may take to reply before its command is sent again.
+        #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+        reply_timeout: Duration,
+    },
+    /// Reserves and releases stock.
+    Inventory {
+        #[command(flatten)]
+        service: ServiceArgs,
+    },
+    /// Charges the payment provider, refunds.
+    Payments {
+        #[command(flatten)]
+        service: ServiceArgs,
+        /// The payment provider's base URL.
+        #[arg(long, env = "PAYMENT_PROVIDER_URL")]
+        provider_url: Url,
+        /// How long one call to the provider may take before it counts as ambiguous.
+        #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+        provider_timeout: Duration,
+    },
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn,async_nats=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    // Installed first: a SIGTERM during start-up stops the service cleanly.
+    let signal = service::shutdown_signal()?;
+    let running = match cli.service {
+        Service::Orders {
+            service,
+            reply_timeout,
+        } => {
+            let orchestrator = Orchestrator::new(
+                OrchestratorConfig::default(),
+                [saga_shop::definition(reply_timeout)],
+                orders::Hooks,
+            )?;
+            let handler = orchestrator.clone();
+            let (pool, mut running) = service::start(
+                &service,
+                "orders",
+                orders::TABLES,
+                REPLY_AGGREGATE_TYPE,
+                |_| handler,
+            )
+            .await?;
+            let stopped = running.stopped();
+            running.spawn(async move { orchestrator.run(pool, stopped).await });
+            running
+        }
+        Service::Inventory { service } => {
+            let handler = SagaParticipant::new("inventory", Schema::default(), inventory::Inventory)?;
+            let (_, running) =
+                service::start(&service, "inventory", inventory::TABLES, "inventory-commands", |_| handler)
+                    .await?;
+            running
+        }
+        Service::Payments {
+            service,
+            provider_url,
+            provider_timeout,
+        } => {
+            let participant = payments::Payments::new(&provider_url, provider_timeout, 3)?;
+            let handler = SagaParticipant::new("payments", Schema::default(), participant)?;
+            let (_, running) =
+                service::start(&service, "payments", payments::TABLES, "payments-commands", |_| handler)
+                    .await?;
+            running
+        }
+    };
+    println!("ready");
+    signal.await;
+    tracing::info!("stopping");
+    running.stop().await;
+    Ok(())
+}

@@ -1,0 +1,162 @@
+//! What every saga-shop service runs: its database (handoff's tables and its own), a relay for
+//! its outbox, and one consumer; the orders service also runs the orchestrator's deadlines.
+
+use std::future::Future;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use handoff_consumer::{Consumer, ConsumerConfig, Handler};
+use handoff_nats::{IntakeConfig, JetStreamConfig, JetStreamIntake, JetStreamTransport};
+use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
+use handoff_relay::{Relay, RelayConfig};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::PgPool;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// Where a service's database and broker are.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServiceArgs {
+    /// The service's own database.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// The NATS server.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// The JetStream stream every service publishes to.
+    #[arg(long, env = "SHOP_STREAM", default_value = "SHOP")]
+    pub stream: String,
+    /// The subject prefix.
+    #[arg(long, env = "SHOP_PREFIX", default_value = "shop")]
+    pub subject_prefix: String,
+    /// The relay's lease: after a crash, the restarted relay takes the crashed one's events
+    /// over once it ends.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub lease: Duration,
+}
+
+/// One running service.
+pub struct Running {
+    stop: watch::Sender<bool>,
+    tasks: JoinSet<()>,
+}
+
+impl Running {
+    /// A future that completes when the service is told to stop.
+    pub fn stopped(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut stopped = self.stop.subscribe();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    }
+
+    /// Runs `task` until the service stops.
+    pub fn spawn(&mut self, task: impl Future<Output = ()> + Send + 'static) {
+        self.tasks.spawn(task);
+    }
+
+    /// Stops everything and waits for it.
+    pub async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Connects, migrates handoff's tables and creates `tables`, starts the relay and a consumer
+/// named `name` of the `<prefix>.<aggregate_type>.>` subjects with `handler`.
+///
+/// # Errors
+///
+/// When the database or the broker cannot be reached or set up.
+pub async fn start<H: Handler>(
+    args: &ServiceArgs,
+    name: &str,
+    tables: &str,
+    aggregate_type: &str,
+    handler: impl FnOnce(&PgPool) -> H,
+) -> Result<(PgPool, Running)> {
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&args.database_url)
+        .await
+        .context("while connecting to PostgreSQL (check DATABASE_URL)")?;
+    Migrator::handoff(Schema::default())
+        .run(&mut *pool.acquire().await?)
+        .await?;
+    sqlx::raw_sql(tables).execute(&pool).await?;
+
+    let transport = JetStreamTransport::connect(
+        &args.nats_url,
+        JetStreamConfig {
+            stream: args.stream.clone(),
+            subject_prefix: args.subject_prefix.clone(),
+            ..JetStreamConfig::default()
+        },
+    )
+    .await
+    .context("while connecting to NATS (check NATS_URL)")?;
+    transport.ensure_stream().await?;
+    let source = PollingSource::new(
+        pool.clone(),
+        PollingConfig {
+            relay_id: format!("saga-shop-{name}-{}", std::process::id()),
+            lease: args.lease,
+            ..PollingConfig::default()
+        },
+    )?;
+    let relay = Relay::new(source, transport, RelayConfig::default())?;
+    let intake = JetStreamIntake::connect(
+        &args.nats_url,
+        IntakeConfig {
+            stream: args.stream.clone(),
+            subject_prefix: args.subject_prefix.clone(),
+            durable_name: name.to_owned(),
+            filter_subject: Some(format!("{}.{aggregate_type}.>", args.subject_prefix)),
+            ack_wait: Duration::from_secs(15),
+            ..IntakeConfig::default()
+        },
+    )
+    .await?;
+    let config = ConsumerConfig {
+        name: name.to_owned(),
+        retry_backoff: handoff_core::Backoff {
+            initial: Duration::from_millis(200),
+            max: Duration::from_secs(2),
+        },
+        // A payment provider that keeps timing out must not land a charge in the quarantine.
+        max_deliveries: 1000,
+        ..ConsumerConfig::default()
+    };
+    let consumer = Consumer::new(config, pool.clone(), handler(&pool))?;
+
+    let (stop, _) = watch::channel(false);
+    let mut running = Running {
+        stop,
+        tasks: JoinSet::new(),
+    };
+    let stopped = running.stopped();
+    running.spawn(async move {
+        relay.run(stopped).await;
+    });
+    let stopped = running.stopped();
+    running.spawn(async move { consumer.run(intake, stopped).await });
+    Ok((pool, running))
+}
+
+/// Completes on SIGTERM or SIGINT.
+///
+/// # Errors
+///
+/// When the handlers cannot be installed.
+pub fn shutdown_signal() -> Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}
