@@ -30,8 +30,8 @@ pub struct ServiceArgs {
     #[arg(long, env = "SHOP_PREFIX", default_value = "shop")]
     pub subject_prefix: String,
     /// The relay's lease: after a crash, the restarted relay takes the crashed one's events
-    /// over once it ends.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    /// over once it ends. A publish is not started in the last half of it.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub lease: Duration,
 }
 
@@ -105,7 +105,16 @@ pub async fn start<H: Handler>(
             ..PollingConfig::default()
         },
     )?;
-    let relay = Relay::new(source, transport, RelayConfig::default())?;
+    let relay = Relay::new(
+        source,
+        transport,
+        RelayConfig {
+            // The default margin (10 s) is for the default 30 s lease: a publish must never
+            // start when its lease could end before the broker answers.
+            lease_margin: args.lease / 2,
+            ..RelayConfig::default()
+        },
+    )?;
     let intake = JetStreamIntake::connect(
         &args.nats_url,
         IntakeConfig {
