@@ -37,6 +37,7 @@ mod kafka;
 mod process;
 mod reconcile;
 mod relay;
+mod saga;
 mod service;
 mod stream;
 mod table;
@@ -67,6 +68,11 @@ struct Args {
     /// RabbitMQ server at AMQP_URL, default amqp://guest:guest@127.0.0.1:5672/%2f).
     #[arg(long, value_enum, default_value_t = Destination::Nats)]
     destination: Destination,
+    /// Run the place-order saga instead: orders, inventory and payments as three services,
+    /// with a declined card, an ambiguous payment provider, the inventory down, and a release
+    /// that keeps failing (NATS JetStream only).
+    #[arg(long, conflicts_with = "destination")]
+    saga: bool,
 }
 
 /// What the demo created and must remove at exit, whatever happens in between.
@@ -93,6 +99,12 @@ pub struct Resources {
     pub inventory: Option<tokio::process::Child>,
     /// The payments consumer child process, until it has been stopped with SIGTERM.
     pub payments: Option<tokio::process::Child>,
+    /// `--saga`: the saga-shop services.
+    pub shop_orders: Option<tokio::process::Child>,
+    /// `--saga`: the inventory participant.
+    pub shop_inventory: Option<tokio::process::Child>,
+    /// `--saga`: the payments participant.
+    pub shop_payments: Option<tokio::process::Child>,
 }
 
 impl Resources {
@@ -104,6 +116,9 @@ impl Resources {
         // The consumers and the relay first: they hold connections to both servers; payments
         // before the provider it calls.
         for (child, name) in [
+            (&mut self.shop_payments, "saga-shop payments"),
+            (&mut self.shop_inventory, "saga-shop inventory"),
+            (&mut self.shop_orders, "saga-shop orders"),
             (&mut self.payments, "payments"),
             (&mut self.inventory, "inventory"),
             (&mut self.relay, "the relay"),
@@ -145,7 +160,13 @@ async fn main() -> ExitCode {
 
     let mut resources = Resources::default();
     let outcome = tokio::select! {
-        outcome = run(args.destination, &mut resources) => outcome,
+        outcome = async {
+            if args.saga {
+                saga::run(&mut resources).await
+            } else {
+                run(args.destination, &mut resources).await
+            }
+        } => outcome,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted by Ctrl-C")),
     };
     resources.clean_up().await;

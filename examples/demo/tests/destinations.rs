@@ -169,3 +169,47 @@ async fn an_unknown_destination_is_refused_before_anything_is_created() {
     );
     assert!(output.stdout.is_empty(), "it printed steps: {:?}", output);
 }
+
+#[tokio::test]
+async fn the_saga_demo_walks_every_path_and_reconciles() {
+    let args = ["--saga"];
+    let output = run_demo(&args).await;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "handoff-demo --saga exited with {}:\n{stdout}\n{stderr}",
+        output.status
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("saga reconciliation: 6 sagas ended, 3 orders confirmed")
+            && last.ends_with(": OK"),
+        "no OK saga reconciliation line, but {last:?}:\n{stdout}"
+    );
+    for step in 1..=9 {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(&format!("{step}. "))),
+            "step {step} is missing:\n{stdout}"
+        );
+    }
+    for path in [
+        "card ok -> saga completed, order confirmed",
+        "card declined -> saga compensated, order cancelled",
+        "made 1 charge",
+        "book x3, card ok -> saga compensated, order cancelled",
+        "cursed-lamp x1, card declined -> saga stuck, order pending",
+        "ALERT stuck_sagas",
+        "(stuck -> resolved)",
+        "cleaned up: dropped the databases",
+    ] {
+        assert!(stdout.contains(path), "{path:?} is missing:\n{stdout}");
+    }
+}
+
+#[tokio::test]
+async fn the_saga_demo_runs_on_nats_only() {
+    let output = run_demo(&["--saga", "--destination", "kafka"]).await;
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("cannot be used with"));
+}

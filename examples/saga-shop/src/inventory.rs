@@ -29,21 +29,31 @@ pub struct Inventory;
 
 fn line(command: &Command) -> Result<(String, i32), StepError> {
     let sku = command.data["sku"].as_str();
-    let quantity = command.data["quantity"].as_i64().and_then(|q| i32::try_from(q).ok());
+    let quantity = command.data["quantity"]
+        .as_i64()
+        .and_then(|q| i32::try_from(q).ok());
     match (sku, quantity) {
         (Some(sku), Some(quantity)) if quantity > 0 => Ok((sku.to_owned(), quantity)),
-        _ => Err(StepError::Refused(format!("no valid sku and quantity in {}", command.data))),
+        _ => Err(StepError::Refused(format!(
+            "no valid sku and quantity in {}",
+            command.data
+        ))),
     }
 }
 
 impl Participant for Inventory {
-    async fn perform(&self, tx: &mut PgConnection, command: &Command) -> Result<Map<String, Value>, StepError> {
+    async fn perform(
+        &self,
+        tx: &mut PgConnection,
+        command: &Command,
+    ) -> Result<Map<String, Value>, StepError> {
         let (sku, quantity) = line(command)?;
-        let taken = sqlx::query("UPDATE stock SET on_hand = on_hand - $2 WHERE sku = $1 AND on_hand >= $2")
-            .bind(&sku)
-            .bind(quantity)
-            .execute(&mut *tx)
-            .await?;
+        let taken =
+            sqlx::query("UPDATE stock SET on_hand = on_hand - $2 WHERE sku = $1 AND on_hand >= $2")
+                .bind(&sku)
+                .bind(quantity)
+                .execute(&mut *tx)
+                .await?;
         if taken.rows_affected() == 0 {
             return Err(StepError::Refused(format!("not enough {sku} in stock")));
         }
@@ -58,14 +68,21 @@ impl Participant for Inventory {
         Ok(data)
     }
 
-    async fn compensate(&self, tx: &mut PgConnection, command: &Command) -> Result<Map<String, Value>, StepError> {
+    async fn compensate(
+        &self,
+        tx: &mut PgConnection,
+        command: &Command,
+    ) -> Result<Map<String, Value>, StepError> {
         let (sku, _) = line(command)?;
-        let refused: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM release_failures WHERE sku = $1)")
-            .bind(&sku)
-            .fetch_one(&mut *tx)
-            .await?;
+        let refused: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM release_failures WHERE sku = $1)")
+                .bind(&sku)
+                .fetch_one(&mut *tx)
+                .await?;
         if refused {
-            return Err(StepError::Refused(format!("the warehouse system refuses to release {sku}")));
+            return Err(StepError::Refused(format!(
+                "the warehouse system refuses to release {sku}"
+            )));
         }
         let released: Option<(String, i32)> = sqlx::query_as(
             "UPDATE reservations SET released_at = now() \

@@ -12,7 +12,11 @@ use saga_shop::service::{self, ServiceArgs};
 use saga_shop::{inventory, orders, payments};
 
 #[derive(Parser)]
-#[command(name = "saga-shop", version, about = "The reference place-order saga, one service per process")]
+#[command(
+    name = "saga-shop",
+    version,
+    about = "The reference place-order saga, one service per process"
+)]
 struct Cli {
     #[command(subcommand)]
     service: Service,
@@ -92,10 +96,16 @@ async fn run(cli: Cli) -> Result<()> {
             running
         }
         Service::Inventory { service } => {
-            let handler = SagaParticipant::new("inventory", Schema::default(), inventory::Inventory)?;
-            let (_, running) =
-                service::start(&service, "inventory", inventory::TABLES, "inventory-commands", |_| handler)
-                    .await?;
+            let handler =
+                SagaParticipant::new("inventory", Schema::default(), inventory::Inventory)?;
+            let (_, running) = service::start(
+                &service,
+                "inventory",
+                inventory::TABLES,
+                "inventory-commands",
+                |_| handler,
+            )
+            .await?;
             running
         }
         Service::Payments {
@@ -105,9 +115,14 @@ async fn run(cli: Cli) -> Result<()> {
         } => {
             let participant = payments::Payments::new(&provider_url, provider_timeout, 3)?;
             let handler = SagaParticipant::new("payments", Schema::default(), participant)?;
-            let (_, running) =
-                service::start(&service, "payments", payments::TABLES, "payments-commands", |_| handler)
-                    .await?;
+            let (_, running) = service::start(
+                &service,
+                "payments",
+                payments::TABLES,
+                "payments-commands",
+                |_| handler,
+            )
+            .await?;
             running
         }
     };

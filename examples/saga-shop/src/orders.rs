@@ -67,7 +67,9 @@ pub async fn place(
         "amount_cents": request.amount_cents,
         "card": request.card,
     });
-    orchestrator.start(&mut tx, SAGA_TYPE, order_id, data).await?;
+    orchestrator
+        .start(&mut tx, SAGA_TYPE, order_id, data)
+        .await?;
     tx.commit().await?;
     Ok(order_id)
 }

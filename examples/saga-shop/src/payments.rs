@@ -41,7 +41,10 @@ impl Payments {
     ///
     /// When the URL or the HTTP client cannot be built.
     pub fn new(provider: &Url, timeout: Duration, attempts: u32) -> anyhow::Result<Self> {
-        let charges = Url::parse(&format!("{}/charges", provider.as_str().trim_end_matches('/')))?;
+        let charges = Url::parse(&format!(
+            "{}/charges",
+            provider.as_str().trim_end_matches('/')
+        ))?;
         let http = reqwest::Client::builder().timeout(timeout).build()?;
         Ok(Self {
             http,
@@ -78,7 +81,9 @@ impl Payments {
                 Ok(response) if response.status().is_client_error() => {
                     let status = response.status();
                     let text = response.text().await.unwrap_or_default();
-                    return Err(StepError::Refused(format!("the provider refused the charge ({status}): {text}")));
+                    return Err(StepError::Refused(format!(
+                        "the provider refused the charge ({status}): {text}"
+                    )));
                 }
                 // A timeout, a reset, a 5xx: the charge may have happened. Only the same key
                 // may ask again.
@@ -88,12 +93,18 @@ impl Payments {
             warn!(saga_id = %command.saga_id, attempt, %key, error = last, "ambiguous charge; asking again with the same key");
         }
         // Still unknown: the delivery is retried later, still with the same key.
-        Err(StepError::Retry(HandlerError::retryable(format!("charge still ambiguous: {last}"))))
+        Err(StepError::Retry(HandlerError::retryable(format!(
+            "charge still ambiguous: {last}"
+        ))))
     }
 }
 
 impl Participant for Payments {
-    async fn perform(&self, tx: &mut PgConnection, command: &Command) -> Result<Map<String, Value>, StepError> {
+    async fn perform(
+        &self,
+        tx: &mut PgConnection,
+        command: &Command,
+    ) -> Result<Map<String, Value>, StepError> {
         if command.data["card"] == json!("declined") {
             return Err(StepError::Refused("card declined".into()));
         }
@@ -113,12 +124,18 @@ impl Participant for Payments {
         Ok(data)
     }
 
-    async fn compensate(&self, tx: &mut PgConnection, command: &Command) -> Result<Map<String, Value>, StepError> {
+    async fn compensate(
+        &self,
+        tx: &mut PgConnection,
+        command: &Command,
+    ) -> Result<Map<String, Value>, StepError> {
         // The fake provider has no refund API; the refund is recorded here, once.
-        sqlx::query("UPDATE payments SET refunded_at = now() WHERE saga_id = $1 AND refunded_at IS NULL")
-            .bind(command.saga_id)
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "UPDATE payments SET refunded_at = now() WHERE saga_id = $1 AND refunded_at IS NULL",
+        )
+        .bind(command.saga_id)
+        .execute(&mut *tx)
+        .await?;
         Ok(Map::new())
     }
 }

@@ -80,7 +80,9 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
 
     // The provider: charges under Idempotency-Key; a third of the charges time out after
     // committing, so payments must ask again with the same key.
-    create_tables(&mut *provider_db.pool.acquire().await.unwrap()).await.unwrap();
+    create_tables(&mut *provider_db.pool.acquire().await.unwrap())
+        .await
+        .unwrap();
     let faults = FaultInjector::new(
         FaultSettings {
             fail_after_apply: 0.3,
@@ -97,14 +99,23 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
 
     // Tables first, so the stock is there before the first reservation.
-    sqlx::raw_sql(orders::TABLES).execute(&orders_db.pool).await.unwrap();
-    sqlx::raw_sql(inventory::TABLES).execute(&inventory_db.pool).await.unwrap();
+    sqlx::raw_sql(orders::TABLES)
+        .execute(&orders_db.pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql(inventory::TABLES)
+        .execute(&inventory_db.pool)
+        .await
+        .unwrap();
     sqlx::query("INSERT INTO stock (sku, on_hand) VALUES ('book', $1), ('lamp', $1)")
         .bind(STOCK)
         .execute(&inventory_db.pool)
         .await
         .unwrap();
-    sqlx::raw_sql(payments::TABLES).execute(&payments_db.pool).await.unwrap();
+    sqlx::raw_sql(payments::TABLES)
+        .execute(&payments_db.pool)
+        .await
+        .unwrap();
     let mut conn = orders_db.pool.acquire().await.unwrap();
     handoff_postgres::Migrator::handoff(handoff_postgres::Schema::default())
         .run(&mut conn)
@@ -141,7 +152,12 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
         },
         Service {
             role: "payments",
-            args: common(&["--provider-url", &provider_url, "--provider-timeout", "500ms"]),
+            args: common(&[
+                "--provider-url",
+                &provider_url,
+                "--provider-timeout",
+                "500ms",
+            ]),
             url: payments_db.url(),
             child: None,
         },
@@ -201,7 +217,10 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
         if open == 0 {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "{open} saga(s) still open after 120 s");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{open} saga(s) still open after 120 s"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
@@ -216,12 +235,13 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
     .map(|(id, state, version, history)| (id, (state, version, history)))
     .collect();
     assert_eq!(sagas.len(), ORDERS);
-    let statuses: HashMap<Uuid, String> = sqlx::query_as("SELECT order_id, status FROM shop_orders")
-        .fetch_all(&orders_db.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect();
+    let statuses: HashMap<Uuid, String> =
+        sqlx::query_as("SELECT order_id, status FROM shop_orders")
+            .fetch_all(&orders_db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
     let reservations: HashMap<Uuid, (i32, bool)> = sqlx::query_as::<_, (Uuid, i32, bool)>(
         "SELECT saga_id, quantity, released_at IS NOT NULL FROM reservations",
     )
@@ -240,24 +260,29 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
     .into_iter()
     .map(|(id, charge, refunded)| (id, (charge, refunded)))
     .collect();
-    let charges: HashMap<Uuid, Vec<String>> = sqlx::query_as::<_, (Uuid, String)>(
-        "SELECT order_id, charge_id FROM provider_charges",
-    )
-    .fetch_all(&provider_db.pool)
-    .await
-    .unwrap()
-    .into_iter()
-    .fold(HashMap::new(), |mut map, (order, charge)| {
-        map.entry(order).or_insert_with(Vec::new).push(charge);
-        map
-    });
+    let charges: HashMap<Uuid, Vec<String>> =
+        sqlx::query_as::<_, (Uuid, String)>("SELECT order_id, charge_id FROM provider_charges")
+            .fetch_all(&provider_db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .fold(HashMap::new(), |mut map, (order, charge)| {
+                map.entry(order).or_insert_with(Vec::new).push(charge);
+                map
+            });
 
     let mut completed = 0;
     for (order_id, request) in &placed {
         let (state, version, history) = &sagas[order_id];
-        assert_eq!(version, history, "saga {order_id}: one history row per version");
+        assert_eq!(
+            version, history,
+            "saga {order_id}: one history row per version"
+        );
         let charged = charges.get(order_id).map_or(0, Vec::len);
-        assert!(charged <= 1, "order {order_id} charged {charged} times at the provider");
+        assert!(
+            charged <= 1,
+            "order {order_id} charged {charged} times at the provider"
+        );
         match state.as_str() {
             "completed" => {
                 completed += 1;
@@ -266,7 +291,11 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
                 assert_eq!(reservations.get(order_id), Some(&(request.quantity, false)));
                 let (charge, refunded) = &payments[order_id];
                 assert!(!refunded);
-                assert_eq!(charges[order_id], [charge.clone()], "the recorded charge is the provider's one");
+                assert_eq!(
+                    charges[order_id],
+                    [charge.clone()],
+                    "the recorded charge is the provider's one"
+                );
             }
             "compensated" => {
                 assert_eq!(statuses[order_id], "cancelled");
@@ -275,7 +304,10 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
                 match payments.get(order_id) {
                     None => assert_eq!(charged, 0, "a charge with no payment record"),
                     Some((charge, refunded)) => {
-                        assert!(refunded, "order {order_id}: charged, cancelled, never refunded");
+                        assert!(
+                            refunded,
+                            "order {order_id}: charged, cancelled, never refunded"
+                        );
                         assert_eq!(charges[order_id], [charge.clone()]);
                     }
                 }
@@ -287,7 +319,10 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
             assert_eq!(charged, 0);
         }
     }
-    assert!(completed >= ORDERS / 2, "only {completed} of {ORDERS} sagas completed");
+    assert!(
+        completed >= ORDERS / 2,
+        "only {completed} of {ORDERS} sagas completed"
+    );
 
     // Stock = what was there less what the live reservations hold.
     let stock: Vec<(String, i32)> = sqlx::query_as("SELECT sku, on_hand FROM stock ORDER BY sku")
@@ -297,7 +332,9 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
     for (sku, on_hand) in stock {
         let held: i32 = placed
             .iter()
-            .filter(|(id, r)| r.sku == sku && reservations.get(id).is_some_and(|(_, released)| !released))
+            .filter(|(id, r)| {
+                r.sku == sku && reservations.get(id).is_some_and(|(_, released)| !released)
+            })
             .map(|(_, r)| r.quantity)
             .sum();
         assert_eq!(on_hand, STOCK - held, "stock of {sku}");
