@@ -13,7 +13,9 @@
 //!   `http` (`handoff-http`, feature `http`): the other destinations (docs/destinations.md),
 //!   Kafka and RabbitMQ with an intake for consumers too;
 //! - `consumer` (`handoff-consumer`, feature `consumer`): the consumer loop with its inbox, gap
-//!   policy, quarantine and idempotent outside calls.
+//!   policy, quarantine and idempotent outside calls;
+//! - `saga` (`handoff-saga`, feature `saga`): orchestrated sagas across services, with
+//!   compensation and an operator's way out of a stuck one (docs/sagas.md).
 //!
 //! Most deployments run the relay as the `handoff relay` command rather than embedding it.
 //!
@@ -64,6 +66,9 @@ pub use handoff_postgres as postgres;
 #[cfg(feature = "relay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "relay")))]
 pub use handoff_relay as relay;
+#[cfg(feature = "saga")]
+#[cfg_attr(docsrs, doc(cfg(feature = "saga")))]
+pub use handoff_saga as saga;
 
 pub use handoff_core::{
     Event, EventCatalog, EventId, Limits, NewEvent, OrderMode, ValidationError,

@@ -80,7 +80,7 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
 
     // The provider: charges under Idempotency-Key; a third of the charges time out after
     // committing, so payments must ask again with the same key.
-    create_tables(&mut *provider_db.pool.acquire().await.unwrap())
+    create_tables(&mut provider_db.pool.acquire().await.unwrap())
         .await
         .unwrap();
     let faults = FaultInjector::new(
@@ -292,8 +292,8 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
                 let (charge, refunded) = &payments[order_id];
                 assert!(!refunded);
                 assert_eq!(
-                    charges[order_id],
-                    [charge.clone()],
+                    charges[order_id].as_slice(),
+                    std::slice::from_ref(charge),
                     "the recorded charge is the provider's one"
                 );
             }
@@ -308,7 +308,7 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
                             refunded,
                             "order {order_id}: charged, cancelled, never refunded"
                         );
-                        assert_eq!(charges[order_id], [charge.clone()]);
+                        assert_eq!(charges[order_id].as_slice(), std::slice::from_ref(charge));
                     }
                 }
             }
