@@ -11,7 +11,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};
-use common::{migrated, RelayProcess, Target};
+use common::{handoff, migrated, stdout_json, RelayProcess, Target};
 use handoff_core::Limits;
 use handoff_postgres::{Outbox, OutboxConfig};
 use handoff_test::nats::{
@@ -23,26 +23,6 @@ use uuid::Uuid;
 
 /// The stream's message size limit: the poison events are bigger, the others far smaller.
 const STREAM_MAX_MESSAGE: i32 = 4096;
-
-fn handoff(db: &TestDb, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_handoff"))
-        .args(args)
-        .env("DATABASE_URL", db.url())
-        .env("HANDOFF_ACTOR", "test-operator")
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run handoff")
-}
-
-fn stdout_json(output: &Output) -> Value {
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
-        panic!(
-            "not JSON ({e}): {}\nstderr: {}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
-}
 
 fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()

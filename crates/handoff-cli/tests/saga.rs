@@ -2,36 +2,19 @@
 //! PostgreSQL: a saga is driven to `stuck` through the orchestrator's own reply path (no
 //! broker needed for that), then handled by the command as an operator would.
 
-use std::process::{Command, Output};
+mod common;
+
 use std::time::Duration;
 
 use handoff_saga::{
     Direction, Orchestrator, OrchestratorConfig, Outcome, Reply, RetryPolicy, SagaDefinition,
     SagaState, Step,
 };
+use common::{handoff, stdout_json};
 use handoff_test::TestDb;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-fn handoff(db: &TestDb, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_handoff"))
-        .args(args)
-        .env("DATABASE_URL", db.url())
-        .env("HANDOFF_ACTOR", "test-operator")
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run handoff")
-}
-
-fn json_of(output: &Output) -> Value {
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
-        panic!(
-            "not JSON ({e}): {}\nstderr: {}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
-}
 
 /// One attempt per command, so a single failed release parks the saga.
 fn orchestrator() -> Orchestrator {
@@ -128,7 +111,7 @@ async fn an_operator_finds_a_stuck_saga_and_resolves_it_with_an_audit_record() {
         "{}",
         String::from_utf8_lossy(&status.stderr)
     );
-    let report = json_of(&status);
+    let report = stdout_json(&status);
     assert_eq!(report["sagas"]["stuck_count"], 1);
     assert_eq!(report["sagas"]["stuck"][0]["saga_id"], id);
     assert!(report["alerts"]
@@ -144,7 +127,7 @@ async fn an_operator_finds_a_stuck_saga_and_resolves_it_with_an_audit_record() {
         "{text}"
     );
 
-    let list = json_of(&handoff(
+    let list = stdout_json(&handoff(
         &db,
         &["saga", "list", "--state", "stuck", "--json"],
     ));
@@ -153,7 +136,7 @@ async fn an_operator_finds_a_stuck_saga_and_resolves_it_with_an_audit_record() {
     assert_eq!(list[0]["state"], "stuck");
     assert_eq!(list[0]["failure"], "charge failed: card declined");
 
-    let show = json_of(&handoff(&db, &["saga", "show", &id, "--json"]));
+    let show = stdout_json(&handoff(&db, &["saga", "show", &id, "--json"]));
     let kinds: Vec<_> = show["history"]
         .as_array()
         .unwrap()
@@ -187,8 +170,8 @@ async fn an_operator_finds_a_stuck_saga_and_resolves_it_with_an_audit_record() {
         "{}",
         String::from_utf8_lossy(&resolved.stderr)
     );
-    assert_eq!(json_of(&resolved)["state"], "resolved");
-    let show = json_of(&handoff(&db, &["saga", "show", &id, "--json"]));
+    assert_eq!(stdout_json(&resolved)["state"], "resolved");
+    let show = stdout_json(&handoff(&db, &["saga", "show", &id, "--json"]));
     let actions = show["actions"].as_array().unwrap();
     assert_eq!(actions.len(), 1);
     assert_eq!(actions[0]["action"], "resolve");
@@ -240,7 +223,7 @@ async fn a_resumed_saga_sends_its_compensation_again() {
         "{}",
         String::from_utf8_lossy(&resumed.stderr)
     );
-    let saga = json_of(&resumed);
+    let saga = stdout_json(&resumed);
     assert_eq!(saga["state"], "compensating");
     assert_eq!(saga["deadline_kind"], "retry");
 
@@ -258,7 +241,7 @@ async fn a_resumed_saga_sends_its_compensation_again() {
     assert_eq!(payload["attempt"], 1);
     assert_eq!(payload["direction"], "compensate");
     reply(&db, &orchestrator, saga_id, 0, Direction::Compensate, None).await;
-    let show = json_of(&handoff(&db, &["saga", "show", &id, "--json"]));
+    let show = stdout_json(&handoff(&db, &["saga", "show", &id, "--json"]));
     assert_eq!(show["state"], SagaState::Compensated.as_str());
     assert_eq!(show["actions"][0]["action"], "resume");
     assert_eq!(show["actions"][0]["state_after"], "compensating");

@@ -22,6 +22,25 @@ async fn effects(world: &World, saga_id: Uuid) -> [(i64, i64); 2] {
     out
 }
 
+/// A saga whose charge is declined and whose stock release fails until repaired.
+async fn declined_with_a_broken_release(world: &World) -> Uuid {
+    let saga_id = Uuid::now_v7();
+    world.inventory.set_broken(saga_id, true).await;
+    let mut tx = world.orders.db.pool.begin().await.unwrap();
+    world
+        .orchestrator
+        .start(
+            &mut tx,
+            "place-order",
+            saga_id,
+            json!({"payments_refuses": true}),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    saga_id
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sagas_complete_with_each_step_done_once() {
     let world = World::start("saga_happy", quick_retry()).await;
@@ -80,21 +99,7 @@ async fn a_refused_first_step_has_nothing_to_undo() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_that_keeps_failing_parks_the_saga_then_an_operator_resumes_it() {
     let world = World::start("saga_stuck_resume", quick_retry()).await;
-    let saga_id = Uuid::now_v7();
-    // The release of this saga's stock fails until repaired.
-    world.inventory.set_broken(saga_id, true).await;
-    let mut tx = world.orders.db.pool.begin().await.unwrap();
-    world
-        .orchestrator
-        .start(
-            &mut tx,
-            "place-order",
-            saga_id,
-            json!({"payments_refuses": true}),
-        )
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    let saga_id = declined_with_a_broken_release(&world).await;
 
     let saga = world.wait_state(saga_id, SagaState::Stuck).await;
     assert_eq!(
@@ -177,20 +182,7 @@ async fn a_release_that_keeps_failing_parks_the_saga_then_an_operator_resumes_it
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_saga_resolved_by_hand_ends_with_an_audit_record() {
     let world = World::start("saga_stuck_resolve", quick_retry()).await;
-    let saga_id = Uuid::now_v7();
-    world.inventory.set_broken(saga_id, true).await;
-    let mut tx = world.orders.db.pool.begin().await.unwrap();
-    world
-        .orchestrator
-        .start(
-            &mut tx,
-            "place-order",
-            saga_id,
-            json!({"payments_refuses": true}),
-        )
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    let saga_id = declined_with_a_broken_release(&world).await;
     world.wait_state(saga_id, SagaState::Stuck).await;
 
     let resolved = world

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use handoff_core::NewEvent;
@@ -15,6 +15,28 @@ use handoff_test::nats::StoredMessage;
 use handoff_test::{factory, TestDb};
 use sqlx::PgPool;
 use uuid::Uuid;
+
+/// Runs an operator command, `handoff ARGS`, on the test's schema, as `test-operator`.
+pub fn handoff(db: &TestDb, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(args)
+        .env("DATABASE_URL", db.url())
+        .env("HANDOFF_ACTOR", "test-operator")
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run handoff")
+}
+
+/// A command's stdout as JSON; fails the test with both outputs when it is not.
+pub fn stdout_json(output: &Output) -> serde_json::Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): {}\nstderr: {}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
 
 /// A fresh schema with handoff's migrations, and an outbox for the test events.
 pub async fn migrated(name: &str) -> (TestDb, Outbox) {
