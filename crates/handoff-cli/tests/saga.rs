@@ -41,8 +41,16 @@ fn orchestrator() -> Orchestrator {
         ..RetryPolicy::default()
     };
     let definition = SagaDefinition::new("place-order")
-        .step(Step::new("reserve-stock", "inventory", "ReserveStock").compensated_by("ReleaseStock").with_retry(once))
-        .step(Step::new("charge", "payments", "Charge").compensated_by("Refund").with_retry(once));
+        .step(
+            Step::new("reserve-stock", "inventory", "ReserveStock")
+                .compensated_by("ReleaseStock")
+                .with_retry(once),
+        )
+        .step(
+            Step::new("charge", "payments", "Charge")
+                .compensated_by("Refund")
+                .with_retry(once),
+        );
     Orchestrator::new(OrchestratorConfig::default(), [definition], ()).unwrap()
 }
 
@@ -61,7 +69,11 @@ async fn reply(
         attempt: 1,
         command_id: Uuid::now_v7(),
         participant: "test".into(),
-        outcome: if failure.is_some() { Outcome::Failed } else { Outcome::Succeeded },
+        outcome: if failure.is_some() {
+            Outcome::Failed
+        } else {
+            Outcome::Succeeded
+        },
         reason: failure.map(str::to_owned),
         data: serde_json::Map::new(),
     };
@@ -80,8 +92,24 @@ async fn stuck_saga(db: &TestDb, orchestrator: &Orchestrator) -> Uuid {
         .unwrap();
     tx.commit().await.unwrap();
     reply(db, orchestrator, saga_id, 0, Direction::Forward, None).await;
-    reply(db, orchestrator, saga_id, 1, Direction::Forward, Some("card declined")).await;
-    reply(db, orchestrator, saga_id, 0, Direction::Compensate, Some("inventory is down")).await;
+    reply(
+        db,
+        orchestrator,
+        saga_id,
+        1,
+        Direction::Forward,
+        Some("card declined"),
+    )
+    .await;
+    reply(
+        db,
+        orchestrator,
+        saga_id,
+        0,
+        Direction::Compensate,
+        Some("inventory is down"),
+    )
+    .await;
     saga_id
 }
 
@@ -94,24 +122,44 @@ async fn an_operator_finds_a_stuck_saga_and_resolves_it_with_an_audit_record() {
 
     // status alerts (exit 2) and names the saga and its reason.
     let status = handoff(&db, &["status", "--json"]);
-    assert_eq!(status.status.code(), Some(2), "{}", String::from_utf8_lossy(&status.stderr));
+    assert_eq!(
+        status.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
     let report = json_of(&status);
     assert_eq!(report["sagas"]["stuck_count"], 1);
     assert_eq!(report["sagas"]["stuck"][0]["saga_id"], id);
-    assert!(report["alerts"].as_array().unwrap().iter().any(|a| a["name"] == "stuck_sagas"));
+    assert!(report["alerts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|a| a["name"] == "stuck_sagas"));
     let text = handoff(&db, &["status"]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("ALERT stuck_sagas"), "{text}");
-    assert!(text.contains("ReleaseStock failed 1 times; last: inventory is down"), "{text}");
+    assert!(
+        text.contains("ReleaseStock failed 1 times; last: inventory is down"),
+        "{text}"
+    );
 
-    let list = json_of(&handoff(&db, &["saga", "list", "--state", "stuck", "--json"]));
+    let list = json_of(&handoff(
+        &db,
+        &["saga", "list", "--state", "stuck", "--json"],
+    ));
     assert_eq!(list.as_array().unwrap().len(), 1);
     assert_eq!(list[0]["saga_id"], id);
     assert_eq!(list[0]["state"], "stuck");
     assert_eq!(list[0]["failure"], "charge failed: card declined");
 
     let show = json_of(&handoff(&db, &["saga", "show", &id, "--json"]));
-    let kinds: Vec<_> = show["history"].as_array().unwrap().iter().map(|h| h["kind"].as_str().unwrap()).collect();
+    let kinds: Vec<_> = show["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["kind"].as_str().unwrap())
+        .collect();
     assert_eq!(kinds, ["started", "step_succeeded", "step_failed", "stuck"]);
     let text = handoff(&db, &["saga", "show", &id]);
     assert!(String::from_utf8_lossy(&text.stdout).contains("stuck        ReleaseStock failed"));
@@ -123,8 +171,22 @@ async fn an_operator_finds_a_stuck_saga_and_resolves_it_with_an_audit_record() {
     assert_eq!(refused.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("a reason is required"));
 
-    let resolved = handoff(&db, &["saga", "resolve", &id, "--reason", "released by hand", "--json"]);
-    assert!(resolved.status.success(), "{}", String::from_utf8_lossy(&resolved.stderr));
+    let resolved = handoff(
+        &db,
+        &[
+            "saga",
+            "resolve",
+            &id,
+            "--reason",
+            "released by hand",
+            "--json",
+        ],
+    );
+    assert!(
+        resolved.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resolved.stderr)
+    );
     assert_eq!(json_of(&resolved)["state"], "resolved");
     let show = json_of(&handoff(&db, &["saga", "show", &id, "--json"]));
     let actions = show["actions"].as_array().unwrap();
@@ -162,8 +224,22 @@ async fn a_resumed_saga_sends_its_compensation_again() {
     };
     assert_eq!(releases().await, 1);
 
-    let resumed = handoff(&db, &["saga", "resume", &id, "--reason", "inventory is back", "--json"]);
-    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    let resumed = handoff(
+        &db,
+        &[
+            "saga",
+            "resume",
+            &id,
+            "--reason",
+            "inventory is back",
+            "--json",
+        ],
+    );
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
     let saga = json_of(&resumed);
     assert_eq!(saga["state"], "compensating");
     assert_eq!(saga["deadline_kind"], "retry");
