@@ -22,6 +22,9 @@
 //! - `handoff-bench global-order` ([`global_order`]) measures strict global order against
 //!   per-aggregate order: the order write's orders/s at several client counts, and one relay's
 //!   drain of the same backlog.
+//! - `handoff-bench saga` ([`saga`]) measures sagas/s of two-step orchestrated sagas end to end
+//!   (3 relays, 3 consumers, the deadline sweep) against a plain 4-hop event ping-pong over the
+//!   same topology.
 
 use clap::{Parser, Subcommand};
 
@@ -34,6 +37,7 @@ mod http;
 mod kafka;
 mod machine;
 mod relay;
+mod saga;
 mod scratch;
 mod write_path;
 
@@ -67,6 +71,8 @@ enum Command {
     Amqp(amqp::AmqpArgs),
     /// Strict global order vs per-aggregate order: write path and relay drain.
     GlobalOrder(global_order::GlobalOrderArgs),
+    /// Sagas/s end to end vs a plain 4-hop event ping-pong over the same topology.
+    Saga(saga::SagaArgs),
 }
 
 #[tokio::main]
@@ -89,6 +95,7 @@ async fn main() -> std::process::ExitCode {
         Command::Http(args) => http::http(args).await,
         Command::Amqp(args) => amqp::amqp(args).await,
         Command::GlobalOrder(args) => global_order::global_order(args).await,
+        Command::Saga(args) => saga::saga(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
