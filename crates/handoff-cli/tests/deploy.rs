@@ -27,6 +27,7 @@ const METRIC_SOURCES: &[&str] = &[
     "crates/handoff-cli/src/relay.rs",
     "crates/handoff-cdc/src/metrics.rs",
     "crates/handoff-consumer/src/metrics.rs",
+    "crates/handoff-saga/src/metrics.rs",
 ];
 
 /// The series a histogram adds to its name in the exposition format.
@@ -302,6 +303,7 @@ fn every_metric_the_dashboard_and_the_alerts_name_is_exported_by_the_code() {
         "handoff_consumer_apply_seconds",
         "handoff_cdc_slot_status",
         "handoff_cdc_safe_wal_bytes",
+        "handoff_sagas",
     ] {
         assert!(
             exported.contains(name),

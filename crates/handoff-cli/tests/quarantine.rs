@@ -7,7 +7,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};

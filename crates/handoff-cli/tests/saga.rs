@@ -6,15 +6,14 @@ mod common;
 
 use std::time::Duration;
 
+use common::{handoff, stdout_json};
 use handoff_saga::{
     Direction, Orchestrator, OrchestratorConfig, Outcome, Reply, RetryPolicy, SagaDefinition,
     SagaState, Step,
 };
-use common::{handoff, stdout_json};
 use handoff_test::TestDb;
 use serde_json::{json, Value};
 use uuid::Uuid;
-
 
 /// One attempt per command, so a single failed release parks the saga.
 fn orchestrator() -> Orchestrator {

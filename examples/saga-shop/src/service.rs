@@ -2,6 +2,7 @@
 //! its outbox, and one consumer; the orders service also runs the orchestrator's deadlines.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -33,6 +34,10 @@ pub struct ServiceArgs {
     /// over once it ends. A publish is not started in the last half of it.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub lease: Duration,
+    /// Serve Prometheus metrics (relay, consumer, and for orders the sagas' `handoff_sagas`
+    /// and `handoff_saga_transitions_total`) at http://ADDR/metrics.
+    #[arg(long, env = "SHOP_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// One running service.
@@ -75,6 +80,12 @@ pub async fn start<H: Handler>(
     aggregate_type: &str,
     handler: impl FnOnce(&PgPool) -> H,
 ) -> Result<(PgPool, Running)> {
+    if let Some(addr) = args.metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .with_context(|| format!("while serving metrics on {addr}"))?;
+    }
     let pool = PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(5))
