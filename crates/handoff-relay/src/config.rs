@@ -18,7 +18,8 @@ pub struct RelayConfig {
     pub poll_interval: Duration,
     /// A publish is not started when less than this is left of its lease, so a slow publish
     /// never ends after another relay took the event over. Must exceed the transport's publish
-    /// timeout.
+    /// timeout, and stay well below the source's lease (default 30 s): with a lease at or under
+    /// it nothing is ever published, which the relay logs once as a warning.
     pub lease_margin: Duration,
     /// Failed attempts after which an event is held for an operator instead of retried (the
     /// poison policy). Attempts are only charged when the failure concerns the event, not when

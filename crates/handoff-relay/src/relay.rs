@@ -445,6 +445,8 @@ async fn claim_loop<S: Source, T: Transport>(
     let batch = config.batch_size;
     let mut outage = 0u32;
     let mut source_failures = 0u32;
+    // Said once: a lease shorter than the margin is a configuration error, not a passing state.
+    let mut lease_warned = false;
     loop {
         if *stop.borrow() {
             break;
@@ -525,6 +527,21 @@ async fn claim_loop<S: Source, T: Transport>(
                 "took over events whose lease ran out"
             );
             metrics::counter!(m::TAKEN_OVER).increment(claim.taken_over as u64);
+        }
+        if claimed > 0 && !lease_warned {
+            if let Some(deadline) = claim.lease_deadline {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left <= config.lease_margin {
+                    // Every lane would give its events back unpublished, claim after claim.
+                    lease_warned = true;
+                    warn!(
+                        lease_left = ?left,
+                        lease_margin = ?config.lease_margin,
+                        "a fresh claim's lease is already within lease_margin: nothing can be \
+                         published; make the source's lease longer than lease_margin"
+                    );
+                }
+            }
         }
         if claimed > 0 {
             shared
