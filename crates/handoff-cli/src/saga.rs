@@ -4,7 +4,7 @@
 
 use anyhow::{Context, Result};
 use handoff_saga::{SagaAdmin, SagaDetail, SagaRecord, SagaState};
-use sqlx::postgres::PgPoolOptions;
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::args::DatabaseArgs;
@@ -85,15 +85,11 @@ fn parse_state(s: &str) -> Result<SagaState, String> {
     })
 }
 
-async fn admin(database: &DatabaseArgs) -> Result<SagaAdmin> {
-    // Checks the schema first, so a database without the saga tables says so plainly.
-    drop(database.connect_migrated("handoff-saga").await?);
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(database.options("handoff-saga")?)
-        .await
-        .context("while connecting to PostgreSQL (check --database-url / DATABASE_URL)")?;
-    Ok(SagaAdmin::new(pool, database.schema()?))
+/// One connection to a migrated database (a database without the saga tables says so
+/// plainly), and the saga tables in its schema.
+async fn admin(database: &DatabaseArgs) -> Result<(PgConnection, SagaAdmin)> {
+    let conn = database.connect_migrated("handoff-saga").await?;
+    Ok((conn, SagaAdmin::new(&database.schema()?)))
 }
 
 pub async fn run(args: SagaArgs) -> Result<()> {
@@ -104,7 +100,8 @@ pub async fn run(args: SagaArgs) -> Result<()> {
             limit,
             json,
         } => {
-            let sagas = admin(&database).await?.list(state, limit).await?;
+            let (mut conn, admin) = admin(&database).await?;
+            let sagas = admin.list(&mut conn, state, limit).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&sagas)?);
             } else {
@@ -116,9 +113,9 @@ pub async fn run(args: SagaArgs) -> Result<()> {
             saga_id,
             json,
         } => {
-            let detail = admin(&database)
-                .await?
-                .show(saga_id)
+            let (mut conn, admin) = admin(&database).await?;
+            let detail = admin
+                .show(&mut conn, saga_id)
                 .await?
                 .with_context(|| format!("no saga {saga_id}"))?;
             if json {
@@ -134,9 +131,9 @@ pub async fn run(args: SagaArgs) -> Result<()> {
             actor,
             json,
         } => {
-            let saga = admin(&database)
-                .await?
-                .resume(saga_id, &actor.name(), &reason)
+            let (mut conn, admin) = admin(&database).await?;
+            let saga = admin
+                .resume(&mut conn, saga_id, &actor.name(), &reason)
                 .await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&saga)?);
@@ -154,9 +151,9 @@ pub async fn run(args: SagaArgs) -> Result<()> {
             actor,
             json,
         } => {
-            let saga = admin(&database)
-                .await?
-                .resolve(saga_id, &actor.name(), &reason)
+            let (mut conn, admin) = admin(&database).await?;
+            let saga = admin
+                .resolve(&mut conn, saga_id, &actor.name(), &reason)
                 .await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&saga)?);

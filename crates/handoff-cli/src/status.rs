@@ -8,7 +8,6 @@ use anyhow::Result;
 use handoff_postgres::{Status, StatusReport};
 use handoff_saga::{SagaAdmin, SagaCount, SagaRecord, SagaState};
 use serde::Serialize;
-use sqlx::postgres::PgPoolOptions;
 
 use crate::args::{duration, DatabaseArgs};
 use crate::format::{age, bytes, since};
@@ -55,19 +54,17 @@ struct Sagas {
 }
 
 impl Sagas {
-    async fn read(args: &StatusArgs) -> Result<Self> {
-        let pool = PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with(args.database.options("handoff-status")?)
-            .await?;
-        let admin = SagaAdmin::new(pool, args.database.schema()?);
-        let open = admin.open_counts().await?;
+    async fn read(conn: &mut sqlx::PgConnection, args: &StatusArgs) -> Result<Self> {
+        let admin = SagaAdmin::new(&args.database.schema()?);
+        let open = admin.open_counts(&mut *conn).await?;
         let stuck_count = open
             .iter()
             .filter(|c| c.state == SagaState::Stuck.as_str())
             .map(|c| c.count)
             .sum();
-        let stuck = admin.list(Some(SagaState::Stuck), args.top).await?;
+        let stuck = admin
+            .list(&mut *conn, Some(SagaState::Stuck), args.top)
+            .await?;
         Ok(Self {
             open,
             stuck_count,
@@ -88,7 +85,7 @@ pub async fn run(args: StatusArgs) -> Result<ExitCode> {
     let report = Status::new(&args.database.schema()?)
         .read(&mut conn, args.stuck_after, args.top)
         .await?;
-    let sagas = Sagas::read(&args).await?;
+    let sagas = Sagas::read(&mut conn, &args).await?;
     let alerts = alerts(&report, &sagas, &args);
     if args.json {
         let output = Output {

@@ -33,6 +33,7 @@ mod operator;
 mod orchestrator;
 mod participant;
 mod state;
+mod store;
 mod transition;
 
 pub use definition::{DefinitionError, RetryPolicy, SagaDefinition, Step};

@@ -4,11 +4,12 @@
 
 use handoff_postgres::Schema;
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::{Acquire, Postgres};
 use uuid::Uuid;
 
 use crate::orchestrator::SagaError;
 use crate::state::{HistoryEntry, OperatorAction, SagaRecord, SagaState, COLUMNS};
+use crate::store::Store;
 
 /// One saga with its history and the operator actions taken on it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -33,7 +34,8 @@ pub struct SagaCount {
     pub count: i64,
 }
 
-/// The operators' view of the saga tables in one schema.
+/// The operators' view of the saga tables in one schema. Holds no connection: each call runs
+/// on the pool or connection it is given (`&PgPool`, `&mut PgConnection`).
 ///
 /// # Examples
 ///
@@ -42,8 +44,8 @@ pub struct SagaCount {
 /// use handoff_saga::{SagaAdmin, SagaState};
 ///
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// let admin = SagaAdmin::new(pool, Schema::default());
-/// for saga in admin.list(Some(SagaState::Stuck), 50).await? {
+/// let admin = SagaAdmin::new(&Schema::default());
+/// for saga in admin.list(&pool, Some(SagaState::Stuck), 50).await? {
 ///     println!("{} stuck: {}", saga.saga_id, saga.stuck_reason.unwrap_or_default());
 /// }
 /// # Ok(())
@@ -51,22 +53,15 @@ pub struct SagaCount {
 /// ```
 #[derive(Debug, Clone)]
 pub struct SagaAdmin {
-    pool: PgPool,
-    schema: Schema,
+    store: Store,
 }
 
 impl SagaAdmin {
-    /// The saga tables in `schema`, through `pool`.
-    pub fn new(pool: PgPool, schema: Schema) -> Self {
-        Self { pool, schema }
-    }
-
-    fn table(&self, name: &str) -> String {
-        self.schema.qualify(name)
-    }
-
-    fn error(&self, error: sqlx::Error) -> SagaError {
-        SagaError::from_sqlx(error, &self.schema)
+    /// The saga tables in `schema`.
+    pub fn new(schema: &Schema) -> Self {
+        Self {
+            store: Store::new(schema),
+        }
     }
 
     /// Sagas, most recently changed first; only those in `state` when given.
@@ -74,22 +69,19 @@ impl SagaAdmin {
     /// # Errors
     ///
     /// [`SagaError::NotMigrated`] or [`SagaError::Database`].
-    pub async fn list(
+    pub async fn list<'c>(
         &self,
+        db: impl Acquire<'c, Database = Postgres>,
         state: Option<SagaState>,
         limit: i64,
     ) -> Result<Vec<SagaRecord>, SagaError> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM {} WHERE ($1::text IS NULL OR state = $1) \
-             ORDER BY updated_at DESC, saga_id LIMIT $2",
-            self.table("saga_instances")
-        );
-        sqlx::query_as(&sql)
+        let mut conn = db.acquire().await.map_err(SagaError::Database)?;
+        sqlx::query_as(&self.store.list)
             .bind(state.map(SagaState::as_str))
             .bind(limit)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *conn)
             .await
-            .map_err(|e| self.error(e))
+            .map_err(|e| self.store.error(e))
     }
 
     /// One saga with its history and audit; `None` when there is no such saga.
@@ -97,35 +89,28 @@ impl SagaAdmin {
     /// # Errors
     ///
     /// As [`list`](Self::list).
-    pub async fn show(&self, saga_id: Uuid) -> Result<Option<SagaDetail>, SagaError> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM {} WHERE saga_id = $1",
-            self.table("saga_instances")
-        );
-        let saga: Option<SagaRecord> = sqlx::query_as(&sql)
+    pub async fn show<'c>(
+        &self,
+        db: impl Acquire<'c, Database = Postgres>,
+        saga_id: Uuid,
+    ) -> Result<Option<SagaDetail>, SagaError> {
+        let mut conn = db.acquire().await.map_err(SagaError::Database)?;
+        let saga: Option<SagaRecord> = sqlx::query_as(&self.store.get)
             .bind(saga_id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *conn)
             .await
-            .map_err(|e| self.error(e))?;
+            .map_err(|e| self.store.error(e))?;
         let Some(saga) = saga else { return Ok(None) };
-        let history = sqlx::query_as(&format!(
-            "SELECT version, state, step, kind, detail, at FROM {} \
-             WHERE saga_id = $1 ORDER BY version",
-            self.table("saga_history")
-        ))
-        .bind(saga_id)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(|e| self.error(e))?;
-        let actions = sqlx::query_as(&format!(
-            "SELECT action_id, action, reason, actor, state_before, state_after, acted_at \
-             FROM {} WHERE saga_id = $1 ORDER BY action_id",
-            self.table("saga_operator_actions")
-        ))
-        .bind(saga_id)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(|e| self.error(e))?;
+        let history = sqlx::query_as(&self.store.history_of)
+            .bind(saga_id)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| self.store.error(e))?;
+        let actions = sqlx::query_as(&self.store.actions_of)
+            .bind(saga_id)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| self.store.error(e))?;
         Ok(Some(SagaDetail {
             saga,
             history,
@@ -139,17 +124,12 @@ impl SagaAdmin {
     /// # Errors
     ///
     /// As [`list`](Self::list).
-    pub async fn open_counts(&self) -> Result<Vec<SagaCount>, SagaError> {
-        let sql = format!(
-            "SELECT saga_type, state, count(*) AS count FROM {} \
-             WHERE state IN ('running', 'compensating', 'stuck') \
-             GROUP BY saga_type, state ORDER BY saga_type, state",
-            self.table("saga_instances")
-        );
-        sqlx::query_as(&sql)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.error(e))
+    pub async fn open_counts<'c>(
+        &self,
+        db: impl Acquire<'c, Database = Postgres>,
+    ) -> Result<Vec<SagaCount>, SagaError> {
+        let mut conn = db.acquire().await.map_err(SagaError::Database)?;
+        self.store.open_counts(&mut conn, None).await
     }
 
     /// Sends a stuck saga's compensation again, from a fresh retry budget: the saga turns
@@ -160,15 +140,16 @@ impl SagaAdmin {
     ///
     /// [`SagaError::NotFound`], [`SagaError::NotStuck`], [`SagaError::NoReason`], or a
     /// database error; nothing is written then.
-    pub async fn resume(
+    pub async fn resume<'c>(
         &self,
+        db: impl Acquire<'c, Database = Postgres>,
         saga_id: Uuid,
         actor: &str,
         reason: &str,
     ) -> Result<SagaRecord, SagaError> {
         let set = "state = 'compensating', attempt = 0, deadline_at = now(), \
                    deadline_kind = 'retry', stuck_reason = NULL, ended_at = NULL";
-        self.act(saga_id, actor, reason, "resume", "resumed", set)
+        self.act(db, saga_id, actor, reason, "resume", "resumed", set)
             .await
     }
 
@@ -178,22 +159,25 @@ impl SagaAdmin {
     /// # Errors
     ///
     /// As [`resume`](Self::resume).
-    pub async fn resolve(
+    pub async fn resolve<'c>(
         &self,
+        db: impl Acquire<'c, Database = Postgres>,
         saga_id: Uuid,
         actor: &str,
         reason: &str,
     ) -> Result<SagaRecord, SagaError> {
         let set = "state = 'resolved', deadline_at = NULL, deadline_kind = NULL, \
                    stuck_reason = NULL, ended_at = now()";
-        self.act(saga_id, actor, reason, "resolve", "resolved", set)
+        self.act(db, saga_id, actor, reason, "resolve", "resolved", set)
             .await
     }
 
     /// One operator action: in one transaction, check the saga is stuck, change it, and write
     /// the history and audit rows.
-    async fn act(
+    #[allow(clippy::too_many_arguments)]
+    async fn act<'c>(
         &self,
+        db: impl Acquire<'c, Database = Postgres>,
         saga_id: Uuid,
         actor: &str,
         reason: &str,
@@ -204,8 +188,12 @@ impl SagaAdmin {
         if reason.trim().is_empty() {
             return Err(SagaError::NoReason);
         }
-        let mut tx = self.pool.begin().await.map_err(SagaError::Database)?;
-        let before = self.lock(&mut tx, saga_id).await?;
+        let mut tx = db.begin().await.map_err(SagaError::Database)?;
+        let before = self
+            .store
+            .lock(&mut tx, saga_id)
+            .await?
+            .ok_or(SagaError::NotFound(saga_id))?;
         if before.state != SagaState::Stuck {
             return Err(SagaError::NotStuck {
                 saga_id,
@@ -215,56 +203,37 @@ impl SagaAdmin {
         let sql = format!(
             "UPDATE {} SET {set}, version = version + 1, updated_at = now() \
              WHERE saga_id = $1 RETURNING {COLUMNS}",
-            self.table("saga_instances")
+            self.store.sagas()
         );
         let after: SagaRecord = sqlx::query_as(&sql)
             .bind(saga_id)
             .fetch_one(&mut *tx)
             .await
-            .map_err(|e| self.error(e))?;
-        sqlx::query(&format!(
-            "INSERT INTO {} (saga_id, version, state, step, kind, detail) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
-            self.table("saga_history")
-        ))
-        .bind(saga_id)
-        .bind(after.version)
-        .bind(after.state.as_str())
-        .bind(after.step)
-        .bind(kind)
-        .bind(format!("{actor}: {reason}"))
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| self.error(e))?;
-        sqlx::query(&format!(
-            "INSERT INTO {} (saga_id, action, reason, actor, state_before, state_after) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
-            self.table("saga_operator_actions")
-        ))
-        .bind(saga_id)
-        .bind(action)
-        .bind(reason)
-        .bind(actor)
-        .bind(before.state.as_str())
-        .bind(after.state.as_str())
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| self.error(e))?;
+            .map_err(|e| self.store.error(e))?;
+        let detail = format!("{actor}: {reason}");
+        self.store
+            .record(
+                &mut tx,
+                saga_id,
+                after.version,
+                after.state,
+                after.step,
+                kind,
+                Some(&detail),
+            )
+            .await?;
+        sqlx::query(&self.store.audit)
+            .bind(saga_id)
+            .bind(action)
+            .bind(reason)
+            .bind(actor)
+            .bind(before.state.as_str())
+            .bind(after.state.as_str())
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.store.error(e))?;
         tx.commit().await.map_err(SagaError::Database)?;
         tracing::info!(%saga_id, action, actor, reason, "operator action on a stuck saga");
         Ok(after)
-    }
-
-    async fn lock(&self, tx: &mut PgConnection, saga_id: Uuid) -> Result<SagaRecord, SagaError> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM {} WHERE saga_id = $1 FOR UPDATE",
-            self.table("saga_instances")
-        );
-        let saga: Option<SagaRecord> = sqlx::query_as(&sql)
-            .bind(saga_id)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(|e| self.error(e))?;
-        saga.ok_or(SagaError::NotFound(saga_id))
     }
 }

@@ -19,7 +19,8 @@ use uuid::Uuid;
 use crate::definition::{DefinitionError, SagaDefinition};
 use crate::message::{Command, Direction, Reply, REPLY_AGGREGATE_TYPE};
 use crate::metrics;
-use crate::state::{SagaRecord, SagaState, COLUMNS};
+use crate::state::{SagaRecord, SagaState};
+use crate::store::Store;
 use crate::transition::{decide, Decision, Input, Position, Timer, Transition};
 
 /// How an [`Orchestrator`] runs.
@@ -217,62 +218,7 @@ struct Inner<H> {
     outbox: Outbox,
     config: OrchestratorConfig,
     hooks: H,
-    sql: Sql,
-}
-
-#[derive(Debug)]
-struct Sql {
-    insert: String,
-    history: String,
-    lock: String,
-    lock_due: String,
-    due: String,
-    update: String,
-    open_counts: String,
-}
-
-impl Sql {
-    fn new(schema: &Schema) -> Self {
-        let sagas = schema.qualify("saga_instances");
-        let history = schema.qualify("saga_history");
-        Self {
-            insert: format!(
-                "INSERT INTO {sagas} (saga_id, saga_type, state, step, data, attempt, command_id, \
-                 deadline_at, deadline_kind) \
-                 VALUES ($1, $2, 'running', 0, $3, 1, $4, now() + $5 * interval '1 second', 'reply') \
-                 ON CONFLICT (saga_id) DO NOTHING"
-            ),
-            history: format!(
-                "INSERT INTO {history} (saga_id, version, state, step, kind, detail) \
-                 VALUES ($1, $2, $3, $4, $5, $6)"
-            ),
-            lock: format!("SELECT {COLUMNS} FROM {sagas} WHERE saga_id = $1 FOR UPDATE"),
-            lock_due: format!(
-                "SELECT {COLUMNS} FROM {sagas} \
-                 WHERE saga_id = $1 AND deadline_at <= now() FOR UPDATE SKIP LOCKED"
-            ),
-            due: format!(
-                "SELECT saga_id FROM {sagas} \
-                 WHERE deadline_at <= now() AND saga_type = ANY($1) \
-                 ORDER BY deadline_at LIMIT $2"
-            ),
-            update: format!(
-                "UPDATE {sagas} SET state = $2, step = $3, data = $4, version = version + 1, \
-                 attempt = $5, command_id = coalesce($6, command_id), \
-                 deadline_at = now() + $7 * interval '1 second', deadline_kind = $8, \
-                 failure = coalesce($9, failure), stuck_reason = $10, updated_at = now(), \
-                 ended_at = CASE WHEN $2 IN ('completed', 'compensated', 'resolved') \
-                                 THEN now() END \
-                 WHERE saga_id = $1 AND version = $11 \
-                 RETURNING {COLUMNS}"
-            ),
-            open_counts: format!(
-                "SELECT saga_type, state, count(*) FROM {sagas} \
-                 WHERE state IN ('running', 'compensating', 'stuck') AND saga_type = ANY($1) \
-                 GROUP BY saga_type, state"
-            ),
-        }
-    }
+    store: Store,
 }
 
 impl<H: SagaHooks> Orchestrator<H> {
@@ -306,7 +252,7 @@ impl<H: SagaHooks> Orchestrator<H> {
                 saga_types: by_type.keys().cloned().collect(),
                 definitions: by_type,
                 outbox,
-                sql: Sql::new(&config.schema),
+                store: Store::new(&config.schema),
                 config,
                 hooks,
             }),
@@ -359,7 +305,7 @@ impl<H: SagaHooks> Orchestrator<H> {
             command_id: Uuid::now_v7(),
             action: first.action.clone(),
         };
-        let inserted = sqlx::query(&inner.sql.insert)
+        let inserted = sqlx::query(&inner.store.insert)
             .bind(saga_id)
             .bind(saga_type)
             .bind(&data)
@@ -367,20 +313,22 @@ impl<H: SagaHooks> Orchestrator<H> {
             .bind(first.retry.reply_timeout.as_secs_f64())
             .execute(&mut *tx)
             .await
-            .map_err(|e| SagaError::from_sqlx(e, &inner.config.schema))?;
+            .map_err(|e| inner.store.error(e))?;
         if inserted.rows_affected() == 0 {
             return Err(SagaError::AlreadyStarted(saga_id));
         }
-        self.record(
-            tx,
-            saga_id,
-            1,
-            SagaState::Running,
-            0,
-            "started",
-            Some(&first.name),
-        )
-        .await?;
+        inner
+            .store
+            .record(
+                tx,
+                saga_id,
+                1,
+                SagaState::Running,
+                0,
+                "started",
+                Some(&first.name),
+            )
+            .await?;
         inner
             .outbox
             .enqueue(tx, &[command.to_event(&first.participant)])
@@ -399,12 +347,11 @@ impl<H: SagaHooks> Orchestrator<H> {
     /// [`start`](Self::start).
     pub async fn apply_reply(&self, tx: &mut PgConnection, reply: &Reply) -> Result<(), SagaError> {
         let inner = &self.inner;
-        let saga: Option<SagaRecord> = sqlx::query_as(&inner.sql.lock)
-            .bind(reply.saga_id)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(|e| SagaError::from_sqlx(e, &inner.config.schema))?;
-        let saga = saga.ok_or(SagaError::NotFound(reply.saga_id))?;
+        let saga = inner
+            .store
+            .lock(tx, reply.saga_id)
+            .await?
+            .ok_or(SagaError::NotFound(reply.saga_id))?;
         let Some(definition) = inner.definitions.get(&saga.saga_type) else {
             // Another orchestrator's saga type: its own consumer applies the reply.
             debug!(saga_id = %saga.saga_id, saga_type = saga.saga_type, "reply to a saga type this orchestrator does not run");
@@ -430,21 +377,20 @@ impl<H: SagaHooks> Orchestrator<H> {
     /// [`SagaError`] from the database; the sagas handled before it stay committed.
     pub async fn sweep(&self, pool: &PgPool) -> Result<usize, SagaError> {
         let inner = &self.inner;
-        let schema = &inner.config.schema;
-        let due: Vec<Uuid> = sqlx::query_scalar(&inner.sql.due)
+        let due: Vec<Uuid> = sqlx::query_scalar(&inner.store.due)
             .bind(&inner.saga_types)
             .bind(inner.config.sweep_batch)
             .fetch_all(pool)
             .await
-            .map_err(|e| SagaError::from_sqlx(e, schema))?;
+            .map_err(|e| inner.store.error(e))?;
         let mut moved = 0;
         for saga_id in due {
             let mut tx = pool.begin().await.map_err(SagaError::Database)?;
-            let saga: Option<SagaRecord> = sqlx::query_as(&inner.sql.lock_due)
+            let saga: Option<SagaRecord> = sqlx::query_as(&inner.store.lock_due)
                 .bind(saga_id)
                 .fetch_optional(&mut *tx)
                 .await
-                .map_err(|e| SagaError::from_sqlx(e, schema))?;
+                .map_err(|e| inner.store.error(e))?;
             // Gone from under us: a reply moved it first, or another orchestrator holds it.
             let Some(saga) = saga else { continue };
             let definition = &inner.definitions[&saga.saga_type];
@@ -493,11 +439,11 @@ impl<H: SagaHooks> Orchestrator<H> {
     /// Sets the `handoff_sagas{saga_type, state}` gauge of the sagas in flight or stuck.
     async fn count(&self, pool: &PgPool) -> Result<(), SagaError> {
         let inner = &self.inner;
-        let rows: Vec<(String, String, i64)> = sqlx::query_as(&inner.sql.open_counts)
-            .bind(&inner.saga_types)
-            .fetch_all(pool)
-            .await
-            .map_err(|e| SagaError::from_sqlx(e, &inner.config.schema))?;
+        let mut conn = pool.acquire().await.map_err(SagaError::Database)?;
+        let rows = inner
+            .store
+            .open_counts(&mut conn, Some(&inner.saga_types))
+            .await?;
         for saga_type in &inner.saga_types {
             for state in [
                 SagaState::Running,
@@ -506,8 +452,8 @@ impl<H: SagaHooks> Orchestrator<H> {
             ] {
                 let n = rows
                     .iter()
-                    .find(|(t, s, _)| t == saga_type && s == state.as_str())
-                    .map_or(0, |(_, _, n)| *n);
+                    .find(|c| &c.saga_type == saga_type && c.state == state.as_str())
+                    .map_or(0, |c| c.count);
                 metrics::open(saga_type, state, n);
             }
         }
@@ -524,7 +470,6 @@ impl<H: SagaHooks> Orchestrator<H> {
         t: Transition,
     ) -> Result<SagaRecord, SagaError> {
         let inner = &self.inner;
-        let schema = &inner.config.schema;
         let mut data = saga.data.clone();
         merge(&mut data, t.merge);
         let command = t.send.map(|send| {
@@ -551,7 +496,7 @@ impl<H: SagaHooks> Orchestrator<H> {
             Some(Timer::Retry(after)) => (Some(after.as_secs_f64()), Some("retry")),
             None => (None, None),
         };
-        let updated: Option<SagaRecord> = sqlx::query_as(&inner.sql.update)
+        let updated: Option<SagaRecord> = sqlx::query_as(&inner.store.update)
             .bind(saga.saga_id)
             .bind(t.state.as_str())
             .bind(t.step)
@@ -565,19 +510,21 @@ impl<H: SagaHooks> Orchestrator<H> {
             .bind(saga.version)
             .fetch_optional(&mut *tx)
             .await
-            .map_err(|e| SagaError::from_sqlx(e, schema))?;
+            .map_err(|e| inner.store.error(e))?;
         // The row is locked, so the version cannot have moved; a miss is a bug, not a race.
         let updated = updated.ok_or(SagaError::NotFound(saga.saga_id))?;
-        self.record(
-            tx,
-            updated.saga_id,
-            updated.version,
-            updated.state,
-            updated.step,
-            t.kind,
-            t.detail.as_deref(),
-        )
-        .await?;
+        inner
+            .store
+            .record(
+                tx,
+                updated.saga_id,
+                updated.version,
+                updated.state,
+                updated.step,
+                t.kind,
+                t.detail.as_deref(),
+            )
+            .await?;
         if let Some((command, participant)) = &command {
             inner
                 .outbox
@@ -597,31 +544,6 @@ impl<H: SagaHooks> Orchestrator<H> {
         metrics::transition(&updated.saga_type, t.kind);
         debug!(saga_id = %updated.saga_id, state = %updated.state, step = updated.step, kind = t.kind, "saga moved");
         Ok(updated)
-    }
-
-    /// Writes one `saga_history` row.
-    #[allow(clippy::too_many_arguments)]
-    async fn record(
-        &self,
-        tx: &mut PgConnection,
-        saga_id: Uuid,
-        version: i64,
-        state: SagaState,
-        step: i32,
-        kind: &str,
-        detail: Option<&str>,
-    ) -> Result<(), SagaError> {
-        sqlx::query(&self.inner.sql.history)
-            .bind(saga_id)
-            .bind(version)
-            .bind(state.as_str())
-            .bind(step)
-            .bind(kind)
-            .bind(detail)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| SagaError::from_sqlx(e, &self.inner.config.schema))?;
-        Ok(())
     }
 }
 

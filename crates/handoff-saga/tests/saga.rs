@@ -61,7 +61,12 @@ async fn sagas_complete_with_each_step_done_once() {
             saga.data["n"],
             json!(sagas.iter().position(|s| *s == saga_id).unwrap())
         );
-        let detail = world.admin().show(saga_id).await.unwrap().unwrap();
+        let detail = world
+            .admin()
+            .show(world.pool(), saga_id)
+            .await
+            .unwrap()
+            .unwrap();
         let kinds: Vec<_> = detail.history.iter().map(|h| h.kind.as_str()).collect();
         assert_eq!(kinds, ["started", "step_succeeded", "completed"]);
         // One history row per version.
@@ -114,7 +119,7 @@ async fn a_release_that_keeps_failing_parks_the_saga_then_an_operator_resumes_it
     assert_eq!(world.outcome(saga_id).await, None, "not ended");
     let stuck = world
         .admin()
-        .list(Some(SagaState::Stuck), 10)
+        .list(world.pool(), Some(SagaState::Stuck), 10)
         .await
         .unwrap();
     assert_eq!(
@@ -124,27 +129,38 @@ async fn a_release_that_keeps_failing_parks_the_saga_then_an_operator_resumes_it
 
     // Resolving needs a reason; resuming a saga that is not stuck is refused.
     assert!(matches!(
-        world.admin().resolve(saga_id, "ops", " ").await,
+        world
+            .admin()
+            .resolve(world.pool(), saga_id, "ops", " ")
+            .await,
         Err(SagaError::NoReason)
     ));
     world.inventory.set_broken(saga_id, false).await;
     world
         .admin()
-        .resume(saga_id, "ops", "inventory repaired")
+        .resume(world.pool(), saga_id, "ops", "inventory repaired")
         .await
         .unwrap();
     world.wait_state(saga_id, SagaState::Compensated).await;
     assert_eq!(effects(&world, saga_id).await, [(1, 1), (0, 0)]);
     assert_eq!(world.outcome(saga_id).await.as_deref(), Some("compensated"));
     assert!(matches!(
-        world.admin().resume(saga_id, "ops", "again").await,
+        world
+            .admin()
+            .resume(world.pool(), saga_id, "ops", "again")
+            .await,
         Err(SagaError::NotStuck {
             state: SagaState::Compensated,
             ..
         })
     ));
 
-    let detail = world.admin().show(saga_id).await.unwrap().unwrap();
+    let detail = world
+        .admin()
+        .show(world.pool(), saga_id)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(detail.actions.len(), 1);
     let action = &detail.actions[0];
     assert_eq!(
@@ -187,12 +203,22 @@ async fn a_stuck_saga_resolved_by_hand_ends_with_an_audit_record() {
 
     let resolved = world
         .admin()
-        .resolve(saga_id, "alice", "stock counted and released by hand")
+        .resolve(
+            world.pool(),
+            saga_id,
+            "alice",
+            "stock counted and released by hand",
+        )
         .await
         .unwrap();
     assert_eq!(resolved.state, SagaState::Resolved);
     assert!(resolved.ended_at.is_some());
-    let detail = world.admin().show(saga_id).await.unwrap().unwrap();
+    let detail = world
+        .admin()
+        .show(world.pool(), saga_id)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(detail.actions.len(), 1);
     assert_eq!(
         detail.actions[0].reason,
@@ -202,7 +228,13 @@ async fn a_stuck_saga_resolved_by_hand_ends_with_an_audit_record() {
     // Resolved is final: nothing resends the release, however long we look.
     let before = detail.saga.version;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let after = world.admin().show(saga_id).await.unwrap().unwrap().saga;
+    let after = world
+        .admin()
+        .show(world.pool(), saga_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .saga;
     assert_eq!((after.state, after.version), (SagaState::Resolved, before));
     assert_eq!(effects(&world, saga_id).await, [(1, 0), (0, 0)]);
     world.stop().await;

@@ -3,6 +3,7 @@
 //! every event; and their stop with SIGTERM.
 
 use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -10,7 +11,7 @@ use sqlx::PgPool;
 use tokio::process::{Child, Command};
 
 use crate::destination::Target;
-use crate::process::{shown, sibling_binary, spawn_ready, terminate, Stderr};
+use crate::process::{shown, sibling_binary, spawn_ready, terminate, Ready, Stderr};
 use crate::Resources;
 
 /// How long both consumers may take to apply every event before the demo gives up. The
@@ -83,17 +84,19 @@ pub struct Databases<'a> {
 
 /// Starts the payment provider, then the two consumers on the demo's stream, topic or queues,
 /// each stored in its slot of `resources` before it is waited for.
-pub async fn start(
+/// Starts `payment-provider` on loopback with its own database and the fault flags `faults`;
+/// returns its executable and its ready line (the address it listens on).
+pub async fn start_provider(
     resources: &mut Resources,
-    databases: &Databases<'_>,
-    target: &Target,
-) -> Result<Receivers> {
+    database_url: &str,
+    faults: &[&str],
+) -> Result<(PathBuf, Ready)> {
     let exe = sibling_binary("payment-provider", "payment provider")?;
     let mut command = Command::new(&exe);
     command
         .args(["--listen", "127.0.0.1:0"])
-        .args(PROVIDER_FAULTS)
-        .env("DATABASE_URL", databases.provider);
+        .args(faults)
+        .env("DATABASE_URL", database_url);
     quiet(&mut command);
     let ready = spawn_ready(
         command,
@@ -102,6 +105,15 @@ pub async fn start(
         &mut resources.provider,
     )
     .await?;
+    Ok((exe, ready))
+}
+
+pub async fn start(
+    resources: &mut Resources,
+    databases: &Databases<'_>,
+    target: &Target,
+) -> Result<Receivers> {
+    let (exe, ready) = start_provider(resources, databases.provider, &PROVIDER_FAULTS).await?;
     let provider_url = format!("http://{}", ready.rest);
     println!(
         "   started {} (pid {}), listening on {}, with its own\n   database: a fake payment \

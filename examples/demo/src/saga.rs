@@ -16,6 +16,7 @@ use tokio::process::Command;
 use uuid::Uuid;
 
 use crate::broker::{Broker, DemoNats};
+use crate::consumers;
 use crate::database::{self, DemoDatabase};
 use crate::process::{shown, sibling_binary, spawn_ready, terminate};
 use crate::Resources;
@@ -95,19 +96,7 @@ pub async fn run(resources: &mut Resources) -> Result<String> {
     let broker = DemoNats::prepare(&mut resources.nats).await?;
 
     println!("\n3. The services");
-    let exe = sibling_binary("payment-provider", "payment provider")?;
-    let mut command = Command::new(&exe);
-    command
-        .args(["--listen", "127.0.0.1:0"])
-        .env("DATABASE_URL", &provider_db)
-        .env("RUST_LOG", "error");
-    let ready = spawn_ready(
-        command,
-        "payment-provider",
-        "listening on ",
-        &mut resources.provider,
-    )
-    .await?;
+    let (exe, ready) = consumers::start_provider(resources, &provider_db, &[]).await?;
     let provider_url = format!("http://{}", ready.rest);
     println!(
         "   {} (pid {}): a fake payment API that honours Idempotency-Key",
@@ -167,7 +156,7 @@ pub async fn run(resources: &mut Resources) -> Result<String> {
         )?)],
         orders::Hooks,
     )?;
-    let admin = SagaAdmin::new(orders_pool.clone(), handoff_postgres::Schema::default());
+    let admin = SagaAdmin::new(&handoff_postgres::Schema::default());
     let place = |sku: &str, quantity: i32, card: &str| OrderRequest {
         sku: sku.to_owned(),
         quantity,
@@ -178,14 +167,14 @@ pub async fn run(resources: &mut Resources) -> Result<String> {
     println!("\n4. Two orders that go through");
     for request in [place("book", 2, "ok"), place("lamp", 1, "ok")] {
         let id = orders::place(&orders_pool, &starter, &request).await?;
-        let state = wait_ended(&admin, id, &[SagaState::Completed]).await?;
+        let state = wait_ended(&admin, &orders_pool, id, &[SagaState::Completed]).await?;
         print_saga(&admin, &orders_pool, id, &request, state).await?;
     }
 
     println!("\n5. A declined card: the stock reserved for it is released");
     let request = place("book", 1, "declined");
     let id = orders::place(&orders_pool, &starter, &request).await?;
-    let state = wait_ended(&admin, id, &[SagaState::Compensated]).await?;
+    let state = wait_ended(&admin, &orders_pool, id, &[SagaState::Compensated]).await?;
     print_saga(&admin, &orders_pool, id, &request, state).await?;
 
     println!("\n6. The payment provider charges, then times out: the answer is ambiguous");
@@ -204,7 +193,7 @@ pub async fn run(resources: &mut Resources) -> Result<String> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     set_faults(&provider_url, 0.0).await?;
-    let state = wait_ended(&admin, id, &[SagaState::Completed]).await?;
+    let state = wait_ended(&admin, &orders_pool, id, &[SagaState::Completed]).await?;
     let after = stats(&provider_url).await?;
     print_saga(&admin, &orders_pool, id, &request, state).await?;
     let requests =
@@ -232,7 +221,7 @@ pub async fn run(resources: &mut Resources) -> Result<String> {
     let request = place("book", 3, "ok");
     let id = orders::place(&orders_pool, &starter, &request).await?;
     let started = Instant::now();
-    wait_ended(&admin, id, &[SagaState::Compensating]).await?;
+    wait_ended(&admin, &orders_pool, id, &[SagaState::Compensating]).await?;
     println!(
         "   after {:.1} s (3 sends of ReserveStock, {REPLY_TIMEOUT} each, no reply) the saga \
          turned back:\n   ReserveStock's effect is unknown, so its compensation ReleaseStock \
@@ -244,13 +233,13 @@ pub async fn run(resources: &mut Resources) -> Result<String> {
         "   inventory restarted (pid {pid}): it reads its commands in order, the reservations \
          first, then\n   the release, which undoes them"
     );
-    let state = wait_ended(&admin, id, &[SagaState::Compensated]).await?;
+    let state = wait_ended(&admin, &orders_pool, id, &[SagaState::Compensated]).await?;
     print_saga(&admin, &orders_pool, id, &request, state).await?;
 
     println!("\n8. A release that keeps failing: the saga is parked as stuck, never half-done");
     let request = place("cursed-lamp", 1, "declined");
     let id = orders::place(&orders_pool, &starter, &request).await?;
-    let state = wait_ended(&admin, id, &[SagaState::Stuck]).await?;
+    let state = wait_ended(&admin, &orders_pool, id, &[SagaState::Stuck]).await?;
     print_saga(&admin, &orders_pool, id, &request, state).await?;
     let handoff = sibling_binary("handoff", "handoff")?;
     let status = operator(&handoff, &orders_url, &["status"]).await?;
@@ -271,7 +260,10 @@ pub async fn run(resources: &mut Resources) -> Result<String> {
         "   $ handoff saga resolve {id} --reason \"{reason}\"\n   {}",
         resolved.trim()
     );
-    let detail = admin.show(id).await?.context("the saga is gone")?;
+    let detail = admin
+        .show(&orders_pool, id)
+        .await?
+        .context("the saga is gone")?;
     let action = detail.actions.last().context("no audit record")?;
     println!(
         "   audit: #{} {} by {}: {} ({} -> {})",
@@ -303,10 +295,19 @@ pub async fn run(resources: &mut Resources) -> Result<String> {
 }
 
 /// Waits (at most 60 s) until the saga is in one of `states`.
-async fn wait_ended(admin: &SagaAdmin, id: Uuid, states: &[SagaState]) -> Result<SagaState> {
+async fn wait_ended(
+    admin: &SagaAdmin,
+    pool: &PgPool,
+    id: Uuid,
+    states: &[SagaState],
+) -> Result<SagaState> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let saga = admin.show(id).await?.context("the saga is gone")?.saga;
+        let saga = admin
+            .show(pool, id)
+            .await?
+            .context("the saga is gone")?
+            .saga;
         if states.contains(&saga.state) {
             return Ok(saga.state);
         }
@@ -324,7 +325,10 @@ async fn print_saga(
     request: &OrderRequest,
     state: SagaState,
 ) -> Result<()> {
-    let detail = admin.show(id).await?.context("the saga is gone")?;
+    let detail = admin
+        .show(orders_pool, id)
+        .await?
+        .context("the saga is gone")?;
     let status: String = sqlx::query_scalar("SELECT status FROM shop_orders WHERE order_id = $1")
         .bind(id)
         .fetch_one(orders_pool)

@@ -299,7 +299,12 @@ impl World {
     }
 
     pub fn admin(&self) -> SagaAdmin {
-        SagaAdmin::new(self.orders.db.pool.clone(), Schema::default())
+        SagaAdmin::new(&Schema::default())
+    }
+
+    /// The orchestrator's database, where the saga tables are.
+    pub fn pool(&self) -> &PgPool {
+        &self.orders.db.pool
     }
 
     /// Waits (at most 60 s) until the saga is in `state`.
@@ -308,7 +313,7 @@ impl World {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             let saga = admin
-                .show(saga_id)
+                .show(self.pool(), saga_id)
                 .await
                 .unwrap()
                 .expect("the saga exists")
