@@ -419,6 +419,7 @@ impl Source for LogicalSource {
             // No lease: the slot is exclusive, so no other relay holds these events.
             lease_deadline: None,
             taken_over: 0,
+            held: 0,
         })
     }
 

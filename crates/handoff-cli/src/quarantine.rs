@@ -234,6 +234,12 @@ fn print_detail(event_id: Uuid, detail: &EventDetail) -> Result<()> {
             println!("held since   {} ({})", at.to_rfc3339(), since(at));
         }
         println!("attempts     {}", event.attempts);
+        if let Some(held_by) = &event.hold_reason {
+            println!("held by      {held_by}");
+        }
+        if event.takeovers > 0 {
+            println!("takeovers    {}", event.takeovers);
+        }
         println!("last error   {}", event.reason.as_deref().unwrap_or("-"));
         println!(
             "held behind  {} later event(s) of its aggregate",

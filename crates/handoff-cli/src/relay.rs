@@ -69,9 +69,15 @@ pub struct RelayArgs {
     /// JetStream duplicate window for a stream this relay creates [default: 2m].
     #[arg(long, env = "HANDOFF_DUPLICATE_WINDOW", value_parser = humantime::parse_duration)]
     duplicate_window: Option<Duration>,
-    /// Failed attempts before an event is held for an operator [default: 20].
+    /// Failed attempts before an event is held for an operator [default: 20]. Only failures
+    /// that concern the event are charged: a refusal, or an error while the destination
+    /// accepts other events; an outage or throttling pauses the destination instead.
     #[arg(long, env = "HANDOFF_MAX_ATTEMPTS")]
     max_attempts: Option<i32>,
+    /// Takeovers of an event's unsettled lease (its relay died or stalled holding it) before
+    /// the event is held for an operator with reason crash_loop [default: 5].
+    #[arg(long, env = "HANDOFF_MAX_TAKEOVERS")]
+    max_takeovers: Option<i32>,
     /// CloudEvents ce-source of the published events [default: handoff].
     #[arg(long, env = "HANDOFF_CE_SOURCE")]
     ce_source: Option<String>,
@@ -193,6 +199,7 @@ struct RelayFile {
     #[serde(default, with = "humantime_serde")]
     duplicate_window: Option<Duration>,
     max_attempts: Option<i32>,
+    max_takeovers: Option<i32>,
     ce_source: Option<String>,
     #[serde(default, with = "humantime_serde")]
     stuck_after: Option<Duration>,
@@ -451,6 +458,10 @@ impl Settings {
                 .or(file.query_timeout)
                 .unwrap_or(Duration::from_secs(10)),
             order,
+            max_takeovers: args
+                .max_takeovers
+                .or(file.max_takeovers)
+                .unwrap_or(PollingConfig::default().max_takeovers),
             ..PollingConfig::default()
         };
         polling.validate()?;

@@ -56,6 +56,9 @@ pub struct Claim {
     /// How many of the events were taken over from a lease that ran out unsettled (a relay died
     /// or stalled holding them).
     pub taken_over: usize,
+    /// Events the claim held for an operator instead of leasing: their lease had run out
+    /// unsettled too many times (a crash loop). Not in [`events`](Self::events).
+    pub held: usize,
 }
 
 /// What the relay tells a [`Source`] about one event it could not publish.
@@ -72,6 +75,10 @@ pub struct Failure {
     /// Whether the failure counts against the event's attempt cap. A broker that is down is not
     /// the event's fault and does not count.
     pub counts_as_attempt: bool,
+    /// Why the event is held when [`retry_after`](Self::retry_after) is `None`: `"attempts"`
+    /// (the attempt cap was reached) or `"rejected"` (the destination refused it for good).
+    /// Shown by `handoff quarantine`; ignored for a retry.
+    pub hold_reason: Option<&'static str>,
 }
 
 /// Why a [`Source`] call failed.
@@ -163,8 +170,15 @@ pub enum PublishErrorKind {
     /// No acknowledgement in time. Ambiguous: the broker may hold the event, so it is retried
     /// with the same event id.
     Timeout,
-    /// The destination answered with an error that may pass (overload, leader election).
+    /// The destination answered with an error that may pass (a 5xx, a leader election).
+    /// Whether the event is charged depends on the others: the relay charges it only while
+    /// other events are being accepted; when everything fails it is the destination's fault.
     Transient,
+    /// The destination is up but asks the sender to stop for a while: an HTTP 429 or 503, a
+    /// RabbitMQ `connection.blocked` (memory or disk alarm). It concerns every event, so the
+    /// relay pauses the whole destination (for at least
+    /// [`retry_after`](PublishError::retry_after) when given) and charges no attempt.
+    Throttled,
     /// The destination refused this event and always will (too large, not permitted). The
     /// event goes to the poison policy at once.
     Rejected,
@@ -176,9 +190,20 @@ impl PublishErrorKind {
         !matches!(self, PublishErrorKind::Rejected)
     }
 
-    /// Whether the failure says something about the event rather than about the destination.
+    /// Whether the failure can say something about the event rather than about the
+    /// destination. `Unavailable` and `Throttled` never do; `Timeout` and `Transient` do only
+    /// when other events are accepted meanwhile (the relay decides); `Rejected` always does.
     pub fn counts_as_attempt(self) -> bool {
-        !matches!(self, PublishErrorKind::Unavailable)
+        !self.is_destination_wide()
+    }
+
+    /// Whether the failure is the destination's as a whole (down, or asking everyone to back
+    /// off): the relay pauses publishing to it instead of blaming the event.
+    pub fn is_destination_wide(self) -> bool {
+        matches!(
+            self,
+            PublishErrorKind::Unavailable | PublishErrorKind::Throttled
+        )
     }
 
     /// A short stable name, for metrics labels.
@@ -187,6 +212,7 @@ impl PublishErrorKind {
             PublishErrorKind::Unavailable => "unavailable",
             PublishErrorKind::Timeout => "timeout",
             PublishErrorKind::Transient => "transient",
+            PublishErrorKind::Throttled => "throttled",
             PublishErrorKind::Rejected => "rejected",
         }
     }

@@ -57,7 +57,8 @@ pub enum BuildError {
 /// | answer | result |
 /// |---|---|
 /// | 2xx | published; receipt `http <status> sha256:<hex of the response body>` |
-/// | 408, 409, 429, 5xx | `Transient` (retried with backoff); 429 and 503 honour `Retry-After` |
+/// | 429, 503 | `Throttled`: the relay pauses the whole destination (at least `Retry-After`), charging no event |
+/// | 408, 409, other 5xx | `Transient`: retried with backoff; charged only while other events get through, otherwise the destination pauses |
 /// | 3xx | `Unavailable`: redirects are not followed, the endpoint is misconfigured |
 /// | other 4xx | `Rejected`: the event is quarantined |
 /// | connection refused, DNS or TLS failure, no request slot free within half the timeout | `Unavailable` (not charged to the event; nothing sent) |
@@ -405,10 +406,13 @@ impl Transport for HttpTransport {
     }
 }
 
-/// How a non-2xx status counts.
+/// How a non-2xx status counts. 429 and 503 are the endpoint asking every sender to back off:
+/// the relay pauses the destination and charges no event. Other 5xx, 408 and 409 may be the
+/// event's or the endpoint's; the relay charges them only while other events get through.
 fn classify(status: StatusCode) -> PublishErrorKind {
     match status.as_u16() {
-        408 | 409 | 429 | 500..=599 => PublishErrorKind::Transient,
+        429 | 503 => PublishErrorKind::Throttled,
+        408 | 409 | 500..=599 => PublishErrorKind::Transient,
         300..=399 => PublishErrorKind::Unavailable,
         400..=499 => PublishErrorKind::Rejected,
         _ => PublishErrorKind::Transient,
@@ -510,9 +514,10 @@ mod tests {
         for (status, kind) in [
             (408, Transient),
             (409, Transient),
-            (429, Transient),
+            (429, Throttled),
             (500, Transient),
-            (503, Transient),
+            (502, Transient),
+            (503, Throttled),
             (599, Transient),
             (301, Unavailable),
             (308, Unavailable),

@@ -1,4 +1,5 @@
--- Lease up to $2 publishable events to relay $1 for $3 seconds (brief P1, P2, P5).
+-- Lease up to $2 publishable events to relay $1 for $3 seconds (brief P1, P2, P5); hold for an
+-- operator, instead, an event whose lease ran out unsettled more than $4 times (a crash loop).
 --
 -- One statement, so one short transaction: the row locks live only until it returns, and the
 -- lease written into the rows is what keeps other relays off them afterwards.
@@ -11,13 +12,20 @@
 -- The lease also moves available_at to its end. Leased rows thereby leave the front of
 -- outbox_pending_idx, so the next claim (by this relay or another) does not wade through them,
 -- and a lease that expires makes its rows available again with no extra step.
+--
+-- Crash loops: a claimable row that still names a holder was left unsettled by a lease that ran
+-- out (its relay died or stalled holding it). Such a claim is a takeover, counted in
+-- takeover_count. An event whose publish kills every relay that tries never fails, so attempts
+-- never reach the cap; the takeover count does. Past $4 takeovers the row is held ('crash_loop':
+-- available_at 'infinity', like any quarantined event) in this same statement instead of being
+-- leased, and the rows behind it in its lane are not leased either.
 WITH head AS MATERIALIZED (
     -- Oldest available heads first, in the pending index's order, so the scan reads the index
     -- front and stops after $2 heads. Events waiting behind an unpublished predecessor are
     -- skipped by the scan instead of filling the batch: a backlog of them can never starve
     -- the heads that would unblock them. Rows another claim holds right now are skipped too.
     SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
-           o.available_at, o.occurred_at, o.claimed_by
+           o.available_at, o.occurred_at, o.claimed_by, o.takeover_count
     FROM {schema}outbox o
     WHERE o.published_at IS NULL
       AND o.available_at <= now()
@@ -41,13 +49,14 @@ run AS MATERIALIZED (
     -- its lane (a busy aggregate then moves a run per claim, not one event). Only the unbroken
     -- prefix counts: the first missing, unavailable or locked sequence ends the run.
     SELECT n.event_id, h.available_at, h.occurred_at, n.aggregate_type, n.aggregate_id,
-           n.aggregate_sequence, n.claimed_by,
+           n.aggregate_sequence, n.claimed_by, n.takeover_count,
            n.aggregate_sequence - h.aggregate_sequence
                = row_number() OVER (PARTITION BY h.event_id ORDER BY n.aggregate_sequence)
                AS unbroken
     FROM head h
     CROSS JOIN LATERAL (
-        SELECT s.event_id, s.aggregate_type, s.aggregate_id, s.aggregate_sequence, s.claimed_by
+        SELECT s.event_id, s.aggregate_type, s.aggregate_id, s.aggregate_sequence, s.claimed_by,
+               s.takeover_count
         FROM {schema}outbox s
         WHERE s.aggregate_type = h.aggregate_type
           AND s.aggregate_id = h.aggregate_id
@@ -60,28 +69,56 @@ run AS MATERIALIZED (
         FOR UPDATE SKIP LOCKED
     ) n
 ),
-picked AS (
-    -- Heads and runs, cut to $2 events. The order keeps each aggregate's events together and
-    -- in sequence, so the cut leaves every lane an unbroken prefix.
-    SELECT c.event_id, c.claimed_by
+candidate AS (
+    -- Heads and unbroken runs, each marked when this claim would be one takeover too many.
+    SELECT c.*,
+           c.claimed_by IS NOT NULL AND c.takeover_count >= $4 AS crash_loop
     FROM (
         SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
-               aggregate_sequence, claimed_by
+               aggregate_sequence, claimed_by, takeover_count
         FROM head
         UNION ALL
         SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
-               aggregate_sequence, claimed_by
+               aggregate_sequence, claimed_by, takeover_count
         FROM run
         WHERE unbroken
     ) c
-    ORDER BY c.available_at, c.occurred_at, c.aggregate_type, c.aggregate_id,
-             c.aggregate_sequence
+),
+picked AS (
+    -- Cut to $2 events. The order keeps each aggregate's events together and in sequence, so
+    -- the cut leaves every lane an unbroken prefix. A row behind a crash-looping one in its
+    -- lane is left out: the held row must not be overtaken.
+    SELECT l.event_id, l.claimed_by, l.crash_loop
+    FROM (
+        SELECT c.*,
+               coalesce(bool_or(c.crash_loop) OVER (
+                   PARTITION BY c.aggregate_type, c.aggregate_id
+                   ORDER BY c.aggregate_sequence
+                   ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
+               ), false) AS behind_crash_loop
+        FROM candidate c
+    ) l
+    WHERE NOT l.behind_crash_loop
+    ORDER BY l.available_at, l.occurred_at, l.aggregate_type, l.aggregate_id,
+             l.aggregate_sequence
     LIMIT $2
 )
 UPDATE {schema}outbox o
-SET claimed_by = $1,
-    claim_until = now() + make_interval(secs => $3),
-    available_at = now() + make_interval(secs => $3)
+SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
+    claim_until = CASE WHEN picked.crash_loop THEN NULL
+                       ELSE now() + make_interval(secs => $3) END,
+    available_at = CASE WHEN picked.crash_loop THEN 'infinity'::timestamptz
+                        ELSE now() + make_interval(secs => $3) END,
+    takeover_count = o.takeover_count + (picked.claimed_by IS NOT NULL)::int,
+    quarantined_at = CASE WHEN picked.crash_loop THEN now() ELSE o.quarantined_at END,
+    hold_reason = CASE WHEN picked.crash_loop THEN 'crash_loop' ELSE o.hold_reason END,
+    last_error = CASE
+        WHEN picked.crash_loop THEN format(
+            'crash_loop: its lease ran out unsettled %s times (the relay holding it died or '
+            'stalled each time, last %s); held after --max-takeovers %s',
+            o.takeover_count + 1, picked.claimed_by, $4)
+        ELSE o.last_error
+    END
 FROM picked
 WHERE o.event_id = picked.event_id
 -- A skipped event (`handoff quarantine skip`) goes out as a marker in its place: no payload, and
@@ -94,4 +131,8 @@ RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.
           END AS headers,
           o.occurred_at, o.attempt_count,
           -- A claimable row that still names a holder is one whose lease ran out unsettled.
-          picked.claimed_by IS NOT NULL AS taken_over
+          picked.claimed_by IS NOT NULL AS taken_over,
+          -- Held, not leased: the relay publishes nothing of it and reports it.
+          picked.crash_loop AS held,
+          -- The lease's end, which fences this relay's later failure and release writes.
+          o.claim_until

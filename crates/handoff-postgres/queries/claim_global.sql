@@ -33,12 +33,12 @@ head AS MATERIALIZED (
 run AS MATERIALIZED (
     -- The front and the events right behind it. Only the unbroken prefix counts: the first
     -- missing, unavailable or locked global sequence ends the run.
-    SELECT n.event_id, n.global_sequence, n.claimed_by,
+    SELECT n.event_id, n.global_sequence, n.claimed_by, n.takeover_count,
            n.global_sequence - h.global_sequence + 1
                = row_number() OVER (ORDER BY n.global_sequence) AS unbroken
     FROM head h
     CROSS JOIN LATERAL (
-        SELECT s.event_id, s.global_sequence, s.claimed_by
+        SELECT s.event_id, s.global_sequence, s.claimed_by, s.takeover_count
         FROM {schema}outbox s
         WHERE s.global_sequence >= h.global_sequence
           AND s.published_at IS NULL
@@ -48,17 +48,43 @@ run AS MATERIALIZED (
         FOR UPDATE SKIP LOCKED
     ) n
 ),
-picked AS (
+marked AS (
     -- The unbroken prefix only: a row after a hole would overtake the hole. Sequences only grow
-    -- along the run, so once a row is not unbroken no later one is.
-    SELECT r.event_id, r.claimed_by
+    -- along the run, so once a row is not unbroken no later one is. A row one takeover past $4
+    -- is held (as in claim.sql), and nothing after it is leased.
+    SELECT r.event_id, r.claimed_by, r.global_sequence,
+           r.claimed_by IS NOT NULL AND r.takeover_count >= $4 AS crash_loop
     FROM run r
     WHERE r.unbroken
+),
+picked AS (
+    SELECT m.event_id, m.claimed_by, m.crash_loop
+    FROM (
+        SELECT m.*,
+               coalesce(bool_or(m.crash_loop) OVER (
+                   ORDER BY m.global_sequence
+                   ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
+               ), false) AS behind_crash_loop
+        FROM marked m
+    ) m
+    WHERE NOT m.behind_crash_loop
 )
 UPDATE {schema}outbox o
-SET claimed_by = $1,
-    claim_until = now() + make_interval(secs => $3),
-    available_at = now() + make_interval(secs => $3)
+SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
+    claim_until = CASE WHEN picked.crash_loop THEN NULL
+                       ELSE now() + make_interval(secs => $3) END,
+    available_at = CASE WHEN picked.crash_loop THEN 'infinity'::timestamptz
+                        ELSE now() + make_interval(secs => $3) END,
+    takeover_count = o.takeover_count + (picked.claimed_by IS NOT NULL)::int,
+    quarantined_at = CASE WHEN picked.crash_loop THEN now() ELSE o.quarantined_at END,
+    hold_reason = CASE WHEN picked.crash_loop THEN 'crash_loop' ELSE o.hold_reason END,
+    last_error = CASE
+        WHEN picked.crash_loop THEN format(
+            'crash_loop: its lease ran out unsettled %s times (the relay holding it died or '
+            'stalled each time, last %s); held after --max-takeovers %s',
+            o.takeover_count + 1, picked.claimed_by, $4)
+        ELSE o.last_error
+    END
 FROM picked
 WHERE o.event_id = picked.event_id
 -- As claim.sql, with the global sequence; the relay publishes the rows in that order.
@@ -69,4 +95,6 @@ RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
                ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
           END AS headers,
           o.occurred_at, o.attempt_count,
-          picked.claimed_by IS NOT NULL AS taken_over
+          picked.claimed_by IS NOT NULL AS taken_over,
+          picked.crash_loop AS held,
+          o.claim_until

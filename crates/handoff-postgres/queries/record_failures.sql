@@ -1,18 +1,25 @@
 -- Failed publishes of relay $1 (brief P3): each event backs off until now() + its delay (no
--- delay: held until an operator acts), optionally charged one attempt, with the error kept.
--- Only rows this relay still holds: if its lease ran out and another relay took a row over,
--- that relay's lease wins.
+-- delay: held until an operator acts, for the reason given), optionally charged one attempt,
+-- with the error kept.
+--
+-- Fenced by the lease, not only by the relay id: the row must still carry the very lease this
+-- relay's claim wrote ($6, each event's claim_until). If the lease ran out and another relay (or
+-- this one, in a later claim) took the row over, that lease wins and this write changes nothing,
+-- even when two relays share an id.
 UPDATE {schema}outbox o
 SET available_at = CASE
         WHEN f.delay_ms IS NULL THEN 'infinity'::timestamptz
         ELSE now() + f.delay_ms * interval '1 millisecond'
     END,
     quarantined_at = CASE WHEN f.delay_ms IS NULL THEN now() END,
+    hold_reason = CASE WHEN f.delay_ms IS NULL THEN f.hold_reason END,
     attempt_count = o.attempt_count + f.charged::int,
     last_error = f.error,
     claimed_by = NULL,
     claim_until = NULL
-FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::bool[]) AS f (event_id, error, delay_ms, charged)
+FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::bool[], $6::timestamptz[], $7::text[])
+         AS f (event_id, error, delay_ms, charged, lease_until, hold_reason)
 WHERE o.event_id = f.event_id
   AND o.published_at IS NULL
   AND o.claimed_by = $1
+  AND o.claim_until = f.lease_until

@@ -1,9 +1,14 @@
--- Relay $1 gives back leased events it did not publish (shutdown, a lease too close to its end):
--- available at once to any relay, with no attempt charged.
-UPDATE {schema}outbox
+-- Relay $1 gives back leased events it did not publish (shutdown, a lease too close to its end,
+-- a paused destination): available at once to any relay, with no attempt charged.
+--
+-- Fenced by the lease ($3, each event's claim_until as this relay's claim wrote it), as
+-- record_failures.sql: a row another claim has taken over since is left alone.
+UPDATE {schema}outbox o
 SET claimed_by = NULL,
     claim_until = NULL,
     available_at = now()
-WHERE event_id = ANY($2::uuid[])
-  AND published_at IS NULL
-  AND claimed_by = $1
+FROM unnest($2::uuid[], $3::timestamptz[]) AS r (event_id, lease_until)
+WHERE o.event_id = r.event_id
+  AND o.published_at IS NULL
+  AND o.claimed_by = $1
+  AND o.claim_until = r.lease_until

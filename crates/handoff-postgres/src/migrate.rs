@@ -85,6 +85,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0007_sagas.up.sql"),
         down: include_str!("../migrations/0007_sagas.down.sql"),
     },
+    Migration {
+        version: 8,
+        name: "crash_loop",
+        up: include_str!("../migrations/0008_crash_loop.up.sql"),
+        down: include_str!("../migrations/0008_crash_loop.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

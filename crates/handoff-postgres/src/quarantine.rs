@@ -80,6 +80,12 @@ pub struct QuarantinedEvent {
     pub schema_version: i32,
     /// Why it is held: the last publish error.
     pub reason: Option<String>,
+    /// What held it: `attempts` (the attempt cap), `rejected` (the destination refused it for
+    /// good) or `crash_loop` (its lease ran out unsettled more than `--max-takeovers` times);
+    /// `None` for an event held before migration 0008, or not held.
+    pub hold_reason: Option<String>,
+    /// Claims that took it over from a lease that ran out unsettled.
+    pub takeovers: i32,
     /// Failed publish attempts.
     pub attempts: i32,
     /// When the writer enqueued it.
@@ -460,6 +466,8 @@ fn read_event(row: &PgRow) -> Result<QuarantinedEvent, sqlx::Error> {
         event_type: row.try_get("event_type")?,
         schema_version: row.try_get("schema_version")?,
         reason: row.try_get("last_error")?,
+        hold_reason: row.try_get("hold_reason")?,
+        takeovers: row.try_get("takeover_count")?,
         attempts: row.try_get("attempt_count")?,
         occurred_at: row.try_get("occurred_at")?,
         quarantined_at: row.try_get("quarantined_at")?,

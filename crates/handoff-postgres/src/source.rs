@@ -1,7 +1,9 @@
 //! The polling source: committed outbox rows, leased to relays in short claim statements.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
+use chrono::{DateTime, Utc};
 use handoff_core::delivery::{Claim, Failure, OutboxEvent, Published, Source, SourceError};
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
@@ -70,6 +72,12 @@ pub struct PollingConfig {
     /// event on, to one relay at a time (needs migration 0006); per-aggregate events are left
     /// alone.
     pub order: OrderMode,
+    /// Takeovers after which an event is held for an operator (reason `crash_loop`) instead of
+    /// leased again. A takeover is a claim of an event whose earlier lease ran out unsettled:
+    /// the relay holding it died or stalled. An event whose publish kills the relay (a panic,
+    /// an out-of-memory) never fails and so never reaches the attempt cap; this bound stops it
+    /// from crash-looping every relay for ever. Default: 5.
+    pub max_takeovers: i32,
 }
 
 impl Default for PollingConfig {
@@ -83,6 +91,7 @@ impl Default for PollingConfig {
             stuck_after: Duration::from_secs(60),
             query_timeout: Duration::from_secs(10),
             order: OrderMode::Aggregate,
+            max_takeovers: 5,
         }
     }
 }
@@ -103,6 +112,9 @@ pub enum PollingConfigError {
     /// The query timeout is shorter than 100 ms.
     #[error("query timeout of {0:?} is too short: at least 100ms")]
     QueryTimeoutTooShort(Duration),
+    /// The takeover bound is below one.
+    #[error("max takeovers must be at least 1, got {0}")]
+    NoTakeovers(i32),
 }
 
 impl PollingConfig {
@@ -134,6 +146,9 @@ impl PollingConfig {
         }
         if self.query_timeout < Duration::from_millis(100) {
             return Err(PollingConfigError::QueryTimeoutTooShort(self.query_timeout));
+        }
+        if self.max_takeovers < 1 {
+            return Err(PollingConfigError::NoTakeovers(self.max_takeovers));
         }
         Ok(())
     }
@@ -167,6 +182,9 @@ pub struct PollingSource {
     config: PollingConfig,
     sql: Sql,
     wake: Mutex<Wake>,
+    /// Each leased event's `claim_until` as this source's claim wrote it: the fence of its
+    /// failure and release writes. std mutex: never held across an `.await`.
+    leases: std::sync::Mutex<HashMap<EventId, DateTime<Utc>>>,
 }
 
 struct Sql {
@@ -248,6 +266,7 @@ impl PollingSource {
             config,
             sql,
             wake: Mutex::new(Wake::default()),
+            leases: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -321,6 +340,25 @@ impl PollingSource {
         self.bounded(&mut conn, outcome, what)?;
         wake.registered_until = None;
         Ok(())
+    }
+
+    /// The leases of `event_ids`, in the same order (`None` for an event this source holds no
+    /// lease of: its write then changes nothing, and the lease runs out on its own).
+    fn leases_of(&self, event_ids: &[EventId]) -> Vec<Option<DateTime<Utc>>> {
+        let leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        event_ids.iter().map(|id| leases.get(id).copied()).collect()
+    }
+
+    /// Forgets the leases of settled events (after their write succeeded, so a retried write
+    /// still carries its fence). Only the lease the write used: a claim may have leased an event
+    /// again since a release was written.
+    fn forget_leases(&self, event_ids: &[EventId], used: &[Option<DateTime<Utc>>]) {
+        let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, used) in event_ids.iter().zip(used) {
+            if leases.get(id) == used.as_ref() {
+                leases.remove(id);
+            }
+        }
     }
 
     /// A pooled connection, taken within [`PollingConfig::query_timeout`].
@@ -455,38 +493,68 @@ impl Source for PollingSource {
             .bind(&self.config.relay_id)
             .bind(max)
             .bind(self.config.lease.as_secs_f64())
+            .bind(self.config.max_takeovers)
             .fetch_all(&mut *conn);
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         let rows = self.bounded(&mut conn, outcome, what)?;
         drop(conn);
-        let events = rows
-            .iter()
-            .map(read_outbox_event)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| SourceError::new("while reading a claimed row", e))?;
+        let mut events = Vec::with_capacity(rows.len());
+        let mut held = 0;
+        let mut taken_over = 0;
+        {
+            let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+            for row in &rows {
+                let read = |row: &PgRow| -> Result<_, sqlx::Error> {
+                    let event = read_outbox_event(row)?;
+                    let held: bool = row.try_get("held")?;
+                    let taken_over: bool = row.try_get("taken_over")?;
+                    let lease: Option<DateTime<Utc>> = row.try_get("claim_until")?;
+                    Ok((event, held, taken_over, lease))
+                };
+                let (event, is_held, is_taken_over, lease) =
+                    read(row).map_err(|e| SourceError::new("while reading a claimed row", e))?;
+                if is_held {
+                    held += 1;
+                    tracing::error!(
+                        event_id = %event.event_id,
+                        aggregate_type = %event.aggregate_type,
+                        aggregate_id = %event.aggregate_id,
+                        sequence = event.aggregate_sequence,
+                        max_takeovers = self.config.max_takeovers,
+                        "event held for an operator (crash_loop): every relay that leased it \
+                         died or stalled before settling it; the later events of its aggregate \
+                         wait behind it (`handoff quarantine show`)"
+                    );
+                    continue;
+                }
+                taken_over += usize::from(is_taken_over);
+                if let Some(lease) = lease {
+                    leases.insert(event.event_id, lease);
+                }
+                events.push(event);
+            }
+        }
 
         // A full batch means a backlog: this relay will not sleep soon, so writers need not
         // pay for notifying it. (Not under the wake lock's wait: claims never overlap waits.)
-        if events.len() as i64 == max {
+        if rows.len() as i64 == max {
             if let Ok(mut wake) = self.wake.try_lock() {
                 if wake.registered_until.is_some() {
                     self.unwait(&mut wake).await?;
                 }
             }
         }
-        let taken_over = rows
-            .iter()
-            .filter(|row| row.try_get::<bool, _>("taken_over").unwrap_or(false))
-            .count();
         Ok(Claim {
             events,
             lease_deadline: Some(started + self.config.lease),
             taken_over,
+            held,
         })
     }
 
     async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
         let ids: Vec<EventId> = published.iter().map(|p| p.event_id).collect();
+        let leases = self.leases_of(&ids);
         let receipts: Vec<Option<&str>> = published.iter().map(|p| p.receipt.detail()).collect();
         let what = "while marking events published";
         let mut conn = self.connection(what).await?;
@@ -496,6 +564,7 @@ impl Source for PollingSource {
             .execute(&mut *conn);
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;
+        self.forget_leases(&ids, &leases);
         Ok(())
     }
 
@@ -510,29 +579,37 @@ impl Source for PollingSource {
             })
             .collect();
         let charged: Vec<bool> = failures.iter().map(|f| f.counts_as_attempt).collect();
+        let hold_reasons: Vec<Option<&str>> = failures.iter().map(|f| f.hold_reason).collect();
+        let leases = self.leases_of(&ids);
         let what = "while recording failed publishes";
         let mut conn = self.connection(what).await?;
         let query = sqlx::query(&self.sql.record_failures)
             .bind(&self.config.relay_id)
-            .bind(ids)
+            .bind(&ids)
             .bind(errors)
             .bind(delays)
             .bind(charged)
+            .bind(&leases)
+            .bind(hold_reasons)
             .execute(&mut *conn);
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;
+        self.forget_leases(&ids, &leases);
         Ok(())
     }
 
     async fn release(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
+        let leases = self.leases_of(event_ids);
         let what = "while releasing leases";
         let mut conn = self.connection(what).await?;
         let query = sqlx::query(&self.sql.release)
             .bind(&self.config.relay_id)
             .bind(event_ids)
+            .bind(&leases)
             .execute(&mut *conn);
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;
+        self.forget_leases(event_ids, &leases);
         Ok(())
     }
 

@@ -211,6 +211,7 @@ async fn the_global_lane_goes_to_one_relay_at_a_time_from_its_front() {
         error: "timeout".into(),
         retry_after: Some(Duration::from_secs(3600)),
         counts_as_attempt: true,
+        hold_reason: None,
     }])
     .await
     .unwrap();
@@ -249,6 +250,7 @@ async fn a_held_front_blocks_the_lane_and_says_so() {
             error: "refused".into(),
             retry_after: None,
             counts_as_attempt: true,
+            hold_reason: None,
         }])
         .await
         .unwrap();

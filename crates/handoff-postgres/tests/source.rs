@@ -142,6 +142,7 @@ async fn an_expired_lease_lets_another_relay_take_the_rows_over() {
         error: "late".into(),
         retry_after: Some(Duration::from_secs(60)),
         counts_as_attempt: true,
+        hold_reason: None,
     };
     a.record_failures(&[failure]).await.unwrap();
     let owners: Vec<String> =
@@ -176,6 +177,7 @@ async fn a_failure_backs_off_counts_the_attempt_and_blocks_the_aggregate() {
             error: "broker said no".into(),
             retry_after: Some(Duration::from_secs(3600)),
             counts_as_attempt: true,
+            hold_reason: None,
         }])
         .await
         .unwrap();
@@ -215,6 +217,7 @@ async fn a_held_event_stays_out_of_every_claim() {
         error: "payload refused".into(),
         retry_after: None,
         counts_as_attempt: true,
+        hold_reason: None,
     };
     relay.record_failures(&[failure]).await.unwrap();
     assert!(relay.claim(100).await.unwrap().events.is_empty());
@@ -285,6 +288,7 @@ async fn events_stuck_behind_a_failed_head_never_starve_other_aggregates() {
             error: "timeout".into(),
             retry_after: Some(Duration::from_secs(3600)),
             counts_as_attempt: true,
+            hold_reason: None,
         }])
         .await
         .unwrap();

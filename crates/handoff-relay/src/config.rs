@@ -22,12 +22,18 @@ pub struct RelayConfig {
     /// it nothing is ever published, which the relay logs once as a warning.
     pub lease_margin: Duration,
     /// Failed attempts after which an event is held for an operator instead of retried (the
-    /// poison policy). Attempts are only charged when the failure concerns the event, not when
-    /// the broker is down.
+    /// poison policy). Attempts are only charged when the failure concerns the event: a
+    /// refusal, or an error while the destination accepts other events; an outage, throttling
+    /// or an error on every publish pauses the destination instead (docs/relay.md).
     pub max_attempts: i32,
+    /// How recent the destination's last accepted publish must be for an ambiguous failure
+    /// (timeout, 5xx) to be charged to the event rather than blamed on the destination.
+    pub health_window: Duration,
     /// Delay before an event that failed is tried again, by attempt.
     pub retry_backoff: Backoff,
-    /// Pause before claiming again after the source or the broker failed.
+    /// Pause before claiming again after the source or the broker failed, by pauses in a row.
+    /// A destination that is down, throttling or failing every publish is paused this long
+    /// (or as long as its `Retry-After` asks) before one probe event is sent.
     pub outage_backoff: Backoff,
     /// On shutdown, how long in-flight publishes may take to finish before their events are
     /// released unfinished.
@@ -47,6 +53,7 @@ impl Default for RelayConfig {
             poll_interval: Duration::from_secs(1),
             lease_margin: Duration::from_secs(10),
             max_attempts: 20,
+            health_window: Duration::from_secs(30),
             retry_backoff: Backoff {
                 initial: Duration::from_millis(500),
                 max: Duration::from_secs(300),

@@ -25,6 +25,7 @@
 
 mod config;
 pub mod failpoints;
+mod health;
 pub mod metrics;
 mod relay;
 

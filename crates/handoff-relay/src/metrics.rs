@@ -13,6 +13,8 @@ pub(crate) const COMMIT_TO_ACK_SECONDS: &str = "handoff_relay_commit_to_ack_seco
 pub(crate) const IN_FLIGHT: &str = "handoff_relay_in_flight_events";
 pub(crate) const BROKER_UP: &str = "handoff_relay_broker_up";
 pub(crate) const SOURCE_ERRORS: &str = "handoff_relay_source_errors_total";
+pub(crate) const DESTINATION_PAUSED: &str = "handoff_destination_paused";
+pub(crate) const DESTINATION_PAUSES: &str = "handoff_destination_pauses_total";
 
 /// The histograms, for exporters that need bucket settings per metric.
 pub const HISTOGRAMS: &[&str] = &[CLAIM_SECONDS, ACK_SECONDS, COMMIT_TO_ACK_SECONDS];
@@ -52,4 +54,13 @@ pub(crate) fn describe() {
         "1 while the broker answers, 0 while claims are paused"
     );
     describe_counter!(SOURCE_ERRORS, "Failed source operations, by operation");
+    describe_gauge!(
+        DESTINATION_PAUSED,
+        "1 while publishing is paused because the destination is down, throttling or failing \
+         every publish (no attempts are charged meanwhile), else 0"
+    );
+    describe_counter!(
+        DESTINATION_PAUSES,
+        "Pauses of the destination, by reason (unavailable, throttled, failing)"
+    );
 }

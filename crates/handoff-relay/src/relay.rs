@@ -2,13 +2,13 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, PublishError, PublishErrorKind, Published, Source, SourceError,
+    Claim, Failure, OutboxEvent, PublishError, Published, Source, SourceError,
     Transport,
 };
 use handoff_core::EventId;
@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch, Notify, Semaphore};
 use tracing::{debug, error, info, warn};
 
 use crate::failpoints::{self as fp, freeze_if_fired};
+use crate::health::{Health, PauseReason, Verdict};
 use crate::metrics as m;
 use crate::{OrderMode, RelayConfig, RelayConfigError};
 
@@ -33,8 +34,10 @@ use crate::{OrderMode, RelayConfig, RelayConfigError};
 /// - With [`RelayConfig::order`] set to [`OrderMode::Global`], each claim is one lane in global
 ///   sequence order instead: strictly one publish at a time. The source hands out the global
 ///   lane's front to one relay at a time, so the lane is never overtaken either.
-/// - A broker that is down pauses claiming (no tight loop, no database load) until the
-///   transport says it is reachable again.
+/// - A destination that is down, throttling (`Retry-After`, `connection.blocked`) or failing
+///   every publish pauses claiming (no tight loop, no database load, no attempt charged) with
+///   backoff; one probe event then tells whether it accepts again. Attempts are charged only
+///   for failures that concern the event (docs/relay.md, "Whose fault is a failure").
 ///
 /// # Examples
 ///
@@ -81,8 +84,9 @@ enum Outcome {
 struct Shared {
     /// Leased events whose outcome is not decided yet; released on shutdown.
     in_flight: Mutex<HashSet<EventId>>,
-    /// Set by a lane that saw the broker unreachable; the claim loop pauses until it is back.
-    broker_down: AtomicBool,
+    /// The destination's health, apart from each event's: who is charged for a failure, and
+    /// whether publishing is paused.
+    health: Health,
     /// Woken after every batch of outcomes is written: predecessors got marked, so events the
     /// last claim had to leave behind may be claimable now.
     progress: Notify,
@@ -107,8 +111,8 @@ impl Shared {
 
 /// How a lane ended.
 struct LaneEnd {
-    /// The event that failed and why; the lane stopped there.
-    failed: Option<(OutboxEvent, PublishError)>,
+    /// The event that failed, why, and whose fault it was; the lane stopped there.
+    failed: Option<(OutboxEvent, PublishError, Verdict)>,
     /// Events after the failure, or left because the lease ran short, in sequence order.
     unstarted: Vec<EventId>,
 }
@@ -157,7 +161,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> RelayReport {
         let shared = Arc::new(Shared {
             in_flight: Mutex::new(HashSet::new()),
-            broker_down: AtomicBool::new(false),
+            health: Health::new(self.config.health_window, self.config.outage_backoff),
             progress: Notify::new(),
             published: AtomicU64::new(0),
             retried: AtomicU64::new(0),
@@ -168,6 +172,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
         // Up until a publish says otherwise, so the gauge exists from the start rather than from
         // the first outage (a dashboard panel and `absent()` need the series).
         metrics::gauge!(m::BROKER_UP).set(1.0);
+        metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
         let (stop_tx, stop_rx) = watch::channel(false);
         let (outcome_tx, outcome_rx) = mpsc::unbounded_channel();
         let (claim_tx, mut claim_rx) = mpsc::channel::<Claim>(1);
@@ -261,16 +266,10 @@ impl<S: Source, T: Transport> Relay<S, T> {
     /// Turns a lane's end into outcomes: the failure with its retry decision, and releases for
     /// the events behind it.
     fn settle(&self, end: LaneEnd, outcomes: &mpsc::UnboundedSender<Outcome>, shared: &Shared) {
-        if let Some((event, error)) = end.failed {
+        if let Some((event, error, verdict)) = end.failed {
             let kind = error.kind();
             metrics::counter!(m::PUBLISH_FAILURES, "kind" => kind.as_str()).increment(1);
-            if matches!(
-                kind,
-                PublishErrorKind::Unavailable | PublishErrorKind::Timeout
-            ) {
-                shared.broker_down.store(true, Ordering::Relaxed);
-            }
-            let failure = self.decide(&event, &error);
+            let failure = self.decide(&event, &error, verdict.charged);
             if failure.retry_after.is_none() {
                 shared.held.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!(m::HELD).increment(1);
@@ -305,17 +304,24 @@ impl<S: Source, T: Transport> Relay<S, T> {
         }
     }
 
-    /// The retry decision for one failed publish (brief P3, P8).
-    fn decide(&self, event: &OutboxEvent, error: &PublishError) -> Failure {
+    /// The retry decision for one failed publish (brief P3, P8); `charged` is the health
+    /// verdict: whether the failure concerns the event or the destination.
+    fn decide(&self, event: &OutboxEvent, error: &PublishError, charged: bool) -> Failure {
         let kind = error.kind();
-        let charged = kind.counts_as_attempt();
         let attempts = event.attempt_count.saturating_add(i32::from(charged));
-        let retry_after = if !kind.is_retryable() || attempts >= self.config.max_attempts {
+        let hold_reason = if !kind.is_retryable() {
+            Some("rejected")
+        } else if attempts >= self.config.max_attempts {
+            Some("attempts")
+        } else {
+            None
+        };
+        let retry_after = if hold_reason.is_some() {
             None
         } else if charged {
             Some(self.config.retry_backoff.delay(attempts.max(1) as u32))
         } else {
-            // The broker is down: the claim loop's pause paces the retry, not the event.
+            // The destination's fault: its pause paces the retry, not the event.
             Some(self.config.outage_backoff.delay(1))
         }
         // A destination that named its own delay (HTTP Retry-After) gets at least that.
@@ -325,6 +331,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
             error: error.to_string(),
             retry_after,
             counts_as_attempt: charged,
+            hold_reason,
         }
     }
 }
@@ -382,7 +389,11 @@ async fn run_lane<T: Transport>(
     while let Some(event) = events.next() {
         // Past this point another relay may own the event: leave it to that relay rather than
         // publish it late (a late publish outside the broker's dedup window is a duplicate).
-        if lease_deadline.is_some_and(|deadline| Instant::now() + lease_margin >= deadline) {
+        // A paused destination gets nothing more from any lane until a probe gets through: the
+        // rest goes back, uncharged, and waits for the pause to end.
+        if lease_deadline.is_some_and(|deadline| Instant::now() + lease_margin >= deadline)
+            || shared.health.is_paused()
+        {
             let mut unstarted = vec![event.event_id];
             unstarted.extend(events.map(|e| e.event_id));
             return (
@@ -397,6 +408,15 @@ async fn run_lane<T: Transport>(
         let started = Instant::now();
         match transport.publish(&event).await {
             Ok(receipt) => {
+                if let Some(pause) = shared.health.succeeded(Instant::now()) {
+                    info!(
+                        reason = pause.reason.as_str(),
+                        paused_rounds = pause.rounds,
+                        "destination accepts events again: claiming"
+                    );
+                    metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
+                    metrics::gauge!(m::BROKER_UP).set(1.0);
+                }
                 freeze_if_fired(fp::AFTER_ACK).await;
                 metrics::histogram!(m::ACK_SECONDS).record(started.elapsed().as_secs_f64());
                 if let Ok(age) = SystemTime::now().duration_since(event.occurred_at) {
@@ -411,10 +431,14 @@ async fn run_lane<T: Transport>(
                 }));
             }
             Err(error) => {
+                let verdict =
+                    shared
+                        .health
+                        .failed(error.kind(), error.retry_after(), Instant::now());
                 let unstarted = events.map(|e| e.event_id).collect();
                 return (
                     LaneEnd {
-                        failed: Some((event, error)),
+                        failed: Some((event, error, verdict)),
                         unstarted,
                     },
                     size,
@@ -442,35 +466,65 @@ async fn claim_loop<S: Source, T: Transport>(
     config: RelayConfig,
     mut stop: watch::Receiver<bool>,
 ) {
-    let batch = config.batch_size;
-    let mut outage = 0u32;
     let mut source_failures = 0u32;
+    // After a pause, one event goes out alone; only its success reopens full claims.
+    let mut probing = false;
+    // The pause last logged and counted (by its serial), so each is said once.
+    let mut announced = 0u64;
+    // Rounds the transport said it was still unreachable, for the wait's backoff.
+    let mut unready = 0u32;
     // Said once: a lease shorter than the margin is a configuration error, not a passing state.
     let mut lease_warned = false;
     loop {
         if *stop.borrow() {
             break;
         }
-        if shared.broker_down.load(Ordering::Relaxed) {
-            outage += 1;
-            if outage == 1 {
-                warn!("broker unreachable: claims paused until it answers again");
-                metrics::gauge!(m::BROKER_UP).set(0.0);
-            }
-            let delay = config.outage_backoff.delay(outage);
-            tokio::select! {
-                _ = stop.changed() => break,
-                ready = transport.wait_until_ready(delay) => {
-                    if !ready {
-                        continue;
-                    }
-                    info!(paused_rounds = outage, "broker reachable again: claiming");
-                    metrics::gauge!(m::BROKER_UP).set(1.0);
-                    shared.broker_down.store(false, Ordering::Relaxed);
-                    outage = 0;
+        if let Some(pause) = shared.health.pause() {
+            if pause.serial != announced {
+                announced = pause.serial;
+                if pause.rounds == 1 {
+                    warn!(
+                        reason = pause.reason.as_str(),
+                        "destination paused: no claims and no attempts charged until a probe \
+                         event gets through"
+                    );
+                } else {
+                    debug!(
+                        reason = pause.reason.as_str(),
+                        paused_rounds = pause.rounds,
+                        "probe failed: destination paused again"
+                    );
+                }
+                metrics::counter!(m::DESTINATION_PAUSES, "reason" => pause.reason.as_str())
+                    .increment(1);
+                metrics::gauge!(m::DESTINATION_PAUSED).set(1.0);
+                if pause.reason == PauseReason::Unavailable {
+                    metrics::gauge!(m::BROKER_UP).set(0.0);
                 }
             }
+            tokio::select! {
+                _ = stop.changed() => break,
+                () = tokio::time::sleep_until(pause.until.into()) => {}
+            }
+            if pause.reason == PauseReason::Unavailable {
+                // The transport knows when it can reach the broker again: no probe event is
+                // spent before then.
+                let wait = config
+                    .outage_backoff
+                    .delay(pause.rounds.saturating_add(unready));
+                tokio::select! {
+                    _ = stop.changed() => break,
+                    ready = transport.wait_until_ready(wait) => if !ready {
+                        unready = unready.saturating_add(1);
+                        continue;
+                    },
+                }
+            }
+            unready = 0;
+            shared.health.resume();
+            probing = true;
         }
+        let batch = if probing { 1 } else { config.batch_size };
 
         if config.order == OrderMode::Global && unsettled(&shared) > 0 {
             // The lane's front is this relay's own lease until the outcomes are written: a
@@ -543,6 +597,13 @@ async fn claim_loop<S: Source, T: Transport>(
                 }
             }
         }
+        if probing && claimed == 0 {
+            // Nothing to probe with: the next claim is a full one, and its failures, if any,
+            // pause again.
+            probing = false;
+            metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
+            metrics::gauge!(m::BROKER_UP).set(1.0);
+        }
         if claimed > 0 {
             shared
                 .in_flight
@@ -554,6 +615,23 @@ async fn claim_loop<S: Source, T: Transport>(
             if claims.send(claim).await.is_err() {
                 break;
             }
+        }
+        if probing && claimed > 0 {
+            // Wait for the probe's outcome: a success ended the pause (the lane logged it), a
+            // failure started the next one.
+            while unsettled(&shared) > 0 {
+                tokio::select! {
+                    _ = stop.changed() => break,
+                    () = shared.progress.notified() => {}
+                }
+            }
+            probing = false;
+            if !shared.health.is_paused() {
+                info!("probe event accepted: destination resumed, claiming");
+                metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
+                metrics::gauge!(m::BROKER_UP).set(1.0);
+            }
+            continue;
         }
         if claimed < batch {
             // No backlog, or the rest of it waits behind events in flight: sleep until a

@@ -7,7 +7,8 @@
 --   skip    releases it as a skip marker: the relay publishes, in its place, a message with no
 --           payload and the header Handoff-Skipped ($4), so consumers advance past it.
 --
--- Each resets the attempt count, so the event gets the relay's full retry budget again.
+-- Each resets the attempt and takeover counts, so the event gets the relay's full retry and
+-- crash-loop budgets again, and clears why it was held.
 -- $1 event id, $2 action, $3 actor, $4 reason (skip: required), $5 new payload (repair)
 WITH before AS (
     SELECT o.event_id,
@@ -16,7 +17,9 @@ WITH before AS (
                'quarantined_at', o.quarantined_at,
                'attempt_count', o.attempt_count,
                'last_error', o.last_error,
-               'skip_reason', o.skip_reason
+               'skip_reason', o.skip_reason,
+               'hold_reason', o.hold_reason,
+               'takeover_count', o.takeover_count
            ) || CASE WHEN $2 = 'repair' THEN jsonb_build_object('payload', o.payload)
                      ELSE '{}'::jsonb END AS snapshot
     FROM {schema}outbox o
@@ -29,6 +32,8 @@ WITH before AS (
     SET available_at = now(),
         quarantined_at = NULL,
         attempt_count = 0,
+        takeover_count = 0,
+        hold_reason = NULL,
         payload = CASE WHEN $2 = 'repair' THEN $5::jsonb ELSE o.payload END,
         skip_reason = CASE WHEN $2 = 'skip' THEN $4 ELSE o.skip_reason END
     FROM before
@@ -38,7 +43,9 @@ WITH before AS (
                   'quarantined_at', o.quarantined_at,
                   'attempt_count', o.attempt_count,
                   'last_error', o.last_error,
-                  'skip_reason', o.skip_reason
+                  'skip_reason', o.skip_reason,
+                  'hold_reason', o.hold_reason,
+                  'takeover_count', o.takeover_count
               ) || CASE WHEN $2 = 'repair' THEN jsonb_build_object('payload', o.payload)
                         ELSE '{}'::jsonb END AS snapshot
 )

@@ -4,6 +4,7 @@
 -- $1 most rows
 SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
        o.schema_version, o.attempt_count, o.last_error, o.occurred_at, o.quarantined_at,
+       o.hold_reason, o.takeover_count,
        (SELECT count(*)
         FROM {schema}outbox w
         WHERE w.aggregate_type = o.aggregate_type

@@ -3,6 +3,7 @@
 -- $1 event id
 SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
        o.schema_version, o.attempt_count, o.last_error, o.occurred_at, o.quarantined_at,
+       o.hold_reason, o.takeover_count,
        o.payload::text AS payload, o.headers::text AS headers, o.published_at,
        o.delivery_receipt,
        (o.published_at IS NULL AND o.available_at = 'infinity') AS held,
