@@ -709,16 +709,21 @@ async fn stream_once(
                 } => {
                     let events = open.take().unwrap_or_default();
                     let count = events.len();
-                    let to_write = inner
-                        .state()
-                        .commit(
-                            events,
-                            end_lsn.value(),
-                            commit_timestamp.timestamp_micros(),
-                            rows_kept,
-                        )
-                        .to_write;
-                    for item in to_write {
+                    let taken = inner.state().commit(
+                        events,
+                        end_lsn.value(),
+                        commit_timestamp.timestamp_micros(),
+                        rows_kept,
+                    );
+                    if taken.copies > 0 {
+                        debug!(
+                            events = taken.copies,
+                            lsn = %pg_walstream::format_lsn(end_lsn.value()),
+                            "dropped copies of events already taken in (sent again after a \
+                             reconnect)"
+                        );
+                    }
+                    for item in taken.to_write {
                         let _ = diverted.send(item);
                     }
                     if count > 0 {
