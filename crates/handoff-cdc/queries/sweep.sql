@@ -9,7 +9,10 @@ SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.eve
             ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
        END AS headers,
        o.occurred_at, o.attempt_count,
-       o.available_at = 'infinity'::timestamptz AS held
+       o.available_at = 'infinity'::timestamptz AS held,
+       -- Evaluated after the statement's snapshot: every row it returns committed before this
+       -- WAL position, so a copy of the row may still stream in until the slot passes it.
+       pg_current_wal_insert_lsn()::text AS read_lsn
 FROM unnest($1::text[], $2::text[]) AS k (aggregate_type, aggregate_id)
 CROSS JOIN LATERAL (
     SELECT *

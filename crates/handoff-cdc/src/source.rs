@@ -35,7 +35,9 @@ const MARK_ATTEMPTS: u32 = 7;
 const SWEEP_CHUNK: usize = 500;
 
 /// Settings of a [`LogicalSource`].
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` shows the replication URL with any password replaced by `***`.
+#[derive(Clone)]
 pub struct LogicalConfig {
     /// The schema holding the outbox.
     pub schema: Schema,
@@ -61,6 +63,34 @@ pub struct LogicalConfig {
     /// server keeps the rest in its WAL) until the broker catches up, so a broker outage costs
     /// WAL retention, not relay memory. Default: 50,000.
     pub max_buffered: usize,
+}
+
+impl std::fmt::Debug for LogicalConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Written out so a new field cannot slip past the redaction unnoticed.
+        let LogicalConfig {
+            schema,
+            names,
+            replication_url,
+            confirm_interval,
+            sweep_interval,
+            health_interval,
+            query_timeout,
+            reconnect,
+            max_buffered,
+        } = self;
+        f.debug_struct("LogicalConfig")
+            .field("schema", schema)
+            .field("names", names)
+            .field("replication_url", &redact_url(replication_url))
+            .field("confirm_interval", confirm_interval)
+            .field("sweep_interval", sweep_interval)
+            .field("health_interval", health_interval)
+            .field("query_timeout", query_timeout)
+            .field("reconnect", reconnect)
+            .field("max_buffered", max_buffered)
+            .finish()
+    }
 }
 
 impl LogicalConfig {
@@ -680,16 +710,21 @@ async fn stream_once(
                 } => {
                     let events = open.take().unwrap_or_default();
                     let count = events.len();
-                    let to_write = inner
-                        .state()
-                        .commit(
-                            events,
-                            end_lsn.value(),
-                            commit_timestamp.timestamp_micros(),
-                            rows_kept,
-                        )
-                        .to_write;
-                    for item in to_write {
+                    let taken = inner.state().commit(
+                        events,
+                        end_lsn.value(),
+                        commit_timestamp.timestamp_micros(),
+                        rows_kept,
+                    );
+                    if taken.copies > 0 {
+                        debug!(
+                            events = taken.copies,
+                            lsn = %pg_walstream::format_lsn(end_lsn.value()),
+                            "dropped copies of events already taken in (sent again after a \
+                             reconnect)"
+                        );
+                    }
+                    for item in taken.to_write {
                         let _ = diverted.send(item);
                     }
                     if count > 0 {
@@ -741,6 +776,33 @@ impl Drop for AbortOnDrop {
 fn replication_url(url: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };
     format!("{url}{separator}replication=database")
+}
+
+/// The URL with the password replaced by `***`: the one in the user part
+/// (`postgres://user:secret@host/db`) and a `password=` parameter.
+fn redact_url(url: &str) -> String {
+    let mut out = url.to_owned();
+    let query_at = out.find('?').unwrap_or(out.len());
+    if let Some(scheme_end) = out[..query_at].find("://") {
+        let start = scheme_end + 3;
+        // The last `@` before the query: a password may hold `@` or `/` unescaped.
+        if let Some(at) = out[start..query_at].rfind('@') {
+            if let Some(colon) = out[start..start + at].find(':') {
+                out.replace_range(start + colon + 1..start + at, "***");
+            }
+        }
+    }
+    if let Some(query_at) = out.find('?') {
+        let query: Vec<String> = out[query_at + 1..]
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((key, _)) if key.eq_ignore_ascii_case("password") => format!("{key}=***"),
+                _ => pair.to_owned(),
+            })
+            .collect();
+        out.replace_range(query_at + 1.., &query.join("&"));
+    }
+    out
 }
 
 fn report_lag(inner: &Inner) {
@@ -833,13 +895,19 @@ async fn sweep_once(inner: &Inner) -> Result<usize, SourceError> {
         for row in &rows {
             let event = handoff_postgres::read_outbox_event(row)
                 .map_err(|e| SourceError::new("while reading a swept row", e))?;
-            let held: bool = row
-                .try_get("held")
+            let (held, read_lsn): (bool, String) =
+                (|| Ok((row.try_get("held")?, row.try_get("read_lsn")?)))()
+                    .map_err(|e: sqlx::Error| SourceError::new("while reading a swept row", e))?;
+            let read_lsn = pg_walstream::parse_lsn(&read_lsn)
                 .map_err(|e| SourceError::new("while reading a swept row", e))?;
             by_key
                 .entry((event.aggregate_type.clone(), event.aggregate_id.clone()))
                 .or_default()
-                .push(SweptRow { event, held });
+                .push(SweptRow {
+                    event,
+                    held,
+                    read_lsn,
+                });
         }
         let mut state = inner.state();
         for (key, counter, _) in chunk {
@@ -924,6 +992,32 @@ async fn watch_health(inner: Arc<Inner>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_config_debug_never_shows_the_password() {
+        let names = CdcNames::new("handoff", "handoff_outbox").unwrap();
+        for url in [
+            "postgres://relay:s3cr%40t@db:5432/app",
+            "postgres://relay:s3cr@t/x@db/app?sslmode=require",
+            "postgresql://relay@db/app?sslmode=require&password=s3cr3t",
+        ] {
+            let shown = format!("{:?}", LogicalConfig::new(names.clone(), url));
+            assert!(!shown.contains("s3cr"), "{shown}");
+            assert!(shown.contains("***"), "{shown}");
+            assert!(shown.contains("relay"), "the user stays visible: {shown}");
+            let pretty = format!("{:#?}", LogicalConfig::new(names.clone(), url));
+            assert!(!pretty.contains("s3cr"), "{pretty}");
+        }
+        assert_eq!(
+            redact_url("postgres://relay@db/app?sslmode=disable"),
+            "postgres://relay@db/app?sslmode=disable",
+            "nothing to hide"
+        );
+        assert_eq!(
+            redact_url("postgres://relay:pw@db/app"),
+            "postgres://relay:***@db/app"
+        );
+    }
 
     #[test]
     fn the_replication_flag_is_appended_to_any_url() {

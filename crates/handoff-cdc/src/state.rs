@@ -5,8 +5,14 @@
 //! server. Two rules carry the guarantees:
 //!
 //! - **Order (brief P5):** an aggregate's events sit in one queue in sequence order; only an
-//!   unclaimed run at the front of a queue is handed out, so an event never leaves while its
-//!   predecessor is in flight.
+//!   unclaimed run at the front of a queue, and only while none of the queue is claimed, is
+//!   handed out, so an event never leaves while another of its aggregate is in flight.
+//! - **Redelivery:** after a reconnect the server sends again every transaction after the
+//!   position it was last told. A transaction whose `end_lsn` is not past the highest one
+//!   already taken in is a copy and is dropped whole (its original is still counted until it
+//!   settles). As a second guard, each aggregate keeps the highest sequence handed out until
+//!   the position passes it, and no event at or below it is queued again: a copy of an event
+//!   already published or in flight never goes out a second time, behind its successor.
 //! - **Ack gating (brief P4, F4):** transactions are numbered in commit order. The position may
 //!   move to a transaction's `end_lsn` only when that transaction and every earlier one are
 //!   settled: each of their events is acknowledged by the broker or durably parked in the
@@ -18,7 +24,7 @@
 //! settle at once (their rows are in the table) and the sweep publishes the rows in sequence
 //! order from the table instead.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use handoff_core::delivery::OutboxEvent;
@@ -36,12 +42,31 @@ pub(crate) enum Origin {
     Table,
 }
 
+/// One aggregate's events in sequence order, and how many of them are claimed (in flight).
+#[derive(Debug, Default)]
+struct Queue {
+    entries: VecDeque<Entry>,
+    claimed: usize,
+}
+
+/// The highest sequence of an aggregate handed out, and the position past which no copy of it
+/// can be streamed again.
+#[derive(Debug, Clone, Copy)]
+struct Floor {
+    sequence: i64,
+    end_lsn: u64,
+}
+
 #[derive(Debug)]
 struct Entry {
     event: OutboxEvent,
     origin: Origin,
     claimed: bool,
     not_before: Option<Instant>,
+    /// A position at or past the commit of the event's transaction: its `end_lsn` when
+    /// streamed, the server's WAL position after the read when read from the table. Once the
+    /// position passes it, no copy of the event can stream in any more.
+    commit_bound: u64,
 }
 
 /// A delivered transaction that is not settled yet.
@@ -58,12 +83,15 @@ pub(crate) struct Diverted {
     /// Events whose rows must be written back to the table before they count as settled (the
     /// delete-rows mode: the writer's row is gone).
     pub to_write: Vec<(OutboxEvent, u64)>,
+    /// Events dropped as copies of events taken in before (a transaction sent again after a
+    /// reconnect, or an event at or below its aggregate's highest sequence handed out).
+    pub copies: usize,
 }
 
 /// The source's state; see the module documentation.
 #[derive(Debug, Default)]
 pub(crate) struct State {
-    queues: HashMap<Key, VecDeque<Entry>>,
+    queues: HashMap<Key, Queue>,
     /// Aggregates whose front may be claimable, oldest first; may hold stale keys.
     ready: VecDeque<Key>,
     queued: HashSet<Key>,
@@ -73,6 +101,14 @@ pub(crate) struct State {
     first_tx: u64,
     /// The last position every transaction before which is settled.
     confirmable: u64,
+    /// The highest `end_lsn` taken in (or the start position): a transaction at or before it
+    /// is a copy the server sent again after a reconnect.
+    seen_lsn: u64,
+    /// Per aggregate, the highest sequence handed out, kept until the position passes that
+    /// event's commit (see the module documentation).
+    floors: HashMap<Key, Floor>,
+    /// When each floor may go: `(position, aggregate)`, dropped once the position passed it.
+    floor_expiry: BTreeMap<u64, Vec<Key>>,
     /// Table-driven aggregates, with a counter bumped whenever one of their rows becomes
     /// durable in the table, so the sweep never frees an aggregate on a stale read.
     table_driven: HashMap<Key, u64>,
@@ -93,6 +129,7 @@ impl State {
     pub(crate) fn new(start_lsn: u64) -> State {
         State {
             confirmable: start_lsn,
+            seen_lsn: start_lsn,
             ..State::default()
         }
     }
@@ -131,16 +168,26 @@ impl State {
         rows_kept: bool,
     ) -> Diverted {
         let mut diverted = Diverted::default();
-        if end_lsn <= self.confirmable {
-            // Redelivered after a reconnect, and already settled before it.
+        if end_lsn <= self.seen_lsn {
+            // Sent again after a reconnect: this process took it in before, and its original
+            // is settled or still counted. Queuing it again would hand out a copy of an event
+            // already published (or in flight) in front of its aggregate's successor.
+            diverted.copies = events.len();
             return diverted;
         }
+        self.seen_lsn = end_lsn;
         let number = self.first_tx + self.txs.len() as u64;
         let mut unsettled = 0;
         for event in events {
             let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
             if self.index.contains_key(&event.event_id) {
                 // Already queued (a sweep read its row first): that copy publishes it.
+                continue;
+            }
+            if self.below_floor(&key, event.aggregate_sequence) {
+                // Published or in flight already: a second copy would go out after a newer
+                // event of its aggregate.
+                diverted.copies += 1;
                 continue;
             }
             if let Some(counter) = self.table_driven.get_mut(&key) {
@@ -157,7 +204,7 @@ impl State {
                 continue;
             }
             unsettled += 1;
-            self.push(key, event, Origin::Stream(number));
+            self.push(key, event, Origin::Stream(number), end_lsn);
         }
         self.txs.push_back(Tx {
             end_lsn,
@@ -229,10 +276,12 @@ impl State {
             if row.held {
                 break;
             }
-            if self.index.contains_key(&row.event.event_id) {
+            if self.index.contains_key(&row.event.event_id)
+                || self.below_floor(key, row.event.aggregate_sequence)
+            {
                 continue;
             }
-            self.push(key.clone(), row.event, Origin::Table);
+            self.push(key.clone(), row.event, Origin::Table, row.read_lsn);
             added += 1;
         }
         added
@@ -253,10 +302,12 @@ impl State {
         self.advance();
     }
 
-    /// Hands out up to `max` events: unclaimed runs at the front of aggregate queues.
+    /// Hands out up to `max` events: unclaimed runs at the front of aggregate queues of which
+    /// nothing is in flight.
     pub(crate) fn claim(&mut self, max: usize, now: Instant) -> Vec<OutboxEvent> {
         let mut out = Vec::new();
         let mut later = Vec::new();
+        let mut handed: Vec<(Key, i64, u64)> = Vec::new();
         while out.len() < max {
             let Some(key) = self.ready.pop_front() else {
                 break;
@@ -265,16 +316,21 @@ impl State {
             let Some(queue) = self.queues.get_mut(&key) else {
                 continue;
             };
-            match queue.front() {
-                Some(front) if !front.claimed => {
-                    if front.not_before.is_some_and(|t| t > now) {
-                        later.push(key);
-                        continue;
-                    }
-                }
-                _ => continue,
+            if queue.claimed > 0 {
+                // Another event of the aggregate is in flight: settling or releasing it makes
+                // the aggregate ready again.
+                continue;
             }
-            for entry in queue.iter_mut() {
+            match queue.entries.front() {
+                Some(front) if front.not_before.is_some_and(|t| t > now) => {
+                    later.push(key);
+                    continue;
+                }
+                Some(_) => {}
+                None => continue,
+            }
+            let mut top = None;
+            for entry in queue.entries.iter_mut() {
                 if out.len() >= max || entry.claimed {
                     break;
                 }
@@ -282,12 +338,24 @@ impl State {
                     break;
                 }
                 entry.claimed = true;
+                queue.claimed += 1;
+                let bound = top.map_or(0, |(_, b)| b);
+                top = Some((
+                    entry.event.aggregate_sequence,
+                    bound.max(entry.commit_bound),
+                ));
                 out.push(entry.event.clone());
             }
-            if queue.iter().any(|e| !e.claimed) {
+            if let Some((sequence, bound)) = top {
+                handed.push((key.clone(), sequence, bound));
+            }
+            if queue.entries.iter().any(|e| !e.claimed) {
                 // The rest of the run waits for room in the next claim.
                 later.push(key);
             }
+        }
+        for (key, sequence, bound) in handed {
+            self.raise_floor(key, sequence, bound);
         }
         for key in later {
             self.enqueue_ready(key);
@@ -299,8 +367,8 @@ impl State {
     pub(crate) fn next_retry(&self) -> Option<Instant> {
         self.queues
             .values()
-            .filter_map(|q| q.front())
-            .filter(|e| !e.claimed)
+            .filter(|q| q.claimed == 0)
+            .filter_map(|q| q.entries.front())
             .filter_map(|e| e.not_before)
             .min()
     }
@@ -322,8 +390,15 @@ impl State {
             return;
         };
         if let Some(queue) = self.queues.get_mut(&key) {
-            if let Some(entry) = queue.iter_mut().find(|e| e.event.event_id == *event_id) {
-                entry.claimed = false;
+            if let Some(entry) = queue
+                .entries
+                .iter_mut()
+                .find(|e| e.event.event_id == *event_id)
+            {
+                if entry.claimed {
+                    entry.claimed = false;
+                    queue.claimed -= 1;
+                }
                 entry.not_before = not_before;
             }
         }
@@ -339,7 +414,7 @@ impl State {
         if let Some(entry) = self
             .queues
             .get_mut(key)
-            .and_then(|q| q.iter_mut().find(|e| e.event.event_id == *event_id))
+            .and_then(|q| q.entries.iter_mut().find(|e| e.event.event_id == *event_id))
         {
             entry.event.attempt_count = entry.event.attempt_count.saturating_add(1);
         }
@@ -350,6 +425,7 @@ impl State {
         let key = self.index.get(event_id)?;
         self.queues
             .get(key)?
+            .entries
             .iter()
             .find(|e| e.event.event_id == *event_id)
             .map(|e| e.origin)
@@ -360,7 +436,13 @@ impl State {
         self.index
             .get(event_id)
             .and_then(|key| self.queues.get(key))
-            .map(|queue| queue.iter().map(|e| (e.event.clone(), e.origin)).collect())
+            .map(|queue| {
+                queue
+                    .entries
+                    .iter()
+                    .map(|e| (e.event.clone(), e.origin))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -372,10 +454,14 @@ impl State {
             return Vec::new();
         };
         self.table_driven.entry(key.clone()).or_insert(0);
+        // The held event and those behind it were not published: they come back from the table
+        // at their own sequences, which the floor must not refuse.
+        self.floors.remove(&key);
         let Some(queue) = self.queues.remove(&key) else {
             return Vec::new();
         };
         queue
+            .entries
             .into_iter()
             .map(|entry| {
                 self.index.remove(&entry.event.event_id);
@@ -397,9 +483,9 @@ impl State {
         self.advance();
     }
 
-    fn push(&mut self, key: Key, event: OutboxEvent, origin: Origin) {
+    fn push(&mut self, key: Key, event: OutboxEvent, origin: Origin, commit_bound: u64) {
         self.index.insert(event.event_id, key.clone());
-        let queue = self.queues.entry(key.clone()).or_default();
+        let queue = &mut self.queues.entry(key.clone()).or_default().entries;
         let at = queue
             .iter()
             .position(|e| e.event.aggregate_sequence > event.aggregate_sequence)
@@ -411,6 +497,7 @@ impl State {
                 origin,
                 claimed: false,
                 not_before: None,
+                commit_bound,
             },
         );
         self.enqueue_ready(key);
@@ -419,14 +506,55 @@ impl State {
     fn remove(&mut self, event_id: &EventId) -> Option<Entry> {
         let key = self.index.remove(event_id)?;
         let queue = self.queues.get_mut(&key)?;
-        let at = queue.iter().position(|e| e.event.event_id == *event_id)?;
-        let entry = queue.remove(at)?;
-        if queue.is_empty() {
+        let at = queue
+            .entries
+            .iter()
+            .position(|e| e.event.event_id == *event_id)?;
+        let entry = queue.entries.remove(at)?;
+        if entry.claimed {
+            queue.claimed -= 1;
+        }
+        if queue.entries.is_empty() {
             self.queues.remove(&key);
         } else {
             self.enqueue_ready(key);
         }
         Some(entry)
+    }
+
+    /// Whether an event of the aggregate at `sequence` was handed out already (the floor).
+    fn below_floor(&self, key: &Key, sequence: i64) -> bool {
+        self.floors.get(key).is_some_and(|f| sequence <= f.sequence)
+    }
+
+    fn raise_floor(&mut self, key: Key, sequence: i64, end_lsn: u64) {
+        let floor = self
+            .floors
+            .entry(key.clone())
+            .or_insert(Floor { sequence, end_lsn });
+        floor.sequence = floor.sequence.max(sequence);
+        floor.end_lsn = floor.end_lsn.max(end_lsn);
+        let end_lsn = floor.end_lsn;
+        self.floor_expiry.entry(end_lsn).or_default().push(key);
+        self.expire_floors();
+    }
+
+    /// Drops the floors the position passed: no copy of their events can stream in any more.
+    fn expire_floors(&mut self) {
+        while let Some(entry) = self.floor_expiry.first_entry() {
+            if *entry.key() > self.confirmable {
+                break;
+            }
+            for key in entry.remove() {
+                if self
+                    .floors
+                    .get(&key)
+                    .is_some_and(|f| f.end_lsn <= self.confirmable)
+                {
+                    self.floors.remove(&key);
+                }
+            }
+        }
     }
 
     fn enqueue_ready(&mut self, key: Key) {
@@ -454,6 +582,7 @@ impl State {
             self.txs.pop_front();
             self.first_tx += 1;
         }
+        self.expire_floors();
     }
 }
 
@@ -463,6 +592,10 @@ pub(crate) struct SweptRow {
     pub event: OutboxEvent,
     /// Held for an operator (`available_at = 'infinity'`): the aggregate waits.
     pub held: bool,
+    /// The server's WAL insert position read after the row (`pg_current_wal_insert_lsn()`):
+    /// the row's commit is before it, so the stream may deliver a copy of the row's event
+    /// until the position passes it.
+    pub read_lsn: u64,
 }
 
 #[cfg(test)]
@@ -575,7 +708,8 @@ mod tests {
                 Some(1),
                 vec![SweptRow {
                     event: row.clone(),
-                    held: false
+                    held: false,
+                    read_lsn: 0,
                 }]
             ),
             1
@@ -611,10 +745,12 @@ mod tests {
             SweptRow {
                 event: outbox_event("a", 1),
                 held: true,
+                read_lsn: 0,
             },
             SweptRow {
                 event: outbox_event("a", 2),
                 held: false,
+                read_lsn: 0,
             },
         ];
         assert_eq!(state.swept(&key, 0, None, rows), 0);
@@ -649,5 +785,178 @@ mod tests {
         assert_eq!(state.confirmable(), 0);
         state.written(&key, diverted.to_write[0].1);
         assert_eq!(state.confirmable(), 10);
+    }
+
+    /// The server sends transactions again from the position it was last told, which lags what
+    /// the state settled: here `b1`'s transaction is unsettled, so nothing is confirmable.
+    fn reconnect_setup() -> (State, OutboxEvent, OutboxEvent, OutboxEvent) {
+        let mut state = State::new(0);
+        let b1 = outbox_event("b", 1);
+        let a1 = outbox_event("a", 1);
+        let a2 = outbox_event("a", 2);
+        state.commit(vec![b1.clone()], 10, 0, false);
+        state.commit(vec![a1.clone()], 20, 0, false);
+        assert_eq!(state.claim(10, Instant::now()).len(), 2);
+        state.published(&a1.event_id);
+        state.commit(vec![a2.clone()], 30, 0, false);
+        assert_eq!(ids(&state.claim(10, Instant::now())), vec![("a".into(), 2)]);
+        assert_eq!(state.confirmable(), 0, "b1 is still in flight");
+        (state, b1, a1, a2)
+    }
+
+    #[test]
+    fn after_a_reconnect_a_published_event_is_not_queued_again_in_front_of_its_successor() {
+        let (mut state, b1, a1, a2) = reconnect_setup();
+        // The connection drops; the server sends all three transactions again.
+        let copies: usize = [
+            state.commit(vec![b1.clone()], 10, 0, false),
+            state.commit(vec![a1.clone()], 20, 0, false),
+            state.commit(vec![a2.clone()], 30, 0, false),
+        ]
+        .iter()
+        .map(|d| d.copies)
+        .sum();
+        assert_eq!(copies, 3, "every redelivered event is recognised as a copy");
+        assert!(
+            state.claim(10, Instant::now()).is_empty(),
+            "a1 was handed out again while a2 is in flight"
+        );
+        state.published(&a2.event_id);
+        assert!(
+            state.claim(10, Instant::now()).is_empty(),
+            "a stale copy of a1 after a2"
+        );
+        state.published(&b1.event_id);
+        assert_eq!(state.confirmable(), 30);
+        assert!(state.is_idle());
+        assert_eq!(state.pending(), 0);
+    }
+
+    #[test]
+    fn after_a_reconnect_an_event_in_flight_is_not_handed_out_twice() {
+        let (mut state, b1, _, a2) = reconnect_setup();
+        state.commit(vec![b1.clone()], 10, 0, false);
+        state.commit(vec![a2.clone()], 30, 0, false);
+        assert!(state.claim(10, Instant::now()).is_empty());
+        assert_eq!(state.pending(), 2, "b1 and a2, each once");
+        state.published(&b1.event_id);
+        state.published(&a2.event_id);
+        assert_eq!(state.confirmable(), 30);
+    }
+
+    #[test]
+    fn an_older_sequence_than_one_in_flight_is_never_queued() {
+        let (mut state, b1, a1, a2) = reconnect_setup();
+        // A copy of a1 in a transaction never seen (no redelivery by position): the floor
+        // still refuses it, and its transaction settles at once.
+        let mut copy = outbox_event("a", 1);
+        copy.event_id = a1.event_id;
+        assert_eq!(state.commit(vec![copy], 40, 0, false).copies, 1);
+        assert!(state.claim(10, Instant::now()).is_empty());
+        state.published(&a2.event_id);
+        state.published(&b1.event_id);
+        assert_eq!(state.confirmable(), 40);
+        assert!(state.claim(10, Instant::now()).is_empty());
+        // A newer event of the aggregate still flows.
+        let a3 = outbox_event("a", 3);
+        state.commit(vec![a3.clone()], 50, 0, false);
+        assert_eq!(ids(&state.claim(10, Instant::now())), vec![("a".into(), 3)]);
+    }
+
+    #[test]
+    fn floors_are_forgotten_once_the_position_passes_them() {
+        let (mut state, b1, _, a2) = reconnect_setup();
+        state.published(&a2.event_id);
+        assert!(!state.floors.is_empty());
+        state.published(&b1.event_id);
+        assert_eq!(state.confirmable(), 30);
+        assert!(state.floors.is_empty(), "{:?}", state.floors);
+        assert!(state.floor_expiry.is_empty());
+    }
+
+    #[test]
+    fn a_released_front_does_not_go_out_while_a_later_event_of_its_aggregate_is_claimed() {
+        let mut state = State::new(0);
+        let a1 = outbox_event("a", 1);
+        let a2 = outbox_event("a", 2);
+        state.commit(vec![a1.clone(), a2.clone()], 10, 0, true);
+        assert_eq!(state.claim(10, Instant::now()).len(), 2);
+        // The lane failed at a1; its outcome is written before a2's release.
+        state.unclaim(&a1.event_id, None);
+        assert!(
+            state.claim(10, Instant::now()).is_empty(),
+            "a1 handed out while a2 is still claimed"
+        );
+        state.unclaim(&a2.event_id, None);
+        assert_eq!(
+            ids(&state.claim(10, Instant::now())),
+            vec![("a".into(), 1), ("a".into(), 2)]
+        );
+    }
+
+    #[test]
+    fn a_held_event_comes_back_from_the_table_past_its_floor() {
+        let mut state = State::new(0);
+        let a1 = outbox_event("a", 1);
+        let a2 = outbox_event("a", 2);
+        state.commit(vec![a1.clone(), a2.clone()], 10, 0, true);
+        assert_eq!(state.claim(10, Instant::now()).len(), 2);
+        let taken = state.hold(&a1.event_id);
+        let key: Key = ("thing".into(), "a".into());
+        state.parked(&key, &taken.iter().map(|(_, o)| *o).collect::<Vec<_>>());
+        // An operator retried it: the sweep reads both rows again.
+        let rows = vec![
+            SweptRow {
+                event: a1.clone(),
+                held: false,
+                read_lsn: 0,
+            },
+            SweptRow {
+                event: a2.clone(),
+                held: false,
+                read_lsn: 0,
+            },
+        ];
+        assert_eq!(state.swept(&key, 1, None, rows), 2);
+        assert_eq!(
+            ids(&state.claim(10, Instant::now())),
+            vec![("a".into(), 1), ("a".into(), 2)]
+        );
+    }
+
+    #[test]
+    fn a_row_published_from_the_table_is_not_published_again_when_the_stream_catches_up() {
+        // After a (re)start the sweep publishes an aggregate's rows from the table while the
+        // stream is still replaying the transactions that wrote them.
+        let mut state = State::new(0);
+        let key: Key = ("thing".into(), "a".into());
+        state.drive_from_table([key.clone()]);
+        let rows = (1..=3)
+            .map(|n| SweptRow {
+                event: outbox_event("a", n),
+                held: false,
+                read_lsn: 100,
+            })
+            .collect::<Vec<_>>();
+        let a2 = rows[1].event.clone();
+        assert_eq!(state.swept(&key, 0, None, rows), 3);
+        for event in state.claim(10, Instant::now()) {
+            assert_eq!(state.published(&event.event_id), Some(Origin::Table));
+        }
+        state.swept(&key, 0, None, Vec::new());
+        assert!(state.table_driven().is_empty(), "freed: nothing left");
+        // a2's transaction streams in only now (its commit is before the read, at 40).
+        let b1 = outbox_event("b", 1);
+        assert_eq!(state.commit(vec![a2, b1.clone()], 40, 0, true).copies, 1);
+        assert_eq!(ids(&state.claim(10, Instant::now())), vec![("b".into(), 1)]);
+        state.published(&b1.event_id);
+        // The floor lasts until the position passes the read, then is forgotten.
+        assert!(!state.floors.is_empty());
+        let b2 = outbox_event("b", 2);
+        state.commit(vec![b2.clone()], 120, 0, true);
+        state.claim(10, Instant::now());
+        state.published(&b2.event_id);
+        assert_eq!(state.confirmable(), 120);
+        assert!(!state.floors.contains_key(&key));
     }
 }
