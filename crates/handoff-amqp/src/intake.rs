@@ -551,6 +551,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn debug_hides_the_password() {
+        let config = IntakeConfig {
+            url: "amqp://inventory:hunter2@rabbit:5672/%2f".into(),
+            ..IntakeConfig::default()
+        };
+        for shown in [format!("{config:?}"), format!("{config:#?}")] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+            assert!(
+                shown.contains("amqp://inventory:***@rabbit:5672/%2f"),
+                "{shown}"
+            );
+        }
+    }
+
+    #[test]
     fn header_values_are_read_as_text() {
         let mut table = FieldTable::default();
         table.insert("ce-id".into(), AMQPValue::LongString("abc".into()));

@@ -126,7 +126,7 @@ pub async fn run(args: QuarantineArgs) -> Result<()> {
                 .show(&mut conn, event_id)
                 .await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&detail)?);
+                println!("{}", serde_json::to_string_pretty(&detail_json(&detail)?)?);
             } else {
                 print_detail(event_id, &detail)?;
             }
@@ -213,6 +213,67 @@ fn print_list(held: &[QuarantinedEvent]) {
     }
 }
 
+/// `show --json`: the event's detail, plus `delivery_response`, the receipt as a JSON object
+/// when it is one (the HTTP destination records its answer so); `delivery_receipt` stays the
+/// stored text.
+fn detail_json(detail: &EventDetail) -> Result<serde_json::Value> {
+    let mut value = serde_json::to_value(detail)?;
+    let response = detail
+        .delivery_receipt
+        .as_deref()
+        .and_then(|receipt| serde_json::from_str::<serde_json::Value>(receipt).ok())
+        .filter(serde_json::Value::is_object);
+    if let (Some(response), Some(object)) = (response, value.as_object_mut()) {
+        object.insert("delivery_response".to_owned(), response);
+    }
+    Ok(value)
+}
+
+/// Indent of the values in `show`'s text.
+const VALUE_INDENT: &str = "             ";
+
+/// The receipt as `show` prints it: an HTTP answer recorded by `handoff-http` as its status,
+/// headers and body on lines of their own; any other receipt as it is stored.
+fn receipt_lines(receipt: &str) -> Vec<String> {
+    let Some(response) = handoff_http::RecordedResponse::parse(receipt) else {
+        return vec![format!("receipt      {}", printable(receipt))];
+    };
+    let mut lines = vec![format!(
+        "receipt      http {} ({} byte body, sha256:{})",
+        response.status, response.body_bytes, response.sha256
+    )];
+    for (name, value) in &response.headers {
+        lines.push(format!("{VALUE_INDENT}{name}: {}", printable(value)));
+    }
+    let (label, body) = match (&response.body, &response.body_base64) {
+        (Some(text), _) => ("body", text.as_str()),
+        (None, Some(base64)) => ("body (base64)", base64.as_str()),
+        (None, None) => ("body", ""),
+    };
+    if !body.is_empty() {
+        lines.push(format!("{VALUE_INDENT}{label}:"));
+        for line in body.lines() {
+            lines.push(format!("{VALUE_INDENT}  {}", printable(line)));
+        }
+    }
+    if response.body_truncated {
+        lines.push(format!(
+            "{VALUE_INDENT}(body cut to its first {} of {} bytes)",
+            handoff_http::RECORDED_BODY_BYTES,
+            response.body_bytes
+        ));
+    }
+    lines
+}
+
+/// `text` with control characters (a terminal's escape sequences among them) shown as spaces:
+/// the receipt holds what a remote endpoint sent.
+fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
+}
+
 fn print_detail(event_id: Uuid, detail: &EventDetail) -> Result<()> {
     println!("event        {event_id}");
     println!("state        {}", detail.state.as_str());
@@ -250,7 +311,9 @@ fn print_detail(event_id: Uuid, detail: &EventDetail) -> Result<()> {
         println!("published    {}", at.to_rfc3339());
     }
     if let Some(receipt) = &detail.delivery_receipt {
-        println!("receipt      {receipt}");
+        for line in receipt_lines(receipt) {
+            println!("{line}");
+        }
     }
     if let Some(reason) = &detail.skip_reason {
         println!("skipped      {reason}");
@@ -283,4 +346,71 @@ fn print_detail(event_id: Uuid, detail: &EventDetail) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HTTP_RECEIPT: &str = r#"{"status":201,"headers":{"content-type":"application/json","x-request-id":"req-\u001b[31m42"},"body":"{\"id\":\"pay_1\"}\nsecond line","body_truncated":true,"body_bytes":5000,"sha256":"ab12"}"#;
+
+    #[test]
+    fn a_recorded_http_answer_prints_status_headers_and_body_on_lines_of_their_own() {
+        let lines = receipt_lines(HTTP_RECEIPT);
+        assert_eq!(
+            lines,
+            [
+                "receipt      http 201 (5000 byte body, sha256:ab12)",
+                "             content-type: application/json",
+                "             x-request-id: req- [31m42",
+                "             body:",
+                "               {\"id\":\"pay_1\"}",
+                "               second line",
+                "             (body cut to its first 4096 of 5000 bytes)",
+            ]
+        );
+    }
+
+    #[test]
+    fn other_receipts_print_as_stored() {
+        assert_eq!(
+            receipt_lines("jetstream OUTBOX 42"),
+            ["receipt      jetstream OUTBOX 42"]
+        );
+        assert_eq!(
+            receipt_lines("http 200 sha256:e3b0"),
+            ["receipt      http 200 sha256:e3b0"]
+        );
+    }
+
+    fn detail(receipt: Option<&str>) -> EventDetail {
+        EventDetail {
+            state: handoff_postgres::EventState::Published,
+            event: None,
+            payload: None,
+            headers: None,
+            published_at: None,
+            delivery_receipt: receipt.map(str::to_owned),
+            skip_reason: None,
+            actions: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn json_adds_the_recorded_answer_as_an_object_and_keeps_the_text() {
+        let value = detail_json(&detail(Some(HTTP_RECEIPT))).unwrap();
+        assert_eq!(value["delivery_receipt"], HTTP_RECEIPT);
+        assert_eq!(value["delivery_response"]["status"], 201);
+        assert_eq!(
+            value["delivery_response"]["headers"]["content-type"],
+            "application/json"
+        );
+        let value = detail_json(&detail(Some("kafka outbox/3@1207"))).unwrap();
+        assert_eq!(value["delivery_receipt"], "kafka outbox/3@1207");
+        assert!(value.get("delivery_response").is_none());
+        assert!(detail_json(&detail(None))
+            .unwrap()
+            .get("delivery_response")
+            .is_none());
+    }
 }

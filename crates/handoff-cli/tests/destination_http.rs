@@ -8,7 +8,7 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use common::{logs, migrated, wait_drained, RelayProcess, Writers};
+use common::{handoff, logs, migrated, stdout_json, wait_drained, RelayProcess, Writers};
 
 /// The relay's flags for the receiver at `endpoint`: short HTTP timeouts so that the held
 /// (ambiguous) requests time out quickly, and 16 aggregates in flight.
@@ -113,6 +113,26 @@ async fn killed_http_relays_deliver_every_committed_event_once_in_order() {
     }
     for (id, _, _, receipt) in &committed {
         let receipt = receipt.as_deref().unwrap_or("");
-        assert!(receipt.starts_with("http 200 sha256:"), "{id}: {receipt:?}");
+        let recorded = handoff_http::RecordedResponse::parse(receipt);
+        assert_eq!(recorded.map(|r| r.status), Some(200), "{id}: {receipt:?}");
     }
+
+    // `quarantine show` prints the recorded answer: parsed in JSON, line by line in text.
+    let id = committed[0].0.to_string();
+    let shown = handoff(&db, &["quarantine", "show", &id, "--json"]);
+    assert!(shown.status.success(), "{shown:?}");
+    let shown = stdout_json(&shown);
+    assert_eq!(shown["state"], "published");
+    assert!(shown["delivery_receipt"].is_string());
+    let response = &shown["delivery_response"];
+    assert_eq!(response["status"], 200, "{shown}");
+    assert!(
+        response["body"].as_str().unwrap_or("").contains(&id),
+        "the receiver's answer names the event: {shown}"
+    );
+    let text = handoff(&db, &["quarantine", "show", &id]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("receipt      http 200 ("), "{text}");
+    assert!(text.contains("content-type: application/json"), "{text}");
+    assert!(text.contains(&format!("\"event_id\":\"{id}\"")), "{text}");
 }

@@ -53,6 +53,7 @@ mod event;
 pub mod intake;
 mod limits;
 mod order;
+pub mod redact;
 pub mod subject;
 
 pub use backoff::Backoff;

@@ -127,7 +127,10 @@ impl fmt::Debug for SigningSecret {
 /// };
 /// assert!(config.validate().is_ok());
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Its `Debug` shows the endpoint without secrets (password, query values; see
+/// [`handoff_core::redact::url`]) and the signing secret as `<redacted>`.
+#[derive(Clone, PartialEq, Eq)]
 pub struct HttpConfig {
     /// The URL every event is POSTed to: `http://` or `https://`, with a host. Redirects are
     /// not followed, so it must be the final URL. Default: empty (must be set).
@@ -161,6 +164,20 @@ impl Default for HttpConfig {
             ce_source: "handoff".to_owned(),
             signing_secret: None,
         }
+    }
+}
+
+// Hand-written so that a `{:?}` never prints credentials or a token in the endpoint.
+impl fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("endpoint", &handoff_core::redact::url(&self.endpoint))
+            .field("mode", &self.mode)
+            .field("request_timeout", &self.request_timeout)
+            .field("concurrency", &self.concurrency)
+            .field("ce_source", &self.ce_source)
+            .field("signing_secret", &self.signing_secret)
+            .finish()
     }
 }
 
@@ -362,6 +379,24 @@ mod tests {
         let error = SigningSecret::parse(&short).unwrap_err().to_string();
         assert!(!error.contains(&short[6..]), "{error}");
         assert!(SigningSecret::parse("whsec_***").is_err());
+    }
+
+    #[test]
+    fn debug_shows_no_secret_of_the_endpoint_or_the_signing_key() {
+        let secret = format!("whsec_{}", STANDARD.encode([9u8; 32]));
+        let config = HttpConfig {
+            signing_secret: Some(SigningSecret::parse(&secret).unwrap()),
+            ..with_endpoint("https://bot:pa55word@hooks.example.com/in?token=t0k3n#frag")
+        };
+        let shown = format!("{config:?}");
+        for hidden in ["pa55word", "t0k3n", &secret[6..], "frag"] {
+            assert!(!shown.contains(hidden), "{hidden:?} in {shown}");
+        }
+        assert!(
+            shown.contains("https://bot:***@hooks.example.com/in?token=***"),
+            "{shown}"
+        );
+        assert!(!format!("{config:#?}").contains("pa55word"));
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //!
 //! This is the only handoff crate with an HTTP client. [`HttpTransport`] implements
 //! [`handoff_core::delivery::Transport`]: `handoff-relay` hands it committed outbox events and it
-//! POSTs each one to the configured endpoint, finished only by a 2xx answer, whose status and
-//! body digest become the event's delivery receipt.
+//! POSTs each one to the configured endpoint, finished only by a 2xx answer, which is recorded
+//! in the event's delivery receipt ([`RecordedResponse`]: status, a few headers, the start of
+//! the body and the whole body's digest).
 //!
 //! - [`HttpConfig`]: the endpoint, the CloudEvents mode ([`HttpMode`]), the request timeout, the
 //!   concurrency limit and the optional [`SigningSecret`];
@@ -33,10 +34,12 @@
 #![warn(missing_docs)]
 
 mod config;
+mod receipt;
 pub mod signature;
 mod transport;
 
 pub use config::{ConfigError, HttpConfig, HttpMode, SigningSecret};
+pub use receipt::{RecordedResponse, RECORDED_BODY_BYTES, RECORDED_HEADERS};
 pub use transport::{
     BuildError, HttpTransport, CLOUDEVENTS_JSON, IDEMPOTENCY_KEY, MAX_RETRY_AFTER,
 };

@@ -9,10 +9,10 @@ use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receip
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use reqwest::{Response, StatusCode};
 use serde_json::value::RawValue;
-use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 
 use crate::config::shown;
+use crate::receipt::Recorder;
 use crate::{signature, ConfigError, HttpConfig, HttpMode};
 
 /// The header carrying the event id, the endpoint's deduplication key.
@@ -56,7 +56,7 @@ pub enum BuildError {
 ///
 /// | answer | result |
 /// |---|---|
-/// | 2xx | published; receipt `http <status> sha256:<hex of the response body>` |
+/// | 2xx | published; the receipt records the answer: a [`RecordedResponse`](crate::RecordedResponse) (status, a few headers, the body's first 4 KiB, its length and SHA-256) as one line of JSON |
 /// | 429, 503 | `Throttled`: the relay pauses the whole destination (at least `Retry-After`), charging no event |
 /// | 408, 409, other 5xx | `Transient`: retried with backoff; charged only while other events get through, otherwise the destination pauses |
 /// | 3xx | `Unavailable`: redirects are not followed, the endpoint is misconfigured |
@@ -79,7 +79,9 @@ pub enum BuildError {
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Debug)]
+///
+/// Its `Debug` shows the endpoint without credentials or query, and the configuration's own
+/// redacted `Debug`.
 pub struct HttpTransport {
     client: reqwest::Client,
     url: reqwest::Url,
@@ -88,6 +90,16 @@ pub struct HttpTransport {
     /// One permit per request in flight: [`HttpConfig::concurrency`].
     permits: Arc<Semaphore>,
     config: HttpConfig,
+}
+
+// Hand-written: the parsed URL's own `Debug` prints its password and query.
+impl std::fmt::Debug for HttpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpTransport")
+            .field("endpoint", &self.shown)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A structured-mode body. A struct rather than `json!`, which would re-encode the payload:
@@ -299,7 +311,7 @@ impl HttpTransport {
     async fn answer(&self, mut response: Response) -> Result<Receipt, PublishError> {
         let status = response.status();
         if status.is_success() {
-            let mut digest = Sha256::new();
+            let mut recorder = Recorder::new(status.as_u16(), response.headers());
             while let Some(chunk) = response.chunk().await.map_err(|e| {
                 // The endpoint answered 2xx, so it took the event; only the body was lost.
                 // Retrying with the same key is safe and records a complete receipt.
@@ -312,13 +324,9 @@ impl HttpTransport {
                     ),
                 )
             })? {
-                digest.update(&chunk);
+                recorder.update(&chunk);
             }
-            return Ok(Receipt::new(format!(
-                "http {} sha256:{}",
-                status.as_u16(),
-                hex(&digest.finalize())
-            )));
+            return Ok(Receipt::new(recorder.finish().to_receipt()));
         }
         let retry_after = match status {
             StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
@@ -472,14 +480,6 @@ fn chain(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write as _;
-    bytes.iter().fold(String::new(), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
-}
-
 fn unix_now() -> i64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -554,6 +554,24 @@ mod tests {
         assert_eq!(retry_after(&headers, now), Some(MAX_RETRY_AFTER));
         headers.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
         assert_eq!(retry_after(&headers, now), None);
+    }
+
+    #[test]
+    fn debug_of_the_transport_shows_no_credentials() {
+        let transport = HttpTransport::new(HttpConfig {
+            endpoint: "https://bot:pa55word@hooks.example.com/in?token=t0k3n".into(),
+            ..HttpConfig::default()
+        })
+        .unwrap();
+        let shown = format!("{transport:?}");
+        assert!(
+            !shown.contains("pa55word") && !shown.contains("t0k3n"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("https://hooks.example.com:443/in"),
+            "{shown}"
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use common::{Endpoint, Reply, Seen};
-use handoff_http::{HttpConfig, HttpTransport};
+use handoff_http::{HttpConfig, HttpTransport, RecordedResponse};
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
 use handoff_test::{factory, TestDb};
@@ -165,11 +165,12 @@ async fn a_400_quarantines_the_event_and_holds_back_its_aggregate_only() {
     let (published, quarantined, attempts, _) = setup.row("a", 2).await;
     assert!(!published && !quarantined && attempts == 0);
     assert_eq!(setup.receipt("a", 1).await, None);
-    assert!(setup
-        .receipt("b", 1)
-        .await
-        .unwrap()
-        .starts_with("http 200 sha256:"));
+    let receipt = setup.receipt("b", 1).await.unwrap();
+    assert_eq!(
+        RecordedResponse::parse(&receipt).map(|r| r.status),
+        Some(200),
+        "{receipt}"
+    );
     setup.stop().await;
     // a/1 was tried once, a/2 never.
     let mut seen = Vec::new();
@@ -226,9 +227,12 @@ async fn a_timeout_is_retried_with_the_same_key() {
     )
     .await;
     setup.until("a", 1, |row| row.0).await;
+    let receipt = setup.receipt("a", 1).await.unwrap();
+    let recorded = RecordedResponse::parse(&receipt).expect("a recorded response");
+    assert_eq!(recorded.status, 200);
     assert_eq!(
-        setup.receipt("a", 1).await.as_deref(),
-        Some("http 200 sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+        recorded.sha256,
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
     );
     setup.stop().await;
     let first = endpoint.requests.try_recv().unwrap();
@@ -265,9 +269,12 @@ async fn a_429_with_retry_after_delays_the_retry_at_least_that_long() {
     let waited = second.at - first.at;
     // The relay's own backoff here is 10 to 20 ms: only Retry-After explains the wait.
     assert!(waited >= Duration::from_secs(2), "retried after {waited:?}");
+    let recorded = RecordedResponse::parse(&receipt).expect("a recorded response");
+    assert_eq!(recorded.status, 200);
+    assert_eq!(recorded.body.as_deref(), Some(r#"{"ok":true}"#));
     assert_eq!(
-        receipt,
+        recorded.sha256,
         // sha256 of {"ok":true}
-        "http 200 sha256:4062edaf750fb8074e7e83e0c9028c94e32468a8b6f1614774328ef045150f93"
+        "4062edaf750fb8074e7e83e0c9028c94e32468a8b6f1614774328ef045150f93"
     );
 }

@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use common::{Endpoint, Reply};
 use handoff_core::delivery::{PublishErrorKind, Transport};
-use handoff_http::{signature, HttpConfig, HttpMode, HttpTransport, SigningSecret};
+use handoff_http::{
+    signature, HttpConfig, HttpMode, HttpTransport, RecordedResponse, SigningSecret,
+    RECORDED_BODY_BYTES,
+};
 use handoff_test::factory;
 use tokio::io::AsyncReadExt;
 
@@ -28,10 +31,16 @@ async fn binary_mode_posts_the_payload_with_the_contract_headers_and_the_event_i
     let mut event = factory::outbox_event("eu.42", 7);
     event.headers = vec![("traceparent".into(), "00-abc-def-01".into())];
     let receipt = transport.publish(&event).await.unwrap();
+    let recorded = recorded(&receipt);
+    assert_eq!(recorded.status, 200);
+    assert_eq!(
+        (recorded.body.as_deref(), recorded.body_bytes),
+        (Some(""), 0)
+    );
     // SHA-256 of the empty body.
     assert_eq!(
-        receipt.detail(),
-        Some("http 200 sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+        recorded.sha256,
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
     );
 
     let seen = endpoint.next().await;
@@ -65,7 +74,7 @@ async fn structured_mode_posts_a_cloudevents_envelope_around_the_payload() {
     let mut event = factory::outbox_event("a/1", 3);
     event.payload = r#"{"total": 12.50, "items": [1, 2]}"#.into();
     let receipt = transport.publish(&event).await.unwrap();
-    assert!(receipt.detail().unwrap().starts_with("http 204 sha256:"));
+    assert_eq!(recorded(&receipt).status, 204);
 
     let seen = endpoint.next().await;
     let id = event.event_id.hyphenated().to_string();
@@ -159,7 +168,7 @@ async fn answers_sort_into_retry_quarantine_and_pause() {
         errors[7]
     );
     let receipt = transport.publish(&event).await.unwrap();
-    assert!(receipt.detail().unwrap().starts_with("http 200 sha256:"));
+    assert_eq!(recorded(&receipt).status, 200);
     // The redirect was not followed: every attempt reached the endpoint, nothing else.
     for _ in 0..9 {
         endpoint.next().await;
@@ -185,10 +194,76 @@ async fn the_receipt_digests_the_whole_response_body() {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    assert_eq!(
-        receipt.detail(),
-        Some(format!("http 201 sha256:{digest}").as_str())
+    let recorded = recorded(&receipt);
+    assert_eq!(recorded.status, 201);
+    assert_eq!(recorded.sha256, digest);
+    assert_eq!(recorded.body_bytes, 100_000);
+}
+
+/// The receipt's detail, read back as the recorded response.
+fn recorded(receipt: &handoff_core::delivery::Receipt) -> RecordedResponse {
+    let detail = receipt.detail().expect("a receipt detail");
+    RecordedResponse::parse(detail).unwrap_or_else(|| panic!("not a recorded response: {detail}"))
+}
+
+#[tokio::test]
+async fn the_receipt_records_status_allowed_headers_and_the_bounded_body() {
+    // 5000 bytes: a multi-byte character straddles the 4 KiB bound.
+    let body = format!(
+        "{}é{}",
+        "a".repeat(RECORDED_BODY_BYTES - 1),
+        "b".repeat(903)
     );
+    assert_eq!(body.len(), 5000);
+    let headers = vec![
+        ("content-type", "application/json".to_owned()),
+        ("location", "/payments/pay_1".to_owned()),
+        ("etag", "\"v1\"".to_owned()),
+        ("x-request-id", "req-42".to_owned()),
+        ("authorization", "Bearer auth-s3cret".to_owned()),
+        ("set-cookie", "session=cookie-s3cret; HttpOnly".to_owned()),
+        ("www-authenticate", "Basic realm=\"www-s3cret\"".to_owned()),
+        ("x-internal-token", "token-s3cret".to_owned()),
+    ];
+    let endpoint = Endpoint::start(vec![], Reply::Status(201, headers, body.clone())).await;
+    let transport = transport(&endpoint.url, |_| {});
+    let receipt = transport
+        .publish(&factory::outbox_event("a", 1))
+        .await
+        .unwrap();
+    let detail = receipt.detail().unwrap();
+    assert!(!detail.contains('\n'), "one line: {detail}");
+    assert!(!detail.contains("s3cret"), "{detail}");
+
+    let recorded = recorded(&receipt);
+    assert_eq!(recorded.status, 201);
+    let headers: Vec<(&str, &str)> = recorded
+        .headers
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.as_str()))
+        .collect();
+    assert_eq!(
+        headers,
+        [
+            ("content-type", "application/json"),
+            ("etag", "\"v1\""),
+            ("location", "/payments/pay_1"),
+            ("x-request-id", "req-42"),
+        ]
+    );
+    assert!(recorded.body_truncated);
+    assert_eq!(recorded.body_bytes, 5000);
+    // Cut before the 'é' that would end past 4096 bytes.
+    assert_eq!(
+        recorded.body.as_deref(),
+        Some(&body[..RECORDED_BODY_BYTES - 1])
+    );
+    use sha2::Digest as _;
+    let digest: String = sha2::Sha256::digest(body.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(recorded.sha256, digest);
 }
 
 #[tokio::test]

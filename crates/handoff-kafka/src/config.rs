@@ -71,7 +71,8 @@ pub enum ConfigError {
     /// The broker list is not a list of `HOST:PORT`.
     #[error("invalid broker list {brokers:?}: {reason}")]
     InvalidBrokers {
-        /// The list as configured.
+        /// The list as configured, with anything that may be a credential (`user:password@`,
+        /// query values) replaced by `***`.
         brokers: String,
         /// The rule it breaks.
         reason: &'static str,
@@ -158,7 +159,12 @@ pub(crate) fn millis(duration: Duration) -> Option<i32> {
 
 pub(crate) fn check_brokers(brokers: &str) -> Result<(), ConfigError> {
     let invalid = |reason| ConfigError::InvalidBrokers {
-        brokers: brokers.to_owned(),
+        // A `user:password@` slipped into the list stays out of the message.
+        brokers: brokers
+            .split(',')
+            .map(handoff_core::redact::url)
+            .collect::<Vec<_>>()
+            .join(","),
         reason,
     };
     if brokers.trim().is_empty() {
@@ -260,6 +266,16 @@ mod tests {
                 ),
                 "{bad:?}"
             );
+        }
+    }
+
+    #[test]
+    fn a_refused_broker_list_never_echoes_a_credential() {
+        let config = with_brokers("k1:9092,relay:hunter2@k2:9092");
+        let error = config.validate().unwrap_err();
+        for shown in [error.to_string(), format!("{error:?}")] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+            assert!(shown.contains("k1:9092,relay:***@k2:9092"), "{shown}");
         }
     }
 

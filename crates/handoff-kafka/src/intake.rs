@@ -233,13 +233,37 @@ impl Tracks {
             .is_some_and(|t| t.generation == generation)
     }
 
-    fn settle(&self, partition: i32, generation: u64, offset: i64) -> Option<i64> {
+    /// Settles `offset` and, when the partition's settled prefix grew, hands the new commit
+    /// position to `commit` *while still holding the lock*; returns that position.
+    ///
+    /// Commits are therefore issued in the order their positions were computed, which is
+    /// increasing per partition ([`Track::settle`] never returns a position at or below one it
+    /// returned before): two settles racing on different threads cannot issue 13 after 15 and
+    /// move the group's committed offset backwards. A revoke takes the same lock, so it cannot
+    /// slip between computing a position and committing it either: no commit of a partition
+    /// goes out after this member gave the partition up. `commit` must not block (an async
+    /// commit only queues the request).
+    fn settle<E>(
+        &self,
+        partition: i32,
+        generation: u64,
+        offset: i64,
+        commit: impl FnOnce(i64) -> Result<(), E>,
+    ) -> Result<Option<i64>, E> {
         let mut map = self.lock();
-        let track = map.get_mut(&partition)?;
+        let Some(track) = map.get_mut(&partition) else {
+            return Ok(None);
+        };
         if track.generation != generation {
-            return None;
+            return Ok(None);
         }
-        track.settle(offset)
+        let Some(next) = track.settle(offset) else {
+            return Ok(None);
+        };
+        // A failed commit is not undone: the next settle commits a later position, and until
+        // then a restart redelivers a little more, which the inbox absorbs.
+        commit(next)?;
+        Ok(Some(next))
     }
 }
 
@@ -297,14 +321,17 @@ struct Inner {
 impl Inner {
     /// Settles one delivery and commits the partition's settled prefix when it grew.
     fn settle(&self, partition: i32, generation: u64, offset: i64) -> Result<(), IntakeError> {
-        let Some(next) = self.tracks.settle(partition, generation, offset) else {
-            return Ok(());
-        };
-        let mut list = TopicPartitionList::new();
-        list.add_partition_offset(&self.topic, partition, Offset::Offset(next))
-            .map_err(|e| IntakeError::new("while committing", e))?;
-        self.consumer
-            .commit(&list, CommitMode::Async)
+        self.tracks
+            .settle(partition, generation, offset, |next| {
+                let mut list = TopicPartitionList::new();
+                list.add_partition_offset(&self.topic, partition, Offset::Offset(next))?;
+                // Under the tracks' lock (see `Tracks::settle`), so commits leave in increasing
+                // order; async, so this only queues the request and the lock is held briefly.
+                // librdkafka sends queued commits in order on one connection to the group's
+                // coordinator, which applies them in order.
+                self.consumer.commit(&list, CommitMode::Async)
+            })
+            .map(drop)
             .map_err(|e| IntakeError::new("while committing", e))
     }
 }
@@ -639,8 +666,106 @@ mod tests {
             .lock()
             .insert(0, Track::new(tracks.next_generation()));
         assert!(!tracks.is_current(0, old));
-        assert_eq!(tracks.settle(0, old, 5), None);
+        assert_eq!(tracks.settle(0, old, 5, no_commit()), Ok(None));
         let new = tracks.delivered(0, 5);
-        assert_eq!(tracks.settle(0, new, 5), Some(6));
+        assert_eq!(tracks.settle(0, new, 5, no_commit()), Ok(Some(6)));
+    }
+
+    fn no_commit() -> impl FnOnce(i64) -> Result<(), ()> {
+        |_| Ok(())
+    }
+
+    /// Many threads settle one partition's offsets in an interleaved order, as
+    /// handoff-consumer's parallel applies do; every commit they issue is recorded in issue
+    /// order. Issued after the lock was released (as before), a thread that computed 13 could
+    /// issue it after another thread issued 15.
+    #[test]
+    fn concurrent_settles_issue_commits_in_increasing_order() {
+        const OFFSETS: i64 = 20_000;
+        const THREADS: i64 = 8;
+        for round in 0..5 {
+            let tracks = Tracks::default();
+            let mut generation = 0;
+            for offset in 0..OFFSETS {
+                generation = tracks.delivered(3, offset);
+            }
+            let issued = Mutex::new(Vec::new());
+            std::thread::scope(|scope| {
+                for thread in 0..THREADS {
+                    let (tracks, issued) = (&tracks, &issued);
+                    scope.spawn(move || {
+                        // Thread t settles t, t + THREADS, ...: the prefix grows in small
+                        // steps, each step computed by whichever thread filled the gap.
+                        let mut offset = (thread + round) % THREADS;
+                        while offset < OFFSETS {
+                            tracks
+                                .settle(3, generation, offset, |next| {
+                                    // Widens the window between computing a position and
+                                    // issuing it, where another thread could overtake.
+                                    std::thread::yield_now();
+                                    issued.lock().unwrap().push(next);
+                                    Ok::<_, ()>(())
+                                })
+                                .unwrap();
+                            offset += THREADS;
+                        }
+                    });
+                }
+            });
+            let issued = issued.into_inner().unwrap();
+            assert!(
+                issued.windows(2).all(|pair| pair[0] < pair[1]),
+                "round {round}: a commit went backwards: {:?}",
+                issued
+                    .windows(2)
+                    .find(|pair| pair[0] >= pair[1])
+                    .unwrap_or_default()
+            );
+            assert_eq!(issued.last(), Some(&OFFSETS), "round {round}: all settled");
+        }
+    }
+
+    #[test]
+    fn the_commit_is_issued_while_the_tracks_are_locked() {
+        let tracks = Tracks::default();
+        let generation = tracks.delivered(0, 9);
+        let mut locked = None;
+        let committed = tracks.settle(0, generation, 9, |next| {
+            // Held (by this thread): no other settle, and no revoke, can run meanwhile.
+            locked = Some(tracks.map.try_lock().is_err());
+            assert_eq!(next, 10);
+            Ok::<_, ()>(())
+        });
+        assert_eq!(committed, Ok(Some(10)));
+        assert_eq!(locked, Some(true));
+    }
+
+    #[test]
+    fn a_failed_commit_is_reported_and_a_later_settle_commits_further() {
+        let tracks = Tracks::default();
+        let generation = tracks.delivered(0, 1);
+        tracks.delivered(0, 2);
+        assert_eq!(
+            tracks.settle(0, generation, 1, |_| Err("down")),
+            Err("down")
+        );
+        let mut issued = None;
+        let committed = tracks.settle(0, generation, 2, |next| {
+            issued = Some(next);
+            Ok::<_, &str>(())
+        });
+        assert_eq!(committed, Ok(Some(3)));
+        assert_eq!(issued, Some(3));
+        // Nothing lower is ever issued again, even for an offset settled twice.
+        assert_eq!(tracks.settle(0, generation, 1, |_| Err("never")), Ok(None));
+    }
+
+    #[test]
+    fn a_revoked_partition_issues_no_commit() {
+        let tracks = Tracks::default();
+        let generation = tracks.delivered(7, 40);
+        tracks.lock().remove(&7);
+        let committed = tracks.settle(7, generation, 40, |_| Err("committed after revoke"));
+        assert_eq!(committed, Ok(None));
     }
 }

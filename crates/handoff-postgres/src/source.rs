@@ -84,7 +84,7 @@ impl Default for PollingConfig {
     fn default() -> Self {
         PollingConfig {
             schema: Schema::default(),
-            relay_id: format!("relay-{}", std::process::id()),
+            relay_id: default_relay_id(),
             lease: Duration::from_secs(30),
             wait_ttl: Duration::from_secs(60),
             listen: true,
@@ -92,6 +92,67 @@ impl Default for PollingConfig {
             query_timeout: Duration::from_secs(10),
             order: OrderMode::Aggregate,
             max_takeovers: 5,
+        }
+    }
+}
+
+/// [`PollingConfig::default`]'s relay id: `relay-<host>-<pid>-<8 random hex digits>`, new at
+/// every call.
+///
+/// The process id alone repeats: in containers every relay is pid 1, and a restarted relay
+/// would take the id its dead predecessor left in `claimed_by`. The host name (from
+/// `/proc/sys/kernel/hostname`, else `$HOSTNAME`; left out when neither is set) keeps the id
+/// readable; the random suffix (from a UUIDv7's random bits) makes it unique per start.
+fn default_relay_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|name| {
+            name.trim()
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
+                .take(64)
+                .collect::<String>()
+        })
+        .unwrap_or_default();
+    let uuid = uuid::Uuid::now_v7().simple().to_string();
+    // The last 32 bits of a UUIDv7 are random (the counter and the time are before them).
+    let suffix = &uuid[uuid.len() - 8..];
+    let pid = std::process::id();
+    if host.is_empty() {
+        format!("relay-{pid}-{suffix}")
+    } else {
+        format!("relay-{host}-{pid}-{suffix}")
+    }
+}
+
+#[cfg(test)]
+mod default_relay_id_tests {
+    use super::*;
+
+    #[test]
+    fn every_default_relay_id_is_new_and_valid() {
+        let ids: Vec<String> = (0..100)
+            .map(|_| PollingConfig::default().relay_id)
+            .collect();
+        let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len(), "{ids:?}");
+        let pid = format!("-{}-", std::process::id());
+        for id in &ids {
+            assert!(id.starts_with("relay-") && id.contains(&pid), "{id}");
+            let suffix = id.rsplit('-').next().unwrap();
+            assert!(
+                suffix.len() == 8 && suffix.bytes().all(|b| b.is_ascii_hexdigit()),
+                "{id}"
+            );
+            assert_eq!(
+                PollingConfig {
+                    relay_id: id.clone(),
+                    ..PollingConfig::default()
+                }
+                .validate(),
+                Ok(())
+            );
         }
     }
 }

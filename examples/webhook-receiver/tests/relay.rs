@@ -207,8 +207,8 @@ async fn every_committed_event_is_applied_once_in_order_through_ambiguous_timeou
     }
     assert!(!received.iter().any(|a| a.aggregate_id == "rolled-back"));
 
-    // Each row's receipt digests the receiver's answer for that event, which a repeat of the
-    // key gets again byte for byte.
+    // Each row's receipt records the receiver's answer for that event (and its digest), which
+    // a repeat of the key gets again byte for byte.
     let receipts: Vec<(uuid::Uuid, String, i64, Option<String>)> = sqlx::query_as(
         "SELECT event_id, aggregate_id, aggregate_sequence, delivery_receipt FROM outbox",
     )
@@ -227,9 +227,14 @@ async fn every_committed_event_is_applied_once_in_order_through_ambiguous_timeou
             .iter()
             .map(|b| format!("{b:02x}"))
             .collect();
+        let receipt = receipt.unwrap_or_default();
+        let recorded = handoff_http::RecordedResponse::parse(&receipt)
+            .unwrap_or_else(|| panic!("{event_id}: not a recorded answer: {receipt}"));
+        assert_eq!(recorded.status, 200, "{event_id}");
+        assert_eq!(recorded.sha256, digest, "{event_id}");
         assert_eq!(
-            receipt,
-            Some(format!("http 200 sha256:{digest}")),
+            recorded.body.as_deref(),
+            Some(answer.as_str()),
             "{event_id}"
         );
     }
