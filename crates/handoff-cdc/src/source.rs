@@ -450,6 +450,7 @@ impl Source for LogicalSource {
             lease_deadline: None,
             taken_over: 0,
             held: 0,
+            isolate: false,
         })
     }
 

@@ -59,6 +59,10 @@ pub struct Claim {
     /// Events the claim held for an operator instead of leasing: their lease had run out
     /// unsettled too many times (a crash loop). Not in [`events`](Self::events).
     pub held: usize,
+    /// The claim is one suspect event, leased alone because relays holding it died before:
+    /// the relay publishes it with nothing else in flight, so that if it kills the relay again
+    /// it alone is charged the takeover, not the events that happened to share its batch.
+    pub isolate: bool,
 }
 
 /// What the relay tells a [`Source`] about one event it could not publish.

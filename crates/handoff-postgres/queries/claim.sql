@@ -1,5 +1,6 @@
 -- Lease up to $2 publishable events to relay $1 for $3 seconds (brief P1, P2, P5); hold for an
--- operator, instead, an event whose lease ran out unsettled more than $4 times (a crash loop).
+-- operator, instead, an event whose lease ran out unsettled more than $4 times (a crash loop);
+-- lease alone an event whose lease ran out unsettled $5 times or more (a suspect).
 --
 -- One statement, so one short transaction: the row locks live only until it returns, and the
 -- lease written into the rows is what keeps other relays off them afterwards.
@@ -18,7 +19,10 @@
 -- takeover_count. An event whose publish kills every relay that tries never fails, so attempts
 -- never reach the cap; the takeover count does. Past $4 takeovers the row is held ('crash_loop':
 -- available_at 'infinity', like any quarantined event) in this same statement instead of being
--- leased, and the rows behind it in its lane are not leased either.
+-- leased, and the rows behind it in its lane are not leased either. Taken over $5 times or
+-- more (the relay passes min(2, $4)), an event is a suspect: leased alone and published with
+-- nothing else in flight, so that only the culprit, not its innocent neighbours of a batch,
+-- keeps counting takeovers.
 WITH head AS MATERIALIZED (
     -- Oldest available heads first, in the pending index's order, so the scan reads the index
     -- front and stops after $2 heads. Events waiting behind an unpublished predecessor are
@@ -70,38 +74,70 @@ run AS MATERIALIZED (
     ) n
 ),
 candidate AS (
-    -- Heads and unbroken runs, each marked when this claim would be one takeover too many.
+    -- Heads and unbroken runs, each marked:
+    -- crash_loop: this claim would be one takeover too many, so the row is held instead;
+    -- suspect:    its lease has run out unsettled at least $5 times with this claim, so it may
+    --             be what kills its relays. A suspect is leased alone (see picked).
     SELECT c.*,
-           c.claimed_by IS NOT NULL AND c.takeover_count >= $4 AS crash_loop
+           c.claimed_by IS NOT NULL AND c.takeover_count >= $4 AS crash_loop,
+           NOT (c.claimed_by IS NOT NULL AND c.takeover_count >= $4)
+               AND c.takeover_count + (c.claimed_by IS NOT NULL)::int >= $5 AS suspect
     FROM (
         SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
-               aggregate_sequence, claimed_by, takeover_count
+               aggregate_sequence, claimed_by, takeover_count, true AS is_head
         FROM head
         UNION ALL
         SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
-               aggregate_sequence, claimed_by, takeover_count
+               aggregate_sequence, claimed_by, takeover_count, false AS is_head
         FROM run
         WHERE unbroken
     ) c
 ),
-picked AS (
-    -- Cut to $2 events. The order keeps each aggregate's events together and in sequence, so
-    -- the cut leaves every lane an unbroken prefix. A row behind a crash-looping one in its
-    -- lane is left out: the held row must not be overtaken.
-    SELECT l.event_id, l.claimed_by, l.crash_loop
+eligible AS MATERIALIZED (
+    -- A row behind a crash-looping or suspect one in its lane is left out: the held row must
+    -- not be overtaken, and the suspect goes first, alone.
+    SELECT l.*
     FROM (
         SELECT c.*,
-               coalesce(bool_or(c.crash_loop) OVER (
+               coalesce(bool_or(c.crash_loop OR c.suspect) OVER (
                    PARTITION BY c.aggregate_type, c.aggregate_id
                    ORDER BY c.aggregate_sequence
                    ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
-               ), false) AS behind_crash_loop
+               ), false) AS blocked
         FROM candidate c
     ) l
-    WHERE NOT l.behind_crash_loop
-    ORDER BY l.available_at, l.occurred_at, l.aggregate_type, l.aggregate_id,
-             l.aggregate_sequence
-    LIMIT $2
+    WHERE NOT l.blocked
+),
+solo AS MATERIALIZED (
+    -- Isolation: when a process dies, every event it held is taken over, the innocent ones
+    -- with the culprit. So a suspect head is leased alone, and the relay publishes it with
+    -- nothing else in flight: if it kills the relay again, it alone is charged the takeover.
+    SELECT e.event_id, e.claimed_by, e.crash_loop, e.suspect
+    FROM eligible e
+    WHERE e.suspect AND e.is_head
+    ORDER BY e.available_at, e.occurred_at
+    LIMIT 1
+),
+picked AS (
+    -- The suspect alone, with the rows to hold; or else heads and runs cut to $2 events. The
+    -- order keeps each aggregate's events together and in sequence, so the cut leaves every
+    -- lane an unbroken prefix.
+    SELECT event_id, claimed_by, crash_loop, suspect FROM solo
+    UNION ALL
+    SELECT e.event_id, e.claimed_by, e.crash_loop, e.suspect
+    FROM eligible e
+    WHERE e.crash_loop AND EXISTS (SELECT 1 FROM solo)
+    UNION ALL
+    SELECT n.event_id, n.claimed_by, n.crash_loop, n.suspect
+    FROM (
+        SELECT e.*
+        FROM eligible e
+        WHERE NOT e.suspect
+        ORDER BY e.available_at, e.occurred_at, e.aggregate_type, e.aggregate_id,
+                 e.aggregate_sequence
+        LIMIT $2
+    ) n
+    WHERE NOT EXISTS (SELECT 1 FROM solo)
 )
 UPDATE {schema}outbox o
 SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
@@ -134,5 +170,7 @@ RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.
           picked.claimed_by IS NOT NULL AS taken_over,
           -- Held, not leased: the relay publishes nothing of it and reports it.
           picked.crash_loop AS held,
+          -- Leased alone, to be published with nothing else in flight.
+          picked.suspect AS isolate,
           -- The lease's end, which fences this relay's later failure and release writes.
           o.claim_until

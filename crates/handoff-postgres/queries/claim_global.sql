@@ -51,23 +51,29 @@ run AS MATERIALIZED (
 marked AS (
     -- The unbroken prefix only: a row after a hole would overtake the hole. Sequences only grow
     -- along the run, so once a row is not unbroken no later one is. A row one takeover past $4
-    -- is held (as in claim.sql), and nothing after it is leased.
+    -- is held, and a suspect (taken over $5 times or more with this claim) is leased only as
+    -- the lane's front, alone; nothing after either is leased (as in claim.sql). A global relay
+    -- publishes one claim at a time, so a lone front is published with nothing else in flight.
     SELECT r.event_id, r.claimed_by, r.global_sequence,
-           r.claimed_by IS NOT NULL AND r.takeover_count >= $4 AS crash_loop
+           r.claimed_by IS NOT NULL AND r.takeover_count >= $4 AS crash_loop,
+           NOT (r.claimed_by IS NOT NULL AND r.takeover_count >= $4)
+               AND r.takeover_count + (r.claimed_by IS NOT NULL)::int >= $5 AS suspect,
+           r.global_sequence = min(r.global_sequence) OVER () AS is_front
     FROM run r
     WHERE r.unbroken
 ),
 picked AS (
-    SELECT m.event_id, m.claimed_by, m.crash_loop
+    SELECT m.event_id, m.claimed_by, m.crash_loop, m.suspect
     FROM (
         SELECT m.*,
-               coalesce(bool_or(m.crash_loop) OVER (
+               coalesce(bool_or(m.crash_loop OR m.suspect) OVER (
                    ORDER BY m.global_sequence
                    ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
-               ), false) AS behind_crash_loop
+               ), false) AS blocked
         FROM marked m
     ) m
-    WHERE NOT m.behind_crash_loop
+    WHERE NOT m.blocked
+      AND (NOT m.suspect OR m.is_front)
 )
 UPDATE {schema}outbox o
 SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
@@ -97,4 +103,5 @@ RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
           o.occurred_at, o.attempt_count,
           picked.claimed_by IS NOT NULL AS taken_over,
           picked.crash_loop AS held,
+          picked.suspect AS isolate,
           o.claim_until

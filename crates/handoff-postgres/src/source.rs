@@ -555,6 +555,9 @@ impl Source for PollingSource {
             .bind(max)
             .bind(self.config.lease.as_secs_f64())
             .bind(self.config.max_takeovers)
+            // Suspects from the second takeover on (from the first when one is the bound): a
+            // single one is any relay crash's fate for everything in flight, a second is rare.
+            .bind(self.config.max_takeovers.min(2))
             .fetch_all(&mut *conn);
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         let rows = self.bounded(&mut conn, outcome, what)?;
@@ -562,6 +565,7 @@ impl Source for PollingSource {
         let mut events = Vec::with_capacity(rows.len());
         let mut held = 0;
         let mut taken_over = 0;
+        let mut isolate = false;
         {
             let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
             for row in &rows {
@@ -570,9 +574,10 @@ impl Source for PollingSource {
                     let held: bool = row.try_get("held")?;
                     let taken_over: bool = row.try_get("taken_over")?;
                     let lease: Option<DateTime<Utc>> = row.try_get("claim_until")?;
-                    Ok((event, held, taken_over, lease))
+                    let isolate: bool = row.try_get("isolate")?;
+                    Ok((event, held, taken_over, lease, isolate))
                 };
-                let (event, is_held, is_taken_over, lease) =
+                let (event, is_held, is_taken_over, lease, is_suspect) =
                     read(row).map_err(|e| SourceError::new("while reading a claimed row", e))?;
                 if is_held {
                     held += 1;
@@ -589,6 +594,17 @@ impl Source for PollingSource {
                     continue;
                 }
                 taken_over += usize::from(is_taken_over);
+                if is_suspect {
+                    isolate = true;
+                    tracing::warn!(
+                        event_id = %event.event_id,
+                        aggregate_type = %event.aggregate_type,
+                        aggregate_id = %event.aggregate_id,
+                        sequence = event.aggregate_sequence,
+                        "event leased alone: relays holding it died before settling it, so it \
+                         is published with nothing else in flight"
+                    );
+                }
                 if let Some(lease) = lease {
                     leases.insert(event.event_id, lease);
                 }
@@ -610,6 +626,7 @@ impl Source for PollingSource {
             lease_deadline: Some(started + self.config.lease),
             taken_over,
             held,
+            isolate,
         })
     }
 

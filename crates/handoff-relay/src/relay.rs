@@ -405,6 +405,7 @@ async fn run_lane<T: Transport>(
             );
         }
         freeze_if_fired(fp::BEFORE_PUBLISH).await;
+        fp::abort_if_named(&event.event_id);
         let started = Instant::now();
         match transport.publish(&event).await {
             Ok(receipt) => {
@@ -604,6 +605,17 @@ async fn claim_loop<S: Source, T: Transport>(
             metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
             metrics::gauge!(m::BROKER_UP).set(1.0);
         }
+        if claim.isolate && claimed > 0 {
+            // A suspect of killing its relays: nothing else may be in flight when it is
+            // published, so a crash charges its takeover to it alone.
+            while unsettled(&shared) > 0 {
+                tokio::select! {
+                    _ = stop.changed() => break,
+                    () = shared.progress.notified() => {}
+                }
+            }
+        }
+        let isolated = claim.isolate && claimed > 0;
         if claimed > 0 {
             shared
                 .in_flight
@@ -614,6 +626,15 @@ async fn claim_loop<S: Source, T: Transport>(
             metrics::gauge!(m::IN_FLIGHT).set(in_flight(&shared) as f64);
             if claims.send(claim).await.is_err() {
                 break;
+            }
+        }
+        if isolated {
+            // ... and nothing else is claimed until its outcome is written.
+            while unsettled(&shared) > 0 {
+                tokio::select! {
+                    _ = stop.changed() => break,
+                    () = shared.progress.notified() => {}
+                }
             }
         }
         if probing && claimed > 0 {

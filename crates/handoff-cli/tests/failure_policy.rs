@@ -1,0 +1,289 @@
+//! Whose fault is a failed publish (issue 25), with `handoff relay` as a real process:
+//! - an HTTP endpoint that answers 503, or 429 with `Retry-After`, for longer than the attempt
+//!   budget would last: the destination pauses, nothing is charged or quarantined, and after it
+//!   recovers every event is delivered once, in order;
+//! - an event whose publish kills the relay process every time: after `--max-takeovers` it is
+//!   held with reason `crash_loop`, and every other aggregate is published.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use common::{enqueue_spread, handoff, migrated, stdout_json, wait_drained, RelayProcess, Target};
+use handoff_test::nats::{
+    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
+};
+use handoff_test::{factory, TestDb};
+
+const ACCEPT: u8 = 0;
+const UNAVAILABLE: u8 = 1;
+const TOO_MANY: u8 = 2;
+
+/// An endpoint whose answer the test switches: 200 (applying each `Idempotency-Key` once), 503,
+/// or 429 with `Retry-After: 2`.
+#[derive(Default)]
+struct Endpoint {
+    mode: AtomicU8,
+    /// Effects applied, in arrival order: (aggregate id, sequence, event id).
+    applied: Mutex<Vec<(String, i64, String)>>,
+    seen: Mutex<HashSet<String>>,
+    /// When each refusal was answered.
+    refused: Mutex<Vec<Instant>>,
+}
+
+async fn receive(State(endpoint): State<Arc<Endpoint>>, headers: HeaderMap) -> Response {
+    match endpoint.mode.load(Ordering::SeqCst) {
+        UNAVAILABLE => {
+            endpoint.refused.lock().unwrap().push(Instant::now());
+            return StatusCode::SERVICE_UNAVAILABLE.into_response();
+        }
+        TOO_MANY => {
+            endpoint.refused.lock().unwrap().push(Instant::now());
+            return (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "2")]).into_response();
+        }
+        _ => {}
+    }
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let key = header("idempotency-key");
+    if endpoint.seen.lock().unwrap().insert(key.clone()) {
+        let sequence = header("handoff-sequence").parse().unwrap_or(-1);
+        endpoint
+            .applied
+            .lock()
+            .unwrap()
+            .push((header("handoff-aggregate-id"), sequence, key));
+    }
+    StatusCode::OK.into_response()
+}
+
+async fn endpoint() -> (Arc<Endpoint>, String) {
+    let endpoint = Arc::new(Endpoint::default());
+    let app = axum::Router::new()
+        .route("/events", axum::routing::post(receive))
+        .with_state(endpoint.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (endpoint, format!("http://{addr}/events"))
+}
+
+/// Rows held for an operator.
+async fn held(db: &TestDb) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE published_at IS NULL AND available_at = 'infinity'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// Every committed event applied exactly once, and per aggregate in sequence order.
+async fn assert_applied_once_in_order(db: &TestDb, endpoint: &Endpoint) {
+    let committed: Vec<(uuid::Uuid,)> = sqlx::query_as("SELECT event_id FROM outbox")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let applied = endpoint.applied.lock().unwrap().clone();
+    let ids: HashSet<String> = applied.iter().map(|a| a.2.clone()).collect();
+    let expected: HashSet<String> = committed.iter().map(|c| c.0.to_string()).collect();
+    assert_eq!(ids, expected, "applied effects = committed events");
+    let mut next: HashMap<&str, i64> = HashMap::new();
+    for (aggregate, sequence, id) in &applied {
+        let want = next.entry(aggregate).or_insert(1);
+        assert_eq!(*sequence, *want, "{aggregate} #{sequence} ({id}) out of order");
+        *want += 1;
+    }
+}
+
+/// Runs one outage of the endpoint in `mode`, lasting `outage`, under a relay with
+/// `--max-attempts 3`, and checks that it cost no event anything. Returns the refusals the
+/// endpoint answered during the outage.
+async fn outage_costs_nothing(name: &str, mode: u8, outage: Duration) -> usize {
+    const AGGREGATES: u64 = 20;
+    let (db, outbox) = migrated(name).await;
+    let (endpoint, url) = endpoint().await;
+    let flags = [
+        "--destination",
+        "http",
+        "--endpoint",
+        &url,
+        "--http-timeout",
+        "1s",
+        "--max-attempts",
+        "3",
+    ];
+    let env = [("HANDOFF_HTTP_SECRET", "")];
+    let mut relay = RelayProcess::spawn(&db.url(), name, &flags, &env);
+
+    // The endpoint works: one event per aggregate gets through.
+    enqueue_spread(&db.pool, &outbox, 0, AGGREGATES, AGGREGATES).await;
+    wait_drained(&db.pool, Duration::from_secs(30), || relay.log()).await;
+
+    // Then it refuses everything for longer than three attempts' backoff (0.5 s + 1 s + 2 s)
+    // would last, while writers go on.
+    endpoint.mode.store(mode, Ordering::SeqCst);
+    enqueue_spread(&db.pool, &outbox, AGGREGATES, 3 * AGGREGATES, AGGREGATES).await;
+    tokio::time::sleep(outage).await;
+    assert_eq!(held(&db).await, 0, "held during the outage:\n{}", relay.log());
+    endpoint.mode.store(ACCEPT, Ordering::SeqCst);
+    let refusals = endpoint.refused.lock().unwrap().len();
+
+    wait_drained(&db.pool, Duration::from_secs(60), || relay.log()).await;
+    assert!(relay.terminate().success(), "exit 0:\n{}", relay.log());
+    assert_eq!(held(&db).await, 0);
+    assert_applied_once_in_order(&db, &endpoint).await;
+    let charged: i64 = sqlx::query_scalar("SELECT coalesce(max(attempt_count), 0)::int8 FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    // The first refusal after a success may still look like the event's; nothing after it.
+    assert!(charged <= 1, "an event was charged {charged} attempts");
+    let log = relay.log();
+    assert!(log.contains("destination paused"), "{log}");
+    // The outage was met (and then, mostly, not tried against).
+    assert!(refusals >= 2, "{refusals} refusals");
+    refusals
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_answering_503_longer_than_the_attempt_budget_quarantines_nothing() {
+    let refusals = outage_costs_nothing("policy_503", UNAVAILABLE, Duration::from_secs(10)).await;
+    // The pause keeps the load down: the lanes in flight when it began, then one probe per
+    // round of the backoff (100 ms doubling up to 10 s), not a retry per event per backoff.
+    assert!(refusals <= 20 + 15, "{refusals} requests refused during the outage");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_pauses_the_whole_destination_and_charges_nothing() {
+    let refusals = outage_costs_nothing("policy_429", TOO_MANY, Duration::from_secs(7)).await;
+    // Retry-After: 2 holds every lane: the burst in flight, then a probe at most every 2 s.
+    assert!(refusals <= 20 + 5, "{refusals} requests refused during the throttle");
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_that_kills_every_relay_is_held_as_a_crash_loop_and_others_flow() {
+    let (db, outbox) = migrated("policy_crash_loop").await;
+    let client = prepare_shared_server().await;
+    let stream = unique_name("crashloop");
+    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
+    let target = Target {
+        database_url: db.url(),
+        nats_url: shared_url(),
+        stream: stream.clone(),
+        prefix: stream.clone(),
+    };
+
+    // The killer is the first event of `poison`; its second event waits behind it.
+    let mut tx = db.pool.begin().await.unwrap();
+    let killer = outbox
+        .enqueue(
+            &mut tx,
+            &[factory::event("poison", 1), factory::event("poison", 2)],
+        )
+        .await
+        .unwrap()[0]
+        .event_id;
+    tx.commit().await.unwrap();
+    enqueue_spread(&db.pool, &outbox, 0, 30, 10).await;
+
+    let failpoint = format!("relay.abort_on_event=return({killer})");
+    let env = [("FAILPOINTS", failpoint.as_str())];
+    let extra = ["--max-takeovers", "2"];
+    let mut aborts = 0;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut relay = RelayProcess::start(&target, "crash-loop", &extra, &env);
+    loop {
+        let hold: Option<String> =
+            sqlx::query_scalar("SELECT hold_reason FROM outbox WHERE event_id = $1")
+                .bind(killer)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        if hold.is_some() {
+            break;
+        }
+        if let Some(status) = relay.try_status() {
+            assert!(!status.success(), "the relay died by abort:\n{}", relay.log());
+            assert!(relay.log().contains("failpoint fired: aborting"), "{}", relay.log());
+            aborts += 1;
+            relay = RelayProcess::start(&target, "crash-loop", &extra, &env);
+        }
+        assert!(Instant::now() < deadline, "never held:\n{}", relay.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Claimed fresh, then taken over twice (the bound), each time killing its relay; the
+    // fourth claim holds it instead.
+    assert_eq!(aborts, 3, "{}", relay.log());
+
+    // Every other aggregate flows: only `poison` waits.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (left,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id <> 'poison'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{left} left:\n{}", relay.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(relay.terminate().success(), "{}", relay.log());
+    let row: (Option<String>, i32, i32, Option<String>) = sqlx::query_as(
+        "SELECT hold_reason, takeover_count, attempt_count, last_error FROM outbox \
+         WHERE event_id = $1 AND published_at IS NULL AND available_at = 'infinity'",
+    )
+    .bind(killer)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(row.0.as_deref(), Some("crash_loop"));
+    assert_eq!((row.1, row.2), (3, 0), "three takeovers, no failed attempt");
+    assert!(row.3.unwrap_or_default().starts_with("crash_loop:"));
+    let second: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
+        "SELECT published_at FROM outbox WHERE aggregate_id = 'poison' AND aggregate_sequence = 2",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(second, None, "the killer's successor never overtakes it");
+    let messages = read_stream(&client, &stream).await;
+    assert!(messages.iter().all(|m| !m.subject.ends_with(".poison")));
+    let ids: HashSet<&str> = messages
+        .iter()
+        .filter_map(|m| m.header("Nats-Msg-Id"))
+        .collect();
+    assert_eq!(ids.len(), 30, "every other event in the stream");
+
+    // The operator sees why, and a retry gives it a fresh budget.
+    let listed = handoff(&db, &["quarantine", "list", "--json"]);
+    let listed = stdout_json(&listed);
+    let entry = &listed[0];
+    assert_eq!(entry["hold_reason"], "crash_loop", "{listed}");
+    assert_eq!(entry["takeovers"], 3, "{listed}");
+    let retried = handoff(&db, &["quarantine", "retry", &killer.to_string()]);
+    assert!(retried.status.success(), "{retried:?}");
+    let reset: (i32, Option<String>) =
+        sqlx::query_as("SELECT takeover_count, hold_reason FROM outbox WHERE event_id = $1")
+            .bind(killer)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(reset, (0, None));
+}
