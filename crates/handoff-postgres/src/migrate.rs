@@ -41,7 +41,7 @@ impl Migration {
 
 /// handoff's own migrations: the outbox, the sequence heads, the consumer inbox and the
 /// operators' tables (quarantine audit, cleanup archive and log), the delivery receipt, the
-/// opt-in global order lane, and the saga tables.
+/// opt-in global order lane, the saga tables and their failure policy.
 pub const HANDOFF_MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -84,6 +84,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         name: "sagas",
         up: include_str!("../migrations/0007_sagas.up.sql"),
         down: include_str!("../migrations/0007_sagas.down.sql"),
+    },
+    Migration {
+        version: 9,
+        name: "saga_failure_policy",
+        up: include_str!("../migrations/0009_saga_failure_policy.up.sql"),
+        down: include_str!("../migrations/0009_saga_failure_policy.down.sql"),
     },
 ];
 
