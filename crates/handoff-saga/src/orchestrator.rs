@@ -556,7 +556,7 @@ impl<H: SagaHooks> Orchestrator<H> {
 
     /// Parks a saga whose deadline transition failed `failures` times: stuck, with the error
     /// as its reason, and the stuck hook; if that hook fails too, without it. `false` when a
-    /// reply moved the saga meanwhile.
+    /// reply moved the saga meanwhile or another transaction holds it.
     async fn park(
         &self,
         pool: &PgPool,
@@ -566,8 +566,14 @@ impl<H: SagaHooks> Orchestrator<H> {
     ) -> Result<bool, SagaError> {
         let inner = &self.inner;
         let mut tx = pool.begin().await.map_err(SagaError::Database)?;
-        let current = inner.store.lock(&mut tx, saga.saga_id).await?;
-        // Moved meanwhile (a reply, another orchestrator): its failures are not this one's.
+        // SKIP LOCKED, as when firing: the sweep never waits on a row someone else holds.
+        let current: Option<SagaRecord> = sqlx::query_as(&inner.store.lock_due)
+            .bind(saga.saga_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| inner.store.error(e))?;
+        // Moved meanwhile (a reply, another orchestrator), or held: due again next round if
+        // it still is.
         let Some(current) = current.filter(|c| {
             c.version == saga.version
                 && matches!(c.state, SagaState::Running | SagaState::Compensating)

@@ -66,11 +66,15 @@ impl Store {
             ),
             // Not a transition (no version, no history row): the failed one rolled back, and
             // this only moves the saga's own timer out of the way of the others. The version
-            // check leaves alone a saga that a reply moved meanwhile.
+            // check leaves alone a saga that a reply moved meanwhile; SKIP LOCKED, so the sweep
+            // never waits on a row someone else holds (it is due again next round then).
             postpone: format!(
                 "UPDATE {sagas} SET transition_failures = $2, last_transition_error = $3, \
                  deadline_at = now() + $4 * interval '1 second' \
-                 WHERE saga_id = $1 AND version = $5 AND state IN ('running', 'compensating')"
+                 WHERE saga_id = (SELECT saga_id FROM {sagas} \
+                                  WHERE saga_id = $1 AND version = $5 \
+                                    AND state IN ('running', 'compensating') \
+                                  FOR UPDATE SKIP LOCKED)"
             ),
             list: format!(
                 "SELECT {COLUMNS} FROM {sagas} WHERE ($1::text IS NULL OR state = $1) \
