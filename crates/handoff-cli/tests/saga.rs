@@ -7,9 +7,10 @@ mod common;
 use std::time::Duration;
 
 use common::{handoff, stdout_json};
+use handoff_postgres::Schema;
 use handoff_saga::{
-    Direction, Orchestrator, OrchestratorConfig, Outcome, Reply, RetryPolicy, SagaDefinition,
-    SagaState, Step,
+    Direction, Orchestrator, OrchestratorConfig, Outcome, Reply, RetryPolicy, SagaAdmin,
+    SagaDefinition, SagaState, Step,
 };
 use handoff_test::TestDb;
 use serde_json::{json, Value};
@@ -44,12 +45,19 @@ async fn reply(
     direction: Direction,
     failure: Option<&str>,
 ) {
+    // A reply answers the command last sent; any other is ignored as superseded.
+    let sent = SagaAdmin::new(&Schema::default())
+        .show(&db.pool, saga_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .saga;
     let reply = Reply {
         saga_id,
         step,
         direction,
-        attempt: 1,
-        command_id: Uuid::now_v7(),
+        attempt: sent.attempt,
+        command_id: sent.command_id.unwrap(),
         participant: "test".into(),
         outcome: if failure.is_some() {
             Outcome::Failed

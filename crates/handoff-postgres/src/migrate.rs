@@ -41,7 +41,7 @@ impl Migration {
 
 /// handoff's own migrations: the outbox, the sequence heads, the consumer inbox and the
 /// operators' tables (quarantine audit, cleanup archive and log), the delivery receipt, the
-/// opt-in global order lane, and the saga tables.
+/// opt-in global order lane, the saga tables and their failure policy.
 pub const HANDOFF_MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -90,6 +90,10 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         name: "crash_loop",
         up: include_str!("../migrations/0008_crash_loop.up.sql"),
         down: include_str!("../migrations/0008_crash_loop.down.sql"),
+        version: 9,
+        name: "saga_failure_policy",
+        up: include_str!("../migrations/0009_saga_failure_policy.up.sql"),
+        down: include_str!("../migrations/0009_saga_failure_policy.down.sql"),
     },
 ];
 

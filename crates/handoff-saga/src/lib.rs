@@ -15,7 +15,12 @@
 //!   stays unanswered after its [`RetryPolicy`] is compensated itself too, since its effect
 //!   is unknown. A compensation that fails past its policy parks the saga as
 //!   [`SagaState::Stuck`] with the reason, counted in `handoff_sagas{state="stuck"}` and shown
-//!   by `handoff status`.
+//!   by `handoff status`. So does a deadline's transition that keeps failing for one saga (a
+//!   hook error, a lock timeout): it backs off on that saga's own timer, never holding up the
+//!   others' deadlines, and is parked past [`OrchestratorConfig::transition_attempts`].
+//! - A reply is applied only if it answers the command last sent (its `command_id`); one to a
+//!   superseded send changes nothing, except a late success of the compensation in progress,
+//!   which is applied (the undo is done).
 //! - [`SagaParticipant`] wraps a participant's [`Participant`] (do / undo) into a consumer
 //!   handler that is idempotent per saga step, refuses a command arriving after its own
 //!   compensation, and answers through the participant's outbox in the same transaction.

@@ -132,9 +132,16 @@ impl SagaAdmin {
         self.store.open_counts(&mut conn, None).await
     }
 
-    /// Sends a stuck saga's compensation again, from a fresh retry budget: the saga turns
-    /// `compensating` and the orchestrator's next deadline sweep sends the command. For when
-    /// the cause is fixed (the participant is back, its data repaired).
+    /// Moves a stuck saga again, for when the cause is fixed (the participant is back, its
+    /// data repaired, the hook fixed):
+    ///
+    /// - stuck because its compensation kept failing: the saga turns `compensating` with a
+    ///   fresh retry budget, and the orchestrator's next deadline sweep sends the compensation
+    ///   again;
+    /// - stuck because its deadline transition kept failing (it has a
+    ///   [`resume_state`](SagaRecord::resume_state)): the saga returns to that state with its
+    ///   deadline due now and its failure count at 0, so the next sweep tries the same
+    ///   transition again.
     ///
     /// # Errors
     ///
@@ -147,8 +154,14 @@ impl SagaAdmin {
         actor: &str,
         reason: &str,
     ) -> Result<SagaRecord, SagaError> {
-        let set = "state = 'compensating', attempt = 0, deadline_at = now(), \
-                   deadline_kind = 'retry', stuck_reason = NULL, ended_at = NULL";
+        // SET reads the row as it was: resume_state decides before it is cleared.
+        let set = "state = coalesce(resume_state, 'compensating'), \
+                   attempt = CASE WHEN resume_state IS NULL THEN 0 ELSE attempt END, \
+                   deadline_at = now(), \
+                   deadline_kind = coalesce(resume_deadline_kind, 'retry'), \
+                   stuck_reason = NULL, ended_at = NULL, transition_failures = 0, \
+                   last_transition_error = NULL, resume_state = NULL, \
+                   resume_deadline_kind = NULL";
         self.act(db, saga_id, actor, reason, "resume", "resumed", set)
             .await
     }
@@ -167,7 +180,8 @@ impl SagaAdmin {
         reason: &str,
     ) -> Result<SagaRecord, SagaError> {
         let set = "state = 'resolved', deadline_at = NULL, deadline_kind = NULL, \
-                   stuck_reason = NULL, ended_at = now()";
+                   stuck_reason = NULL, ended_at = now(), resume_state = NULL, \
+                   resume_deadline_kind = NULL";
         self.act(db, saga_id, actor, reason, "resolve", "resolved", set)
             .await
     }

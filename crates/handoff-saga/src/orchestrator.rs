@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use handoff_consumer::{Handler, HandlerError};
 use handoff_core::intake::ReceivedEvent;
-use handoff_core::EventCatalog;
+use handoff_core::{Backoff, EventCatalog};
 use handoff_postgres::{EnqueueError, Outbox, OutboxConfig, Schema};
 use serde_json::{Map, Value};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -21,7 +21,7 @@ use crate::message::{Command, Direction, Reply, REPLY_AGGREGATE_TYPE};
 use crate::metrics;
 use crate::state::{SagaRecord, SagaState};
 use crate::store::Store;
-use crate::transition::{decide, Decision, Input, Position, Timer, Transition};
+use crate::transition::{decide, give_up, Decision, Input, Position, Timer, Transition};
 
 /// How an [`Orchestrator`] runs.
 #[derive(Debug, Clone)]
@@ -34,6 +34,14 @@ pub struct OrchestratorConfig {
     pub sweep_batch: i64,
     /// How often the `handoff_sagas` gauge is counted again.
     pub gauge_interval: Duration,
+    /// How far a saga's deadline moves after the transition it asked for failed (a hook
+    /// error, a lock timeout): the delay after `n` failures in a row, doubling from
+    /// `initial` up to `max`, with jitter. The failing saga waits; the others' deadlines fire.
+    pub transition_backoff: Backoff,
+    /// Failed tries of one deadline transition, in a row, after which the saga is parked as
+    /// `stuck` with the last error as its reason (for `handoff saga resume` or `resolve`).
+    /// At least 1.
+    pub transition_attempts: u32,
 }
 
 impl Default for OrchestratorConfig {
@@ -43,15 +51,51 @@ impl Default for OrchestratorConfig {
             sweep_interval: Duration::from_millis(500),
             sweep_batch: 100,
             gauge_interval: Duration::from_secs(10),
+            transition_backoff: Backoff {
+                initial: Duration::from_secs(1),
+                max: Duration::from_secs(60),
+            },
+            transition_attempts: 5,
         }
+    }
+}
+
+impl OrchestratorConfig {
+    /// Checks the settings.
+    ///
+    /// # Errors
+    ///
+    /// [`SagaError::InvalidConfig`] naming the first setting out of range.
+    pub fn validate(&self) -> Result<(), SagaError> {
+        let invalid = |what| Err(SagaError::InvalidConfig(what));
+        if self.sweep_interval.is_zero() {
+            return invalid("sweep_interval must be above zero");
+        }
+        if self.sweep_batch < 1 {
+            return invalid("sweep_batch must be at least 1");
+        }
+        if self.gauge_interval.is_zero() {
+            return invalid("gauge_interval must be above zero");
+        }
+        if self.transition_attempts == 0 {
+            return invalid("transition_attempts must be at least 1");
+        }
+        if self.transition_backoff.initial.is_zero()
+            || self.transition_backoff.max < self.transition_backoff.initial
+        {
+            return invalid("transition_backoff must start above zero and not exceed its max");
+        }
+        Ok(())
     }
 }
 
 /// What an application does when a saga ends, in the transaction that ends it: confirm or
 /// cancel the order the saga was about, for instance. Every method defaults to doing nothing.
 ///
-/// An error rolls the transition back; the reply is delivered again, or the deadline fires
-/// again, so the hook runs until it succeeds.
+/// An error rolls the transition back. For a reply, the consumer delivers it again under its
+/// own retry policy. For a deadline, that saga's deadline moves by the orchestrator's
+/// `transition_backoff` (other sagas are not held up) and the hook runs again; after
+/// `transition_attempts` failures in a row the saga is parked as stuck with the error.
 pub trait SagaHooks: Send + Sync + 'static {
     /// Every step succeeded.
     fn completed(
@@ -73,7 +117,9 @@ pub trait SagaHooks: Send + Sync + 'static {
         std::future::ready(Ok(()))
     }
 
-    /// A compensation kept failing: the saga waits for an operator.
+    /// A compensation kept failing, or a deadline's transition did: the saga waits for an
+    /// operator. When parking a saga whose transition kept failing, an error here does not
+    /// keep it in flight: it is parked without this hook, the error added to its reason.
     fn stuck(
         &self,
         tx: &mut PgConnection,
@@ -125,6 +171,9 @@ pub enum SagaError {
     /// An operator action needs a reason for the audit.
     #[error("a reason is required")]
     NoReason,
+    /// An [`OrchestratorConfig`] setting is out of range.
+    #[error("invalid orchestrator config: {0}")]
+    InvalidConfig(&'static str),
     /// The saga tables do not exist.
     #[error("the saga tables are missing; run `handoff migrate` (schema {schema})")]
     NotMigrated {
@@ -140,6 +189,16 @@ pub enum SagaError {
     /// A hook failed.
     #[error(transparent)]
     Hook(#[from] HookError),
+    /// A saga's deadline passed but its definition gives it nothing to do (the orchestrator
+    /// does not have its step): counted as a failed transition, so the saga backs off and,
+    /// past the bound, is parked as stuck.
+    #[error("no transition for the deadline at step {step}: {why}")]
+    NoTransition {
+        /// The saga's step.
+        step: i32,
+        /// Why.
+        why: &'static str,
+    },
     /// Any other database error.
     #[error("saga database error: {0}")]
     Database(#[source] sqlx::Error),
@@ -226,12 +285,14 @@ impl<H: SagaHooks> Orchestrator<H> {
     ///
     /// # Errors
     ///
-    /// [`SagaError::Definition`] when a definition is invalid or two share a type.
+    /// [`SagaError::Definition`] when a definition is invalid or two share a type;
+    /// [`SagaError::InvalidConfig`] when `config` does not [`validate`](OrchestratorConfig::validate).
     pub fn new(
         config: OrchestratorConfig,
         definitions: impl IntoIterator<Item = SagaDefinition>,
         hooks: H,
     ) -> Result<Self, SagaError> {
+        config.validate()?;
         let mut by_type = BTreeMap::new();
         let mut catalog = EventCatalog::new();
         for definition in definitions {
@@ -339,7 +400,10 @@ impl<H: SagaHooks> Orchestrator<H> {
     }
 
     /// Applies one reply, in the consumer's transaction `tx` (this is what the [`Handler`]
-    /// implementation calls). A reply to a command that is no longer current changes nothing.
+    /// implementation calls). A reply to a command that is no longer current changes nothing:
+    /// it must name the saga's current step, direction and command id (the send it answers).
+    /// The one exception is a success of the compensation in progress (or the one the saga is
+    /// stuck on) from an earlier send: the undo is done, so the saga moves on.
     ///
     /// # Errors
     ///
@@ -363,18 +427,29 @@ impl<H: SagaHooks> Orchestrator<H> {
                 debug!(saga_id = %saga.saga_id, step = reply.step, direction = %reply.direction, why, "reply ignored");
                 Ok(())
             }
-            Decision::Transition(transition) => {
-                self.apply(tx, definition, saga, transition).await.map(drop)
-            }
+            Decision::Transition(transition) => self
+                .apply(tx, definition, &saga, transition, true)
+                .await
+                .map(drop),
         }
     }
 
     /// Fires the deadlines that have passed: each in a transaction of its own, skipping sagas
     /// another orchestrator holds. Returns how many sagas moved.
     ///
+    /// A saga whose transition fails (a hook error, a lock timeout, a step its definition
+    /// lacks) does not hold up the others: its transaction rolls back, its deadline moves by
+    /// [`OrchestratorConfig::transition_backoff`] and its `transition_failures` goes up; at
+    /// [`OrchestratorConfig::transition_attempts`] it is parked as stuck with the error.
+    ///
     /// # Errors
     ///
-    /// [`SagaError`] from the database; the sagas handled before it stay committed.
+    /// [`SagaError`] from the database when the due sagas cannot be read or a transaction
+    /// cannot begin; the sagas handled before it stay committed.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a cancelled transaction rolls back, and the saga is due again.
     pub async fn sweep(&self, pool: &PgPool) -> Result<usize, SagaError> {
         let inner = &self.inner;
         let due: Vec<Uuid> = sqlx::query_scalar(&inner.store.due)
@@ -385,24 +460,160 @@ impl<H: SagaHooks> Orchestrator<H> {
             .map_err(|e| inner.store.error(e))?;
         let mut moved = 0;
         for saga_id in due {
-            let mut tx = pool.begin().await.map_err(SagaError::Database)?;
-            let saga: Option<SagaRecord> = sqlx::query_as(&inner.store.lock_due)
-                .bind(saga_id)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(|e| inner.store.error(e))?;
-            // Gone from under us: a reply moved it first, or another orchestrator holds it.
-            let Some(saga) = saga else { continue };
-            let definition = &inner.definitions[&saga.saga_type];
-            if let Decision::Transition(transition) =
-                decide(definition, position(&saga), Input::Deadline)
-            {
-                self.apply(&mut tx, definition, saga, transition).await?;
-                tx.commit().await.map_err(SagaError::Database)?;
-                moved += 1;
+            match self.fire(pool, saga_id).await? {
+                Fired::Moved => moved += 1,
+                Fired::Skipped => {}
+                Fired::Failed(saga, error) => {
+                    if self.transition_failed(pool, &saga, &error).await {
+                        moved += 1;
+                    }
+                }
             }
         }
         Ok(moved)
+    }
+
+    /// Fires one saga's deadline in a transaction of its own.
+    async fn fire(&self, pool: &PgPool, saga_id: Uuid) -> Result<Fired, SagaError> {
+        let inner = &self.inner;
+        let mut tx = pool.begin().await.map_err(SagaError::Database)?;
+        let saga: Option<SagaRecord> = sqlx::query_as(&inner.store.lock_due)
+            .bind(saga_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| inner.store.error(e))?;
+        // Gone from under us: a reply moved it first, or another orchestrator holds it.
+        let Some(saga) = saga else {
+            return Ok(Fired::Skipped);
+        };
+        let definition = &inner.definitions[&saga.saga_type];
+        let error = match decide(definition, position(&saga), Input::Deadline) {
+            Decision::Transition(transition) => {
+                match self
+                    .apply(&mut tx, definition, &saga, transition, true)
+                    .await
+                {
+                    Ok(_) => match tx.commit().await {
+                        Ok(()) => return Ok(Fired::Moved),
+                        Err(error) => {
+                            return Ok(Fired::Failed(Box::new(saga), SagaError::Database(error)))
+                        }
+                    },
+                    Err(error) => error,
+                }
+            }
+            // Nothing this orchestrator can do (its definition lacks the saga's step, as while
+            // a new definition rolls out): a deadline left as it is would be due forever and
+            // come first in every round, so it counts as a failed transition.
+            Decision::Ignore(why) => SagaError::NoTransition {
+                step: saga.step,
+                why,
+            },
+        };
+        // Released now, not when the connection is next used: the saga's row is written
+        // again right after.
+        if let Err(rollback) = tx.rollback().await {
+            debug!(saga_id = %saga.saga_id, %rollback, "rollback after a failed transition");
+        }
+        Ok(Fired::Failed(Box::new(saga), error))
+    }
+
+    /// After a saga's deadline transition failed (and rolled back): parks the saga as stuck
+    /// when the failures reach the bound, else moves its deadline by the backoff. Returns
+    /// whether the saga was parked. Errors are logged: the saga is then due again as it was.
+    async fn transition_failed(&self, pool: &PgPool, saga: &SagaRecord, error: &SagaError) -> bool {
+        let inner = &self.inner;
+        let config = &inner.config;
+        let failures = saga.transition_failures.saturating_add(1);
+        let error = error.to_string();
+        metrics::transition_failed(&saga.saga_type);
+        if u32::try_from(failures).unwrap_or(u32::MAX) >= config.transition_attempts {
+            match self.park(pool, saga, failures, &error).await {
+                Ok(parked) => return parked,
+                Err(park_error) => warn!(saga_id = %saga.saga_id, %error, %park_error,
+                    "could not park a saga whose deadline transition keeps failing; backing off"),
+            }
+        }
+        let delay = config
+            .transition_backoff
+            .delay(u32::try_from(failures).unwrap_or(u32::MAX));
+        warn!(saga_id = %saga.saga_id, saga_type = saga.saga_type, failures, %error,
+              retry_in_ms = delay.as_millis(), "saga deadline transition failed; backing off");
+        let postponed = sqlx::query(&inner.store.postpone)
+            .bind(saga.saga_id)
+            .bind(failures)
+            .bind(&error)
+            .bind(delay.as_secs_f64())
+            .bind(saga.version)
+            .execute(pool)
+            .await;
+        if let Err(postpone_error) = postponed {
+            warn!(saga_id = %saga.saga_id, error = %inner.store.error(postpone_error),
+                  "could not back a failing saga off; it is due again at once");
+        }
+        false
+    }
+
+    /// Parks a saga whose deadline transition failed `failures` times: stuck, with the error
+    /// as its reason, and the stuck hook; if that hook fails too, without it. `false` when a
+    /// reply moved the saga meanwhile or another transaction holds it.
+    async fn park(
+        &self,
+        pool: &PgPool,
+        saga: &SagaRecord,
+        failures: i32,
+        error: &str,
+    ) -> Result<bool, SagaError> {
+        let inner = &self.inner;
+        let mut tx = pool.begin().await.map_err(SagaError::Database)?;
+        // SKIP LOCKED, as when firing: the sweep never waits on a row someone else holds.
+        let current: Option<SagaRecord> = sqlx::query_as(&inner.store.lock_due)
+            .bind(saga.saga_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| inner.store.error(e))?;
+        // Moved meanwhile (a reply, another orchestrator), or held: due again next round if
+        // it still is.
+        let Some(current) = current.filter(|c| {
+            c.version == saga.version
+                && matches!(c.state, SagaState::Running | SagaState::Compensating)
+        }) else {
+            tx.rollback().await.map_err(SagaError::Database)?;
+            return Ok(false);
+        };
+        let definition = &inner.definitions[&current.saga_type];
+        let transition = give_up(position(&current), failures, error);
+        let mut savepoint = tx.begin().await.map_err(SagaError::Database)?;
+        match self
+            .apply(
+                &mut savepoint,
+                definition,
+                &current,
+                transition.clone(),
+                true,
+            )
+            .await
+        {
+            Ok(_) => savepoint.commit().await.map_err(SagaError::Database)?,
+            Err(hook_error) => {
+                savepoint.rollback().await.map_err(SagaError::Database)?;
+                warn!(saga_id = %current.saga_id, %hook_error,
+                      "parking a saga as stuck failed with its hook; parked without it");
+                let reason = format!(
+                    "{}; the stuck hook failed too: {hook_error}",
+                    transition.stuck_reason.as_deref().unwrap_or_default()
+                );
+                let transition = Transition {
+                    stuck_reason: Some(reason.clone()),
+                    detail: Some(reason),
+                    ..transition
+                };
+                self.apply(&mut tx, definition, &current, transition, false)
+                    .await?;
+            }
+        }
+        tx.commit().await.map_err(SagaError::Database)?;
+        Ok(true)
     }
 
     /// Fires deadlines every `sweep_interval` and keeps the `handoff_sagas` gauge current,
@@ -461,13 +672,14 @@ impl<H: SagaHooks> Orchestrator<H> {
     }
 
     /// Writes one transition: the saga's row (checked against the version read), its history
-    /// row, the next command and the hook, all in `tx`.
+    /// row, the next command and (with `hooks`) the hook, all in `tx`.
     async fn apply(
         &self,
         tx: &mut PgConnection,
         definition: &SagaDefinition,
-        saga: SagaRecord,
+        saga: &SagaRecord,
         t: Transition,
+        hooks: bool,
     ) -> Result<SagaRecord, SagaError> {
         let inner = &self.inner;
         let mut data = saga.data.clone();
@@ -508,6 +720,10 @@ impl<H: SagaHooks> Orchestrator<H> {
             .bind(&t.failure)
             .bind(&t.stuck_reason)
             .bind(saga.version)
+            .bind(t.give_up.as_ref().map_or(0, |g| g.failures))
+            .bind(t.give_up.as_ref().map(|g| g.error.as_str()))
+            .bind(t.give_up.as_ref().map(|g| g.state.as_str()))
+            .bind(t.give_up.as_ref().map(|g| g.deadline_kind))
             .fetch_optional(&mut *tx)
             .await
             .map_err(|e| inner.store.error(e))?;
@@ -532,12 +748,14 @@ impl<H: SagaHooks> Orchestrator<H> {
                 .await?;
         }
         match updated.state {
-            SagaState::Completed => inner.hooks.completed(tx, &updated).await?,
-            SagaState::Compensated => inner.hooks.compensated(tx, &updated).await?,
+            SagaState::Completed if hooks => inner.hooks.completed(tx, &updated).await?,
+            SagaState::Compensated if hooks => inner.hooks.compensated(tx, &updated).await?,
             SagaState::Stuck => {
                 warn!(saga_id = %updated.saga_id, saga_type = updated.saga_type,
                       reason = updated.stuck_reason.as_deref(), "saga stuck: an operator must resume or resolve it");
-                inner.hooks.stuck(tx, &updated).await?;
+                if hooks {
+                    inner.hooks.stuck(tx, &updated).await?;
+                }
             }
             _ => {}
         }
@@ -574,12 +792,24 @@ impl<H: SagaHooks> Handler for Orchestrator<H> {
     }
 }
 
+/// What one saga's deadline came to.
+enum Fired {
+    /// Its transition committed.
+    Moved,
+    /// A reply moved it first, or another orchestrator holds it.
+    Skipped,
+    /// Its transition failed and was rolled back.
+    Failed(Box<SagaRecord>, SagaError),
+}
+
 fn position(saga: &SagaRecord) -> Position {
     Position {
         state: saga.state,
         step: saga.step,
         attempt: saga.attempt,
         retry_due: saga.deadline_kind.as_deref() == Some("retry"),
+        command_id: saga.command_id,
+        resume_state: saga.resume_state.as_deref().and_then(|s| s.parse().ok()),
     }
 }
 

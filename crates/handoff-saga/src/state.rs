@@ -22,8 +22,10 @@ pub enum SagaState {
     Completed,
     /// A step failed and every step before it was undone.
     Compensated,
-    /// A compensation kept failing past its retry policy. Nothing moves until an operator
-    /// resumes it (`handoff saga resume`) or resolves it by hand (`handoff saga resolve`).
+    /// A compensation kept failing past its retry policy, or the transition a deadline asked
+    /// for kept failing past the orchestrator's bound. Nothing moves until an operator resumes
+    /// it (`handoff saga resume`) or resolves it by hand (`handoff saga resolve`); only a
+    /// success of the compensation it is stuck on, arriving late, moves it on by itself.
     Stuck,
     /// An operator closed a stuck saga by hand, with a reason in the audit.
     Resolved,
@@ -117,6 +119,18 @@ pub struct SagaRecord {
     pub updated_at: DateTime<Utc>,
     /// When it ended.
     pub ended_at: Option<DateTime<Utc>>,
+    /// Failed tries, in a row, of the transition its deadline asks for (a hook error, a lock
+    /// timeout); each moves the deadline forward by the orchestrator's backoff, and at the
+    /// orchestrator's bound the saga turns stuck. 0 after any transition that commits.
+    pub transition_failures: i32,
+    /// The last of those failures' error.
+    pub last_transition_error: Option<String>,
+    /// On a saga stuck because its deadline transition kept failing: the state (`running` or
+    /// `compensating`) that [`SagaAdmin::resume`](crate::SagaAdmin::resume) restores so the
+    /// transition is tried again. `None` on a saga stuck because its compensation failed.
+    pub resume_state: Option<String>,
+    /// With `resume_state`: the deadline kind (`reply` or `retry`) restored, due at once.
+    pub resume_deadline_kind: Option<String>,
 }
 
 /// One transition in a saga's history.
@@ -158,7 +172,7 @@ pub struct OperatorAction {
 /// The columns of `saga_instances`, in [`SagaRecord`]'s order.
 pub(crate) const COLUMNS: &str = "saga_id, saga_type, state, step, data, version, attempt, \
      command_id, deadline_at, deadline_kind, failure, stuck_reason, created_at, updated_at, \
-     ended_at";
+     ended_at, transition_failures, last_transition_error, resume_state, resume_deadline_kind";
 
 #[cfg(test)]
 mod tests {

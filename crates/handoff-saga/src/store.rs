@@ -18,6 +18,7 @@ pub(crate) struct Store {
     pub(crate) lock_due: String,
     pub(crate) due: String,
     pub(crate) update: String,
+    pub(crate) postpone: String,
     pub(crate) list: String,
     pub(crate) get: String,
     pub(crate) history_of: String,
@@ -57,9 +58,23 @@ impl Store {
                  deadline_at = now() + $7 * interval '1 second', deadline_kind = $8, \
                  failure = coalesce($9, failure), stuck_reason = $10, updated_at = now(), \
                  ended_at = CASE WHEN $2 IN ('completed', 'compensated', 'resolved') \
-                                 THEN now() END \
+                                 THEN now() END, \
+                 transition_failures = $12, last_transition_error = $13, \
+                 resume_state = $14, resume_deadline_kind = $15 \
                  WHERE saga_id = $1 AND version = $11 \
                  RETURNING {COLUMNS}"
+            ),
+            // Not a transition (no version, no history row): the failed one rolled back, and
+            // this only moves the saga's own timer out of the way of the others. The version
+            // check leaves alone a saga that a reply moved meanwhile; SKIP LOCKED, so the sweep
+            // never waits on a row someone else holds (it is due again next round then).
+            postpone: format!(
+                "UPDATE {sagas} SET transition_failures = $2, last_transition_error = $3, \
+                 deadline_at = now() + $4 * interval '1 second' \
+                 WHERE saga_id = (SELECT saga_id FROM {sagas} \
+                                  WHERE saga_id = $1 AND version = $5 \
+                                    AND state IN ('running', 'compensating') \
+                                  FOR UPDATE SKIP LOCKED)"
             ),
             list: format!(
                 "SELECT {COLUMNS} FROM {sagas} WHERE ($1::text IS NULL OR state = $1) \

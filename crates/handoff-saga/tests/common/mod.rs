@@ -41,6 +41,13 @@ pub fn place_order(retry: RetryPolicy) -> SagaDefinition {
         )
 }
 
+/// A one-step saga whose participant (`mailer`) never answers in these tests: it ends
+/// `compensated` by its deadlines alone (nothing to undo), through the `compensated` hook.
+pub fn notify(retry: RetryPolicy) -> SagaDefinition {
+    SagaDefinition::new("notify")
+        .step(Step::new("send-mail", "mailer", "SendMail").with_retry(retry))
+}
+
 /// Replies come within a second here; a short timeout keeps the timeout tests quick.
 pub fn quick_retry() -> RetryPolicy {
     RetryPolicy {
@@ -52,7 +59,8 @@ pub fn quick_retry() -> RetryPolicy {
 }
 
 /// The orchestrator's hooks: the outcome of each saga, once (the primary key would refuse a
-/// second row and fail the transition).
+/// second row and fail the transition), and a row per `stuck` call. A saga listed in
+/// `poisoned` fails its `completed` and `compensated` hooks.
 pub struct Outcomes;
 
 impl SagaHooks for Outcomes {
@@ -63,9 +71,25 @@ impl SagaHooks for Outcomes {
     async fn compensated(&self, tx: &mut PgConnection, saga: &SagaRecord) -> Result<(), HookError> {
         outcome(tx, saga, "compensated").await
     }
+
+    async fn stuck(&self, tx: &mut PgConnection, saga: &SagaRecord) -> Result<(), HookError> {
+        sqlx::query("INSERT INTO stuck_hooks (saga_id) VALUES ($1)")
+            .bind(saga.saga_id)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
 }
 
 async fn outcome(tx: &mut PgConnection, saga: &SagaRecord, what: &str) -> Result<(), HookError> {
+    let poisoned: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM poisoned WHERE saga_id = $1)")
+            .bind(saga.saga_id)
+            .fetch_one(&mut *tx)
+            .await?;
+    if poisoned {
+        return Err(HookError(format!("saga {} is poisoned", saga.saga_id)));
+    }
     sqlx::query("INSERT INTO outcomes (saga_id, outcome) VALUES ($1, $2)")
         .bind(saga.saga_id)
         .bind(what)
@@ -75,8 +99,9 @@ async fn outcome(tx: &mut PgConnection, saga: &SagaRecord, what: &str) -> Result
 }
 
 /// A participant that records each effect as a row of `effects`, and refuses as scripted by
-/// the saga's data (`<name>_refuses`) or by a row in `broken` (its undo fails while the row is
-/// there, so a test can repair it).
+/// the saga's data (`<name>_refuses`; `<name>_undo_fails_attempt`: the undo fails on that
+/// attempt only) or by a row in `broken` (its undo fails while the row is there, so a test can
+/// repair it).
 pub struct Scripted {
     pub name: &'static str,
 }
@@ -116,6 +141,12 @@ impl Participant for Scripted {
                 self.name
             )));
         }
+        if c.data[format!("{}_undo_fails_attempt", self.name)] == json!(c.attempt) {
+            return Err(StepError::Refused(format!(
+                "{} cannot undo on attempt {}",
+                self.name, c.attempt
+            )));
+        }
         // The data carries what the step returned: the undo knows what to undo.
         assert_eq!(
             c.data[format!("{}_ref", self.name)],
@@ -139,19 +170,46 @@ async fn effect(tx: &mut PgConnection, c: &Command, kind: &str) -> Result<(), sq
 /// One service: its schema, its relay and its consumer.
 pub struct Service {
     pub db: TestDb,
+    stream: String,
     relay: Option<(watch::Sender<bool>, JoinHandle<()>)>,
     consumer: Option<Running>,
 }
 
 impl Service {
-    async fn new(name: &str, tables: &str) -> Self {
+    async fn new(name: &str, stream: &str, tables: &str) -> Self {
         let db = TestDb::migrated(name).await;
         sqlx::raw_sql(tables).execute(&db.pool).await.unwrap();
         Self {
             db,
+            stream: stream.to_owned(),
             relay: None,
             consumer: None,
         }
+    }
+
+    /// Stops this service's relay: what it enqueues from now on stays in its outbox.
+    pub async fn stop_relay(&mut self) {
+        if let Some((stop, task)) = self.relay.take() {
+            let _ = stop.send(true);
+            task.await.unwrap();
+        }
+    }
+
+    /// Starts this service's relay (again).
+    pub async fn start_relay(&mut self) {
+        assert!(self.relay.is_none(), "the relay runs already");
+        self.relay = Some(relay(&self.stream, &self.db.pool).await);
+    }
+
+    /// This service's outbox rows of `aggregate_id` not yet published.
+    pub async fn unpublished(&self, aggregate_id: &str) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM outbox WHERE aggregate_id = $1 AND published_at IS NULL",
+        )
+        .bind(aggregate_id)
+        .fetch_one(&self.db.pool)
+        .await
+        .unwrap()
     }
 
     /// Effects of kind `kind` for `saga_id`.
@@ -186,10 +244,7 @@ impl Service {
 
     async fn stop(&mut self) {
         self.stop_consumer().await;
-        if let Some((stop, task)) = self.relay.take() {
-            let _ = stop.send(true);
-            task.await.unwrap();
-        }
+        self.stop_relay().await;
     }
 }
 
@@ -225,20 +280,33 @@ impl World {
         let delete = DeleteStreamOnDrop::new(&shared_url(), &stream);
         let mut orders = Service::new(
             &format!("{name}_orders"),
-            "CREATE TABLE outcomes (saga_id uuid PRIMARY KEY, outcome text NOT NULL);",
+            &stream,
+            "CREATE TABLE outcomes (saga_id uuid PRIMARY KEY, outcome text NOT NULL);
+             CREATE TABLE poisoned (saga_id uuid PRIMARY KEY);
+             CREATE TABLE stuck_hooks (saga_id uuid NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());",
         )
         .await;
-        let mut inventory = Service::new(&format!("{name}_inventory"), PARTICIPANT_TABLES).await;
-        let mut payments = Service::new(&format!("{name}_payments"), PARTICIPANT_TABLES).await;
+        let mut inventory =
+            Service::new(&format!("{name}_inventory"), &stream, PARTICIPANT_TABLES).await;
+        let mut payments =
+            Service::new(&format!("{name}_payments"), &stream, PARTICIPANT_TABLES).await;
         for service in [&mut orders, &mut inventory, &mut payments] {
-            service.relay = Some(relay(&stream, &service.db.pool).await);
+            service.start_relay().await;
         }
         let config = OrchestratorConfig {
             sweep_interval: Duration::from_millis(100),
             gauge_interval: Duration::from_secs(1),
+            // A failing deadline transition is tried 4 times, 0.5 to 1 s apart: long enough
+            // for the other sagas' deadlines to fire meanwhile.
+            transition_backoff: handoff_core::Backoff {
+                initial: Duration::from_secs(1),
+                max: Duration::from_secs(1),
+            },
+            transition_attempts: 4,
             ..OrchestratorConfig::default()
         };
-        let orchestrator = Orchestrator::new(config, [place_order(retry)], Outcomes).unwrap();
+        let orchestrator =
+            Orchestrator::new(config, [place_order(retry), notify(retry)], Outcomes).unwrap();
         Self {
             stream,
             orders,
@@ -286,16 +354,44 @@ impl World {
         ));
     }
 
-    /// Starts a saga with `data` in a transaction of the orders service.
+    /// Starts a `place-order` saga with `data` in a transaction of the orders service.
     pub async fn place(&self, data: Value) -> Uuid {
+        self.start_saga("place-order", data).await
+    }
+
+    /// Starts a saga of type `saga_type` with `data` in a transaction of the orders service.
+    pub async fn start_saga(&self, saga_type: &str, data: Value) -> Uuid {
         let saga_id = Uuid::now_v7();
         let mut tx = self.orders.db.pool.begin().await.unwrap();
         self.orchestrator
-            .start(&mut tx, "place-order", saga_id, data)
+            .start(&mut tx, saga_type, saga_id, data)
             .await
             .unwrap();
         tx.commit().await.unwrap();
         saga_id
+    }
+
+    /// Makes the saga's `completed` and `compensated` hooks fail (or work again).
+    pub async fn set_poisoned(&self, saga_id: Uuid, poisoned: bool) {
+        let sql = if poisoned {
+            "INSERT INTO poisoned (saga_id) VALUES ($1)"
+        } else {
+            "DELETE FROM poisoned WHERE saga_id = $1"
+        };
+        sqlx::query(sql)
+            .bind(saga_id)
+            .execute(self.pool())
+            .await
+            .unwrap();
+    }
+
+    /// How many times the `stuck` hook ran for `saga_id`.
+    pub async fn stuck_hooks(&self, saga_id: Uuid) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM stuck_hooks WHERE saga_id = $1")
+            .bind(saga_id)
+            .fetch_one(self.pool())
+            .await
+            .unwrap()
     }
 
     pub fn admin(&self) -> SagaAdmin {
@@ -309,6 +405,17 @@ impl World {
 
     /// Waits (at most 60 s) until the saga is in `state`.
     pub async fn wait_state(&self, saga_id: Uuid, state: SagaState) -> SagaRecord {
+        self.wait_saga(saga_id, &format!("{state}"), |saga| saga.state == state)
+            .await
+    }
+
+    /// Waits (at most 60 s) until the saga's row passes `check`.
+    pub async fn wait_saga(
+        &self,
+        saga_id: Uuid,
+        what: &str,
+        check: impl Fn(&SagaRecord) -> bool,
+    ) -> SagaRecord {
         let admin = self.admin();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
@@ -318,14 +425,34 @@ impl World {
                 .unwrap()
                 .expect("the saga exists")
                 .saga;
-            if saga.state == state {
+            if check(&saga) {
                 return saga;
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "saga {saga_id} is {} ({:?}), not {state}, after 60 s",
+                "saga {saga_id} is {} at step {} attempt {} ({:?}), not {what}, after 60 s",
                 saga.state,
-                saga.stuck_reason.or(saga.failure)
+                saga.step,
+                saga.attempt,
+                saga.stuck_reason
+                    .or(saga.last_transition_error)
+                    .or(saga.failure)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits (at most 60 s) until `check` holds.
+    pub async fn wait_until<F, Fut>(&self, what: &str, check: F)
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !check().await {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not {what} after 60 s"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
