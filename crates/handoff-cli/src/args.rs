@@ -11,7 +11,7 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection};
 
 /// Where handoff's tables are.
-#[derive(clap::Args, Debug, Clone)]
+#[derive(clap::Args, Clone)]
 pub struct DatabaseArgs {
     /// PostgreSQL URL. The password, if any, is never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
@@ -60,7 +60,7 @@ impl DatabaseArgs {
 }
 
 /// The relay's broker settings, for the commands that publish or read the stream.
-#[derive(clap::Args, Debug, Clone)]
+#[derive(clap::Args, Clone)]
 pub struct BrokerArgs {
     /// NATS URL.
     #[arg(

@@ -15,13 +15,13 @@ use crate::args::DatabaseArgs;
 
 const ALERTING: u8 = 2;
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 pub struct CdcArgs {
     #[command(subcommand)]
     command: CdcCommand,
 }
 
-#[derive(clap::Subcommand, Debug)]
+#[derive(clap::Subcommand)]
 enum CdcCommand {
     /// Create the publication and the logical slot, and set the rows mode (idempotent).
     Setup(SetupArgs),
@@ -37,7 +37,7 @@ enum Rows {
     Delete,
 }
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 struct SetupArgs {
     #[command(flatten)]
     database: DatabaseArgs,
@@ -58,7 +58,7 @@ struct SetupArgs {
     json: bool,
 }
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 struct StatusArgs {
     #[command(flatten)]
     database: DatabaseArgs,

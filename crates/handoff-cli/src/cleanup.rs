@@ -16,7 +16,7 @@ use crate::args::{duration, DatabaseArgs};
 const APPLICATION_NAME: &str = "handoff-cleanup";
 
 /// Flags of `handoff cleanup`.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 pub struct CleanupArgs {
     #[command(flatten)]
     database: DatabaseArgs,

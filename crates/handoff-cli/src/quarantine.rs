@@ -11,13 +11,13 @@ use uuid::Uuid;
 use crate::args::DatabaseArgs;
 use crate::format::since;
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 pub struct QuarantineArgs {
     #[command(subcommand)]
     command: QuarantineCommand,
 }
 
-#[derive(clap::Subcommand, Debug)]
+#[derive(clap::Subcommand)]
 enum QuarantineCommand {
     /// Held events, the longest held first.
     List {
@@ -81,7 +81,7 @@ enum QuarantineCommand {
 }
 
 /// Who acts, for the audit trails of `quarantine` and `saga`.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 pub struct ActorArgs {
     /// Who acts, for the audit [default: $USER@<host>].
     #[arg(long, env = "HANDOFF_ACTOR")]

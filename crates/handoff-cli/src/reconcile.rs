@@ -34,7 +34,7 @@ const REPUBLISH_CHUNK: usize = 500;
 /// The exit status when events are missing and were not republished.
 const EXIT_MISSING: u8 = 2;
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 #[command(
     after_help = "Exit status: 0 nothing missing (or all of it republished), 2 events \
     missing and --republish not given, 1 an error.\n\nExample (cron, every hour): handoff \

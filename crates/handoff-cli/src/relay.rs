@@ -24,7 +24,7 @@ use crate::args::redact;
 
 /// Flags of `handoff relay`. Each also comes from its environment variable, then from the
 /// config file, then from the default; a flag wins over the variable, which wins over the file.
-#[derive(clap::Args, Debug, Default)]
+#[derive(clap::Args, Default)]
 pub struct RelayArgs {
     /// TOML file with any of the settings below (keys as the flags, with `_` for `-`).
     #[arg(long, env = "HANDOFF_CONFIG")]
@@ -42,7 +42,7 @@ pub struct RelayArgs {
     /// [default: outbox].
     #[arg(long, env = "HANDOFF_SUBJECT_PREFIX")]
     subject_prefix: Option<String>,
-    /// This relay's name in claimed_by; unique per live relay [default: <host>-<pid>].
+    /// This relay's name in claimed_by; unique per live relay [default: <host>-<pid>-<random>].
     #[arg(long, env = "HANDOFF_RELAY_ID")]
     relay_id: Option<String>,
     /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
@@ -178,7 +178,7 @@ pub enum SourceKind {
 }
 
 /// The config file: the same settings as the flags.
-#[derive(Deserialize, Default, Debug)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RelayFile {
     database_url: Option<String>,
@@ -224,8 +224,7 @@ struct RelayFile {
     order: Option<String>,
 }
 
-/// The destination's settings, checked.
-#[derive(Debug)]
+/// The destination's settings, checked. Its `Debug` hides every URL's password.
 enum Destination {
     Nats {
         url: String,
@@ -243,8 +242,22 @@ enum Destination {
     },
 }
 
-/// Everything the relay runs with, checked.
-#[derive(Debug)]
+impl std::fmt::Debug for Destination {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Destination::Nats { url, config } => f
+                .debug_struct("Nats")
+                .field("url", &handoff_core::redact::url(url))
+                .field("config", config)
+                .finish(),
+            Destination::Kafka { config } => f.debug_struct("Kafka").field("config", config).finish(),
+            Destination::Amqp { config } => f.debug_struct("Amqp").field("config", config).finish(),
+            Destination::Http { config } => f.debug_struct("Http").field("config", config).finish(),
+        }
+    }
+}
+
+/// Everything the relay runs with, checked. Its `Debug` hides the database password.
 struct Settings {
     database: PgConnectOptions,
     /// The URL as given, for the replication connection (which libpq opens, not sqlx).
@@ -255,6 +268,20 @@ struct Settings {
     metrics_addr: Option<SocketAddr>,
     polling: PollingConfig,
     relay: RelayConfig,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // PgConnectOptions' own Debug prints the password.
+        f.debug_struct("Settings")
+            .field("database_url", &handoff_core::redact::url(&self.database_url))
+            .field("logical", &self.logical)
+            .field("destination", &self.destination)
+            .field("metrics_addr", &self.metrics_addr)
+            .field("polling", &self.polling)
+            .field("relay", &self.relay)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Settings {
@@ -484,9 +511,12 @@ fn read_file(path: &Path) -> Result<RelayFile> {
 }
 
 /// `<host>-<pid>`: unique per live process on a host, and readable in `claimed_by`.
+/// `<host>-<pid>-<random>`: unique per process start even where every container's process is
+/// pid 1 and hosts share a name.
 fn default_relay_id() -> String {
     let host = gethostname::gethostname().to_string_lossy().into_owned();
-    format!("{host}-{}", std::process::id())
+    let random = uuid::Uuid::now_v7().as_u128() as u32;
+    format!("{host}-{}-{random:08x}", std::process::id())
 }
 
 pub async fn run(args: RelayArgs) -> Result<()> {
@@ -899,6 +929,19 @@ mod tests {
         };
         assert_eq!(config.stream, "OUTBOX");
         assert_eq!(settings.polling.lease, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn settings_debug_shows_no_password_and_relay_ids_differ() {
+        let mut with_secrets = args("postgres://u:pgs3cret@localhost/db");
+        with_secrets.nats_url = Some("nats://n:nats3cret@localhost:4222".into());
+        with_secrets.max_takeovers = Some(3);
+        let settings = Settings::resolve(with_secrets).unwrap();
+        let shown = format!("{settings:?}");
+        assert!(!shown.contains("pgs3cret") && !shown.contains("nats3cret"), "{shown}");
+        assert!(shown.contains("localhost"), "{shown}");
+        assert_eq!(settings.polling.max_takeovers, 3);
+        assert_ne!(default_relay_id(), default_relay_id());
     }
 
     #[test]

@@ -21,7 +21,7 @@ const PAGE: u32 = 500;
 /// Most events a `--dry-run --json` lists (the count is always exact).
 const LIST_LIMIT: usize = 1000;
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 #[command(
     after_help = "At least one filter, or --all, is required. Times are RFC 3339 \
     (2026-12-04T10:00:00Z) or a duration back from now (15m, 2h, 7d); both bounds are \

@@ -11,13 +11,13 @@ use crate::args::DatabaseArgs;
 use crate::format::since;
 use crate::quarantine::ActorArgs;
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 pub struct SagaArgs {
     #[command(subcommand)]
     command: SagaCommand,
 }
 
-#[derive(clap::Subcommand, Debug)]
+#[derive(clap::Subcommand)]
 enum SagaCommand {
     /// Sagas, the most recently changed first.
     List {

@@ -15,7 +15,7 @@ use crate::format::{age, bytes, since};
 /// The exit code when an alert condition holds.
 const ALERTING: u8 = 2;
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 pub struct StatusArgs {
     #[command(flatten)]
     database: DatabaseArgs,
