@@ -1,11 +1,16 @@
 //! [`AmqpTransport`]: the relay's [`Transport`] onto one RabbitMQ exchange.
 
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use handoff_core::contract;
 use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
 use handoff_core::subject::encode_token;
+use handoff_core::EventId;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -20,6 +25,17 @@ use crate::{AmqpConfig, ConnectError};
 /// AMQP's persistent delivery mode: a durable queue writes the message to disk before the
 /// broker confirms it.
 const PERSISTENT: u8 = 2;
+
+/// How often [`wait_until_ready`](Transport::wait_until_ready) looks whether the broker has
+/// unblocked the connection.
+const BLOCKED_POLL: Duration = Duration::from_millis(50);
+
+/// How long a publish stalled by `connection.blocked` is kept for a retry of its event to
+/// adopt (see [`AmqpTransport`]); an event retried later than this is published again.
+const STALLED_KEEP: Duration = Duration::from_secs(3600);
+
+/// A publish's outcome, still to come: sending the frames, then the broker's confirm.
+type ConfirmFuture = Pin<Box<dyn Future<Output = Result<Confirmation, lapin::Error>> + Send>>;
 
 /// Publishes outbox events to one RabbitMQ exchange and waits for each publisher confirm.
 ///
@@ -39,6 +55,23 @@ const PERSISTENT: u8 = 2;
 /// RabbitMQ has no deduplication of its own: a republish (after a timeout, a lost connection,
 /// or a relay that died between the confirm and marking the row) is a second message, which
 /// consumers drop by event id in their inbox.
+///
+/// RabbitMQ blocks a publishing connection while a memory or disk alarm is raised
+/// (`connection.blocked`): it reads nothing more from it, so no publish can be confirmed until
+/// the alarm clears. That concerns every event, not one: while the broker says the connection
+/// is blocked a publish fails at once with [`PublishErrorKind::Throttled`] (nothing is sent), and
+/// so does one whose confirm did not come in time because the connection got blocked meanwhile;
+/// the relay pauses the destination and charges no attempt.
+/// [`wait_until_ready`](Transport::wait_until_ready) is ready only once the connection is open
+/// and not blocked. A publish stalled that way is already in the broker's socket buffer (or in
+/// the client's): it is routed when the alarm clears. So the transport keeps it, and when the
+/// same event is published again on the same connection it waits for that publish's confirm
+/// instead of sending a second copy.
+///
+/// A message the broker refuses by closing the channel (`PRECONDITION_FAILED`, such as a body
+/// over its `max_message_size`) fails with [`PublishErrorKind::Rejected`], which holds it; the
+/// other publishes in flight on that channel fail with [`PublishErrorKind::Unavailable`] and
+/// are retried on a new channel.
 ///
 /// lapin does not reconnect by itself (its auto-recovery is not used: it would replay
 /// publishes whose confirm was lost). When the connection or channel closes, publishes fail
@@ -71,6 +104,20 @@ pub struct AmqpTransport {
     link: Mutex<Option<Link>>,
     /// One reconnect at a time: concurrent `wait_until_ready` calls wait for the first.
     reconnecting: tokio::sync::Mutex<()>,
+    /// Publishes whose confirm did not come in time because the broker blocked the connection,
+    /// by event: the message is on its way and is confirmed once the alarm clears, so a retry
+    /// of the event on the same link waits for it rather than publishing a copy. std Mutex:
+    /// never held across `.await`.
+    stalled: Mutex<HashMap<EventId, Stalled>>,
+}
+
+/// A publish stalled by `connection.blocked`, kept for a retry of its event.
+struct Stalled {
+    /// The [`Link::serial`] it was published on: on another link it is no use.
+    link: u64,
+    /// When it was kept.
+    since: Instant,
+    confirm: ConfirmFuture,
 }
 
 impl std::fmt::Debug for AmqpTransport {
@@ -85,6 +132,8 @@ impl std::fmt::Debug for AmqpTransport {
 /// One open connection and its publishing channel.
 #[derive(Clone)]
 struct Link {
+    /// Tells links apart: a new one for every channel opened.
+    serial: u64,
     connection: Arc<Connection>,
     channel: Channel,
 }
@@ -92,6 +141,12 @@ struct Link {
 impl Link {
     fn is_open(&self) -> bool {
         self.connection.status().connected() && self.channel.status().connected()
+    }
+
+    /// Whether the broker has blocked the connection (`connection.blocked`, a memory or disk
+    /// alarm) and not unblocked it yet.
+    fn is_blocked(&self) -> bool {
+        self.connection.status().blocked()
     }
 }
 
@@ -139,6 +194,7 @@ impl AmqpTransport {
             url,
             link: Mutex::new(Some(link)),
             reconnecting: tokio::sync::Mutex::new(()),
+            stalled: Mutex::new(HashMap::new()),
         })
     }
 
@@ -276,6 +332,34 @@ impl AmqpTransport {
         self.link.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    fn stalled_publishes(&self) -> std::sync::MutexGuard<'_, HashMap<EventId, Stalled>> {
+        self.stalled.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes the stalled publish of `event_id`, if one was kept on `link`.
+    fn take_stalled(&self, event_id: EventId, link: &Link) -> Option<ConfirmFuture> {
+        let stalled = self.stalled_publishes().remove(&event_id)?;
+        (stalled.link == link.serial).then_some(stalled.confirm)
+    }
+
+    /// Keeps a publish stalled by `connection.blocked` for a retry of `event_id`, and drops
+    /// the ones kept too long or on another link.
+    fn keep_stalled(&self, event_id: EventId, link: &Link, confirm: ConfirmFuture) {
+        let now = Instant::now();
+        let mut stalled = self.stalled_publishes();
+        stalled.retain(|_, kept| {
+            kept.link == link.serial && now.saturating_duration_since(kept.since) < STALLED_KEEP
+        });
+        stalled.insert(
+            event_id,
+            Stalled {
+                link: link.serial,
+                since: now,
+                confirm,
+            },
+        );
+    }
+
     /// The open link, reopening the connection or channel when either closed.
     async fn ensure_link(&self) -> Result<Link, ConnectError> {
         let _one_at_a_time = self.reconnecting.lock().await;
@@ -293,6 +377,9 @@ impl AmqpTransport {
                 tracing::info!(server = %self.url.shown, exchange = %self.config.exchange,
                     "amqp channel open again");
                 *self.link.lock().unwrap_or_else(|e| e.into_inner()) = Some(link.clone());
+                // Publishes stalled on the old link are lost with it, or were routed: either
+                // way their events are published again.
+                self.stalled_publishes().clear();
                 Ok(link)
             }
             Err(error) => {
@@ -311,7 +398,10 @@ impl Transport for AmqpTransport {
     ///
     /// While the connection or channel is closed this fails at once with
     /// [`PublishErrorKind::Unavailable`]; the relay then waits in
-    /// [`wait_until_ready`](Transport::wait_until_ready), which reconnects.
+    /// [`wait_until_ready`](Transport::wait_until_ready), which reconnects. While the broker
+    /// blocks the connection (`connection.blocked`) it fails at once with
+    /// [`PublishErrorKind::Throttled`], and a publish of the same event that the block stalled
+    /// is waited for rather than sent again.
     async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
         let routing_key = Self::routing_key(event)?;
         let headers = self.headers(event)?;
@@ -331,24 +421,46 @@ impl Transport for AmqpTransport {
             ));
         };
         let exchange = self.config.exchange.as_str();
-        let options = BasicPublishOptions {
-            mandatory: true,
-            immediate: false,
+        let blocked = || {
+            PublishError::new(
+                PublishErrorKind::Throttled,
+                format!(
+                    "the broker blocked the connection: memory or disk alarm on {} \
+                     (connection.blocked); publishing waits until it clears",
+                    self.url.shown
+                ),
+            )
         };
-        let attempt = async {
-            link.channel
-                .basic_publish(
-                    exchange.into(),
-                    routing_key.as_str().into(),
-                    options,
-                    event.payload.as_bytes(),
-                    properties,
-                )
-                .await?
-                .await
+        // A publish of this event that the block stalled is still on its way: its confirm,
+        // not a second copy.
+        let mut confirm = match self.take_stalled(event.event_id, &link) {
+            Some(confirm) if link.is_blocked() => {
+                self.keep_stalled(event.event_id, &link, confirm);
+                return Err(blocked());
+            }
+            Some(confirm) => confirm,
+            // Nothing is sent to a blocked connection: the broker would not read it before
+            // the alarm clears.
+            None if link.is_blocked() => return Err(blocked()),
+            None => {
+                let options = BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                };
+                let channel = link.channel.clone();
+                let exchange = ShortString::from(exchange);
+                let key = ShortString::from(routing_key.as_str());
+                let body = event.payload.clone().into_bytes();
+                Box::pin(async move {
+                    channel
+                        .basic_publish(exchange, key, options, &body, properties)
+                        .await?
+                        .await
+                })
+            }
         };
         let timeout = self.config.publish_timeout;
-        match tokio::time::timeout(timeout, attempt).await {
+        match tokio::time::timeout(timeout, &mut confirm).await {
             Ok(Ok(Confirmation::Ack(None))) => {
                 Ok(Receipt::new(format!("amqp {exchange} {routing_key}")))
             }
@@ -380,7 +492,22 @@ impl Transport for AmqpTransport {
                 link.is_open(),
                 exchange,
                 &routing_key,
+                event.payload.len(),
             )),
+            Err(_elapsed) if link.is_blocked() => {
+                // The broker stopped reading the connection: the message is routed when the
+                // alarm clears, so a retry waits for this publish instead of sending a copy.
+                self.keep_stalled(event.event_id, &link, confirm);
+                Err(PublishError::new(
+                    PublishErrorKind::Throttled,
+                    format!(
+                        "no confirm for {exchange:?} / {routing_key:?} within {timeout:?}: the \
+                         broker blocked the connection (memory or disk alarm on {}, \
+                         connection.blocked); the message is confirmed when it clears",
+                        self.url.shown
+                    ),
+                ))
+            }
             Err(_elapsed) => {
                 let kind = if link.is_open() {
                     PublishErrorKind::Timeout
@@ -396,12 +523,20 @@ impl Transport for AmqpTransport {
     }
 
     /// Returns `true` once a connection and a confirm-mode channel are open, reconnecting if
-    /// needed, within `at_most`.
+    /// needed, and the broker does not block the connection (`connection.blocked`, a memory or
+    /// disk alarm), within `at_most`.
     async fn wait_until_ready(&self, at_most: Duration) -> bool {
-        matches!(
-            tokio::time::timeout(at_most, self.ensure_link()).await,
-            Ok(Ok(_))
-        )
+        let ready = async {
+            loop {
+                match self.ensure_link().await {
+                    Ok(link) if !link.is_blocked() => return true,
+                    // lapin clears the flag on `connection.unblocked`; nothing to send meanwhile.
+                    Ok(_blocked) => tokio::time::sleep(BLOCKED_POLL).await,
+                    Err(_) => return false,
+                }
+            }
+        };
+        tokio::time::timeout(at_most, ready).await.unwrap_or(false)
     }
 }
 
@@ -426,7 +561,9 @@ async fn open_link(
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|source| connect_error(source, url))?;
+        static LINKS: AtomicU64 = AtomicU64::new(0);
         Ok(Link {
+            serial: LINKS.fetch_add(1, Ordering::Relaxed),
             connection,
             channel,
         })
@@ -442,7 +579,8 @@ async fn open_link(
 }
 
 /// Opens one connection named `name` (shown by `rabbitmqctl list_connections` and the
-/// management UI).
+/// management UI). lapin always announces the `connection.blocked` capability, so the broker
+/// tells it when it blocks the connection for an alarm (`Connection::status().blocked()`).
 pub(crate) async fn connect(url: &BrokerUrl, name: &str) -> Result<Connection, ConnectError> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     Connection::connect_uri(url.uri.clone(), properties)
@@ -580,14 +718,30 @@ pub(crate) fn field_table(headers: Vec<(String, String)>) -> Result<FieldTable, 
     Ok(table)
 }
 
-/// A failed publish (before any confirm): a closed connection or channel is the broker being
-/// away; anything else the broker said may pass.
+/// A failed publish (before any confirm): a message the broker refused by closing the channel
+/// is the event's; otherwise a closed connection or channel is the broker being away, and
+/// anything else the broker said may pass. `body_len` is the event's body, in bytes.
 fn publish_error(
     error: &lapin::Error,
     link_open: bool,
     exchange: &str,
     routing_key: &str,
+    body_len: usize,
 ) -> PublishError {
+    if let Some(max) = refused_over_size(error) {
+        // The broker closed the channel over one message, and every publish in flight on it
+        // fails with its words: only the one over the limit is that message.
+        if u64::try_from(body_len).map_or(true, |len| len > max) {
+            return PublishError::new(
+                PublishErrorKind::Rejected,
+                format!(
+                    "the broker refuses messages over {max} bytes (max_message_size) and this \
+                     one is {body_len} bytes: publish to {exchange:?} with routing key \
+                     {routing_key:?} failed: {error}"
+                ),
+            );
+        }
+    }
     let kind = match error.kind() {
         _ if !link_open => PublishErrorKind::Unavailable,
         ErrorKind::IOError(_)
@@ -605,6 +759,32 @@ fn publish_error(
         kind,
         format!("publish to {exchange:?} with routing key {routing_key:?} failed: {error}"),
     )
+}
+
+/// The size limit named when the broker closed the channel over a message too large
+/// (`PRECONDITION_FAILED`), if that is what `error` is.
+fn refused_over_size(error: &lapin::Error) -> Option<u64> {
+    if soft_error(error) != Some(AMQPSoftError::PRECONDITIONFAILED) {
+        return None;
+    }
+    let ErrorKind::ProtocolError(amqp) = error.kind() else {
+        return None;
+    };
+    max_message_size_in(amqp.get_message().as_str())
+}
+
+/// The limit in RabbitMQ's refusal of a message over its size limit: `message size 5000 is
+/// larger than configured max size 4096` (after `PRECONDITION_FAILED - ` as the broker sends
+/// it), or `... is larger than max size 536870912` for its absolute limit.
+fn max_message_size_in(text: &str) -> Option<u64> {
+    let larger = text.find("is larger than ")?;
+    let rest = &text[larger..];
+    const MARKER: &str = "max size ";
+    let digits = &rest[rest.find(MARKER)? + MARKER.len()..];
+    let end = digits
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(digits.len());
+    digits[..end].parse().ok()
 }
 
 #[cfg(test)]
@@ -686,6 +866,90 @@ mod tests {
         assert_eq!(
             field_table(twice).unwrap_err().kind(),
             PublishErrorKind::Rejected
+        );
+    }
+
+    fn refusal(soft: AMQPSoftError, text: &str) -> lapin::Error {
+        lapin::Error::from(ErrorKind::ProtocolError(lapin::protocol::AMQPError::new(
+            AMQPErrorKind::Soft(soft),
+            text.into(),
+        )))
+    }
+
+    const TOO_LARGE: &str =
+        "PRECONDITION_FAILED - message size 5000 is larger than configured max size 4096";
+
+    #[test]
+    fn the_size_limit_is_read_from_the_brokers_refusal() {
+        assert_eq!(max_message_size_in(TOO_LARGE), Some(4096));
+        assert_eq!(
+            max_message_size_in("message size 9 is larger than configured max size 8"),
+            Some(8)
+        );
+        assert_eq!(
+            max_message_size_in("message size 600000000 is larger than max size 536870912"),
+            Some(536_870_912)
+        );
+        for other in [
+            "PRECONDITION_FAILED - inequivalent arg 'durable'",
+            "message size 5 is larger than configured max size ",
+            "message size 5 is larger than configured max size x12",
+            "max size 12",
+            "",
+        ] {
+            assert_eq!(max_message_size_in(other), None, "{other:?}");
+        }
+    }
+
+    #[test]
+    fn a_channel_closed_over_one_message_is_charged_to_that_message_only() {
+        let error = refusal(AMQPSoftError::PRECONDITIONFAILED, TOO_LARGE);
+        assert_eq!(refused_over_size(&error), Some(4096));
+        // The message over the limit: refused for good, whatever became of the channel.
+        let own = publish_error(&error, false, "x", "thing.a", 5000);
+        assert_eq!(own.kind(), PublishErrorKind::Rejected);
+        assert!(own.to_string().contains("4096"), "{own}");
+        assert!(own.to_string().contains("5000 bytes"), "{own}");
+        // The others in flight on that channel failed because it closed under them.
+        for len in [0, 12, 4096] {
+            let other = publish_error(&error, false, "x", "thing.b", len);
+            assert_eq!(other.kind(), PublishErrorKind::Unavailable, "{len}");
+        }
+        assert_eq!(
+            publish_error(&error, true, "x", "thing.b", 10).kind(),
+            PublishErrorKind::Transient
+        );
+    }
+
+    #[test]
+    fn other_refusals_keep_their_classification() {
+        let inequivalent = refusal(
+            AMQPSoftError::PRECONDITIONFAILED,
+            "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 'x'",
+        );
+        assert_eq!(refused_over_size(&inequivalent), None);
+        assert_eq!(
+            publish_error(&inequivalent, false, "x", "k", 1 << 20).kind(),
+            PublishErrorKind::Unavailable
+        );
+        assert_eq!(
+            publish_error(&inequivalent, true, "x", "k", 1 << 20).kind(),
+            PublishErrorKind::Transient
+        );
+        // A size text under another code is not a size refusal.
+        let not_found = refusal(AMQPSoftError::NOTFOUND, TOO_LARGE);
+        assert_eq!(refused_over_size(&not_found), None);
+        assert_eq!(
+            publish_error(&not_found, true, "x", "k", 5000).kind(),
+            PublishErrorKind::Unavailable
+        );
+        let closed = lapin::Error::from(ErrorKind::InvalidChannelState(
+            lapin::ChannelState::Closed,
+            "basic.publish",
+        ));
+        assert_eq!(
+            publish_error(&closed, true, "x", "k", 5000).kind(),
+            PublishErrorKind::Unavailable
         );
     }
 }

@@ -7,6 +7,8 @@
 //! - [`inbox`]: a consumer under test on any intake, recording each application of an effect.
 //! - [`nats`]: the shared NATS server's URL, a private `nats-server` to stop and kill, and
 //!   reading a stream back.
+//! - [`rabbitmq`]: a private RabbitMQ node, for tests that raise its memory alarm or change its
+//!   limits without touching the shared broker.
 //! - [`tansu`]: a private tansu broker (Kafka protocol) for the Kafka destination's tests.
 //! - [`proxy`]: a loopback TCP proxy with network faults (delay, cut, black hole, refusal).
 
@@ -21,6 +23,7 @@ pub mod factory;
 pub mod inbox;
 pub mod nats;
 pub mod proxy;
+pub mod rabbitmq;
 pub mod tansu;
 
 /// The server tests run against when `DATABASE_URL` is not set.

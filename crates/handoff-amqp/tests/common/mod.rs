@@ -39,8 +39,13 @@ pub fn unique_name(prefix: &str) -> String {
 
 /// A transport config for the test's own exchange and connection name.
 pub fn config(exchange: &str) -> AmqpConfig {
+    config_at(&url(), exchange)
+}
+
+/// As [`config`], on the broker at `url` (a private node).
+pub fn config_at(url: &str, exchange: &str) -> AmqpConfig {
     AmqpConfig {
-        url: url(),
+        url: url.to_owned(),
         exchange: exchange.to_owned(),
         connection_name: exchange.to_owned(),
         ..AmqpConfig::default()
@@ -86,19 +91,26 @@ impl Message {
 pub struct Broker {
     pub connection: Connection,
     pub channel: Channel,
+    url: String,
     exchanges: Vec<String>,
     queues: Vec<String>,
 }
 
 impl Broker {
     pub async fn new() -> Self {
-        let connection = Connection::connect(&url(), ConnectionProperties::default())
+        Self::at(&url()).await
+    }
+
+    /// As [`new`](Self::new), on the broker at `url` (a private node).
+    pub async fn at(url: &str) -> Self {
+        let connection = Connection::connect(url, ConnectionProperties::default())
             .await
-            .expect("the test broker (AMQP_URL) is reachable");
+            .expect("the test broker is reachable");
         let channel = connection.create_channel().await.unwrap();
         Self {
             connection,
             channel,
+            url: url.to_owned(),
             exchanges: Vec::new(),
             queues: Vec::new(),
         }
@@ -198,6 +210,7 @@ impl Drop for Broker {
     fn drop(&mut self) {
         let exchanges = std::mem::take(&mut self.exchanges);
         let queues = std::mem::take(&mut self.queues);
+        let url = self.url.clone();
         let _ = std::thread::spawn(move || {
             let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -208,7 +221,7 @@ impl Drop for Broker {
             runtime.block_on(async move {
                 let attempt = async {
                     let connection =
-                        Connection::connect(&url(), ConnectionProperties::default()).await?;
+                        Connection::connect(&url, ConnectionProperties::default()).await?;
                     let channel = connection.create_channel().await?;
                     for queue in queues {
                         let _ = channel
