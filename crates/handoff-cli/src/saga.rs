@@ -138,8 +138,12 @@ pub async fn run(args: SagaArgs) -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&saga)?);
             } else {
+                // Resume puts the saga back where it was stuck: a failing compensation is sent
+                // again, a failing deadline transition is tried again; either with a fresh
+                // retry budget.
                 println!(
-                    "resumed {saga_id}: step {} is compensated again with a fresh retry budget",
+                    "resumed {saga_id}: {} at step {}, with a fresh retry budget",
+                    saga.state.as_str(),
                     saga.step
                 );
             }

@@ -287,7 +287,8 @@ impl PublishError {
 }
 
 /// What a destination answered when it accepted an event, kept with the event for an operator:
-/// `"http 200 sha256:9f86d0…"`, `"kafka outbox/3@1207"`, `"jetstream OUTBOX 42"`.
+/// `{"status":200,...}` (an HTTP endpoint's recorded answer), `"kafka outbox/3@1207"`,
+/// `"jetstream OUTBOX 42"`.
 ///
 /// # Examples
 ///

@@ -139,8 +139,8 @@ pub struct EventDetail {
     pub headers: Option<serde_json::Value>,
     /// When the broker acknowledged it.
     pub published_at: Option<DateTime<Utc>>,
-    /// What the destination answered when it accepted the event (an HTTP status and body
-    /// digest, a Kafka partition and offset, a stream sequence).
+    /// What the destination answered when it accepted the event (an HTTP endpoint's recorded
+    /// answer as JSON, a Kafka partition and offset, a stream sequence).
     pub delivery_receipt: Option<String>,
     /// Set when an operator skipped it: it goes out as a skip marker.
     pub skip_reason: Option<String>,

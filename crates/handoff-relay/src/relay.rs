@@ -507,9 +507,10 @@ async fn claim_loop<S: Source, T: Transport>(
                 _ = stop.changed() => break,
                 () = tokio::time::sleep_until(pause.until.into()) => {}
             }
-            if pause.reason == PauseReason::Unavailable {
-                // The transport knows when it can reach the broker again: no probe event is
-                // spent before then.
+            if matches!(pause.reason, PauseReason::Unavailable | PauseReason::Throttled) {
+                // The transport knows when it can reach the broker again (or, for RabbitMQ,
+                // when the broker lifts its connection.blocked): no probe event is spent
+                // before then.
                 let wait = config
                     .outage_backoff
                     .delay(pause.rounds.saturating_add(unready));
