@@ -123,14 +123,16 @@ async fn answers_sort_into_retry_quarantine_and_pause() {
             String::new(),
         ),
     ];
+    // 429 and 503 are the endpoint asking every sender to back off: the relay pauses the
+    // destination instead of charging the event.
     let expected = [
         PublishErrorKind::Rejected,
         PublishErrorKind::Rejected,
         PublishErrorKind::Transient,
         PublishErrorKind::Transient,
+        PublishErrorKind::Throttled,
         PublishErrorKind::Transient,
-        PublishErrorKind::Transient,
-        PublishErrorKind::Transient,
+        PublishErrorKind::Throttled,
         PublishErrorKind::Unavailable,
     ];
     let mut endpoint = Endpoint::start(replies, Reply::status(200)).await;

@@ -483,11 +483,17 @@ async fn claim_loop<S: Source, T: Transport>(
         if let Some(pause) = shared.health.pause() {
             if pause.serial != announced {
                 announced = pause.serial;
-                if pause.rounds == 1 {
+                if pause.rounds == 1 && pause.reason == PauseReason::Throttled {
                     warn!(
                         reason = pause.reason.as_str(),
-                        "destination paused: no claims and no attempts charged until a probe \
-                         event gets through"
+                        "destination throttling: destination paused, no claims and no attempts \
+                         charged until a probe event gets through"
+                    );
+                } else if pause.rounds == 1 {
+                    warn!(
+                        reason = pause.reason.as_str(),
+                        "broker unreachable: destination paused, no claims and no attempts \
+                         charged until a probe event gets through"
                     );
                 } else {
                     debug!(
@@ -499,7 +505,9 @@ async fn claim_loop<S: Source, T: Transport>(
                 metrics::counter!(m::DESTINATION_PAUSES, "reason" => pause.reason.as_str())
                     .increment(1);
                 metrics::gauge!(m::DESTINATION_PAUSED).set(1.0);
-                if pause.reason == PauseReason::Unavailable {
+                // A throttling destination answers; one that is down or fails everything
+                // does not.
+                if pause.reason != PauseReason::Throttled {
                     metrics::gauge!(m::BROKER_UP).set(0.0);
                 }
             }
