@@ -16,9 +16,14 @@ pub const HEADER_ROOM_BYTES: usize = 8 * 1024;
 /// carry; with the relay's own headers this stays well inside [`HEADER_ROOM_BYTES`].
 const MAX_USER_HEADER_BYTES: usize = 4 * 1024;
 
-/// PostgreSQL `numeric` holds up to 131072 digits before the decimal point and 16383 after.
+/// PostgreSQL `numeric` holds up to 131072 digits before the decimal point (a weight of 32767
+/// base-10000 digits)...
 const NUMERIC_MAX_INTEGER_DIGITS: i64 = 131_072;
+/// ... and up to 16383 after it (the 14-bit display scale).
 const NUMERIC_MAX_SCALE: i64 = 16_383;
+/// `numeric_in` refuses an exponent whose absolute value reaches `INT_MAX / 2`, before looking
+/// at the digits, so that its own `int` arithmetic cannot overflow.
+const NUMERIC_MAX_EXPONENT: i64 = i32::MAX as i64 / 2;
 
 /// Limits an event must respect to be enqueued.
 ///
@@ -249,27 +254,54 @@ fn postgres_growth(payload: &str) -> Result<usize, ValidationError> {
     Ok(growth)
 }
 
-/// An upper bound of the length of `numeric_out` for a JSON number token, or `None` when
-/// `numeric` cannot hold it. `numeric` prints in plain notation, keeping the input's scale.
+/// The length of `numeric_out` for a JSON number token (what PostgreSQL's `jsonb` prints), or
+/// `None` when `numeric` refuses it. `numeric` prints in plain notation, keeping the input's
+/// scale: `1e3` is `1000`, `2.50e-3` is `0.00250`, `-0.0` is `0.0`.
+///
+/// `numeric_in` (PostgreSQL 15, `set_var_from_str` and `make_result`) refuses, with "value
+/// overflows numeric format":
+/// - an exponent of [`NUMERIC_MAX_EXPONENT`] or more in absolute value, whatever the digits
+///   (`0e9223372036854775807`), and one beyond `long` (`1e99999999999999999999`);
+/// - a scale (digits after the point once the exponent is applied) above [`NUMERIC_MAX_SCALE`];
+/// - a non-zero value with more than [`NUMERIC_MAX_INTEGER_DIGITS`] digits before the point
+///   (zero never is: `0e131073` is `0`).
+///
+/// All arithmetic is on `i64` values bounded first, so no token overflows it.
 fn numeric_text_len(token: &str) -> Option<usize> {
     let (negative, unsigned) = match token.strip_prefix('-') {
-        Some(rest) => (1, rest),
-        None => (0, token),
+        Some(rest) => (true, rest),
+        None => (false, token),
     };
     let (mantissa, exponent) = match unsigned.find(['e', 'E']) {
+        // Beyond i64 is beyond `long`, which PostgreSQL's `strtol` clamps and then refuses.
         Some(at) => (&unsigned[..at], unsigned[at + 1..].parse::<i64>().ok()?),
         None => (unsigned, 0),
     };
-    let (integer, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    // Position of the decimal point, and digits after it, once the exponent is applied.
-    let point = integer.len() as i64 + exponent;
-    let scale = (fraction.len() as i64 - exponent).max(0);
-    if point > NUMERIC_MAX_INTEGER_DIGITS || scale > NUMERIC_MAX_SCALE {
+    if exponent.unsigned_abs() >= NUMERIC_MAX_EXPONENT.unsigned_abs() {
         return None;
     }
-    let integer_digits = point.max(1);
-    let fraction_digits = if scale > 0 { scale + 1 } else { 0 };
-    Some(negative + (integer_digits + fraction_digits) as usize)
+    let (integer, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    // Lengths are below isize::MAX and the exponent below 2^30: nothing here overflows i64.
+    let (integer_len, fraction_len) = (integer.len() as i64, fraction.len() as i64);
+    let scale = (fraction_len - exponent).max(0);
+    if scale > NUMERIC_MAX_SCALE {
+        return None;
+    }
+    let fraction_text = if scale > 0 { scale + 1 } else { 0 };
+    let leading_zeros = integer
+        .bytes()
+        .chain(fraction.bytes())
+        .position(|b| b != b'0');
+    let Some(leading_zeros) = leading_zeros else {
+        // Zero: printed unsigned, as `0` and its scale.
+        return usize::try_from(1 + fraction_text).ok();
+    };
+    // Digits of the value before the point, leading zeros aside.
+    let integer_digits = integer_len + exponent - leading_zeros as i64;
+    if integer_digits > NUMERIC_MAX_INTEGER_DIGITS {
+        return None;
+    }
+    usize::try_from(i64::from(negative) + integer_digits.max(1) + fraction_text).ok()
 }
 
 fn has_nul(value: &serde_json::Value) -> bool {
@@ -340,16 +372,87 @@ mod tests {
     }
 
     #[test]
-    fn numeric_text_length_bounds_postgres_output() {
-        // PostgreSQL: 1e3 -> 1000, 2.5e-3 -> 0.0025, -12.50 -> -12.50, 1e-2 -> 0.01
+    fn numeric_text_length_is_what_postgres_prints() {
+        // Each pair as PostgreSQL 15 prints `token::jsonb`.
         for (token, printed) in [
             ("1e3", "1000"),
             ("2.5e-3", "0.0025"),
             ("-12.50", "-12.50"),
             ("1e-2", "0.01"),
             ("0", "0"),
+            ("-0", "0"),
+            ("-0.0", "0.0"),
+            ("-0.000e2", "0.0"),
+            ("0.10e1", "1.0"),
+            ("0.001", "0.001"),
+            ("-0.001", "-0.001"),
+            ("1E+2", "100"),
+            ("1e00000000000000000000000001", "10"),
+            ("0e1073741822", "0"),
         ] {
-            assert!(numeric_text_len(token).unwrap() >= printed.len(), "{token}");
+            assert_eq!(numeric_text_len(token), Some(printed.len()), "{token}");
+        }
+        let long = |digits: usize, suffix: &str| format!("1{}{suffix}", "0".repeat(digits));
+        assert_eq!(numeric_text_len(&long(131_071, "")), Some(131_072));
+        assert_eq!(numeric_text_len("1e131071"), Some(131_072));
+        assert_eq!(numeric_text_len("0.0001e131075"), Some(131_072));
+        assert_eq!(numeric_text_len("1e-16383"), Some(16_385));
+        assert_eq!(numeric_text_len("0e131073"), Some(1));
+    }
+
+    #[test]
+    fn numbers_numeric_refuses_are_out_of_range_and_never_overflow() {
+        // Each refused by PostgreSQL 15 with "value overflows numeric format".
+        for token in [
+            "0e9223372036854775807",
+            "-0e9223372036854775807",
+            "0e-9223372036854775808",
+            "1e9223372036854775807",
+            "1e-9223372036854775808",
+            "1e99999999999999999999",
+            "0e1073741823",
+            "0.00e1073741823",
+            "1e131072",
+            "10e131071",
+            "0.0001e131076",
+            "1e-16384",
+            "0e-16384",
+            "0.5e-16383",
+            "-0.0e-16383",
+        ] {
+            assert_eq!(numeric_text_len(token), None, "{token}");
+        }
+        let limits = Limits::default();
+        for payload in [
+            "0e9223372036854775807",
+            r#"{"n":0e9223372036854775807}"#,
+            "[1E-9223372036854775808]",
+            "[0e1073741823]",
+        ] {
+            assert_eq!(
+                payload_kind(&limits, payload),
+                Some(K::PayloadNumberOutOfRange),
+                "{payload}"
+            );
+        }
+        // Zero takes any exponent below the bound, and prints as `0`.
+        assert_eq!(payload_kind(&limits, "[0e1073741822]"), None);
+    }
+
+    #[test]
+    fn nul_anywhere_in_a_string_or_key_is_refused() {
+        let limits = Limits::default();
+        for payload in [
+            r#""\u0000""#,
+            r#"{"\u0000":1}"#,
+            r#"[[["a\u0000b"]]]"#,
+            r#"{"k":{"\\":"\u0000"}}"#,
+        ] {
+            assert_eq!(
+                payload_kind(&limits, payload),
+                Some(K::PayloadHasNul),
+                "{payload}"
+            );
         }
     }
 
