@@ -155,6 +155,12 @@ impl Default for QueueDeclaration {
 /// this intake has itself seen the event since it last settled it for good; the count starts
 /// over when the process restarts.
 ///
+/// The broker-side backstop above the consumer's delivery cap is a quorum queue's delivery
+/// limit (`x-delivery-limit` or a `delivery-limit` policy, best with a dead-letter exchange),
+/// which this intake does not set: queue arguments cannot change after declaration. Keep it at
+/// or above [`broker_backstop`](handoff_core::intake::broker_backstop)`(max_deliveries)`; a
+/// lower limit drops messages before the consumer can quarantine them (docs/consumers.md).
+///
 /// When the connection or channel closes, [`next`](Intake::next) fails once and the next call
 /// reconnects; the broker requeues whatever was unacknowledged, and the inbox absorbs the
 /// redeliveries.

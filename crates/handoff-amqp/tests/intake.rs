@@ -151,6 +151,67 @@ async fn a_failing_event_reaches_the_delivery_cap(quorum: bool) {
     assert_eq!(setup.broker.depth(&setup.exchange).await, 0);
 }
 
+async fn a_nul_id_and_a_panicking_handler_are_quarantined_within_the_cap(quorum: bool) {
+    let name = if quorum {
+        "amqp_poison_quorum"
+    } else {
+        "amqp_poison_classic"
+    };
+    let setup = Setup::new(name, quorum).await;
+    // Published as the relay would publish a NUL id: Handoff-Aggregate-Id is `a%00b`.
+    let nul = event("a\0b", 1);
+    let panics = event("panics", 1);
+    setup.transport.publish(&nul).await.unwrap();
+    setup.transport.publish(&panics).await.unwrap();
+    let fine: Vec<_> = (0..4).map(|n| event(&format!("fine-{n}"), 1)).collect();
+    for e in &fine {
+        setup.transport.publish(e).await.unwrap();
+    }
+    let recorder = Recorder::new(|e, _| {
+        if e.aggregate_id == "panics" {
+            panic!("injected: the handler cannot cope");
+        }
+        Ok(())
+    });
+    let running = setup.start(recorder.clone(), 3);
+    setup
+        .wait_count("SELECT count(*) FROM consumer_quarantine", 2)
+        .await;
+    setup
+        .wait_count("SELECT count(*) FROM processed_events", 4)
+        .await;
+    running.stop().await;
+
+    let rows: Vec<(Uuid, String, String, i64)> =
+        sqlx::query_as("SELECT event_id, reason_kind, reason, deliveries FROM consumer_quarantine")
+            .fetch_all(&setup.db.pool)
+            .await
+            .unwrap();
+    let row = |id: Uuid| rows.iter().find(|r| r.0 == id).cloned().unwrap();
+    let (_, kind, reason, deliveries) = row(nul.event_id);
+    assert_eq!(kind, "malformed");
+    assert!(reason.contains("holds a NUL byte"), "{reason}");
+    assert_eq!(deliveries, 1);
+    let (_, kind, reason, deliveries) = row(panics.event_id);
+    assert_eq!(kind, "handler_panic");
+    assert!(reason.contains("injected"), "{reason}");
+    assert_eq!(deliveries, 3, "tried up to the cap, no further");
+    assert_eq!(recorder.calls()[&panics.event_id], 3);
+    assert_eq!(setup.applied().await.len(), fine.len(), "the others flowed");
+    // Both rejected without requeue: the queue holds nothing.
+    assert_eq!(setup.broker.depth(&setup.exchange).await, 0);
+}
+
+#[tokio::test]
+async fn a_nul_id_and_a_panicking_handler_are_quarantined_on_a_classic_queue() {
+    a_nul_id_and_a_panicking_handler_are_quarantined_within_the_cap(false).await;
+}
+
+#[tokio::test]
+async fn a_nul_id_and_a_panicking_handler_are_quarantined_on_a_quorum_queue() {
+    a_nul_id_and_a_panicking_handler_are_quarantined_within_the_cap(true).await;
+}
+
 #[tokio::test]
 async fn a_failing_event_reaches_the_delivery_cap_on_a_classic_queue() {
     a_failing_event_reaches_the_delivery_cap(false).await;

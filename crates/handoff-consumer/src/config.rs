@@ -9,9 +9,10 @@ use handoff_postgres::{validate_consumer_name, InboxError, Schema};
 ///
 /// An event *ahead* of its aggregate (sequence k+2 while k+1 is not applied) is a gap; the
 /// policies differ in how they wait for k+1. An event *behind* it (a new event id at a place
-/// already applied: an old event replayed after its dedup row was cleaned up) is stale; it is
-/// recorded and skipped under `Reject` and `Buffer`, and given to the hook under `Reconcile`.
-/// Both are counted (`handoff_consumer_gaps_total`, `handoff_consumer_stale_total`).
+/// already applied: an old event replayed after its dedup row was cleaned up) is stale: under
+/// every policy it is recorded and acknowledged as a duplicate, never applied, never given to
+/// the reconcile hook. Both are counted (`handoff_consumer_gaps_total`,
+/// `handoff_consumer_stale_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GapPolicy {
     /// Leave the event with the broker and have it delivered again after `retry_after`; after
@@ -96,8 +97,11 @@ pub struct ConsumerConfig {
     pub schema: Schema,
     /// Most events applied at once (each on its own connection), across aggregates. Default 16.
     pub max_concurrency: usize,
-    /// Deliveries after which an event that still fails (retryable handler error, or a gap
-    /// under `Reject`) goes to the quarantine. Default 10.
+    /// Deliveries after which an event that still fails goes to the quarantine: a retryable
+    /// handler error, a handler panic, the apply timeout, a database error on the event's own
+    /// statements, or a gap still open. Every failure counts toward this one cap. The broker's
+    /// own limit, where it has one, is set above it
+    /// ([`broker_backstop`](handoff_core::intake::broker_backstop)). Default 10.
     pub max_deliveries: u64,
     /// Delay before the next delivery after a retryable handler error, by delivery count.
     /// Default 500 ms doubling to 30 s.
@@ -119,8 +123,10 @@ pub struct ConsumerConfig {
     pub shutdown_grace: Duration,
     /// Longest one delivery may take from `BEGIN` to its settlement, handler included. Past
     /// it the work is abandoned: the transaction's connection is dropped (so it rolls back)
-    /// and the delivery is left unsettled, so the broker delivers it again after its ack wait
-    /// (a commit that did land makes that a duplicate the inbox absorbs).
+    /// and the delivery is handed back, delivered again after the retry backoff but no sooner
+    /// than this timeout (a commit that did land makes that a duplicate the inbox absorbs). It
+    /// counts toward [`max_deliveries`](Self::max_deliveries): a handler that hangs on one
+    /// event ends in the quarantine with reason `apply_timeout`.
     ///
     /// This is what frees a consumer whose database connection went silent (a partition, a
     /// failover): such a connection never fails by itself, and the in-progress signals would

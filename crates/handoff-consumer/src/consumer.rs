@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use handoff_core::intake::{Delivery, Intake, MalformedEvent, ReceivedEvent, Settle};
+use handoff_core::intake::{
+    broker_backstop, Delivery, Intake, MalformedEvent, ReceivedEvent, Settle,
+};
 use handoff_postgres::{Admission, Inbox, QuarantineKind};
 use sqlx::PgPool;
 use tokio::sync::{Notify, Semaphore};
@@ -38,10 +40,16 @@ const INTAKE_RETRY: Duration = Duration::from_secs(1);
 /// of one consumer may share a durable subscription: the locked sequence row keeps one
 /// aggregate's events in order across them.
 ///
-/// Failures: a retryable [`HandlerError`] is delivered again after
-/// [`retry_backoff`](ConsumerConfig::retry_backoff); a permanent one, or a retryable one at the
-/// [delivery cap](ConsumerConfig::max_deliveries), goes to `consumer_quarantine` with its reason
-/// and only then is the broker told to forget it. Gaps follow the [`GapPolicy`].
+/// Failures: one bound for all of them. A retryable [`HandlerError`], a handler panic, the
+/// [apply timeout](ConsumerConfig::apply_timeout) and a database error on the event's own
+/// statements (admit, sequence advance, commit) each hand the delivery back after
+/// [`retry_backoff`](ConsumerConfig::retry_backoff) and count toward the one
+/// [delivery cap](ConsumerConfig::max_deliveries); at the cap the event goes to
+/// `consumer_quarantine` with a reason kind (`delivery_cap`, `handler_panic`, `apply_timeout`,
+/// `database`) and the raw message, and only then is the broker told to forget it. A permanent
+/// error and a malformed message are quarantined at once. The broker's own limit is set above
+/// the cap ([`Intake::set_delivery_backstop`]). Gaps follow the [`GapPolicy`]; a stale event is
+/// a duplicate under every policy.
 ///
 /// # Examples
 ///
@@ -91,11 +99,11 @@ struct Shared<H> {
 }
 
 /// What one processed delivery leaves for its lane.
-enum Step<S> {
+enum Step {
     /// Applied at this sequence: a buffered successor may go next.
     Applied(i64),
     /// Ahead of its aggregate under the buffer policy: hold it.
-    Park(Item<S>),
+    Park,
     /// Settled (acknowledged, redelivered later, or quarantined).
     Done,
 }
@@ -194,7 +202,13 @@ impl<H: Handler> Consumer<H> {
         });
         let mut tasks = JoinSet::new();
         let mut shutdown = std::pin::pin!(shutdown);
+        let backstop = broker_backstop(self.shared.config.max_deliveries);
+        if let Err(error) = intake.set_delivery_backstop(backstop).await {
+            warn!(%error, backstop, "could not set the broker's delivery limit; the consumer's \
+                                     delivery cap alone bounds redeliveries");
+        }
         info!(consumer = %self.shared.config.name, gap_policy = self.shared.config.gap_policy.as_str(),
+            max_deliveries = self.shared.config.max_deliveries, broker_backstop = backstop,
             "consumer running");
         loop {
             tokio::select! {
@@ -309,28 +323,39 @@ impl<H: Handler> Shared<H> {
                         return;
                     };
                     let event_id = item.event.event_id;
-                    let work = AssertUnwindSafe(self.process(item)).catch_unwind();
-                    let Ok(step) = tokio::time::timeout(self.config.apply_timeout, work).await
-                    else {
-                        // Most likely a database connection that went silent: dropping the
-                        // work drops its transaction (rolled back with the connection) and the
-                        // delivery unsettled, so the broker delivers the event again.
-                        warn!(%event_id, timeout = ?self.config.apply_timeout,
-                            "applying the event took longer than the apply timeout; abandoned, \
-                             it will be delivered again");
-                        self.metrics.abandoned.increment(1);
-                        continue;
+                    let work = AssertUnwindSafe(self.process(&item)).catch_unwind();
+                    let step = match tokio::time::timeout(self.config.apply_timeout, work).await {
+                        Ok(Ok(step)) => step,
+                        // The transaction was dropped with the unwound future (rolled back);
+                        // the panic counts toward the delivery cap like any failure, so a
+                        // handler that always panics on this event ends in the quarantine.
+                        Ok(Err(panic)) => {
+                            let reason =
+                                format!("the handler panicked: {}", panic_message(&*panic));
+                            error!(%event_id, deliveries = item.deliveries, "{reason}");
+                            self.failed_attempt(&item, QuarantineKind::HandlerPanic, &reason)
+                                .await;
+                            Step::Done
+                        }
+                        // A hanging handler, or a database connection that went silent:
+                        // dropping the work drops its transaction (rolled back with the
+                        // connection). It counts toward the delivery cap like any failure.
+                        Err(_) => {
+                            let reason = format!(
+                                "applying took longer than the apply timeout ({:?})",
+                                self.config.apply_timeout
+                            );
+                            warn!(%event_id, deliveries = item.deliveries, "{reason}; abandoned");
+                            self.metrics.abandoned.increment(1);
+                            self.failed_attempt(&item, QuarantineKind::ApplyTimeout, &reason)
+                                .await;
+                            Step::Done
+                        }
                     };
                     match step {
-                        Ok(Step::Applied(sequence)) => {
-                            self.release_successor(lanes, &key, sequence)
-                        }
-                        Ok(Step::Park(item)) => self.park(lanes, &key, item).await,
-                        Ok(Step::Done) => {}
-                        // The delivery is dropped unsettled: the broker redelivers it after its
-                        // ack wait, and the transaction was rolled back with the connection.
-                        Err(_) => error!(%event_id, "the handler panicked; the event will be \
-                                                     delivered again"),
+                        Step::Applied(sequence) => self.release_successor(lanes, &key, sequence),
+                        Step::Park => self.park(lanes, &key, item).await,
+                        Step::Done => {}
                     }
                 }
                 Next::Wait(wake, deadline) => {
@@ -471,15 +496,16 @@ impl<H: Handler> Shared<H> {
         }
     }
 
-    /// One delivery, start to settlement.
-    async fn process<S: Settle>(&self, item: Item<S>) -> Step<S> {
+    /// One delivery, start to settlement (or to [`Step::Park`], which leaves it unsettled).
+    async fn process<S: Settle>(&self, item: &Item<S>) -> Step {
         let started = Instant::now();
         let mut tx = match self.pool.begin().await {
             Ok(tx) => tx,
             Err(error) => {
-                warn!(%error, "cannot begin a transaction; the event will be delivered again");
-                self.retry_later(&item, None).await;
-                return Step::Done;
+                let reason = format!("cannot begin a transaction: {error}");
+                return self
+                    .failed_attempt(item, QuarantineKind::Database, &reason)
+                    .await;
             }
         };
         if self.bypass_inbox.load(Ordering::Relaxed) {
@@ -488,9 +514,11 @@ impl<H: Handler> Shared<H> {
         let admission = match self.inbox.admit(&mut tx, &item.event).await {
             Ok(admission) => admission,
             Err(error) => {
-                warn!(%error, event_id = %item.event.event_id, "inbox check failed");
-                self.retry_later(&item, None).await;
-                return Step::Done;
+                drop(tx);
+                let reason = error.to_string();
+                return self
+                    .failed_attempt(item, QuarantineKind::Database, &reason)
+                    .await;
             }
         };
         match admission {
@@ -500,33 +528,54 @@ impl<H: Handler> Shared<H> {
                 self.metrics.duplicates.increment(1);
                 info!(event_id = %item.event.event_id, deliveries = item.deliveries,
                     "duplicate delivery acknowledged without applying");
-                settle_ack(&item).await;
+                settle_ack(item).await;
                 Step::Done
             }
-            Admission::Stale { last_sequence } | Admission::Gap { last_sequence } => {
+            Admission::Stale { last_sequence } => self.stale(tx, item, last_sequence).await,
+            Admission::Gap { last_sequence } => {
                 let gap = Gap {
                     last_applied: last_sequence,
                     received: item.event.sequence,
                 };
-                self.out_of_line(tx, item, gap, started).await
+                self.ahead(tx, item, gap, started).await
             }
         }
     }
 
-    /// An event that is not next in its aggregate's line, by the gap policy.
-    async fn out_of_line<S: Settle>(
+    /// An event behind its aggregate (its place is already applied: a replay that arrived after
+    /// its dedup row was purged). Under every gap policy it is a duplicate: its dedup row is
+    /// committed and the broker acknowledged; neither the handler nor the reconcile hook sees it.
+    async fn stale<S: Settle>(
+        &self,
+        tx: sqlx::Transaction<'static, sqlx::Postgres>,
+        item: &Item<S>,
+        last_sequence: i64,
+    ) -> Step {
+        self.metrics.stale.increment(1);
+        if let Err(error) = tx.commit().await {
+            let reason = format!("cannot record a stale event: {error}");
+            return self
+                .failed_attempt(item, QuarantineKind::Database, &reason)
+                .await;
+        }
+        info!(event_id = %item.event.event_id, aggregate_id = %item.event.aggregate_id,
+            sequence = item.event.sequence, last_applied = last_sequence,
+            "stale event (its place is already applied) acknowledged as a duplicate");
+        self.metrics.skipped.increment(1);
+        settle_ack(item).await;
+        Step::Done
+    }
+
+    /// An event ahead of its aggregate's line, by the gap policy.
+    async fn ahead<S: Settle>(
         &self,
         mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
-        item: Item<S>,
+        item: &Item<S>,
         gap: Gap,
         started: Instant,
-    ) -> Step<S> {
+    ) -> Step {
         let event = &item.event;
-        if gap.is_stale() {
-            self.metrics.stale.increment(1);
-        } else {
-            self.metrics.gaps.increment(1);
-        }
+        self.metrics.gaps.increment(1);
         let decision = match self.config.gap_policy {
             GapPolicy::Reconcile { .. } => {
                 let decided = keep_alive(
@@ -543,25 +592,14 @@ impl<H: Handler> Shared<H> {
                     }
                 }
             }
-            _ if gap.is_stale() => GapDecision::Skip,
             _ => GapDecision::RetryLater,
         };
         info!(event_id = %event.event_id, aggregate_id = %event.aggregate_id,
             expected = gap.expected(), received = gap.received, policy = self.config.gap_policy.as_str(),
-            decision = ?decision, "event out of its aggregate's line");
+            decision = ?decision, "event ahead of its aggregate's line");
         match decision {
-            GapDecision::Apply => self.apply(tx, item, !gap.is_stale(), started).await,
-            GapDecision::Skip => {
-                // The dedup row stays: a redelivery is then a plain duplicate.
-                if let Err(error) = tx.commit().await {
-                    warn!(%error, "cannot record a skipped event; it will be delivered again");
-                    self.retry_later(&item, None).await;
-                    return Step::Done;
-                }
-                self.metrics.skipped.increment(1);
-                settle_ack(&item).await;
-                Step::Done
-            }
+            GapDecision::Apply => self.apply(tx, item, true, started).await,
+            GapDecision::Skip => self.skip_ahead(tx, item, gap).await,
             GapDecision::RetryLater => {
                 drop(tx);
                 if item.deliveries >= self.config.max_deliveries {
@@ -582,7 +620,7 @@ impl<H: Handler> Shared<H> {
                     return Step::Done;
                 }
                 if matches!(self.config.gap_policy, GapPolicy::Buffer { .. }) {
-                    return Step::Park(item);
+                    return Step::Park;
                 }
                 let delay = match self.config.gap_policy {
                     GapPolicy::Reject { retry_after } | GapPolicy::Reconcile { retry_after } => {
@@ -590,20 +628,59 @@ impl<H: Handler> Shared<H> {
                     }
                     GapPolicy::Buffer { max_wait, .. } => max_wait,
                 };
-                settle_nak(&item, delay).await;
+                settle_nak(item, delay).await;
                 Step::Done
             }
         }
+    }
+
+    /// A reconcile hook skipped an event ahead of its aggregate: the hook vouches that the
+    /// consumer's state already covers the aggregate up to and including it (it fetched or
+    /// rebuilt it). The aggregate moves to the event's sequence, as it would had the event been
+    /// applied, so its successor is next and nothing waits forever; the events skipped over
+    /// (`expected ..= received`) are logged and counted, and any of them that still arrives is
+    /// stale, acknowledged as a duplicate.
+    async fn skip_ahead<S: Settle>(
+        &self,
+        mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+        item: &Item<S>,
+        gap: Gap,
+    ) -> Step {
+        if let Err(error) = self.inbox.advance_to(&mut tx, &item.event).await {
+            drop(tx);
+            let reason = error.to_string();
+            return self
+                .failed_attempt(item, QuarantineKind::Database, &reason)
+                .await;
+        }
+        if let Err(error) = tx.commit().await {
+            let reason = format!("cannot record a skipped event: {error}");
+            return self
+                .failed_attempt(item, QuarantineKind::Database, &reason)
+                .await;
+        }
+        let event = &item.event;
+        warn!(event_id = %event.event_id, aggregate_type = %event.aggregate_type,
+            aggregate_id = %event.aggregate_id, skipped_from = gap.expected(),
+            skipped_to = gap.received,
+            "the reconcile hook skipped an event ahead of its aggregate: the aggregate moved \
+             past sequences {}..={} without applying them", gap.expected(), gap.received);
+        self.metrics.skipped.increment(1);
+        self.metrics
+            .skipped_ahead
+            .increment(u64::try_from(gap.received - gap.last_applied).unwrap_or(0));
+        settle_ack(item).await;
+        Step::Applied(event.sequence)
     }
 
     /// Runs the handler in `tx`, commits, then acknowledges.
     async fn apply<S: Settle>(
         &self,
         mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
-        item: Item<S>,
+        item: &Item<S>,
         advance: bool,
         started: Instant,
-    ) -> Step<S> {
+    ) -> Step {
         let skip_reason = item.event.skip_reason();
         let handled = match skip_reason {
             // A skip marker: an operator skipped this event at the source (`handoff quarantine
@@ -628,22 +705,25 @@ impl<H: Handler> Shared<H> {
         }
         if advance {
             if let Err(error) = self.inbox.advance_to(&mut tx, &item.event).await {
-                warn!(%error, "cannot advance the aggregate's sequence");
                 drop(tx);
-                self.retry_later(&item, None).await;
-                return Step::Done;
+                let reason = error.to_string();
+                return self
+                    .failed_attempt(item, QuarantineKind::Database, &reason)
+                    .await;
             }
         }
         freeze_if_fired(fp::BEFORE_COMMIT).await;
         if let Err(error) = tx.commit().await {
-            // Unknown whether the commit happened: the redelivery finds out through the inbox.
-            warn!(%error, event_id = %item.event.event_id, "commit failed; the event will be \
-                                                             delivered again");
-            self.retry_later(&item, None).await;
-            return Step::Done;
+            // Unknown whether the commit happened: the redelivery finds out through the inbox
+            // (a duplicate). A commit that keeps failing (a deferred constraint the handler's
+            // writes break) is a failure like any other and counts toward the cap.
+            let reason = format!("commit failed: {error}");
+            return self
+                .failed_attempt(item, QuarantineKind::Database, &reason)
+                .await;
         }
         freeze_if_fired(fp::AFTER_COMMIT).await;
-        settle_ack(&item).await;
+        settle_ack(item).await;
         if skip_reason.is_some() {
             self.metrics.skipped.increment(1);
         } else {
@@ -655,47 +735,71 @@ impl<H: Handler> Shared<H> {
         Step::Applied(item.event.sequence)
     }
 
-    /// A handler error: again later, or to the quarantine.
-    async fn failed<S: Settle>(&self, item: Item<S>, error: HandlerError) -> Step<S> {
+    /// A handler (or reconcile hook) error: again later, or to the quarantine.
+    async fn failed<S: Settle>(&self, item: &Item<S>, error: HandlerError) -> Step {
         self.metrics.handler_error(error.kind());
-        let kind = match error.kind() {
-            Permanent => Some(QuarantineKind::HandlerPermanent),
-            _ if item.deliveries >= self.config.max_deliveries => Some(QuarantineKind::DeliveryCap),
-            _ => None,
-        };
-        match kind {
-            Some(kind) => {
-                let reason = match kind {
-                    QuarantineKind::DeliveryCap => {
-                        format!(
-                            "still failing after {} deliveries: {error}",
-                            item.deliveries
-                        )
-                    }
-                    _ => error.to_string(),
-                };
-                self.quarantine(
-                    Ok(&item.event),
-                    &item.settle,
-                    kind,
-                    &reason,
-                    item.deliveries,
-                )
-                .await;
-            }
-            None => self.retry_later(&item, Some(&error)).await,
+        if error.kind() == Permanent {
+            let reason = error.to_string();
+            self.quarantine(
+                Ok(&item.event),
+                &item.settle,
+                QuarantineKind::HandlerPermanent,
+                &reason,
+                item.deliveries,
+            )
+            .await;
+            return Step::Done;
+        }
+        self.failed_attempt(item, QuarantineKind::DeliveryCap, &error.to_string())
+            .await
+    }
+
+    /// One failed attempt at `item`, whatever failed (a retryable handler error, a panic, the
+    /// apply timeout, the database): below the delivery cap the broker delivers it again after
+    /// the retry backoff; at the cap it goes to the quarantine as `kind`. This is the one bound
+    /// every failure counts toward.
+    async fn failed_attempt<S: Settle>(
+        &self,
+        item: &Item<S>,
+        kind: QuarantineKind,
+        reason: &str,
+    ) -> Step {
+        if item.deliveries >= self.config.max_deliveries {
+            let reason = format!(
+                "still failing after {} deliveries: {reason}",
+                item.deliveries
+            );
+            self.quarantine(
+                Ok(&item.event),
+                &item.settle,
+                kind,
+                &reason,
+                item.deliveries,
+            )
+            .await;
+        } else {
+            // After a timeout the abandoned transaction may still be open on the server,
+            // holding the aggregate's row lock until the server ends it (the reference
+            // consumers set `idle_in_transaction_session_timeout` to the apply timeout): the
+            // next delivery waits that long, so it does not time out behind that lock.
+            let at_least = match kind {
+                QuarantineKind::ApplyTimeout => self.config.apply_timeout,
+                _ => Duration::ZERO,
+            };
+            self.retry_later(item, reason, at_least).await;
         }
         Step::Done
     }
 
-    /// Has the broker deliver `item` again after the retry backoff.
-    async fn retry_later<S: Settle>(&self, item: &Item<S>, error: Option<&HandlerError>) {
+    /// Has the broker deliver `item` again after the retry backoff (and not before
+    /// `at_least`).
+    async fn retry_later<S: Settle>(&self, item: &Item<S>, error: &str, at_least: Duration) {
         let failures = u32::try_from(item.deliveries).unwrap_or(u32::MAX);
-        let delay = self.config.retry_backoff.delay(failures);
+        let delay = self.config.retry_backoff.delay(failures).max(at_least);
         self.metrics.retries.increment(1);
         warn!(event_id = %item.event.event_id, deliveries = item.deliveries,
-            error = error.map(tracing::field::display),
-            retry_in = ?delay, "event not applied; it will be delivered again");
+            cap = self.config.max_deliveries, error, retry_in = ?delay,
+            "event not applied; it will be delivered again");
         settle_nak(item, delay).await;
     }
 
@@ -709,14 +813,19 @@ impl<H: Handler> Shared<H> {
         reason: &str,
         deliveries: u64,
     ) {
-        let written: Result<(), String> = async {
+        let write = async {
             let mut conn = self.pool.acquire().await.map_err(|e| e.to_string())?;
             self.inbox
                 .quarantine(&mut conn, event, kind, reason, deliveries)
                 .await
                 .map_err(|e| e.to_string())
-        }
-        .await;
+        };
+        // Bounded like an application: a silent database must not hold the lane forever.
+        let written: Result<(), String> =
+            match tokio::time::timeout(self.config.apply_timeout, write).await {
+                Ok(written) => written,
+                Err(_) => Err("the quarantine write outlasted the apply timeout".to_owned()),
+            };
         let event_id = match event {
             Ok(e) => Some(e.event_id),
             Err(m) => m.event_id,
@@ -742,6 +851,15 @@ impl<H: Handler> Shared<H> {
             }
         }
     }
+}
+
+/// The text of a panic's payload (what `panic!` was given), when it is text.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a payload that is not text")
 }
 
 /// Runs `work`, restarting the broker's ack wait every `every` until it ends.

@@ -50,12 +50,14 @@ pub trait Handler: Send + Sync + 'static {
         event: &ReceivedEvent,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
-    /// Decides about an event that is not next in its aggregate's line, under
+    /// Decides about an event *ahead* of its aggregate's line (a gap), under
     /// [`GapPolicy::Reconcile`](crate::GapPolicy::Reconcile) (brief C3). `tx` is the event's
     /// transaction, so the hook can look at (or repair) the consumer's state first, such as
-    /// fetching the aggregate's current state from its owner.
+    /// fetching the aggregate's current state from its owner. A stale event (behind the
+    /// aggregate) never reaches the hook: it is a duplicate under every policy.
     ///
-    /// The default waits for the missing events ([`GapDecision::RetryLater`]).
+    /// The default waits for the missing events ([`GapDecision::RetryLater`]), up to the
+    /// delivery cap.
     ///
     /// # Errors
     ///
@@ -109,7 +111,13 @@ pub enum GapDecision {
     /// Apply the event now through [`Handler::handle`]. Ahead of the aggregate, this moves the
     /// aggregate's sequence to the event's, so the missing events arrive later as stale.
     Apply,
-    /// Record the event as processed without applying it.
+    /// Record the event as processed without applying it: the hook vouches that the consumer's
+    /// state already covers the aggregate up to and including this event (it fetched or
+    /// rebuilt it in `tx`). As with [`Apply`](Self::Apply), the aggregate's sequence moves to
+    /// the event's, so its successor applies next and nothing waits on a hole; the skipped
+    /// range (`expected ..= received`) is logged at `warn` and counted in
+    /// `handoff_consumer_skipped_ahead_total`, and a missing event that arrives later is stale
+    /// (acknowledged as a duplicate).
     Skip,
     /// Leave it: the broker delivers it again later (and it counts toward the delivery cap).
     RetryLater,

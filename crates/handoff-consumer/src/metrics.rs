@@ -9,6 +9,7 @@
 //! | `handoff_consumer_gaps_total` | counter | deliveries ahead of their aggregate (sequence > last + 1) |
 //! | `handoff_consumer_stale_total` | counter | new event ids at an already applied place (sequence <= last) |
 //! | `handoff_consumer_skipped_total` | counter | events recorded as processed without applying (stale, a reconcile skip, or an operator's skip marker) |
+//! | `handoff_consumer_skipped_ahead_total` | counter | sequences a reconcile hook's `Skip` of an event ahead of its aggregate moved the aggregate past (the skipped event included) |
 //! | `handoff_consumer_retries_total` | counter | deliveries handed back for a later redelivery |
 //! | `handoff_consumer_abandoned_total` | counter | deliveries abandoned after the apply timeout (left for a redelivery) |
 //! | `handoff_consumer_handler_errors_total{kind}` | counter | handler failures, `retryable` or `permanent` |
@@ -28,6 +29,7 @@ pub(crate) struct ConsumerMetrics {
     pub(crate) gaps: Counter,
     pub(crate) stale: Counter,
     pub(crate) skipped: Counter,
+    pub(crate) skipped_ahead: Counter,
     pub(crate) retries: Counter,
     pub(crate) abandoned: Counter,
     pub(crate) buffered: Gauge,
@@ -51,6 +53,10 @@ impl ConsumerMetrics {
             stale: counter!("handoff_consumer_stale_total", std::slice::from_ref(&label)),
             skipped: counter!(
                 "handoff_consumer_skipped_total",
+                std::slice::from_ref(&label)
+            ),
+            skipped_ahead: counter!(
+                "handoff_consumer_skipped_ahead_total",
                 std::slice::from_ref(&label)
             ),
             retries: counter!(

@@ -109,17 +109,18 @@ async fn buffer_past_its_bound_falls_back_to_redelivery() {
 }
 
 #[tokio::test]
-async fn reconcile_hook_decides_about_gaps_and_stale_events() {
+async fn reconcile_hook_decides_about_gaps_and_never_sees_stale_events() {
     let setup = Setup::new("gap_reconcile").await;
     let events = out_of_order(&setup).await;
-    // Ahead: apply anyway (3 moves the aggregate past 2). Behind: skip.
+    // Ahead: apply anyway (3 moves the aggregate past 2). 2 then arrives behind the aggregate:
+    // stale, a duplicate under every policy, so the hook is not asked about it.
     let mut recorder = Recorder::new();
     recorder.decide = std::sync::Arc::new(|gap: Gap| {
-        if gap.is_stale() {
-            GapDecision::Skip
-        } else {
-            GapDecision::Apply
-        }
+        assert!(
+            !gap.is_stale(),
+            "the hook was asked about a stale event: {gap:?}"
+        );
+        GapDecision::Apply
     });
     let reconciled = recorder.reconciled.clone();
     let config = handoff_consumer::ConsumerConfig {
@@ -137,34 +138,21 @@ async fn reconcile_hook_decides_about_gaps_and_stale_events() {
     assert_eq!(
         sequences(&setup).await,
         [1, 3],
-        "2 arrived stale and was skipped"
+        "2 arrived stale and was acknowledged as a duplicate"
     );
     let calls = reconciled.lock().unwrap().clone();
     assert_eq!(
         calls,
-        [
-            (
-                3,
-                Gap {
-                    last_applied: 1,
-                    received: 3
-                }
-            ),
-            (
-                2,
-                Gap {
-                    last_applied: 3,
-                    received: 2
-                }
-            ),
-        ]
+        [(
+            3,
+            Gap {
+                last_applied: 1,
+                received: 3
+            }
+        )]
     );
-    let last: i64 = sqlx::query_scalar("SELECT last_sequence FROM consumer_sequences")
-        .fetch_one(&setup.db.pool)
-        .await
-        .unwrap();
-    assert_eq!(last, 3);
-    // Skipped, yet recorded: a redelivery of 2 is a plain duplicate.
+    assert_eq!(last_sequence(&setup).await, 3);
+    // Recorded: a redelivery of 2 is a plain duplicate.
     let skipped: i64 =
         sqlx::query_scalar("SELECT count(*) FROM processed_events WHERE event_id = $1")
             .bind(events[1].event_id)
@@ -172,6 +160,139 @@ async fn reconcile_hook_decides_about_gaps_and_stale_events() {
             .await
             .unwrap();
     assert_eq!(skipped, 1);
+    assert_eq!(setup.db.count("consumer_quarantine").await, 0);
+}
+
+async fn last_sequence(setup: &Setup) -> i64 {
+    sqlx::query_scalar("SELECT last_sequence FROM consumer_sequences")
+        .fetch_one(&setup.db.pool)
+        .await
+        .unwrap()
+}
+
+/// An old event replayed after its dedup row was purged is acknowledged as a duplicate under
+/// every policy: never applied again, never quarantined as a gap, and under `Reconcile` the
+/// default hook (which answers `RetryLater`) is not consulted.
+async fn stale_is_a_duplicate_under(policy: GapPolicy, name: &str) {
+    let setup = Setup::new(&format!("gap_stale_{name}")).await;
+    let first = event("o-1", 1);
+    let second = event("o-1", 2);
+    setup.publish(&first).await;
+    setup.publish(&second).await;
+    let recorder = Recorder::new();
+    let reconciled = recorder.reconciled.clone();
+    let config = handoff_consumer::ConsumerConfig {
+        gap_policy: policy,
+        max_deliveries: 2,
+        ..setup.config(name)
+    };
+    let running = setup.start(config, recorder).await;
+    setup
+        .wait_count("SELECT count(*) FROM processed_events", 2)
+        .await;
+    // The cleanup ran past the replay horizon, then an operator replays the aggregate.
+    sqlx::query("DELETE FROM processed_events")
+        .execute(&setup.db.pool)
+        .await
+        .unwrap();
+    setup.publish_again_with_new_msg_id(&first).await;
+    setup.publish_again_with_new_msg_id(&second).await;
+    // A marker after the replay: once it is applied, the replay was settled before it.
+    setup.publish(&event("marker", 1)).await;
+    setup.wait_count("SELECT count(*) FROM applied", 3).await;
+    setup
+        .wait_count("SELECT count(*) FROM processed_events", 3)
+        .await;
+    common::wait_for("the replay to be settled", || async {
+        deliveries(&setup, name).await >= 5
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(sequences(&setup).await, [1, 2, 1], "nothing applied twice");
+    assert_eq!(setup.db.count("consumer_quarantine").await, 0);
+    assert!(reconciled.lock().unwrap().is_empty(), "no hook for stale");
+    assert_eq!(
+        deliveries(&setup, name).await,
+        5,
+        "each replayed copy was acknowledged on its first delivery"
+    );
+}
+
+#[tokio::test]
+async fn a_stale_event_is_a_duplicate_under_reject() {
+    stale_is_a_duplicate_under(GapPolicy::default(), "reject").await;
+}
+
+#[tokio::test]
+async fn a_stale_event_is_a_duplicate_under_buffer() {
+    let policy = GapPolicy::Buffer {
+        max_per_aggregate: 4,
+        max_total: 16,
+        max_wait: Duration::from_secs(1),
+    };
+    stale_is_a_duplicate_under(policy, "buffer").await;
+}
+
+#[tokio::test]
+async fn a_stale_event_is_a_duplicate_under_reconcile_with_the_default_hook() {
+    let policy = GapPolicy::Reconcile {
+        retry_after: Duration::from_millis(100),
+    };
+    stale_is_a_duplicate_under(policy, "reconcile").await;
+}
+
+#[tokio::test]
+async fn a_hook_skipping_an_event_ahead_moves_the_aggregate_past_it_and_leaves_no_hole() {
+    // 1, then 3 (ahead: the hook skips it, its state already covers 3), then 4, then the late
+    // 2. Skip moves the aggregate to 3, so 4 is next and applies; 2 is then stale.
+    let setup = Setup::new("gap_skip_ahead").await;
+    let events: Vec<_> = (1..=4).map(|s| event("o-1", s)).collect();
+    for i in [0, 2, 3, 1] {
+        setup.publish(&events[i]).await;
+    }
+    let mut recorder = Recorder::new();
+    recorder.decide = std::sync::Arc::new(|_| GapDecision::Skip);
+    let reconciled = recorder.reconciled.clone();
+    let config = handoff_consumer::ConsumerConfig {
+        gap_policy: GapPolicy::Reconcile {
+            retry_after: Duration::from_millis(100),
+        },
+        max_deliveries: 2,
+        ..setup.config("skip_ahead")
+    };
+    let running = setup.start(config, recorder).await;
+    setup
+        .wait_count("SELECT count(*) FROM processed_events", 4)
+        .await;
+    common::wait_for("every delivery settled", || async {
+        deliveries(&setup, "skip_ahead").await >= 4
+    })
+    .await;
+    running.stop().await;
+
+    assert_eq!(sequences(&setup).await, [1, 4], "3 skipped, 2 stale");
+    assert_eq!(
+        last_sequence(&setup).await,
+        4,
+        "no hole: the aggregate is at its end"
+    );
+    assert_eq!(
+        reconciled.lock().unwrap().clone(),
+        [(
+            3,
+            Gap {
+                last_applied: 1,
+                received: 3
+            }
+        )],
+        "asked once, about the event ahead"
+    );
+    assert_eq!(setup.db.count("consumer_quarantine").await, 0);
+    assert_eq!(
+        deliveries(&setup, "skip_ahead").await,
+        4,
+        "nothing was handed back or left waiting"
+    );
 }
 
 #[tokio::test]

@@ -246,6 +246,28 @@ pub fn read_event(
     let payload = std::str::from_utf8(body)
         .map_err(|_| malformed("the body is not UTF-8".to_owned()))?
         .to_owned();
+    // What PostgreSQL cannot store is refused here, for every intake: otherwise the inbox's
+    // first statement fails on every delivery and the message is never settled.
+    for (what, value) in [
+        (header::AGGREGATE_TYPE, aggregate_type.as_str()),
+        (header::AGGREGATE_ID, aggregate_id.as_str()),
+        (header::CE_TYPE, event_type.as_str()),
+    ] {
+        check_storable(what, value).map_err(&malformed)?;
+    }
+    if payload.contains('\0') {
+        // Never valid JSON either: a NUL inside a JSON string must be escaped.
+        return Err(malformed("the body holds a NUL byte".to_owned()));
+    }
+    if let Some((name, _)) = headers
+        .iter()
+        .find(|(name, value)| name.contains('\0') || value.contains('\0'))
+    {
+        return Err(malformed(format!(
+            "header {:?} holds a NUL byte",
+            name.replace('\0', "\\0")
+        )));
+    }
     // Any value marks a replayed copy (the value is the replay run's id).
     let replayed = get(header::REPLAY).is_some();
     Ok(ReceivedEvent {
@@ -274,6 +296,25 @@ pub fn read_event(
 /// ```
 pub fn format_time(at: SystemTime) -> String {
     DateTime::<Utc>::from(at).to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+/// A received name or id PostgreSQL can store and index: no NUL (text cannot hold it), at
+/// most [`MAX_RECEIVED_ID_BYTES`](crate::intake::MAX_RECEIVED_ID_BYTES) bytes, not empty.
+fn check_storable(what: &str, value: &str) -> Result<(), String> {
+    use crate::intake::MAX_RECEIVED_ID_BYTES;
+    if value.is_empty() {
+        Err(format!("header {what} is empty"))
+    } else if value.contains('\0') {
+        Err(format!("header {what} holds a NUL byte"))
+    } else if value.len() > MAX_RECEIVED_ID_BYTES {
+        Err(format!(
+            "header {what} is {} bytes long, over the {MAX_RECEIVED_ID_BYTES} bytes a consumer \
+             stores",
+            value.len()
+        ))
+    } else {
+        Ok(())
+    }
 }
 
 fn check_value(name: &str, value: &str) -> Result<(), PublishError> {
@@ -356,6 +397,58 @@ mod tests {
         }
         event.headers = vec![("x-ok".into(), "fine".into())];
         assert!(headers(&event, "src").is_ok());
+    }
+
+    #[test]
+    fn what_postgres_cannot_store_is_malformed() {
+        let long = "x".repeat(crate::intake::MAX_RECEIVED_ID_BYTES + 1);
+        let cases: [(&str, &str, &[u8], &str); 6] = [
+            (
+                header::AGGREGATE_ID,
+                "a%00b",
+                b"{}",
+                "Handoff-Aggregate-Id holds a NUL",
+            ),
+            (
+                header::AGGREGATE_ID,
+                &long,
+                b"{}",
+                "Handoff-Aggregate-Id is 1025 bytes",
+            ),
+            (
+                header::AGGREGATE_TYPE,
+                "or\0der",
+                b"{}",
+                "Handoff-Aggregate-Type holds a NUL",
+            ),
+            (header::CE_TYPE, &long, b"{}", "ce-type is 1025 bytes"),
+            (
+                header::CE_TYPE,
+                "Created",
+                b"{\"a\":\"\0\"}",
+                "the body holds a NUL",
+            ),
+            ("x-extra", "a\0", b"{}", "header \"x-extra\" holds a NUL"),
+        ];
+        for (name, value, body, expected) in cases {
+            let event = event();
+            let mut sent = headers(&event, "src").unwrap();
+            match sent.iter_mut().find(|(n, _)| n == name) {
+                Some((_, v)) => *v = value.to_owned(),
+                None => sent.push((name.to_owned(), value.to_owned())),
+            }
+            let malformed = read_event(sent, body, "here").unwrap_err();
+            assert!(
+                malformed.reason.contains(expected),
+                "{name}: {}",
+                malformed.reason
+            );
+            assert_eq!(malformed.event_id, Some(event.event_id));
+        }
+        let mut at_bound = event();
+        at_bound.aggregate_id = "y".repeat(crate::intake::MAX_RECEIVED_ID_BYTES);
+        let sent = headers(&at_bound, "src").unwrap();
+        assert!(read_event(sent, b"{}", "here").is_ok());
     }
 
     #[test]

@@ -19,6 +19,13 @@ use crate::EventId;
 /// nothing.
 pub const SKIPPED_HEADER: &str = "Handoff-Skipped";
 
+/// Longest aggregate type, aggregate id or event type a consumer accepts, in bytes: longer
+/// ones are refused as malformed when the message is read. The inbox keys its tables on them
+/// (with the consumer name, at most 200 bytes), and a PostgreSQL B-tree entry must stay under
+/// about 2700 bytes; the writer's own bound
+/// ([`Limits::max_aggregate_id_bytes`](crate::Limits), 255 by default) is far below.
+pub const MAX_RECEIVED_ID_BYTES: usize = 1024;
+
 /// One event as a consumer receives it: what the relay published, read back from the broker's
 /// message contract (`ce-id`, `Handoff-Sequence`, ...).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,7 +95,7 @@ impl ReceivedEvent {
 }
 
 /// A message that does not carry handoff's contract (a header missing or unreadable, a body
-/// that is not UTF-8). It cannot be applied or deduplicated, so the consumer quarantines it
+/// that is not UTF-8, a NUL byte or an over-long id that PostgreSQL could not store). It cannot be applied or deduplicated, so the consumer quarantines it
 /// with [`reason`](Self::reason) instead of dropping it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MalformedEvent {
@@ -195,4 +202,40 @@ pub trait Intake: Send + 'static {
     /// Cancel safe: a delivery not returned stays with the broker, which redelivers it after its
     /// ack wait.
     fn next(&mut self) -> impl Future<Output = Result<Delivery<Self::Settle>, IntakeError>> + Send;
+
+    /// Sets the broker's own delivery limit, where it has one, to `backstop` deliveries: the
+    /// consumer calls it once before taking deliveries, with
+    /// [`broker_backstop`]`(max_deliveries)`. The consumer's cap quarantines a failing message
+    /// first; the broker's limit only stops a message whose quarantine itself keeps failing
+    /// from being delivered forever. The default does nothing (a broker without a limit, or
+    /// one set at declaration).
+    ///
+    /// # Errors
+    ///
+    /// The limit could not be set; the consumer logs it and runs with the consumer's cap alone.
+    fn set_delivery_backstop(
+        &mut self,
+        backstop: u64,
+    ) -> impl Future<Output = Result<(), IntakeError>> + Send {
+        let _ = backstop;
+        std::future::ready(Ok(()))
+    }
+}
+
+/// The broker-side delivery limit for a consumer whose own cap is `max_deliveries`: twice the
+/// cap, and at least 10 above it. Deliveries past the cap only happen when writing the
+/// quarantine failed (each retried after the longest backoff), so the margin is time for the
+/// database to come back, not more attempts at the handler.
+///
+/// # Examples
+///
+/// ```
+/// use handoff_core::intake::broker_backstop;
+///
+/// assert_eq!(broker_backstop(3), 13);
+/// assert_eq!(broker_backstop(10), 20);
+/// assert_eq!(broker_backstop(1000), 2000);
+/// ```
+pub fn broker_backstop(max_deliveries: u64) -> u64 {
+    max_deliveries.saturating_add(max_deliveries.max(10))
 }

@@ -370,7 +370,10 @@ struct Held {
 ///   [`redeliver_after`](IntakeConfig::redeliver_after).
 ///
 /// Kafka keeps no delivery count: a message read from the broker counts as delivery 1, also
-/// after a restart. The group's coordinator takes the partitions away from a member that asks
+/// after a restart. There is no broker-side delivery limit either (no
+/// [`set_delivery_backstop`](Intake::set_delivery_backstop)): the consumer's delivery cap,
+/// counted here in process, is the bound, and the commit point never passes a message that was
+/// not settled, so the log keeps one whose quarantine write keeps failing. The group's coordinator takes the partitions away from a member that asks
 /// for no delivery for longer than librdkafka's `max.poll.interval.ms` (5 minutes), as when
 /// [`max_unsettled`](IntakeConfig::max_unsettled) deliveries stay unsettled that long. Messages are read back from the relay's contract (`ce-id`,
 /// `Handoff-Sequence`, ...); one without it is handed over as a [`MalformedEvent`].

@@ -61,6 +61,10 @@ impl Setup {
     }
 
     async fn start(&self, group: &str, recorder: Recorder) -> Running {
+        self.start_with_cap(group, recorder, 1_000).await
+    }
+
+    async fn start_with_cap(&self, group: &str, recorder: Recorder, cap: u64) -> Running {
         let intake = KafkaIntake::connect(IntakeConfig {
             brokers: self.broker.brokers(),
             topic: self.topic.clone(),
@@ -71,7 +75,7 @@ impl Setup {
         .unwrap();
         let config = ConsumerConfig {
             name: group.into(),
-            max_deliveries: 1_000,
+            max_deliveries: cap,
             retry_backoff: handoff_core::Backoff {
                 initial: Duration::from_millis(20),
                 max: Duration::from_millis(100),
@@ -189,4 +193,54 @@ async fn a_restart_resumes_from_the_commit_point_and_redelivers_what_was_unsettl
     assert_eq!(calls.len(), 2, "{calls:?}");
     assert!(later.iter().all(|e| calls.contains_key(&e.event_id)));
     assert_eq!(setup.count("SELECT count(*) FROM applied").await, 22);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_aggregate_id_and_a_panicking_handler_are_quarantined_within_the_cap() {
+    // One partition: the poison sits in the same line as the healthy events after it.
+    let setup = Setup::new("kafka_intake_poison", 1).await;
+    // Published as the relay would publish a NUL id: Handoff-Aggregate-Id is `a%00b`.
+    let nul = factory::outbox_event("a\0b", 1);
+    let panics = factory::outbox_event("panics", 1);
+    setup.publish(&nul).await;
+    setup.publish(&panics).await;
+    let fine: Vec<_> = (0..4)
+        .map(|n| factory::outbox_event(&format!("fine-{n}"), 1))
+        .collect();
+    for event in &fine {
+        setup.publish(event).await;
+    }
+    let recorder = Recorder::new(|event, _| {
+        if event.aggregate_id == "panics" {
+            panic!("injected: the handler cannot cope");
+        }
+        Ok(())
+    });
+    let running = setup.start_with_cap("poison", recorder.clone(), 3).await;
+    inbox::wait_count(
+        &setup.db.pool,
+        "SELECT count(*) FROM consumer_quarantine",
+        2,
+    )
+    .await;
+    setup.wait_processed(4).await;
+    running.stop().await;
+
+    let rows: Vec<(Uuid, String, String, i64)> =
+        sqlx::query_as("SELECT event_id, reason_kind, reason, deliveries FROM consumer_quarantine")
+            .fetch_all(&setup.db.pool)
+            .await
+            .unwrap();
+    let row = |id: Uuid| rows.iter().find(|r| r.0 == id).cloned().unwrap();
+    let (_, kind, reason, deliveries) = row(nul.event_id);
+    assert_eq!(kind, "malformed");
+    assert!(reason.contains("holds a NUL byte"), "{reason}");
+    assert_eq!(deliveries, 1);
+    let (_, kind, reason, deliveries) = row(panics.event_id);
+    assert_eq!(kind, "handler_panic");
+    assert!(reason.contains("injected"), "{reason}");
+    assert_eq!(deliveries, 3, "tried up to the cap, no further");
+    assert_eq!(recorder.calls()[&panics.event_id], 3);
+    let applied = setup.applied().await;
+    assert_eq!(applied.len(), fine.len(), "the others flowed: {applied:?}");
 }

@@ -107,10 +107,17 @@ pub enum IntakeConnectError {
 /// Deliveries from a durable JetStream pull consumer with explicit acknowledgements.
 ///
 /// The durable consumer is created on first use with `AckPolicy::Explicit`, the configured ack
-/// wait and max-ack-pending, no delivery limit of its own (the consumer's delivery cap decides,
-/// and quarantines instead of letting the server drop the message), and delivery from the
-/// stream's start. An existing durable consumer gets the configured ack wait and max-ack-pending;
-/// one with another subject filter is refused (the server cannot change it).
+/// wait and max-ack-pending, and delivery from the stream's start. An existing durable consumer
+/// gets the configured ack wait and max-ack-pending; one with another subject filter is refused
+/// (the server cannot change it).
+///
+/// Its `max_deliver` is a backstop above the consumer's own delivery cap: a `Consumer` sets it
+/// to [`broker_backstop`](handoff_core::intake::broker_backstop)`(max_deliveries)` when it
+/// starts ([`Intake::set_delivery_backstop`]). The consumer quarantines a failing message at its
+/// cap; the server's limit only stops one whose quarantine write keeps failing. Such a message
+/// stays in the stream (replayable) and the server publishes a
+/// `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES` advisory. Used without a `Consumer`, the
+/// durable has no limit (`-1`) unless one was set before.
 ///
 /// Each message is read back from the relay's contract: `ce-id` (the event id; not
 /// `Nats-Msg-Id`, which a second publish may change), `Handoff-Aggregate-Type`,
@@ -134,6 +141,10 @@ pub enum IntakeConnectError {
 pub struct JetStreamIntake {
     messages: PullStream,
     transport: JetStreamTransport,
+    /// The stream, to update the durable's settings.
+    stream: async_nats::jetstream::stream::Stream,
+    /// The durable's settings, as last written.
+    settings: PullConfig,
 }
 
 impl JetStreamIntake {
@@ -178,7 +189,7 @@ impl JetStreamIntake {
             .get_stream(&config.stream)
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
-        let wanted = PullConfig {
+        let mut wanted = PullConfig {
             durable_name: Some(config.durable_name.clone()),
             ack_policy: AckPolicy::Explicit,
             ack_wait: config.ack_wait,
@@ -193,6 +204,8 @@ impl JetStreamIntake {
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
         let existing = &consumer.cached_info().config;
+        // Kept as it is: set by the consumer that runs on it (`set_delivery_backstop`).
+        wanted.max_deliver = existing.max_deliver;
         if existing.filter_subject != wanted.filter_subject {
             // Not editable on the server, and consuming another filter than asked for would
             // silently skip or add events.
@@ -206,7 +219,7 @@ impl JetStreamIntake {
         {
             // Both are editable: a second create with the same durable name updates them.
             consumer = stream
-                .create_consumer(wanted)
+                .create_consumer(wanted.clone())
                 .await
                 .map_err(|e| consumer_error(format!("while updating its settings: {e}")))?;
             tracing::info!(durable = %config.durable_name, ack_wait = ?config.ack_wait,
@@ -221,7 +234,14 @@ impl JetStreamIntake {
         Ok(Self {
             messages,
             transport,
+            stream,
+            settings: wanted,
         })
+    }
+
+    /// The durable consumer's `max_deliver` as this intake last set or found it (`-1`: none).
+    pub fn max_deliver(&self) -> i64 {
+        self.settings.max_deliver
     }
 
     /// The NATS client, for tools and tests.
@@ -249,6 +269,26 @@ impl Intake for JetStreamIntake {
             delivery_count,
             settle: JetStreamSettle { acker },
         })
+    }
+
+    async fn set_delivery_backstop(&mut self, backstop: u64) -> Result<(), IntakeError> {
+        let backstop = i64::try_from(backstop).unwrap_or(i64::MAX);
+        if self.settings.max_deliver == backstop {
+            return Ok(());
+        }
+        let wanted = PullConfig {
+            max_deliver: backstop,
+            ..self.settings.clone()
+        };
+        // A second create with the same durable name updates its editable settings.
+        self.stream
+            .create_consumer(wanted.clone())
+            .await
+            .map_err(|e| IntakeError::new("while setting the durable's max_deliver", e))?;
+        tracing::info!(durable = ?wanted.durable_name, max_deliver = backstop,
+            "the durable consumer's delivery limit is the backstop above the consumer's cap");
+        self.settings = wanted;
+        Ok(())
     }
 }
 

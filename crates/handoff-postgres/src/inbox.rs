@@ -91,6 +91,13 @@ pub enum QuarantineKind {
     Gap,
     /// The message does not carry handoff's contract.
     Malformed,
+    /// The handler panicked on every delivery until the delivery cap.
+    HandlerPanic,
+    /// Applying the event outlasted the apply timeout on every delivery until the cap.
+    ApplyTimeout,
+    /// The consumer's database refused the event's own statements (admitting it, advancing its
+    /// sequence, committing) until the delivery cap.
+    Database,
 }
 
 impl QuarantineKind {
@@ -101,6 +108,9 @@ impl QuarantineKind {
             QuarantineKind::DeliveryCap => "delivery_cap",
             QuarantineKind::Gap => "gap",
             QuarantineKind::Malformed => "malformed",
+            QuarantineKind::HandlerPanic => "handler_panic",
+            QuarantineKind::ApplyTimeout => "apply_timeout",
+            QuarantineKind::Database => "database",
         }
     }
 }
@@ -201,6 +211,11 @@ impl InboxError {
     fn database(context: &'static str) -> impl FnOnce(sqlx::Error) -> InboxError {
         move |source| InboxError::Database { context, source }
     }
+}
+
+/// `text` with every NUL (which PostgreSQL text cannot hold) replaced by U+FFFD.
+fn storable(text: &str) -> String {
+    text.replace('\0', "\u{FFFD}")
 }
 
 /// Checks a consumer name: 1 to [`MAX_CONSUMER_NAME_BYTES`] bytes of ASCII letters, digits, `-`
@@ -348,9 +363,11 @@ impl Inbox {
             Ok(e) => (&e.headers, &e.payload),
             Err(m) => (&m.headers, &m.payload),
         };
+        // PostgreSQL text (and jsonb) cannot hold NUL, which a malformed message may carry
+        // anywhere: the quarantine must take every message, or the message is never settled.
         let headers: serde_json::Map<String, serde_json::Value> = headers
             .iter()
-            .map(|(n, v)| (n.clone(), serde_json::Value::String(v.clone())))
+            .map(|(n, v)| (storable(n), serde_json::Value::String(storable(v))))
             .collect();
         let ok = event.ok();
         sqlx::query(&self.quarantine_sql)
@@ -359,16 +376,15 @@ impl Inbox {
                 Ok(e) => Some(e.event_id),
                 Err(m) => m.event_id,
             })
-            .bind(ok.map(|e| &e.aggregate_type))
-            .bind(ok.map(|e| &e.aggregate_id))
+            .bind(ok.map(|e| storable(&e.aggregate_type)))
+            .bind(ok.map(|e| storable(&e.aggregate_id)))
             .bind(ok.map(|e| e.sequence))
-            .bind(ok.map(|e| &e.event_type))
+            .bind(ok.map(|e| storable(&e.event_type)))
             .bind(ok.map(|e| e.schema_version))
-            // PostgreSQL text cannot hold NUL; a malformed body may.
-            .bind(payload.replace('\0', "\u{FFFD}"))
+            .bind(storable(payload))
             .bind(serde_json::Value::Object(headers).to_string())
             .bind(kind.as_str())
-            .bind(reason)
+            .bind(storable(reason))
             .bind(i64::try_from(deliveries).unwrap_or(i64::MAX))
             .execute(conn)
             .await
