@@ -250,7 +250,9 @@ impl std::fmt::Debug for Destination {
                 .field("url", &handoff_core::redact::url(url))
                 .field("config", config)
                 .finish(),
-            Destination::Kafka { config } => f.debug_struct("Kafka").field("config", config).finish(),
+            Destination::Kafka { config } => {
+                f.debug_struct("Kafka").field("config", config).finish()
+            }
             Destination::Amqp { config } => f.debug_struct("Amqp").field("config", config).finish(),
             Destination::Http { config } => f.debug_struct("Http").field("config", config).finish(),
         }
@@ -274,7 +276,10 @@ impl std::fmt::Debug for Settings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // PgConnectOptions' own Debug prints the password.
         f.debug_struct("Settings")
-            .field("database_url", &handoff_core::redact::url(&self.database_url))
+            .field(
+                "database_url",
+                &handoff_core::redact::url(&self.database_url),
+            )
             .field("logical", &self.logical)
             .field("destination", &self.destination)
             .field("metrics_addr", &self.metrics_addr)
@@ -938,7 +943,10 @@ mod tests {
         with_secrets.max_takeovers = Some(3);
         let settings = Settings::resolve(with_secrets).unwrap();
         let shown = format!("{settings:?}");
-        assert!(!shown.contains("pgs3cret") && !shown.contains("nats3cret"), "{shown}");
+        assert!(
+            !shown.contains("pgs3cret") && !shown.contains("nats3cret"),
+            "{shown}"
+        );
         assert!(shown.contains("localhost"), "{shown}");
         assert_eq!(settings.polling.max_takeovers, 3);
         assert_ne!(default_relay_id(), default_relay_id());

@@ -103,7 +103,10 @@ async fn assert_applied_once_in_order(db: &TestDb, endpoint: &Endpoint) {
     let mut next: HashMap<&str, i64> = HashMap::new();
     for (aggregate, sequence, id) in &applied {
         let want = next.entry(aggregate).or_insert(1);
-        assert_eq!(*sequence, *want, "{aggregate} #{sequence} ({id}) out of order");
+        assert_eq!(
+            *sequence, *want,
+            "{aggregate} #{sequence} ({id}) out of order"
+        );
         *want += 1;
     }
 }
@@ -137,7 +140,12 @@ async fn outage_costs_nothing(name: &str, mode: u8, outage: Duration) -> usize {
     endpoint.mode.store(mode, Ordering::SeqCst);
     enqueue_spread(&db.pool, &outbox, AGGREGATES, 3 * AGGREGATES, AGGREGATES).await;
     tokio::time::sleep(outage).await;
-    assert_eq!(held(&db).await, 0, "held during the outage:\n{}", relay.log());
+    assert_eq!(
+        held(&db).await,
+        0,
+        "held during the outage:\n{}",
+        relay.log()
+    );
     endpoint.mode.store(ACCEPT, Ordering::SeqCst);
     let refusals = endpoint.refused.lock().unwrap().len();
 
@@ -145,10 +153,11 @@ async fn outage_costs_nothing(name: &str, mode: u8, outage: Duration) -> usize {
     assert!(relay.terminate().success(), "exit 0:\n{}", relay.log());
     assert_eq!(held(&db).await, 0);
     assert_applied_once_in_order(&db, &endpoint).await;
-    let charged: i64 = sqlx::query_scalar("SELECT coalesce(max(attempt_count), 0)::int8 FROM outbox")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let charged: i64 =
+        sqlx::query_scalar("SELECT coalesce(max(attempt_count), 0)::int8 FROM outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     // The first refusal after a success may still look like the event's; nothing after it.
     assert!(charged <= 1, "an event was charged {charged} attempts");
     let log = relay.log();
@@ -163,14 +172,20 @@ async fn an_endpoint_answering_503_longer_than_the_attempt_budget_quarantines_no
     let refusals = outage_costs_nothing("policy_503", UNAVAILABLE, Duration::from_secs(10)).await;
     // The pause keeps the load down: the lanes in flight when it began, then one probe per
     // round of the backoff (100 ms doubling up to 10 s), not a retry per event per backoff.
-    assert!(refusals <= 20 + 15, "{refusals} requests refused during the outage");
+    assert!(
+        refusals <= 20 + 15,
+        "{refusals} requests refused during the outage"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_pauses_the_whole_destination_and_charges_nothing() {
     let refusals = outage_costs_nothing("policy_429", TOO_MANY, Duration::from_secs(7)).await;
     // Retry-After: 2 holds every lane: the burst in flight, then a probe at most every 2 s.
-    assert!(refusals <= 20 + 5, "{refusals} requests refused during the throttle");
+    assert!(
+        refusals <= 20 + 5,
+        "{refusals} requests refused during the throttle"
+    );
 }
 
 #[cfg(feature = "failpoints")]
@@ -217,8 +232,16 @@ async fn an_event_that_kills_every_relay_is_held_as_a_crash_loop_and_others_flow
             break;
         }
         if let Some(status) = relay.try_status() {
-            assert!(!status.success(), "the relay died by abort:\n{}", relay.log());
-            assert!(relay.log().contains("failpoint fired: aborting"), "{}", relay.log());
+            assert!(
+                !status.success(),
+                "the relay died by abort:\n{}",
+                relay.log()
+            );
+            assert!(
+                relay.log().contains("failpoint fired: aborting"),
+                "{}",
+                relay.log()
+            );
             aborts += 1;
             relay = RelayProcess::start(&target, "crash-loop", &extra, &env);
         }

@@ -8,8 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, PublishError, Published, Source, SourceError,
-    Transport,
+    Claim, Failure, OutboxEvent, PublishError, Published, Source, SourceError, Transport,
 };
 use handoff_core::EventId;
 use tokio::sync::{mpsc, watch, Notify, Semaphore};
@@ -515,7 +514,10 @@ async fn claim_loop<S: Source, T: Transport>(
                 _ = stop.changed() => break,
                 () = tokio::time::sleep_until(pause.until.into()) => {}
             }
-            if matches!(pause.reason, PauseReason::Unavailable | PauseReason::Throttled) {
+            if matches!(
+                pause.reason,
+                PauseReason::Unavailable | PauseReason::Throttled
+            ) {
                 // The transport knows when it can reach the broker again (or, for RabbitMQ,
                 // when the broker lifts its connection.blocked): no probe event is spent
                 // before then.
