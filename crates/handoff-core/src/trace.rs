@@ -57,6 +57,10 @@ pub fn inject_current_context(headers: &mut BTreeMap<String, String>) -> bool {
         return false;
     }
     TraceContextPropagator::new().inject_context(&context, &mut MapInjector(headers));
+    // The propagator writes `tracestate` even when the trace has none: no empty header.
+    if headers.get(TRACESTATE).is_some_and(String::is_empty) {
+        headers.remove(TRACESTATE);
+    }
     headers.contains_key(TRACEPARENT)
 }
 
@@ -99,6 +103,10 @@ pub fn headers_json_with_current_context(event: &NewEvent, limits: &Limits) -> S
 /// assert!(!handoff_core::trace::continue_trace(&span, &headers));
 /// ```
 pub fn continue_trace(span: &tracing::Span, headers: &[(String, String)]) -> bool {
+    // No layer wants the span (no exporter, logs filtered): nothing to parse.
+    if span.is_disabled() {
+        return false;
+    }
     let parent = TraceContextPropagator::new().extract(&PairsExtractor(headers));
     if !parent.span().span_context().is_valid() {
         return false;

@@ -50,6 +50,9 @@ use tracing_subscriber::{EnvFilter, Layer};
 /// `OTEL_EXPORTER_OTLP_ENDPOINT` convention says.
 const TRACES_PATH: &str = "/v1/traces";
 
+/// The modules whose spans carry the trace through each event's hops (publish, handler).
+const TRACE_SPAN_TARGETS: [&str; 2] = ["handoff_relay::trace", "handoff_consumer::trace"];
+
 /// The `--otlp-endpoint` flag every handoff binary takes (flatten it into the binary's
 /// arguments).
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -151,7 +154,9 @@ pub struct TelemetryBuilder {
 
 impl TelemetryBuilder {
     /// The log filter when `RUST_LOG` is not set (an `EnvFilter` directive such as
-    /// `info,sqlx=warn`); `info` by default. It filters the logs only, not the exported spans.
+    /// `info,sqlx=warn`); `info` by default. It filters the logs only, not the exported spans;
+    /// the per-event spans of the relay's publish and the consumer's handler never go to the
+    /// logs.
     pub fn default_filter(mut self, directives: &'static str) -> Self {
         self.default_filter = directives;
         self
@@ -175,8 +180,15 @@ impl TelemetryBuilder {
     /// [`TelemetryError::Exporter`] when the OTLP exporter cannot be built,
     /// [`TelemetryError::Install`] when a global subscriber is already set.
     pub fn init(self) -> Result<Telemetry, TelemetryError> {
-        let filter = EnvFilter::try_from_default_env()
+        let mut filter = EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| EnvFilter::new(self.default_filter));
+        // The per-event trace spans are for the exporter, not the log lines: kept out of the
+        // logs, so without an exporter no layer wants them and they cost nothing.
+        for directive in TRACE_SPAN_TARGETS {
+            if let Ok(directive) = format!("{directive}=warn").parse() {
+                filter = filter.add_directive(directive);
+            }
+        }
         let logs = tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
             .with_ansi(std::io::stderr().is_terminal())
