@@ -30,6 +30,9 @@ mod status;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// `--otlp-endpoint`: where trace spans go (nowhere without it).
+    #[command(flatten)]
+    otlp: handoff_telemetry::OtlpArgs,
 }
 
 #[derive(Subcommand)]
@@ -104,14 +107,11 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<std::process::ExitCode> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,sqlx=warn,async_nats=warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    // Kept until the command ends: dropping it sends the spans still buffered.
+    let _telemetry = handoff_telemetry::Telemetry::builder("handoff")
+        .default_filter("info,sqlx=warn,async_nats=warn")
+        .otlp(&cli.otlp)
+        .init()?;
     let success = |()| std::process::ExitCode::SUCCESS;
     match cli.command {
         Command::Migrate(args) => migrate(args).await.map(success),

@@ -691,8 +691,13 @@ impl<H: Handler> Shared<H> {
                 Ok(())
             }
             None => {
+                // In the event's trace (feature `otel`, see crate::trace); no span without it.
+                let span = crate::trace::handler_span(&self.config.name, &item.event);
                 keep_alive(
-                    self.handler.handle(&mut tx, &item.event),
+                    tracing::Instrument::instrument(
+                        self.handler.handle(&mut tx, &item.event),
+                        span,
+                    ),
                     &item.settle,
                     self.config.progress_interval,
                 )

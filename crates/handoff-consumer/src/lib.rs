@@ -66,6 +66,7 @@ mod external;
 pub mod failpoints;
 mod handler;
 mod metrics;
+mod trace;
 
 pub use config::{ConfigError, ConsumerConfig, GapPolicy};
 pub use consumer::Consumer;

@@ -13,7 +13,9 @@
 //!   [`delivery::Transport`] that publishes them;
 //! - [`OrderMode`], per-aggregate (default) or strict global order;
 //! - [`intake`], the consumer's seam: an [`intake::Intake`] of delivered events, each settled
-//!   through [`intake::Settle`].
+//!   through [`intake::Settle`];
+//! - [`trace`] (feature `otel`), the W3C trace context between `tracing` spans and event
+//!   headers.
 //!
 //! The PostgreSQL side lives in `handoff-postgres`; broker adapters live in their own crates so
 //! this one never depends on a broker client.
@@ -55,6 +57,9 @@ mod limits;
 mod order;
 pub mod redact;
 pub mod subject;
+#[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+pub mod trace;
 
 pub use backoff::Backoff;
 pub use catalog::EventCatalog;

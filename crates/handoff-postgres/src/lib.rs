@@ -61,6 +61,7 @@ mod retained;
 mod schema;
 mod source;
 mod status;
+mod trace;
 
 pub use cleanup::{
     Cleanup, CleanupConfig, CleanupError, CleanupErrorKind, CleanupPhase, CleanupProgress,

@@ -296,7 +296,7 @@ impl Outbox {
         events: &[NewEvent],
     ) -> Result<Vec<Enqueued>, EnqueueError> {
         self.validate(events)?;
-        let mut groups = group_by_aggregate(events);
+        let mut groups = group_by_aggregate(events, &self.inner.config.limits);
         let global = self.inner.config.order == OrderMode::Global && !events.is_empty();
         if global {
             let last: i64 = sqlx::query_scalar(&self.inner.global_reserve_sql)
@@ -511,7 +511,7 @@ impl Outbox {
         use tokio_postgres::types::Type;
 
         self.validate(events)?;
-        let mut groups = group_by_aggregate(events);
+        let mut groups = group_by_aggregate(events, &self.inner.config.limits);
         let global = self.inner.config.order == OrderMode::Global && !events.is_empty();
         if global {
             let count = events.len() as i64;
@@ -591,7 +591,7 @@ impl Outbox {
         events: &'a [NewEvent],
     ) -> Result<Option<AggregateBatch<'a>>, EnqueueError> {
         self.validate(events)?;
-        let mut groups = group_by_aggregate(events);
+        let mut groups = group_by_aggregate(events, &self.inner.config.limits);
         if groups.len() > 1 {
             return Err(EnqueueError::MixedAggregates);
         }
@@ -792,7 +792,9 @@ fn assign_global(groups: &mut [AggregateBatch<'_>], events: &[NewEvent], last: i
 
 /// Splits a batch by aggregate, keeping each aggregate's events in the order given, and sorts
 /// the groups by aggregate so that one batch always locks its head rows in the same order.
-fn group_by_aggregate(events: &[NewEvent]) -> Vec<AggregateBatch<'_>> {
+/// Each event's headers are stored as [`crate::trace::stored_headers`] gives them (with the
+/// current trace context under the `otel` feature), within `limits`.
+fn group_by_aggregate<'a>(events: &'a [NewEvent], limits: &Limits) -> Vec<AggregateBatch<'a>> {
     let mut groups: Vec<AggregateBatch<'_>> = Vec::new();
     for event in events {
         let key = (event.aggregate_type(), event.aggregate_id());
@@ -820,7 +822,9 @@ fn group_by_aggregate(events: &[NewEvent]) -> Vec<AggregateBatch<'_>> {
         group.event_types.push(event.event_type());
         group.schema_versions.push(event.schema_version());
         group.payloads.push(event.payload());
-        group.headers.push(event.headers_json());
+        group
+            .headers
+            .push(crate::trace::stored_headers(event, limits));
     }
     groups.sort_by(|a, b| {
         (a.aggregate_type, a.aggregate_id).cmp(&(b.aggregate_type, b.aggregate_id))
@@ -884,7 +888,7 @@ mod tests {
             NewEvent::new("order", "a", "E", 1, "2"),
             NewEvent::new("order", "b", "E", 1, "3"),
         ];
-        let groups = group_by_aggregate(&events);
+        let groups = group_by_aggregate(&events, &Limits::default());
         assert_eq!(groups.len(), 2);
         assert_eq!(groups[0].aggregate_id, "a");
         assert_eq!(groups[1].aggregate_id, "b");
@@ -898,7 +902,7 @@ mod tests {
             NewEvent::new("order", "a", "E", 1, "2"),
             NewEvent::new("order", "b", "E", 1, "3"),
         ];
-        let mut groups = group_by_aggregate(&events);
+        let mut groups = group_by_aggregate(&events, &Limits::default());
         assign_global(&mut groups, &events, 12);
         assert_eq!(groups[0].global_sequences, [11]);
         assert_eq!(groups[1].global_sequences, [10, 12]);

@@ -28,6 +28,7 @@ pub mod failpoints;
 mod health;
 pub mod metrics;
 mod relay;
+mod trace;
 
 pub use config::{Backoff, OrderMode, RelayConfig, RelayConfigError};
 pub use relay::{Relay, RelayReport};

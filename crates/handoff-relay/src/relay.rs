@@ -406,7 +406,12 @@ async fn run_lane<T: Transport>(
         freeze_if_fired(fp::BEFORE_PUBLISH).await;
         fp::abort_if_named(&event.event_id);
         let started = Instant::now();
-        match transport.publish(&event).await {
+        // In the event's trace (feature `otel`, see crate::trace); a no-op span without it.
+        let publish = tracing::Instrument::instrument(
+            transport.publish(&event),
+            crate::trace::publish_span(&event),
+        );
+        match publish.await {
             Ok(receipt) => {
                 if let Some(pause) = shared.health.succeeded(Instant::now()) {
                     info!(

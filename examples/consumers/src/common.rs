@@ -144,6 +144,9 @@ pub struct CommonArgs {
     /// search_path].
     #[arg(long, env = "HANDOFF_SCHEMA")]
     pub schema: Option<String>,
+    /// `--otlp-endpoint`: where trace spans go (nowhere without it).
+    #[command(flatten)]
+    pub otlp: handoff_telemetry::OtlpArgs,
 }
 
 /// The `--broker` values.
@@ -374,16 +377,27 @@ fn one_line(error: &clap::Error) -> String {
 }
 
 /// Logs to stderr (stdout carries only the ready line), filtered by `RUST_LOG`, by default
-/// `info,sqlx=warn`.
+/// `info,sqlx=warn,async_nats=warn`; no span is exported (see [`init_telemetry`]).
 pub fn init_logging() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,sqlx=warn,async_nats=warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    let _ = init_telemetry("consumer", &handoff_telemetry::OtlpArgs::default());
+}
+
+/// As [`init_logging`], and with `--otlp-endpoint` the trace spans (each event's handler span
+/// continues the trace the event was written in) exported as `service_name`. Keep the guard
+/// until the consumer stops: dropping it sends the spans still buffered. `Err` is the exit
+/// code after the error was printed.
+pub fn init_telemetry(
+    service_name: &'static str,
+    otlp: &handoff_telemetry::OtlpArgs,
+) -> Result<handoff_telemetry::Telemetry, ExitCode> {
+    handoff_telemetry::Telemetry::builder(service_name)
+        .default_filter("info,sqlx=warn,async_nats=warn")
+        .otlp(otlp)
+        .init()
+        .map_err(|error| {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        })
 }
 
 /// The process's exit code for `result`; a failure is printed as one `error: ...` line.

@@ -28,6 +28,29 @@ pub fn router(store: Store) -> Router {
         .route("/orders/{id}/cancel", post(cancel_order))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(store)
+        .layer(axum::middleware::from_fn(traced))
+}
+
+/// Runs each request in an `order_service.request` span. The span continues the caller's W3C
+/// trace context (its `traceparent` / `tracestate` headers) and the events the command
+/// enqueues carry it on, through the relay to the consumers (docs/tracing.md); without an
+/// OpenTelemetry layer installed (no `--otlp-endpoint`) it is only a log span.
+async fn traced(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let span = tracing::info_span!(
+        "order_service.request",
+        otel.kind = "server",
+        http.request.method = %request.method(),
+        url.path = %request.uri().path(),
+    );
+    let context: Vec<(String, String)> = ["traceparent", "tracestate"]
+        .into_iter()
+        .filter_map(|name| {
+            let value = request.headers().get(name)?.to_str().ok()?;
+            Some((name.to_owned(), value.to_owned()))
+        })
+        .collect();
+    handoff::core::trace::continue_trace(&span, &context);
+    tracing::Instrument::instrument(next.run(request), span).await
 }
 
 async fn create_order(

@@ -41,6 +41,9 @@ struct Args {
     /// relay with `--order global` to publish them, in that order, on `<prefix>.global`.
     #[arg(long, env = "ORDER_SERVICE_ORDER", default_value_t = handoff::OrderMode::Aggregate)]
     order: handoff::OrderMode,
+    /// `--otlp-endpoint`: where trace spans go (nowhere without it).
+    #[command(flatten)]
+    otlp: handoff_telemetry::OtlpArgs,
 }
 
 #[tokio::main]
@@ -48,14 +51,20 @@ async fn main() -> std::process::ExitCode {
     // Test builds only: reads FAILPOINTS (see order_service::failpoints).
     #[cfg(feature = "failpoints")]
     let _scenario = fail::FailScenario::setup();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,sqlx=warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match run(Args::parse()).await {
+    let args = Args::parse();
+    // Kept until the service ends: dropping it sends the spans still buffered.
+    let _telemetry = match handoff_telemetry::Telemetry::builder("order-service")
+        .default_filter("info,sqlx=warn")
+        .otlp(&args.otlp)
+        .init()
+    {
+        Ok(telemetry) => telemetry,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match run(args).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");

@@ -15,6 +15,10 @@ async fn main() -> ExitCode {
         Ok(args) => args,
         Err(code) => return code,
     };
-    common::init_logging();
+    // Kept until the consumer stops: dropping it sends the spans still buffered.
+    let _telemetry = match common::init_telemetry("payments", &args.common.otlp) {
+        Ok(telemetry) => telemetry,
+        Err(code) => return code,
+    };
     common::exit_code(payments::run(args).await)
 }
