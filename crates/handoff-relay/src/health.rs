@@ -230,7 +230,7 @@ mod tests {
         assert!(h.failed(Transient, None, t).charged);
         // ... every later one does not, and the destination pauses.
         let second = h.failed(Transient, None, t);
-        assert_eq!(second.charged, false);
+        assert!(!second.charged);
         assert_eq!(second.paused, Some(PauseReason::Failing));
         let pause = h.pause().expect("paused");
         assert_eq!(pause.rounds, 1);
