@@ -90,6 +90,8 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         name: "crash_loop",
         up: include_str!("../migrations/0008_crash_loop.up.sql"),
         down: include_str!("../migrations/0008_crash_loop.down.sql"),
+    },
+    Migration {
         version: 9,
         name: "saga_failure_policy",
         up: include_str!("../migrations/0009_saga_failure_policy.up.sql"),
