@@ -67,7 +67,7 @@ pub mod failpoints;
 mod handler;
 mod metrics;
 
-pub use config::{ConfigError, ConsumerConfig, GapPolicy};
+pub use config::{BatchConfig, ConfigError, ConsumerConfig, GapPolicy};
 pub use consumer::Consumer;
 pub use external::{CallFailure, CallPolicy, CallSuccess, ExternalCallError, ExternalCalls};
 pub use handler::{Gap, GapDecision, Handler, HandlerError, HandlerErrorKind};
