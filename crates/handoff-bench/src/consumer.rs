@@ -1,6 +1,6 @@
-//! `handoff-bench consumer`: messages/s of a consumer that applies events through the inbox,
-//! against the same consumer and handler without it
-//! (`Consumer::without_inbox_for_benchmarks`), in the same run.
+//! `handoff-bench consumer`: messages/s of a consumer that applies events through the inbox, one
+//! transaction per event and in batch mode (`ConsumerConfig::batch`), against the same consumer
+//! and handler without the inbox (`Consumer::without_inbox_for_benchmarks`), in the same run.
 //!
 //! One stream is preloaded once with N events over K aggregates, each aggregate's events in
 //! sequence order 1..n, published through the relay's own transport
@@ -13,11 +13,14 @@
 //!
 //! A run ends when the handler has applied all N events and the consumer has stopped (its
 //! shutdown future completes on the N-th effect, then it lets the transactions in flight
-//! commit). Variants alternate within every round (inbox first in odd rounds), the business and
+//! commit). The variants' order rotates from round to round (each goes first once in three
+//! rounds), the business and
 //! inbox tables are truncated and checkpointed before every run, and the median per variant is
-//! reported with the ratio inbox / no inbox. After every run the effects are checked: the sum of
-//! reservations is the expected total, and with the inbox every event has its dedup row and
-//! every aggregate stands at its last sequence; a mismatch fails the bench.
+//! reported with the ratios inbox / no inbox and batch / no inbox. In batch mode one transaction
+//! runs one multi-row admit statement and the handler for up to `--inbox-batch-events` events of
+//! different aggregates. After every run the effects are checked: the sum of reservations is the
+//! expected total, and with the inbox (either mode) every event has its dedup row and every
+//! aggregate stands at its last sequence; a mismatch fails the bench.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -27,7 +30,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result};
 use futures::stream::{self, StreamExt, TryStreamExt};
-use handoff_consumer::{Consumer, ConsumerConfig, Handler, HandlerError, HandlerErrorKind};
+use handoff_consumer::{
+    BatchConfig, Consumer, ConsumerConfig, Handler, HandlerError, HandlerErrorKind,
+};
 use handoff_core::delivery::{OutboxEvent, Transport};
 use handoff_core::intake::ReceivedEvent;
 use handoff_nats::async_nats::jetstream;
@@ -58,7 +63,7 @@ const PUBLISH_OUTSTANDING: usize = 256;
 /// The consumer's name (its key in the inbox tables, which are truncated between runs).
 const CONSUMER_NAME: &str = "bench";
 
-/// Goal of the issue: inbox msgs/s at least this share of no-inbox msgs/s.
+/// Goal of the issue: inbox msgs/s (batch mode) at least this share of no-inbox msgs/s.
 const GOAL_RATIO: f64 = 0.8;
 
 /// The handler's business effect: reserve the ordered quantity of one SKU.
@@ -85,10 +90,10 @@ pub struct ConsumerArgs {
     /// Aggregates the events are spread over.
     #[arg(long, default_value_t = 5_000)]
     aggregates: usize,
-    /// Rounds; each runs both variants, and the median per variant is reported.
+    /// Rounds; each runs every variant, and the median per variant is reported.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// The consumer's `max_concurrency` (events applied at once), in both variants.
+    /// The consumer's `max_concurrency` (events applied at once), in every variant.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
     /// SKUs the reservations are spread over (aggregate number modulo this).
@@ -100,6 +105,16 @@ pub struct ConsumerArgs {
     /// Messages per pull request.
     #[arg(long, default_value_t = 256)]
     batch: usize,
+    /// Batch mode: most events per batch (`BatchConfig::max_events`).
+    #[arg(long, default_value_t = BatchConfig::default().max_events)]
+    inbox_batch_events: usize,
+    /// Batch mode: longest a batch waits for more events after its first, in ms
+    /// (`BatchConfig::max_wait`).
+    #[arg(long, default_value_t = BatchConfig::default().max_wait.as_millis() as u64)]
+    inbox_batch_wait_ms: u64,
+    /// Batch mode: batches applied at once (`BatchConfig::max_in_flight`).
+    #[arg(long, default_value_t = BatchConfig::default().max_in_flight)]
+    inbox_batch_in_flight: usize,
     /// A run that has not applied every event after this long fails the bench.
     #[arg(long, default_value_t = 300)]
     run_timeout_seconds: u64,
@@ -116,13 +131,20 @@ enum Variant {
     Inbox,
     /// The same consumer with `without_inbox_for_benchmarks()`: the handler alone.
     NoInbox,
+    /// `Consumer::new` with `ConsumerConfig::batch`: one admit statement for a batch of
+    /// events, the handler per event, one commit, in one transaction.
+    Batch,
 }
 
 impl Variant {
+    /// Every variant, in the order of the first round.
+    const ALL: [Variant; 3] = [Variant::Inbox, Variant::NoInbox, Variant::Batch];
+
     fn name(self) -> &'static str {
         match self {
             Variant::Inbox => "inbox",
             Variant::NoInbox => "no inbox",
+            Variant::Batch => "inbox, batch",
         }
     }
 
@@ -131,7 +153,12 @@ impl Variant {
         match self {
             Variant::Inbox => "inbox",
             Variant::NoInbox => "no-inbox",
+            Variant::Batch => "batch",
         }
+    }
+
+    fn with_inbox(self) -> bool {
+        self != Variant::NoInbox
     }
 }
 
@@ -159,7 +186,7 @@ struct Workload {
     expected_reserved: i64,
 }
 
-/// How both variants' consumers run.
+/// How the variants' consumers run.
 #[derive(Debug, Clone, Copy, Serialize)]
 struct Settings {
     max_concurrency: usize,
@@ -168,6 +195,10 @@ struct Settings {
     max_ack_pending: i64,
     batch: usize,
     ack_wait_seconds: u64,
+    /// The batch variant's `BatchConfig`.
+    inbox_batch_events: usize,
+    inbox_batch_wait_ms: u64,
+    inbox_batch_in_flight: usize,
 }
 
 /// One variant's run in one round.
@@ -226,8 +257,17 @@ struct Results {
     /// The median of `ratio_per_round`: each round's pair ran back to back, so this one is less
     /// moved by load that comes and goes on the host.
     ratio_median_of_rounds: f64,
+    /// Median batch-mode msgs/s over median no-inbox msgs/s.
+    ratio_batch: f64,
+    /// Per round, batch mode over no-inbox.
+    ratio_batch_per_round: Vec<f64>,
+    /// The median of `ratio_batch_per_round`.
+    ratio_batch_median_of_rounds: f64,
     cpu_per_event: CpuPerEvent,
+    /// The issue's goal, on batch mode (the opt-in answer to it).
     goal: Goal,
+    /// The same bar for the per-event inbox, for comparison.
+    goal_per_event: Goal,
 }
 
 /// Median CPU per event of each variant (bench, nats-server and backends together).
@@ -237,6 +277,9 @@ struct CpuPerEvent {
     no_inbox_ms: f64,
     /// What the rate ratio would be if the run were bound by these processes' CPU alone.
     no_inbox_over_inbox: f64,
+    batch_ms: f64,
+    /// Likewise for batch mode.
+    no_inbox_over_batch: f64,
 }
 
 #[derive(Serialize)]
@@ -336,6 +379,9 @@ async fn run(
         max_ack_pending: args.max_ack_pending,
         batch: args.batch,
         ack_wait_seconds: 60,
+        inbox_batch_events: args.inbox_batch_events,
+        inbox_batch_wait_ms: args.inbox_batch_wait_ms,
+        inbox_batch_in_flight: args.inbox_batch_in_flight,
     };
     let bench = Bench {
         options: scratch.options.clone(),
@@ -349,8 +395,9 @@ async fn run(
     let mut machine = Machine::read(&mut admin, transport.client().server_info().version).await?;
     println!(
         "consumer: {} events over {} aggregates ({} each, ~{payload_bytes} B payloads, {} SKUs), \
-         concurrency {}, pool {}, max_ack_pending {}, batch {}, {} round(s); {} cores, load {}; \
-         postgres {}; nats-server {}; one-row commit p50 {:.2} ms",
+         concurrency {}, pool {}, max_ack_pending {}, batch {}, inbox batches of {} / {} ms / {} \
+         in flight, {} round(s); {} cores, load {}; postgres {}; nats-server {}; one-row commit \
+         p50 {:.2} ms",
         workload.events,
         workload.aggregates,
         workload.per_aggregate,
@@ -359,6 +406,9 @@ async fn run(
         settings.pool_connections,
         settings.max_ack_pending,
         settings.batch,
+        settings.inbox_batch_events,
+        settings.inbox_batch_wait_ms,
+        settings.inbox_batch_in_flight,
         args.rounds,
         machine.cores,
         machine.load_average_at_start.as_deref().unwrap_or("?"),
@@ -382,12 +432,9 @@ async fn run(
 
     let mut runs = Vec::new();
     for round in 1..=args.rounds {
-        // Alternate which variant goes first, so neither always runs on a warmer server.
-        let order = if round % 2 == 1 {
-            [Variant::Inbox, Variant::NoInbox]
-        } else {
-            [Variant::NoInbox, Variant::Inbox]
-        };
+        // Rotate which variant goes first, so none always runs on a warmer server.
+        let mut order = Variant::ALL;
+        order.rotate_left((round - 1) % Variant::ALL.len());
         for variant in order {
             let run = measure(&bench, &mut admin, variant, round).await?;
             eprintln!(
@@ -410,22 +457,28 @@ async fn run(
     }
     machine.commit_ms_at_end = commit_probe(&mut admin).await?;
 
-    let median: Vec<Run> = [Variant::Inbox, Variant::NoInbox]
+    let median: Vec<Run> = Variant::ALL
         .into_iter()
         .map(|variant| median(&runs, variant))
         .collect();
     let ratio = median[0].msgs_per_second / median[1].msgs_per_second;
-    let ratio_per_round: Vec<f64> = (1..=args.rounds)
-        .map(|round| {
-            let rate = |variant| {
-                runs.iter()
-                    .find(|r| r.round == round && r.variant == variant)
-                    .map_or(f64::NAN, |r| r.msgs_per_second)
-            };
-            rate(Variant::Inbox) / rate(Variant::NoInbox)
-        })
-        .collect();
+    let ratio_batch = median[2].msgs_per_second / median[1].msgs_per_second;
+    let per_round = |variant| -> Vec<f64> {
+        (1..=args.rounds)
+            .map(|round| {
+                let rate = |variant| {
+                    runs.iter()
+                        .find(|r| r.round == round && r.variant == variant)
+                        .map_or(f64::NAN, |r| r.msgs_per_second)
+                };
+                rate(variant) / rate(Variant::NoInbox)
+            })
+            .collect()
+    };
+    let ratio_per_round = per_round(Variant::Inbox);
     let ratio_median_of_rounds = median_of(ratio_per_round.clone());
+    let ratio_batch_per_round = per_round(Variant::Batch);
+    let ratio_batch_median_of_rounds = median_of(ratio_batch_per_round.clone());
     let cpu_per_event = |variant| {
         median_of(
             runs.iter()
@@ -438,9 +491,16 @@ async fn run(
         inbox_ms: cpu_per_event(Variant::Inbox),
         no_inbox_ms: cpu_per_event(Variant::NoInbox),
         no_inbox_over_inbox: cpu_per_event(Variant::NoInbox) / cpu_per_event(Variant::Inbox),
+        batch_ms: cpu_per_event(Variant::Batch),
+        no_inbox_over_batch: cpu_per_event(Variant::NoInbox) / cpu_per_event(Variant::Batch),
     };
     let goal = Goal {
-        goal: format!("inbox msgs/s / no-inbox msgs/s >= {GOAL_RATIO}"),
+        goal: format!("inbox (batch mode) msgs/s / no-inbox msgs/s >= {GOAL_RATIO}"),
+        value: ratio_batch,
+        met: ratio_batch >= GOAL_RATIO,
+    };
+    let goal_per_event = Goal {
+        goal: format!("inbox (per event) msgs/s / no-inbox msgs/s >= {GOAL_RATIO}"),
         value: ratio,
         met: ratio >= GOAL_RATIO,
     };
@@ -452,10 +512,21 @@ async fn run(
     print_table(
         &median,
         &runs,
-        &ratio_per_round,
-        ratio_median_of_rounds,
+        [
+            (
+                Variant::Inbox,
+                &ratio_per_round,
+                ratio_median_of_rounds,
+                &goal_per_event,
+            ),
+            (
+                Variant::Batch,
+                &ratio_batch_per_round,
+                ratio_batch_median_of_rounds,
+                &goal,
+            ),
+        ],
         &cpu,
-        &goal,
     );
     if let Some(path) = &args.json {
         let results = Results {
@@ -469,8 +540,12 @@ async fn run(
             ratio,
             ratio_per_round,
             ratio_median_of_rounds,
+            ratio_batch,
+            ratio_batch_per_round,
+            ratio_batch_median_of_rounds,
             cpu_per_event: cpu,
             goal,
+            goal_per_event,
         };
         std::fs::write(path, serde_json::to_vec_pretty(&results)?)
             .with_context(|| format!("while writing {}", path.display()))?;
@@ -664,6 +739,11 @@ async fn measure(
     let config = ConsumerConfig {
         name: CONSUMER_NAME.to_owned(),
         max_concurrency: settings.max_concurrency,
+        batch: (variant == Variant::Batch).then_some(BatchConfig {
+            max_events: settings.inbox_batch_events,
+            max_wait: Duration::from_millis(settings.inbox_batch_wait_ms),
+            max_in_flight: settings.inbox_batch_in_flight,
+        }),
         ..ConsumerConfig::default()
     };
     let handler = ReserveStock {
@@ -671,7 +751,7 @@ async fn measure(
     };
     let consumer = Consumer::new(config, pool.clone(), handler)?;
     let consumer = match variant {
-        Variant::Inbox => consumer,
+        Variant::Inbox | Variant::Batch => consumer,
         Variant::NoInbox => consumer.without_inbox_for_benchmarks(),
     };
     let durable = format!("bench-r{round}-{}", variant.slug());
@@ -786,13 +866,12 @@ async fn check(
     let ok = reserved_total == workload.expected_reserved
         && handler_calls == events as u64
         && quarantined == 0
-        && match variant {
-            Variant::Inbox => {
-                processed_events == events
-                    && sequence_rows == aggregates
-                    && sequences_at_last == aggregates
-            }
-            Variant::NoInbox => processed_events == 0 && sequence_rows == 0,
+        && if variant.with_inbox() {
+            processed_events == events
+                && sequence_rows == aggregates
+                && sequences_at_last == aggregates
+        } else {
+            processed_events == 0 && sequence_rows == 0
         };
     anyhow::ensure!(
         ok,
@@ -834,10 +913,8 @@ fn cores(value: Option<f64>) -> String {
 fn print_table(
     median: &[Run],
     runs: &[Run],
-    ratio_per_round: &[f64],
-    ratio_median_of_rounds: f64,
+    ratios: [(Variant, &[f64], f64, &Goal); 2],
     cpu: &CpuPerEvent,
-    goal: &Goal,
 ) {
     println!();
     println!("| variant | msgs/s (median) | rounds (msgs/s) | seconds | upsert p50 / p99 ms | WAL B/event | CPU ms/event | CPU cores: bench / nats / pg backends / others / machine |");
@@ -866,20 +943,27 @@ fn print_table(
         );
     }
     println!();
+    for (variant, per_round, median_of_rounds, goal) in ratios {
+        println!(
+            "{} / no inbox = {:.2} (median rates; goal >= {GOAL_RATIO}: {}); per round: {} \
+             (median {median_of_rounds:.2})",
+            variant.name(),
+            goal.value,
+            if goal.met { "met" } else { "NOT met" },
+            per_round
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
+    }
     println!(
-        "inbox / no inbox = {:.2} (median rates; goal >= {GOAL_RATIO}: {}); per round: {} \
-         (median {ratio_median_of_rounds:.2})",
-        goal.value,
-        if goal.met { "met" } else { "NOT met" },
-        ratio_per_round
-            .iter()
-            .map(|r| format!("{r:.2}"))
-            .collect::<Vec<_>>()
-            .join(", "),
-    );
-    println!(
-        "CPU per event (bench + nats-server + backends, median): inbox {:.3} ms, no inbox \
-         {:.3} ms; no inbox / inbox = {:.2}",
-        cpu.inbox_ms, cpu.no_inbox_ms, cpu.no_inbox_over_inbox
+        "CPU per event (bench + nats-server + backends, median): inbox {:.3} ms, batch {:.3} ms, \
+         no inbox {:.3} ms; no inbox / inbox = {:.2}, no inbox / batch = {:.2}",
+        cpu.inbox_ms,
+        cpu.batch_ms,
+        cpu.no_inbox_ms,
+        cpu.no_inbox_over_inbox,
+        cpu.no_inbox_over_batch
     );
 }

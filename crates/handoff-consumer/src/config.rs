@@ -61,6 +61,66 @@ impl Default for GapPolicy {
     }
 }
 
+/// Batch mode (opt-in, [`ConsumerConfig::batch`]): several deliveries admitted and applied in
+/// one transaction, to spread a transaction's fixed costs (`BEGIN`, `COMMIT` and its WAL flush,
+/// one admit statement) over many events.
+///
+/// A batch holds at most one event per aggregate (an aggregate's events still apply one at a
+/// time, in order) and closes when it holds [`max_events`](Self::max_events) or
+/// [`max_wait`](Self::max_wait) after its first event arrived, whichever comes first. One
+/// multi-row statement writes the dedup rows and advances the sequences, the handler runs for
+/// each event in the same transaction, and only after the single `COMMIT` is each delivery
+/// acknowledged (brief C4). Duplicates are acknowledged without the handler; an event that is not
+/// next in its aggregate's line leaves the batch and goes through the gap policy alone.
+///
+/// When anything in a batch fails (a handler error or panic, the apply timeout, a database
+/// error, the commit), the whole batch rolls back and each of its events is applied again in a
+/// transaction of its own, exactly as without batch mode: one poison event does not fail its
+/// neighbours, it only costs them a second try. An event that failed a batch skips batches on
+/// its next deliveries.
+///
+/// Trade-off: a batch holds the row locks of all its events' effects until its commit. Two
+/// batches touching the same rows in different orders can deadlock; PostgreSQL then aborts one
+/// after `deadlock_timeout` and that batch falls back to one event per transaction. Keep
+/// [`max_in_flight`](Self::max_in_flight) low when events of different aggregates update
+/// shared rows (counters, stock levels).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use handoff_consumer::{BatchConfig, ConsumerConfig};
+///
+/// let config = ConsumerConfig {
+///     name: "inventory".into(),
+///     batch: Some(BatchConfig { max_events: 32, ..BatchConfig::default() }),
+///     ..ConsumerConfig::default()
+/// };
+/// assert!(config.validate().is_ok());
+/// assert_eq!(BatchConfig::default().max_wait, Duration::from_millis(5));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// Most events in one batch (one transaction). Default 64.
+    pub max_events: usize,
+    /// Longest the first event of a batch waits for more before the batch closes. Zero takes
+    /// whatever is waiting at that moment. Default 5 ms.
+    pub max_wait: Duration,
+    /// Batches applied at once, each on its own connection (and each taking one of the
+    /// [`max_concurrency`](ConsumerConfig::max_concurrency) permits). Default 2.
+    pub max_in_flight: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        Self {
+            max_events: 64,
+            max_wait: Duration::from_millis(5),
+            max_in_flight: 2,
+        }
+    }
+}
+
 /// How a [`Consumer`](crate::Consumer) runs. `Default` gives everything but the name.
 ///
 /// # Examples
@@ -135,6 +195,10 @@ pub struct ConsumerConfig {
     /// instead of held by the pool's release check. Longer than the slowest handler, outside
     /// calls included. Default 60 s.
     pub apply_timeout: Duration,
+    /// Batch mode: several deliveries per transaction (see [`BatchConfig`]). `None` (the
+    /// default) applies every delivery in a transaction of its own. In batch mode the apply
+    /// timeout bounds a whole batch.
+    pub batch: Option<BatchConfig>,
 }
 
 impl Default for ConsumerConfig {
@@ -154,6 +218,7 @@ impl Default for ConsumerConfig {
             progress_interval: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(10),
             apply_timeout: Duration::from_secs(60),
+            batch: None,
         }
     }
 }
@@ -196,6 +261,9 @@ pub enum ConfigError {
     /// The buffer policy cannot hold anything or never hands events back.
     #[error("invalid buffer policy: {0}")]
     InvalidBuffer(&'static str),
+    /// The batch mode's bounds hold no event or run no batch.
+    #[error("invalid batch mode: {0}")]
+    InvalidBatch(&'static str),
 }
 
 impl ConsumerConfig {
@@ -204,7 +272,8 @@ impl ConsumerConfig {
     /// # Errors
     ///
     /// [`ConfigError`]: an invalid name, a dedup retention shorter than the replay horizon,
-    /// zero concurrency, deliveries or progress interval, a broken backoff or buffer bound.
+    /// zero concurrency, deliveries or progress interval, a broken backoff, buffer or batch
+    /// bound.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_consumer_name(&self.name)?;
         if self.dedup_retention < self.replay_horizon {
@@ -240,6 +309,14 @@ impl ConsumerConfig {
             }
             if max_wait.is_zero() {
                 return Err(ConfigError::InvalidBuffer("max_wait is zero"));
+            }
+        }
+        if let Some(batch) = self.batch {
+            if batch.max_events == 0 {
+                return Err(ConfigError::InvalidBatch("max_events is zero"));
+            }
+            if batch.max_in_flight == 0 {
+                return Err(ConfigError::InvalidBatch("max_in_flight is zero"));
             }
         }
         Ok(())
@@ -325,6 +402,20 @@ mod tests {
             },
             ConsumerConfig {
                 apply_timeout: Duration::ZERO,
+                ..named()
+            },
+            ConsumerConfig {
+                batch: Some(BatchConfig {
+                    max_events: 0,
+                    ..BatchConfig::default()
+                }),
+                ..named()
+            },
+            ConsumerConfig {
+                batch: Some(BatchConfig {
+                    max_in_flight: 0,
+                    ..BatchConfig::default()
+                }),
                 ..named()
             },
         ];

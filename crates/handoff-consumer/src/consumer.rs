@@ -23,6 +23,10 @@ use crate::metrics::ConsumerMetrics;
 use crate::HandlerErrorKind::Permanent;
 use crate::{ConfigError, ConsumerConfig, Gap, GapDecision, GapPolicy, Handler, HandlerError};
 
+// Batch mode lives in its own file; a child module, so it reuses this path's private items.
+#[path = "batch.rs"]
+mod batch;
+
 /// How long the loop pauses after the intake failed, before it asks again.
 const INTAKE_RETRY: Duration = Duration::from_secs(1);
 
@@ -129,6 +133,8 @@ type LaneKey = (String, String);
 struct Lanes<S> {
     map: Mutex<HashMap<LaneKey, Lane<S>>>,
     closing: AtomicBool,
+    /// Batch mode's collector (batch.rs), when [`ConsumerConfig::batch`] is set.
+    batches: Option<batch::Batches<S>>,
 }
 
 impl<S> Lanes<S> {
@@ -196,11 +202,12 @@ impl<H: Handler> Consumer<H> {
     /// Dropping the future aborts events being applied: their transactions roll back and the
     /// broker redelivers them. Prefer completing `shutdown`.
     pub async fn run<I: Intake>(&self, mut intake: I, shutdown: impl Future<Output = ()> + Send) {
+        let mut tasks = JoinSet::new();
         let lanes = Arc::new(Lanes {
             map: Mutex::new(HashMap::new()),
             closing: AtomicBool::new(false),
+            batches: batch::start(&self.shared, &mut tasks),
         });
-        let mut tasks = JoinSet::new();
         let mut shutdown = std::pin::pin!(shutdown);
         let backstop = broker_backstop(self.shared.config.max_deliveries);
         if let Err(error) = intake.set_delivery_backstop(backstop).await {
@@ -231,6 +238,9 @@ impl<H: Handler> Consumer<H> {
         }
         info!("consumer stopping: handing back held events, finishing those being applied");
         lanes.closing.store(true, Ordering::SeqCst);
+        if let Some(batches) = &lanes.batches {
+            batches.close();
+        }
         for lane in lanes.lock().values() {
             lane.wake.notify_one();
         }
@@ -319,6 +329,11 @@ impl<H: Handler> Shared<H> {
         loop {
             match self.next_in_lane(lanes, &key) {
                 Next::Apply(item) => {
+                    // Batch mode (batch.rs): the event joins a batch and comes back only to be
+                    // applied alone, below.
+                    let Some(item) = self.batched(lanes, &key, item).await else {
+                        continue;
+                    };
                     let Ok(_permit) = self.permits.acquire().await else {
                         return;
                     };

@@ -68,7 +68,7 @@ mod handler;
 mod metrics;
 mod trace;
 
-pub use config::{ConfigError, ConsumerConfig, GapPolicy};
+pub use config::{BatchConfig, ConfigError, ConsumerConfig, GapPolicy};
 pub use consumer::Consumer;
 pub use external::{CallFailure, CallPolicy, CallSuccess, ExternalCallError, ExternalCalls};
 pub use handler::{Gap, GapDecision, Handler, HandlerError, HandlerErrorKind};

@@ -16,6 +16,8 @@
 //! | `handoff_consumer_quarantined_total{reason}` | counter | events put in the consumer quarantine |
 //! | `handoff_consumer_buffered_events` | gauge | events held by the buffer gap policy |
 //! | `handoff_consumer_apply_seconds` | histogram | from taking a delivery to its acknowledgement |
+//! | `handoff_consumer_batch_events` | histogram | batch mode: events per committed batch (applied and duplicates) |
+//! | `handoff_consumer_batch_fallbacks_total` | counter | batch mode: batches rolled back whose events were then applied one per transaction |
 
 use handoff_postgres::QuarantineKind;
 use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
@@ -34,6 +36,8 @@ pub(crate) struct ConsumerMetrics {
     pub(crate) abandoned: Counter,
     pub(crate) buffered: Gauge,
     pub(crate) apply_seconds: Histogram,
+    pub(crate) batch_events: Histogram,
+    pub(crate) batch_fallbacks: Counter,
 }
 
 impl ConsumerMetrics {
@@ -71,7 +75,15 @@ impl ConsumerMetrics {
                 "handoff_consumer_buffered_events",
                 std::slice::from_ref(&label)
             ),
-            apply_seconds: histogram!("handoff_consumer_apply_seconds", &[label]),
+            apply_seconds: histogram!(
+                "handoff_consumer_apply_seconds",
+                std::slice::from_ref(&label)
+            ),
+            batch_events: histogram!(
+                "handoff_consumer_batch_events",
+                std::slice::from_ref(&label)
+            ),
+            batch_fallbacks: counter!("handoff_consumer_batch_fallbacks_total", &[label]),
         }
     }
 

@@ -12,6 +12,7 @@ use sqlx::PgConnection;
 use crate::Schema;
 
 const ADMIT_SQL: &str = include_str!("../queries/inbox/admit.sql");
+const ADMIT_BATCH_SQL: &str = include_str!("../queries/inbox/admit_batch.sql");
 const ADVANCE_TO_SQL: &str = include_str!("../queries/inbox/advance_to.sql");
 const QUARANTINE_SQL: &str = include_str!("../queries/inbox/quarantine.sql");
 const PURGE_SQL: &str = include_str!("../queries/inbox/purge.sql");
@@ -47,6 +48,7 @@ pub const MAX_CONSUMER_NAME_BYTES: usize = 200;
 pub struct Inbox {
     consumer_name: String,
     admit_sql: String,
+    admit_batch_sql: String,
     advance_to_sql: String,
     quarantine_sql: String,
     purge_sql: String,
@@ -77,6 +79,28 @@ pub enum Admission {
         /// The aggregate's last applied sequence (0 when none was ever applied).
         last_sequence: i64,
     },
+}
+
+/// What [`Inbox::admit_batch`] found for one event of a batch.
+///
+/// Unlike [`Admission`], nothing is ever written for an event that is not applied in the batch:
+/// the batch's transaction holds only rows that its commit must keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchAdmission {
+    /// New and next in its aggregate's line: the dedup row is written and the sequence advanced
+    /// in the caller's transaction; apply the effect in it.
+    Apply,
+    /// This consumer already applied this event id: acknowledge without applying. Nothing was
+    /// written for it.
+    Duplicate,
+    /// Not admitted by the batch, and nothing written for it: it is not next in its aggregate's
+    /// line (a gap or a stale event, for the gap policy to decide), another event of its
+    /// aggregate came earlier in the same batch, or another transaction created its aggregate's
+    /// sequence row meanwhile. Admit it alone, with [`Inbox::admit`], in a transaction of its own.
+    Alone,
+    /// Another transaction admitted this very event at the same moment, after its aggregate's
+    /// sequence was advanced here: roll the whole batch back and admit its events alone.
+    Contended,
 }
 
 /// Why a delivery went to the quarantine: the stable names stored in `reason_kind`.
@@ -270,6 +294,7 @@ impl Inbox {
         Ok(Self {
             consumer_name,
             admit_sql: sql(ADMIT_SQL),
+            admit_batch_sql: sql(ADMIT_BATCH_SQL),
             advance_to_sql: sql(ADVANCE_TO_SQL),
             quarantine_sql: sql(QUARANTINE_SQL),
             purge_sql: sql(PURGE_SQL),
@@ -320,6 +345,108 @@ impl Inbox {
         } else {
             Admission::Gap { last_sequence }
         })
+    }
+
+    /// Admits several events in the caller's transaction `tx`, in one round trip: the batch
+    /// counterpart of [`admit`](Self::admit), one [`BatchAdmission`] per event in the order
+    /// given. Every event marked [`Apply`](BatchAdmission::Apply) has its dedup row written and
+    /// its aggregate's sequence advanced; no other event has anything written.
+    ///
+    /// Meant for events of different aggregates: when two events of one aggregate are given,
+    /// the later ones come back [`Alone`](BatchAdmission::Alone) without being looked at. The
+    /// batch's aggregates' sequence rows are locked in key order and stay locked until `tx`
+    /// ends, so two batches of one consumer (two instances) do not deadlock on them.
+    ///
+    /// # Errors
+    ///
+    /// [`InboxError::Database`]; the transaction is then unusable and must be rolled back.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future leaves `tx` in an unknown state: roll it back.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use handoff_postgres::{BatchAdmission, Inbox, Schema};
+    /// use sqlx::Connection;
+    ///
+    /// # async fn example(
+    /// #     conn: &mut sqlx::PgConnection,
+    /// #     events: Vec<handoff_core::intake::ReceivedEvent>,
+    /// # ) -> Result<(), Box<dyn std::error::Error>> {
+    /// let inbox = Inbox::new(Schema::default(), "inventory")?;
+    /// let mut tx = conn.begin().await?;
+    /// let admitted = inbox.admit_batch(&mut tx, &events.iter().collect::<Vec<_>>()).await?;
+    /// for (event, admission) in events.iter().zip(admitted) {
+    ///     match admission {
+    ///         BatchAdmission::Apply => { /* the business change of `event`, on &mut *tx */ }
+    ///         BatchAdmission::Duplicate => { /* acknowledge after the commit */ }
+    ///         BatchAdmission::Alone => { /* later, in a transaction of its own */ }
+    ///         BatchAdmission::Contended => { /* roll back, admit every event alone */ }
+    ///     }
+    /// }
+    /// tx.commit().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn admit_batch(
+        &self,
+        tx: &mut PgConnection,
+        events: &[&ReceivedEvent],
+    ) -> Result<Vec<BatchAdmission>, InboxError> {
+        // Only the first event of each aggregate goes to the statement.
+        let mut aggregates = std::collections::HashSet::with_capacity(events.len());
+        let first: Vec<bool> = events
+            .iter()
+            .map(|e| aggregates.insert((e.aggregate_type.as_str(), e.aggregate_id.as_str())))
+            .collect();
+        let sent: Vec<&ReceivedEvent> = events
+            .iter()
+            .zip(&first)
+            .filter(|(_, first)| **first)
+            .map(|(e, _)| *e)
+            .collect();
+        let mut answers = if sent.is_empty() {
+            Vec::new()
+        } else {
+            let rows: Vec<(bool, bool, bool)> = sqlx::query_as(&self.admit_batch_sql)
+                .bind(&self.consumer_name)
+                .bind(sent.iter().map(|e| e.event_id).collect::<Vec<_>>())
+                .bind(
+                    sent.iter()
+                        .map(|e| e.aggregate_type.as_str())
+                        .collect::<Vec<_>>(),
+                )
+                .bind(
+                    sent.iter()
+                        .map(|e| e.aggregate_id.as_str())
+                        .collect::<Vec<_>>(),
+                )
+                .bind(sent.iter().map(|e| e.sequence).collect::<Vec<_>>())
+                .fetch_all(tx)
+                .await
+                .map_err(InboxError::database("admitting a batch of events"))?;
+            rows
+        }
+        .into_iter()
+        .map(|(seen, advanced, fresh)| match (seen, advanced, fresh) {
+            (true, _, _) => BatchAdmission::Duplicate,
+            (false, true, true) => BatchAdmission::Apply,
+            (false, true, false) => BatchAdmission::Contended,
+            (false, false, _) => BatchAdmission::Alone,
+        });
+        Ok(first
+            .iter()
+            .map(|first| {
+                if *first {
+                    // Fewer rows than events cannot happen; if it did, undo everything.
+                    answers.next().unwrap_or(BatchAdmission::Contended)
+                } else {
+                    BatchAdmission::Alone
+                }
+            })
+            .collect())
     }
 
     /// Moves `event`'s aggregate to `event.sequence` (never backwards), in `tx`: a reconcile

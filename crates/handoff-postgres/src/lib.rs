@@ -69,8 +69,8 @@ pub use cleanup::{
 };
 pub use handoff_core::OrderMode;
 pub use inbox::{
-    validate_consumer_name, Admission, CallRecord, CallResponse, CallStatus, Inbox, InboxError,
-    InboxErrorKind, QuarantineKind, MAX_CONSUMER_NAME_BYTES,
+    validate_consumer_name, Admission, BatchAdmission, CallRecord, CallResponse, CallStatus, Inbox,
+    InboxError, InboxErrorKind, QuarantineKind, MAX_CONSUMER_NAME_BYTES,
 };
 pub use migrate::{
     MigrateError, MigrateErrorKind, Migration, MigrationReport, Migrator, HANDOFF_MIGRATIONS,
