@@ -150,6 +150,9 @@ async fn retry_one<H: Handler>(
         .await
         .map_err(RetryError::Quarantine)?
     else {
+        // Ended explicitly: a dropped transaction's rollback waits for the connection's next use,
+        // and until then its lock on the table would block DDL such as a migration.
+        tx.rollback().await.map_err(RetryError::Database)?;
         return Ok(false);
     };
     let event = &claim.event;

@@ -107,7 +107,7 @@ async fn a_retried_row_is_applied_exactly_once_in_order_by_a_running_consumer() 
         .collect();
     assert_eq!(poison, [1, 2, 3], "each once, in order");
     let audit: Vec<(String, String, Option<String>)> = sqlx::query_as(
-        "SELECT action, actor, reason FROM consumer_quarantine_actions a
+        "SELECT a.action, a.actor, a.reason FROM consumer_quarantine_actions a
          JOIN consumer_quarantine q USING (quarantine_id)
          WHERE q.event_id = $1 ORDER BY action_id",
     )
