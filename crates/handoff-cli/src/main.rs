@@ -2,7 +2,7 @@
 //!
 //! `handoff migrate` applies the embedded schema migrations; `handoff relay` publishes committed
 //! outbox events to NATS JetStream; `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
-//! are the operator's commands, `saga` the sagas' operator's. Each lives in its own module.
+//! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. Each lives in its own module.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -12,6 +12,7 @@ use sqlx::Connection;
 mod args;
 mod cdc;
 mod cleanup;
+mod consumer;
 mod format;
 mod quarantine;
 mod reconcile;
@@ -46,6 +47,8 @@ enum Command {
     Status(status::StatusArgs),
     /// Events held for an operator: list, show, retry, repair, skip.
     Quarantine(quarantine::QuarantineArgs),
+    /// A consumer's side, in its own database: `consumer quarantine list|show|retry|skip`.
+    Consumer(consumer::ConsumerArgs),
     /// Republish retained events (by aggregate, event type, time range) with a replay marker.
     Replay(replay::ReplayArgs),
     /// Check that every retained published event is in the stream; republish the missing ones.
@@ -120,6 +123,7 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Status(args) => status::run(args).await,
         Command::Reconcile(args) => reconcile::run(args).await,
         Command::Quarantine(args) => quarantine::run(args).await.map(success),
+        Command::Consumer(args) => consumer::run(args).await.map(success),
         Command::Replay(args) => replay::run(args).await.map(success),
         Command::Cleanup(args) => cleanup::run(args).await.map(success),
         Command::Cdc(args) => cdc::run(args).await,

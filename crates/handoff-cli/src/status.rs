@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Result;
-use handoff_postgres::{Status, StatusReport};
+use handoff_postgres::{ConsumerQuarantine, ConsumerQuarantineCount, Status, StatusReport};
 use handoff_saga::{SagaAdmin, SagaCount, SagaRecord, SagaState};
 use serde::Serialize;
 
@@ -39,6 +39,9 @@ struct Output<'a> {
     #[serde(flatten)]
     report: &'a StatusReport,
     sagas: &'a Sagas,
+    /// Open rows of each consumer's quarantine (consumers whose tables live in this database),
+    /// by consumer name; consumers with none are absent.
+    consumer_quarantine: &'a [ConsumerQuarantineCount],
     alerts: Vec<Alert>,
     healthy: bool,
 }
@@ -86,11 +89,13 @@ pub async fn run(args: StatusArgs) -> Result<ExitCode> {
         .read(&mut conn, args.stuck_after, args.top)
         .await?;
     let sagas = Sagas::read(&mut conn, &args).await?;
-    let alerts = alerts(&report, &sagas, &args);
+    let consumers = ConsumerQuarantine::counts(&mut conn, &args.database.schema()?).await?;
+    let alerts = alerts(&report, &sagas, &consumers, &args);
     if args.json {
         let output = Output {
             report: &report,
             sagas: &sagas,
+            consumer_quarantine: &consumers,
             healthy: alerts.is_empty(),
             alerts,
         };
@@ -99,6 +104,7 @@ pub async fn run(args: StatusArgs) -> Result<ExitCode> {
     }
     print_report(&report, &args);
     print_sagas(&sagas);
+    print_consumer_quarantine(&consumers);
     if alerts.is_empty() {
         println!("healthy");
     }
@@ -117,7 +123,12 @@ fn exit_code(healthy: bool) -> ExitCode {
 }
 
 /// The conditions `deploy/prometheus/alerts.yml` also watches, judged from one reading.
-fn alerts(report: &StatusReport, sagas: &Sagas, args: &StatusArgs) -> Vec<Alert> {
+fn alerts(
+    report: &StatusReport,
+    sagas: &Sagas,
+    consumers: &[ConsumerQuarantineCount],
+    args: &StatusArgs,
+) -> Vec<Alert> {
     let mut alerts = Vec::new();
     if sagas.stuck_count > 0 {
         alerts.push(Alert {
@@ -134,6 +145,19 @@ fn alerts(report: &StatusReport, sagas: &Sagas, args: &StatusArgs) -> Vec<Alert>
             message: format!(
                 "{} event(s) held for an operator; see `handoff quarantine list`",
                 report.quarantined
+            ),
+        });
+    }
+    for consumer in consumers {
+        alerts.push(Alert {
+            name: "consumer_quarantine_not_empty",
+            message: format!(
+                "consumer {} holds {} quarantined deliver(ies) ({} waiting for a retry); see \
+                 `handoff consumer quarantine list --consumer {}`",
+                consumer.consumer_name,
+                consumer.quarantined + consumer.retry_requested,
+                consumer.retry_requested,
+                consumer.consumer_name
             ),
         });
     }
@@ -199,6 +223,23 @@ fn print_sagas(sagas: &Sagas) {
             saga.step,
             since(saga.updated_at),
             saga.stuck_reason.as_deref().unwrap_or("-")
+        );
+    }
+}
+
+fn print_consumer_quarantine(consumers: &[ConsumerQuarantineCount]) {
+    if consumers.is_empty() {
+        println!("consumer quarantine  0");
+        return;
+    }
+    println!("consumer quarantine");
+    for consumer in consumers {
+        println!(
+            "  {:<26} {} quarantined, {} retry requested, oldest {}",
+            consumer.consumer_name,
+            consumer.quarantined,
+            consumer.retry_requested,
+            since(consumer.oldest_quarantined_at)
         );
     }
 }

@@ -208,6 +208,14 @@ impl<H: Handler> Consumer<H> {
             closing: AtomicBool::new(false),
             batches: batch::start(&self.shared, &mut tasks),
         });
+        // While it waits for shutdown, the consumer also applies the quarantined events an
+        // operator asked to retry (`handoff consumer quarantine retry`), one at a time.
+        let shutdown = crate::serve_retries(
+            &self.shared.pool,
+            &self.shared.config,
+            &self.shared.handler,
+            shutdown,
+        );
         let mut shutdown = std::pin::pin!(shutdown);
         let backstop = broker_backstop(self.shared.config.max_deliveries);
         if let Err(error) = intake.set_delivery_backstop(backstop).await {

@@ -14,6 +14,9 @@
 //!   reason, never silently dropped.
 //! - [`ExternalCalls`]: outside calls under an idempotency key derived from the event id,
 //!   retried only with that key, their outcomes recorded.
+//! - [`serve_retries`]: rows of `consumer_quarantine` an operator asked to retry (`handoff
+//!   consumer quarantine retry`) are applied again through the inbox and the handler, the
+//!   outcome recorded in the row and its audit.
 //! - [`ConsumerConfig::validate`] refuses a dedup retention shorter than the replay horizon.
 //!
 //! Place in the layout: above `handoff-postgres` (the inbox tables and queries) and
@@ -66,9 +69,13 @@ mod external;
 pub mod failpoints;
 mod handler;
 mod metrics;
+mod retry;
 mod trace;
 
 pub use config::{BatchConfig, ConfigError, ConsumerConfig, GapPolicy};
 pub use consumer::Consumer;
 pub use external::{CallFailure, CallPolicy, CallSuccess, ExternalCallError, ExternalCalls};
 pub use handler::{Gap, GapDecision, Handler, HandlerError, HandlerErrorKind};
+pub use retry::{
+    apply_requested_retries, serve_retries, RetryError, RetryErrorKind, RETRY_POLL_INTERVAL,
+};

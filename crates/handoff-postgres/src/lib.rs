@@ -13,7 +13,9 @@
 //!
 //! - [`Inbox`] is the consumer side (brief C1-C5): the dedup row and the per-aggregate sequence
 //!   written in the consumer's own transaction, the consumer quarantine, and the record of
-//!   outside calls made under an idempotency key.
+//!   outside calls made under an idempotency key. [`ConsumerQuarantine`] is the operator's
+//!   side of that quarantine: list, show, retry (applied again by the consumer) and skip, each
+//!   audited.
 //!
 //! - [`Cleanup`] deletes (or archives) published outbox rows and dedup rows past their
 //!   retention in short keyset batches beside running relays (brief O2, C5).
@@ -52,6 +54,7 @@
 #![warn(missing_docs)]
 
 mod cleanup;
+mod consumer_quarantine;
 mod inbox;
 mod migrate;
 mod outbox;
@@ -66,6 +69,11 @@ mod trace;
 pub use cleanup::{
     Cleanup, CleanupConfig, CleanupError, CleanupErrorKind, CleanupPhase, CleanupProgress,
     CleanupReport, BATCH_SIZE_RANGE,
+};
+pub use consumer_quarantine::{
+    ConsumerQuarantine, ConsumerQuarantineCount, ConsumerQuarantineDetail, ConsumerQuarantineError,
+    ConsumerQuarantineErrorKind, ConsumerQuarantined, QuarantineRef, QuarantineRefError,
+    RetryClaim, RetryOutcome, SkipRecord,
 };
 pub use handoff_core::OrderMode;
 pub use inbox::{

@@ -41,7 +41,8 @@ impl Migration {
 
 /// handoff's own migrations: the outbox, the sequence heads, the consumer inbox and the
 /// operators' tables (quarantine audit, cleanup archive and log), the delivery receipt, the
-/// opt-in global order lane, the saga tables and their failure policy.
+/// opt-in global order lane, the saga tables and their failure policy, the consumer quarantine's
+/// states and audit.
 pub const HANDOFF_MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -96,6 +97,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         name: "saga_failure_policy",
         up: include_str!("../migrations/0009_saga_failure_policy.up.sql"),
         down: include_str!("../migrations/0009_saga_failure_policy.down.sql"),
+    },
+    Migration {
+        version: 10,
+        name: "consumer_quarantine_actions",
+        up: include_str!("../migrations/0010_consumer_quarantine_actions.up.sql"),
+        down: include_str!("../migrations/0010_consumer_quarantine_actions.down.sql"),
     },
 ];
 

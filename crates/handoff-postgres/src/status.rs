@@ -30,6 +30,7 @@ const TABLES: &[&str] = &[
     "processed_events",
     "consumer_sequences",
     "consumer_quarantine",
+    "consumer_quarantine_actions",
     "external_calls",
 ];
 
