@@ -12,33 +12,33 @@ use crate::args::DatabaseArgs;
 use crate::format::since;
 use crate::quarantine::ActorArgs;
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 pub struct ConsumerArgs {
     #[command(subcommand)]
     command: ConsumerCommand,
 }
 
-#[derive(clap::Subcommand, Debug)]
+#[derive(clap::Subcommand)]
 enum ConsumerCommand {
     /// Deliveries a consumer gave up on: list, show, retry, skip.
     Quarantine(QuarantineArgs),
 }
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 struct QuarantineArgs {
     #[command(subcommand)]
     command: QuarantineCommand,
 }
 
 /// The consumer whose quarantine is read or changed.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args)]
 struct ConsumerName {
     /// The consumer's name (its `ConsumerConfig::name`).
     #[arg(long = "consumer", value_name = "NAME")]
     name: String,
 }
 
-#[derive(clap::Subcommand, Debug)]
+#[derive(clap::Subcommand)]
 enum QuarantineCommand {
     /// Open rows (quarantined, retry requested), the oldest first.
     List {
