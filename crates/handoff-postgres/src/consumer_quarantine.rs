@@ -34,7 +34,11 @@ use serde::Serialize;
 use sqlx::postgres::PgRow;
 use sqlx::{Connection, PgConnection, Row};
 
-use crate::quarantine::{ActionRecord, QuarantineAction, MAX_ACTOR_BYTES, MAX_SKIP_REASON_BYTES};
+// The audit rows of both quarantines have one shape: one reader serves both.
+use crate::quarantine::{
+    json_column, read_action, ActionRecord, QuarantineAction, MAX_ACTOR_BYTES,
+    MAX_SKIP_REASON_BYTES,
+};
 use crate::{validate_consumer_name, Schema};
 
 const LIST_SQL: &str = include_str!("../queries/consumer_quarantine/list.sql");
@@ -977,23 +981,5 @@ fn read_row(row: &PgRow) -> Result<ConsumerQuarantined, sqlx::Error> {
         retry_requested_at: row.try_get("retry_requested_at")?,
         retries: row.try_get("retries")?,
         last_sequence: row.try_get("last_sequence")?,
-    })
-}
-
-/// A jsonb column the query cast to text, parsed.
-fn json_column(row: &PgRow, column: &str) -> Result<serde_json::Value, sqlx::Error> {
-    let text: String = row.try_get(column)?;
-    serde_json::from_str(&text).map_err(|e| sqlx::Error::Decode(Box::new(e)))
-}
-
-fn read_action(row: &PgRow) -> Result<QuarantineAction, sqlx::Error> {
-    Ok(QuarantineAction {
-        action_id: row.try_get("action_id")?,
-        action: row.try_get("action")?,
-        actor: row.try_get("actor")?,
-        reason: row.try_get("reason")?,
-        acted_at: row.try_get("acted_at")?,
-        before: json_column(row, "before")?,
-        after: json_column(row, "after")?,
     })
 }

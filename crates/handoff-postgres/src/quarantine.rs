@@ -476,12 +476,13 @@ fn read_event(row: &PgRow) -> Result<QuarantinedEvent, sqlx::Error> {
 }
 
 /// A jsonb column the query cast to text, parsed.
-fn json_column(row: &PgRow, column: &str) -> Result<serde_json::Value, sqlx::Error> {
+pub(crate) fn json_column(row: &PgRow, column: &str) -> Result<serde_json::Value, sqlx::Error> {
     let text: String = row.try_get(column)?;
     serde_json::from_str(&text).map_err(|e| sqlx::Error::Decode(Box::new(e)))
 }
 
-fn read_action(row: &PgRow) -> Result<QuarantineAction, sqlx::Error> {
+/// One row of an audit table (`outbox_quarantine_actions`, `consumer_quarantine_actions`).
+pub(crate) fn read_action(row: &PgRow) -> Result<QuarantineAction, sqlx::Error> {
     Ok(QuarantineAction {
         action_id: row.try_get("action_id")?,
         action: row.try_get("action")?,
