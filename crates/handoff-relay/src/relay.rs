@@ -339,6 +339,17 @@ fn unsettled(shared: &Shared) -> usize {
     shared.unsettled.load(Ordering::Relaxed)
 }
 
+/// Waits until every outcome this relay has is written back (nothing of it in flight or
+/// unsettled), or shutdown begins; the claim loop then checks `stop` itself.
+async fn settled(shared: &Shared, stop: &mut watch::Receiver<bool>) {
+    while unsettled(shared) > 0 {
+        tokio::select! {
+            _ = stop.changed() => return,
+            () = shared.progress.notified() => {}
+        }
+    }
+}
+
 fn in_flight(shared: &Shared) -> usize {
     shared
         .in_flight
@@ -621,17 +632,12 @@ async fn claim_loop<S: Source, T: Transport>(
             metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
             metrics::gauge!(m::BROKER_UP).set(1.0);
         }
-        if claim.isolate && claimed > 0 {
+        let isolated = claim.isolate && claimed > 0;
+        if isolated {
             // A suspect of killing its relays: nothing else may be in flight when it is
             // published, so a crash charges its takeover to it alone.
-            while unsettled(&shared) > 0 {
-                tokio::select! {
-                    _ = stop.changed() => break,
-                    () = shared.progress.notified() => {}
-                }
-            }
+            settled(&shared, &mut stop).await;
         }
-        let isolated = claim.isolate && claimed > 0;
         if claimed > 0 {
             shared
                 .in_flight
@@ -646,22 +652,12 @@ async fn claim_loop<S: Source, T: Transport>(
         }
         if isolated {
             // ... and nothing else is claimed until its outcome is written.
-            while unsettled(&shared) > 0 {
-                tokio::select! {
-                    _ = stop.changed() => break,
-                    () = shared.progress.notified() => {}
-                }
-            }
+            settled(&shared, &mut stop).await;
         }
         if probing && claimed > 0 {
             // Wait for the probe's outcome: a success ended the pause (the lane logged it), a
             // failure started the next one.
-            while unsettled(&shared) > 0 {
-                tokio::select! {
-                    _ = stop.changed() => break,
-                    () = shared.progress.notified() => {}
-                }
-            }
+            settled(&shared, &mut stop).await;
             probing = false;
             if !shared.health.is_paused() {
                 info!("probe event accepted: destination resumed, claiming");
