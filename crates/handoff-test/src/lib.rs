@@ -11,6 +11,7 @@
 //!   limits without touching the shared broker.
 //! - [`tansu`]: a private tansu broker (Kafka protocol) for the Kafka destination's tests.
 //! - [`proxy`]: a loopback TCP proxy with network faults (delay, cut, black hole, refusal).
+//! - [`tls`]: a throwaway certificate authority with server and client certificates.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -25,6 +26,7 @@ pub mod nats;
 pub mod proxy;
 pub mod rabbitmq;
 pub mod tansu;
+pub mod tls;
 
 /// The server tests run against when `DATABASE_URL` is not set.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
