@@ -894,18 +894,18 @@ async fn install_metrics(
     let handle = builder
         .install_recorder()
         .with_context(|| format!("while serving metrics on {addr}"))?;
-    // Its own single connection, opened on demand: a probe must neither wait behind the
-    // relay's busy pool nor take a connection the relay needs.
-    let probe_pool = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(READY_TIMEOUT)
-        .connect_lazy_with(settings.database.clone());
-    let migrator = Migrator::handoff(settings.polling.schema.clone());
+    // A connection of its own (see ReadyProbe): a probe must neither wait behind the relay's
+    // busy pool nor take a connection the relay needs.
+    let probe = std::sync::Arc::new(handoff_postgres::ReadyProbe::new(
+        settings.database.clone(),
+        vec![Migrator::handoff(settings.polling.schema.clone())],
+    ));
     let serving = Endpoint::new(handle)
         .check("database", move || {
-            let (pool, migrator) = (probe_pool.clone(), migrator.clone());
+            let probe = probe.clone();
             async move {
-                handoff_postgres::check_ready(&pool, &[migrator], READY_TIMEOUT)
+                probe
+                    .check(READY_TIMEOUT)
                     .await
                     .map_err(|e| NotReady::new(redact(&e.to_string())))
             }

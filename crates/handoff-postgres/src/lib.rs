@@ -23,7 +23,7 @@
 //!   order, for replays and for reconciling the broker with the outbox (brief O3).
 //!
 //! - [`roles_sql`]: least-privilege roles (writer, relay, operator) over these tables;
-//!   [`check_ready`]: the database half of a readiness probe.
+//!   [`ReadyProbe`]: the database half of a readiness probe.
 //! - [`bounded_release`]: pool options that close a connection whose server went silent instead
 //!   of letting it hold a pool slot.
 //!
@@ -80,7 +80,7 @@ pub use consumer_quarantine::{
     RetryClaim, RetryOutcome, SkipRecord,
 };
 pub use handoff_core::OrderMode;
-pub use health::{check_ready, ReadyError, ReadyErrorKind};
+pub use health::{ReadyError, ReadyErrorKind, ReadyProbe};
 pub use inbox::{
     validate_consumer_name, Admission, BatchAdmission, CallRecord, CallResponse, CallStatus, Inbox,
     InboxError, InboxErrorKind, QuarantineKind, MAX_CONSUMER_NAME_BYTES,

@@ -234,8 +234,8 @@ impl Readiness {
         self.outcomes.iter().find_map(|(_, o)| o.as_ref().err())
     }
 
-    fn body(&self) -> serde_json::Value {
-        let checks: serde_json::Map<String, serde_json::Value> = self
+    fn body(&self) -> ReadyBody {
+        let checks = self
             .outcomes
             .iter()
             .map(|(name, outcome)| {
@@ -243,16 +243,27 @@ impl Readiness {
                     Ok(()) => "ok".to_owned(),
                     Err(NotReady(reason)) => scrub(reason),
                 };
-                ((*name).to_owned(), serde_json::Value::String(shown))
+                (*name, shown)
             })
             .collect();
-        match self.first_failure() {
-            None => serde_json::json!({ "ready": true, "checks": checks }),
-            Some(NotReady(reason)) => {
-                serde_json::json!({ "ready": false, "reason": scrub(reason), "checks": checks })
-            }
+        let reason = self.first_failure().map(|NotReady(reason)| scrub(reason));
+        ReadyBody {
+            ready: reason.is_none(),
+            reason,
+            checks,
         }
     }
+}
+
+/// `/readyz`'s body, its fields in this order: `{"ready":false,"reason":"...","checks":{...}}`.
+#[derive(serde::Serialize)]
+struct ReadyBody {
+    ready: bool,
+    /// The first failed check's reason; absent when ready.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    /// Every check's outcome by name: `ok`, or its reason.
+    checks: std::collections::BTreeMap<&'static str, String>,
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {

@@ -21,7 +21,8 @@ use handoff_consumer::{ConfigError, Consumer, ConsumerConfig, GapPolicy, Handler
 use handoff_core::intake::Intake;
 use handoff_nats::{IntakeConfig, IntakeConnectError, JetStreamIntake};
 use handoff_postgres::{
-    bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, Schema, SchemaError,
+    bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, ReadyProbe, Schema,
+    SchemaError,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use handoff_telemetry::endpoint::{Endpoint, NotReady, Serving};
@@ -729,17 +730,15 @@ async fn install_metrics(
         .map_err(error)?
         .install_recorder()
         .map_err(error)?;
-    // Its own single connection, opened on demand: a probe must neither wait behind the
+    // A connection of its own (see ReadyProbe): a probe must neither wait behind the
     // consumer's busy pool nor take a connection an event needs.
-    let probe_pool = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(READY_TIMEOUT)
-        .connect_lazy_with(options.clone());
+    let probe = Arc::new(ReadyProbe::new(options.clone(), migrators.to_vec()));
     let serving = Endpoint::new(handle)
         .check("database", move || {
-            let (pool, migrators) = (probe_pool.clone(), migrators.clone());
+            let probe = probe.clone();
             async move {
-                handoff_postgres::check_ready(&pool, &migrators, READY_TIMEOUT)
+                probe
+                    .check(READY_TIMEOUT)
                     .await
                     .map_err(|e| NotReady::new(redact(&e.to_string())))
             }
