@@ -45,7 +45,8 @@ pub struct RelayArgs {
     /// This relay's name in claimed_by; unique per live relay [default: <host>-<pid>-<random>].
     #[arg(long, env = "HANDOFF_RELAY_ID")]
     relay_id: Option<String>,
-    /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
+    /// Serve Prometheus metrics at http://ADDR/metrics, and the /healthz (alive) and /readyz
+    /// (database, schema and broker ready) probes [default: off].
     #[arg(long, env = "HANDOFF_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
     /// Schema of handoff's tables [default: the connection's search_path].

@@ -26,7 +26,11 @@ fn free_addr() -> SocketAddr {
 }
 
 /// GET `http://addr/path`: the status and body, or `Err` while nothing answers.
-async fn get(http: &reqwest::Client, addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
+async fn get(
+    http: &reqwest::Client,
+    addr: SocketAddr,
+    path: &str,
+) -> Result<(u16, String), String> {
     let response = http
         .get(format!("http://{addr}{path}"))
         .send()
@@ -166,7 +170,10 @@ async fn relay_probes_follow_the_database_the_schema_and_the_broker() {
     )
     .await;
     let shown = body.to_string();
-    assert!(!shown.contains(PASSWORD), "a probe shows the password: {shown}");
+    assert!(
+        !shown.contains(PASSWORD),
+        "a probe shows the password: {shown}"
+    );
     assert_eq!(get(&http, addr, "/healthz").await.unwrap().0, 200);
     // Bounded: the answer came within the readiness timeouts, not after a long hang.
     let (_, took) = {

@@ -119,7 +119,13 @@ struct OrderService {
 impl OrderService {
     fn start(database_url: &str) -> Self {
         let mut child = Command::new(order_service_binary())
-            .args(["--listen", "127.0.0.1:0", "--max-connections", "4", "--no-migrate"])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--max-connections",
+                "4",
+                "--no-migrate",
+            ])
             .env("DATABASE_URL", database_url)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -186,11 +192,21 @@ async fn services_and_operators_run_under_the_printed_roles_and_nothing_more() {
     // The printed SQL, applied twice: the second run must change nothing and fail nowhere.
     let printed = handoff(
         &db.url(),
-        &["roles", "--print", "--schema", &schema, "--role-prefix", &schema],
+        &[
+            "roles",
+            "--print",
+            "--schema",
+            &schema,
+            "--role-prefix",
+            &schema,
+        ],
     );
     assert!(printed.status.success(), "{}", text(&printed));
     let sql = String::from_utf8(printed.stdout).unwrap();
-    assert!(sql.contains(&format!("CREATE ROLE \"{schema}_writer\" NOLOGIN")), "{sql}");
+    assert!(
+        sql.contains(&format!("CREATE ROLE \"{schema}_writer\" NOLOGIN")),
+        "{sql}"
+    );
     let mut admin = db.connect_options().connect().await.unwrap();
     for run in 1..=2 {
         sqlx::raw_sql(&sql)
@@ -242,13 +258,18 @@ async fn services_and_operators_run_under_the_printed_roles_and_nothing_more() {
         );
     }
     // The library's other enqueue path (sequence heads, INSERT ... RETURNING) as the writer.
-    let outbox =
-        handoff_postgres::Outbox::new(handoff_postgres::OutboxConfig::default(), factory::catalog())
-            .unwrap();
+    let outbox = handoff_postgres::Outbox::new(
+        handoff_postgres::OutboxConfig::default(),
+        factory::catalog(),
+    )
+    .unwrap();
     let mut writer = PgConnection::connect(&roles.url("writer")).await.unwrap();
     let mut tx = writer.begin().await.unwrap();
     outbox
-        .enqueue(&mut tx, &[factory::event("w-1", 1), factory::event("w-1", 2)])
+        .enqueue(
+            &mut tx,
+            &[factory::event("w-1", 1), factory::event("w-1", 2)],
+        )
         .await
         .expect("Outbox::enqueue as the writer");
     tx.commit().await.unwrap();
@@ -297,6 +318,23 @@ async fn services_and_operators_run_under_the_printed_roles_and_nothing_more() {
     let operator_url = roles.url("operator");
     assert_refused(&operator_url, "UPDATE outbox SET published_at = now()").await;
 
+    // Reconcile (reads every retained event, compares with the stream) as the operator: clean.
+    let reconcile = handoff(
+        &operator_url,
+        &[
+            "reconcile",
+            "--since",
+            "1h",
+            "--nats-url",
+            &shared_url(),
+            "--stream",
+            &stream,
+            "--subject-prefix",
+            &stream,
+        ],
+    );
+    assert_eq!(reconcile.status.code(), Some(0), "{}", text(&reconcile));
+
     // The operator's commands as the operator: a held event listed and retried, status,
     // cleanup with the archive.
     let mut tx = db.pool.begin().await.unwrap();
@@ -338,22 +376,37 @@ async fn services_and_operators_run_under_the_printed_roles_and_nothing_more() {
         "{}",
         text(&status)
     );
-    sqlx::query("UPDATE outbox SET published_at = now() - interval '2 days' WHERE published_at IS NOT NULL")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "UPDATE outbox SET published_at = now() - interval '2 days' WHERE published_at IS NOT NULL",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
     let cleanup = handoff(
         &operator_url,
-        &["cleanup", "--archive", "--retention", "1d", "--dedup-retention", "1d"],
+        &[
+            "cleanup",
+            "--archive",
+            "--retention",
+            "1d",
+            "--dedup-retention",
+            "1d",
+        ],
     );
     assert!(cleanup.status.success(), "{}", text(&cleanup));
     assert_eq!(db.count("outbox_archive").await, 7, "{}", text(&cleanup));
-    assert_eq!(db.count("outbox").await, 1, "only the retried event is left");
+    assert_eq!(
+        db.count("outbox").await,
+        1,
+        "only the retried event is left"
+    );
     let consumer_list = handoff(
         &operator_url,
         &["consumer", "quarantine", "list", "--consumer", "inventory"],
     );
     assert!(consumer_list.status.success(), "{}", text(&consumer_list));
+    let sagas = handoff(&operator_url, &["saga", "list"]);
+    assert!(sagas.status.success(), "{}", text(&sagas));
 }
 
 #[test]
@@ -371,7 +424,11 @@ fn roles_without_print_or_with_a_bad_name_fail_with_one_line() {
             .output()
             .unwrap();
         assert_eq!(output.status.code(), Some(1), "{}", text(&output));
-        assert!(output.stdout.is_empty(), "no SQL printed: {}", text(&output));
+        assert!(
+            output.stdout.is_empty(),
+            "no SQL printed: {}",
+            text(&output)
+        );
     }
     // Deadline-free: printing needs no database.
     let started = Instant::now();

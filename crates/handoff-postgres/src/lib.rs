@@ -100,9 +100,7 @@ pub use retained::{
     RetainedCursor, RetainedError, RetainedErrorKind, RetainedEvent, RetainedEvents,
     RetainedFilter, RetainedFilterError,
 };
-pub use roles::{
-    roles_sql, RoleNames, RolesError, DEFAULT_ROLE_PREFIX, MAX_ROLE_PREFIX_BYTES,
-};
+pub use roles::{roles_sql, RoleNames, RolesError, DEFAULT_ROLE_PREFIX, MAX_ROLE_PREFIX_BYTES};
 pub use schema::{Schema, SchemaError};
 pub use source::{
     header_pairs, read_outbox_event, Backlog, OtherLane, PollingConfig, PollingConfigError,

@@ -149,7 +149,10 @@ mod tests {
         for grant in &grants {
             let to = grant.rsplit("TO").next().unwrap();
             if to.contains("handoff_writer") {
-                assert!(!grant.contains("UPDATE") && !grant.contains("DELETE"), "{grant}");
+                assert!(
+                    !grant.contains("UPDATE") && !grant.contains("DELETE"),
+                    "{grant}"
+                );
             }
             if to.contains("handoff_relay") {
                 assert!(!grant.contains("payload"), "{grant}");

@@ -32,7 +32,10 @@ async fn metrics_and_liveness_are_served_beside_readiness() {
     let (status, text) = get(&serving, "/metrics").await;
     assert_eq!(status, 200);
     assert!(text.contains("handoff_test_events_total 3"), "{text}");
-    assert_eq!(get(&serving, "/healthz").await, (200, r#"{"alive":true}"#.into()));
+    assert_eq!(
+        get(&serving, "/healthz").await,
+        (200, r#"{"alive":true}"#.into())
+    );
     // No check supplied: ready.
     assert_eq!(
         get(&serving, "/readyz").await,
@@ -70,16 +73,21 @@ async fn readiness_reports_the_first_failure_bounded_cached_and_scrubbed() {
     let (status, body) = get(&serving, "/readyz").await;
     let took = started.elapsed();
     assert_eq!(status, 503, "{body}");
-    assert!(took < Duration::from_secs(2), "a hanging check held the probe {took:?}");
+    assert!(
+        took < Duration::from_secs(2),
+        "a hanging check held the probe {took:?}"
+    );
     let json: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(json["ready"], false);
     assert_eq!(
-        json["reason"],
-        "database unreachable: postgres://***@db:5432/app refused",
+        json["reason"], "database unreachable: postgres://***@db:5432/app refused",
         "{body}"
     );
     assert!(!body.contains("hunter2"), "{body}");
-    assert_eq!(json["checks"]["broker"], "broker check timed out after 300ms");
+    assert_eq!(
+        json["checks"]["broker"],
+        "broker check timed out after 300ms"
+    );
     assert!(
         body.starts_with(r#"{"ready":false,"reason":"#),
         "ready first, then the reason: {body}"

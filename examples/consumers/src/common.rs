@@ -24,8 +24,8 @@ use handoff_postgres::{
     bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, ReadyProbe, Schema,
     SchemaError,
 };
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use handoff_telemetry::endpoint::{Endpoint, NotReady, Serving};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 use tracing::{debug, info, warn};
 
@@ -128,7 +128,8 @@ pub struct CommonArgs {
     /// outbox's and the stream's retention.
     #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
     pub replay_horizon: Duration,
-    /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
+    /// Serve Prometheus metrics at http://ADDR/metrics, and the /healthz (alive) and /readyz
+    /// (database, schema and broker ready) probes [default: off].
     #[arg(long, env = "HANDOFF_METRICS_ADDR", value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
     /// Longest one event may take to apply, handler included (e.g. 60s); past it the work is
@@ -645,9 +646,8 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()> + Send, Run
 }
 
 /// A readiness check of the broker: `Err` with the reason when it is not reachable.
-type BrokerProbe = Arc<
-    dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), NotReady>> + Send>> + Send + Sync,
->;
+type BrokerProbe =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), NotReady>> + Send>> + Send + Sync>;
 
 /// The broker's readiness check, set once the consumer has subscribed (`/readyz` says the
 /// consumer is still connecting until then). A process runs one consumer, so one slot.
@@ -686,9 +686,12 @@ async fn nats_ready(client: &async_nats::Client) -> Result<(), NotReady> {
 /// ask, so reachability is what can be checked cheaply.
 async fn tcp_ready(addresses: String) -> Result<(), NotReady> {
     let mut last = String::from("no address");
-    for address in addresses.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-        match tokio::time::timeout(READY_TIMEOUT, tokio::net::TcpStream::connect(address)).await
-        {
+    for address in addresses
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+    {
+        match tokio::time::timeout(READY_TIMEOUT, tokio::net::TcpStream::connect(address)).await {
             Ok(Ok(_)) => return Ok(()),
             Ok(Err(error)) => last = format!("{address}: {error}"),
             Err(_) => last = format!("{address}: no answer within {READY_TIMEOUT:?}"),
