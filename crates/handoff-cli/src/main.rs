@@ -2,7 +2,7 @@
 //!
 //! `handoff migrate` applies the embedded schema migrations; `handoff relay` publishes committed
 //! outbox events to NATS JetStream; `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
-//! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. Each lives in its own module.
+//! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. `roles --print` prints the least-privilege roles' SQL. Each lives in its own module.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
