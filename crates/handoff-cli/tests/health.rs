@@ -120,12 +120,20 @@ async fn relay_probes_follow_the_database_the_schema_and_the_broker() {
     assert_eq!(body["checks"]["broker"], "ok", "{body}");
     let (status, alive) = get(&http, addr, "/healthz").await.unwrap();
     assert_eq!((status, alive.as_str()), (200, r#"{"alive":true}"#));
-    let (status, metrics) = get(&http, addr, "/metrics").await.unwrap();
-    assert_eq!(status, 200);
-    assert!(
-        metrics.contains("handoff_relay_broker_up 1"),
-        "the relay's metrics are still served at /metrics:\n{metrics}"
-    );
+    // The relay sets its gauges once its loop runs, a moment after it is ready.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, metrics) = get(&http, addr, "/metrics").await.unwrap();
+        assert_eq!(status, 200);
+        if metrics.contains("handoff_relay_broker_up 1") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the relay's metrics are not served at /metrics:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // The broker goes away: not ready, because of the broker; still alive.
     nats.stop().unwrap();
