@@ -2,7 +2,7 @@
 //!
 //! `handoff migrate` applies the embedded schema migrations; `handoff relay` publishes committed
 //! outbox events to NATS JetStream; `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
-//! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. Each lives in its own module.
+//! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. `roles --print` prints the least-privilege roles' SQL. Each lives in its own module.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -19,6 +19,7 @@ mod reconcile;
 mod relay;
 mod replay;
 mod republish;
+mod roles;
 mod saga;
 mod status;
 
@@ -59,6 +60,8 @@ enum Command {
     Cdc(cdc::CdcArgs),
     /// Sagas an orchestrator runs in this database: list, show, resume or resolve a stuck one.
     Saga(saga::SagaArgs),
+    /// Print the SQL of least-privilege roles (writer, relay, operator) for handoff's tables.
+    Roles(roles::RolesArgs),
 }
 
 #[derive(clap::Args)]
@@ -128,6 +131,7 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Cleanup(args) => cleanup::run(args).await.map(success),
         Command::Cdc(args) => cdc::run(args).await,
         Command::Saga(args) => saga::run(args).await.map(success),
+        Command::Roles(args) => roles::run(args).map(success),
     }
 }
 

@@ -45,7 +45,8 @@ pub struct RelayArgs {
     /// This relay's name in claimed_by; unique per live relay [default: <host>-<pid>-<random>].
     #[arg(long, env = "HANDOFF_RELAY_ID")]
     relay_id: Option<String>,
-    /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
+    /// Serve Prometheus metrics at http://ADDR/metrics, and the /healthz (alive) and /readyz
+    /// (database, schema and broker ready) probes [default: off].
     #[arg(long, env = "HANDOFF_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
     /// Schema of handoff's tables [default: the connection's search_path].
@@ -531,9 +532,11 @@ pub async fn run(args: RelayArgs) -> Result<()> {
     tokio::pin!(shutdown);
     let settings = Settings::resolve(args)?;
 
-    if let Some(addr) = settings.metrics_addr {
-        install_metrics(addr)?;
-    }
+    // Kept for the whole run: dropping it stops the endpoint.
+    let _endpoint = match settings.metrics_addr {
+        Some(addr) => Some(install_metrics(addr, &settings).await?),
+        None => None,
+    };
 
     // The destination first: a malformed broker URL must end the command before anything waits.
     match &settings.destination {
@@ -603,6 +606,8 @@ async fn serve<T: Transport>(
     transport: T,
     mut shutdown: impl std::future::Future<Output = ()> + Send + Unpin,
 ) -> Result<()> {
+    let transport = std::sync::Arc::new(transport);
+    offer_broker_probe(&transport);
     let pool = tokio::select! {
         pool = connect_postgres(&settings.database) => pool?,
         () = &mut shutdown => return Ok(()),
@@ -639,11 +644,7 @@ async fn serve<T: Transport>(
         tokio::spawn(report_backlog(source.clone()));
     }
     let watch_lanes = tokio::spawn(report_other_lane(source.clone()));
-    let relay = Relay::from_shared(
-        source.clone(),
-        std::sync::Arc::new(transport),
-        settings.relay,
-    )?;
+    let relay = Relay::from_shared(source.clone(), transport, settings.relay)?;
     let report = relay.run(shutdown).await;
     watch_lanes.abort();
     if let Err(error) = source.unregister().await {
@@ -658,7 +659,7 @@ async fn run_logical<T: Transport>(
     settings: Settings,
     names: CdcNames,
     pool: PgPool,
-    transport: T,
+    transport: std::sync::Arc<T>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
     let config = LogicalConfig {
@@ -670,11 +671,7 @@ async fn run_logical<T: Transport>(
         .await
         .context("while starting the logical replication source")?;
     let source = std::sync::Arc::new(source);
-    let relay = Relay::from_shared(
-        source.clone(),
-        std::sync::Arc::new(transport),
-        settings.relay,
-    )?;
+    let relay = Relay::from_shared(source.clone(), transport, settings.relay)?;
     let report = relay.run(shutdown).await;
     // What the run settled is confirmed now rather than redelivered after a restart.
     source.close(Duration::from_secs(5)).await;
@@ -855,20 +852,88 @@ async fn report_other_lane(source: std::sync::Arc<PollingSource>) {
     }
 }
 
-fn install_metrics(addr: SocketAddr) -> Result<()> {
+/// A readiness check of the destination: whether it answers, within a bound the check sets.
+type BrokerProbe = std::sync::Arc<
+    dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> + Send + Sync,
+>;
+
+/// The destination's readiness check, set once the relay is connected to it (`/readyz` says
+/// the relay is still connecting until then). A process runs one relay, so one slot.
+static BROKER_PROBE: std::sync::OnceLock<BrokerProbe> = std::sync::OnceLock::new();
+
+/// How long `/readyz` waits for the database or the destination before it calls them
+/// unreachable; below the endpoint's own per-check timeout (2 s), so the reason is theirs.
+const READY_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// Offers `transport` to `/readyz`: the destination is ready when its own readiness wait (the
+/// one the relay uses to end a pause) says so within [`READY_TIMEOUT`].
+fn offer_broker_probe<T: Transport>(transport: &std::sync::Arc<T>) {
+    let transport = transport.clone();
+    let probe: BrokerProbe = std::sync::Arc::new(move || {
+        let transport = transport.clone();
+        Box::pin(async move { transport.wait_until_ready(READY_TIMEOUT).await })
+    });
+    let _ = BROKER_PROBE.set(probe);
+}
+
+/// Serves `/metrics` (the relay's metrics, names unchanged), `/healthz` and `/readyz` on
+/// `addr`. Ready means: PostgreSQL answers on a connection of the probe's own, handoff's
+/// migrations are current, and the destination is connected and answers.
+async fn install_metrics(
+    addr: SocketAddr,
+    settings: &Settings,
+) -> Result<handoff_telemetry::endpoint::Serving> {
+    use handoff_telemetry::endpoint::{Endpoint, NotReady};
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-    let mut builder = PrometheusBuilder::new().with_http_listener(addr);
+    let mut builder = PrometheusBuilder::new();
     let buckets = [
         0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
     ];
     for name in handoff_relay::metrics::HISTOGRAMS {
         builder = builder.set_buckets_for_metric(Matcher::Full((*name).to_owned()), &buckets)?;
     }
-    builder
-        .install()
+    let handle = builder
+        .install_recorder()
         .with_context(|| format!("while serving metrics on {addr}"))?;
-    info!(%addr, "metrics at http://{addr}/metrics");
-    Ok(())
+    // A connection of its own (see ReadyProbe): a probe must neither wait behind the relay's
+    // busy pool nor take a connection the relay needs.
+    let probe = std::sync::Arc::new(handoff_postgres::ReadyProbe::new(
+        settings.database.clone(),
+        vec![Migrator::handoff(settings.polling.schema.clone())],
+    ));
+    let serving = Endpoint::new(handle)
+        .check("database", move || {
+            let probe = probe.clone();
+            async move {
+                probe
+                    .check(READY_TIMEOUT)
+                    .await
+                    .map_err(|e| NotReady::new(redact(&e.to_string())))
+            }
+        })
+        .check("broker", || async {
+            let Some(probe) = BROKER_PROBE.get() else {
+                return Err(NotReady::new(
+                    "broker not connected yet: the relay is still starting",
+                ));
+            };
+            if probe().await {
+                Ok(())
+            } else {
+                Err(NotReady::new(format!(
+                    "broker unreachable: no answer within {READY_TIMEOUT:?}"
+                )))
+            }
+        })
+        .serve(addr)
+        .await
+        .with_context(|| format!("while serving metrics on {addr}"))?;
+    info!(
+        addr = %serving.addr(),
+        "metrics at http://{addr}/metrics, probes at /healthz and /readyz",
+        addr = serving.addr()
+    );
+    Ok(serving)
 }
 
 /// Backlog gauges every 5 s (brief O1): one cheap query over the pending index.

@@ -22,6 +22,8 @@
 //! - [`RetainedEvents`] reads published rows back page by page, each aggregate in sequence
 //!   order, for replays and for reconciling the broker with the outbox (brief O3).
 //!
+//! - [`roles_sql`]: least-privilege roles (writer, relay, operator) over these tables;
+//!   [`ReadyProbe`]: the database half of a readiness probe.
 //! - [`bounded_release`]: pool options that close a connection whose server went silent instead
 //!   of letting it hold a pool slot.
 //!
@@ -55,12 +57,14 @@
 
 mod cleanup;
 mod consumer_quarantine;
+mod health;
 mod inbox;
 mod migrate;
 mod outbox;
 mod pool;
 mod quarantine;
 mod retained;
+mod roles;
 mod schema;
 mod source;
 mod status;
@@ -76,6 +80,7 @@ pub use consumer_quarantine::{
     RetryClaim, RetryOutcome, SkipRecord,
 };
 pub use handoff_core::OrderMode;
+pub use health::{ReadyError, ReadyErrorKind, ReadyProbe};
 pub use inbox::{
     validate_consumer_name, Admission, BatchAdmission, CallRecord, CallResponse, CallStatus, Inbox,
     InboxError, InboxErrorKind, QuarantineKind, MAX_CONSUMER_NAME_BYTES,
@@ -95,6 +100,7 @@ pub use retained::{
     RetainedCursor, RetainedError, RetainedErrorKind, RetainedEvent, RetainedEvents,
     RetainedFilter, RetainedFilterError,
 };
+pub use roles::{roles_sql, RoleNames, RolesError, DEFAULT_ROLE_PREFIX, MAX_ROLE_PREFIX_BYTES};
 pub use schema::{Schema, SchemaError};
 pub use source::{
     header_pairs, read_outbox_event, Backlog, OtherLane, PollingConfig, PollingConfigError,

@@ -12,6 +12,10 @@
 //!   exporter is built and no OpenTelemetry layer is installed: nothing is exported, and the
 //!   libraries neither capture nor continue a trace.
 //!
+//! It also serves what those binaries expose over HTTP on their metrics address
+//! ([`endpoint`]): `/metrics`, and the `/healthz` and `/readyz` probes of orchestrators, with
+//! the readiness checks each binary supplies.
+//!
 //! # Examples
 //!
 //! ```no_run
@@ -34,6 +38,8 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
+
+pub mod endpoint;
 
 use std::io::IsTerminal;
 

@@ -7,10 +7,13 @@
 //! a supervisor restarts it and an operator reads why. Once running, failures are the
 //! consumer's business (retries, redeliveries, quarantine).
 
+use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::process::ExitCode;
 use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use clap::Parser;
@@ -18,8 +21,10 @@ use handoff_consumer::{ConfigError, Consumer, ConsumerConfig, GapPolicy, Handler
 use handoff_core::intake::Intake;
 use handoff_nats::{IntakeConfig, IntakeConnectError, JetStreamIntake};
 use handoff_postgres::{
-    bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, Schema, SchemaError,
+    bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, ReadyProbe, Schema,
+    SchemaError,
 };
+use handoff_telemetry::endpoint::{Endpoint, NotReady, Serving};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 use tracing::{debug, info, warn};
@@ -123,7 +128,8 @@ pub struct CommonArgs {
     /// outbox's and the stream's retention.
     #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
     pub replay_horizon: Duration,
-    /// Serve Prometheus metrics at http://ADDR/metrics [default: off].
+    /// Serve Prometheus metrics at http://ADDR/metrics, and the /healthz (alive) and /readyz
+    /// (database, schema and broker ready) probes [default: off].
     #[arg(long, env = "HANDOFF_METRICS_ADDR", value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
     /// Longest one event may take to apply, handler included (e.g. 60s); past it the work is
@@ -319,6 +325,15 @@ pub enum RunError {
         #[source]
         source: metrics_exporter_prometheus::BuildError,
     },
+    /// The metrics and probes endpoint could not bind its address.
+    #[error("while serving metrics on {addr}: {source}")]
+    Endpoint {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The server's error.
+        #[source]
+        source: handoff_telemetry::endpoint::EndpointError,
+    },
     /// The HTTP client for an outside API could not be built.
     #[error("while building the HTTP client: {0}")]
     HttpClient(#[source] reqwest::Error),
@@ -414,7 +429,7 @@ pub fn exit_code(result: Result<(), RunError>) -> ExitCode {
 /// Runs a reference consumer until SIGTERM or SIGINT:
 ///
 /// 1. checks the configuration (before touching anything);
-/// 2. serves metrics when `--metrics-addr` is set;
+/// 2. serves metrics and the `/healthz` and `/readyz` probes when `--metrics-addr` is set;
 /// 3. connects to PostgreSQL, applies handoff's migrations (the inbox tables) and then `own`;
 /// 4. builds the handler with `make_handler`;
 /// 5. subscribes at the `--broker` (for NATS: creates or opens the durable consumer);
@@ -453,13 +468,19 @@ where
             ),
         });
     }
-    if let Some(addr) = args.metrics_addr {
-        install_metrics(addr)?;
-    }
-
     let options = PgConnectOptions::from_str(&args.database_url)
         .map_err(|e| RunError::DatabaseUrl(redact(&e.to_string())))?
         .application_name(&config.name);
+    let migrators = [
+        Migrator::handoff(config.schema.clone()),
+        Migrator::new(config.schema.clone(), own.history_table, own.migrations),
+    ];
+    // Kept for the whole run: dropping it stops the endpoint.
+    let _endpoint = match args.metrics_addr {
+        Some(addr) => Some(install_metrics(addr, &options, migrators).await?),
+        None => None,
+    };
+
     // Work abandoned at the apply timeout leaves its transaction open on the server when the
     // connection went silent, holding the aggregate's row locks, so the redelivery would block
     // behind it; the server ends such a session itself once it idles that long in a transaction.
@@ -495,6 +516,11 @@ where
             let intake_config = args.intake_config();
             let filter = intake_config.filter();
             let intake = JetStreamIntake::connect(&args.nats_url, intake_config).await?;
+            let client = intake.client().clone();
+            offer_broker_probe(move || {
+                let client = client.clone();
+                async move { nats_ready(&client).await }
+            });
             info!(stream = %args.stream, consumer = %args.consumer_name, %filter, "consuming");
             consume(&consumer, intake, &args.stream, &args.consumer_name).await
         }
@@ -509,6 +535,8 @@ where
             let intake = handoff_kafka::KafkaIntake::connect(intake_config)
                 .await
                 .map_err(|e| RunError::Broker(e.to_string()))?;
+            let brokers = args.brokers.clone();
+            offer_broker_probe(move || tcp_ready(brokers.clone()));
             info!(topic = %args.topic, group = %args.consumer_name, "consuming");
             consume(&consumer, intake, &args.topic, &args.consumer_name).await
         }
@@ -532,6 +560,8 @@ where
             let intake = handoff_amqp::AmqpIntake::connect(intake_config)
                 .await
                 .map_err(broker)?;
+            let address = amqp_address(&args.amqp_url);
+            offer_broker_probe(move || tcp_ready(address.clone()));
             info!(exchange = %args.exchange, %queue, "consuming");
             consume(&consumer, intake, queue, &args.consumer_name).await
         }
@@ -615,20 +645,124 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()> + Send, Run
     })
 }
 
-fn install_metrics(addr: SocketAddr) -> Result<(), RunError> {
+/// A readiness check of the broker: `Err` with the reason when it is not reachable.
+type BrokerProbe =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<(), NotReady>> + Send>> + Send + Sync>;
+
+/// The broker's readiness check, set once the consumer has subscribed (`/readyz` says the
+/// consumer is still connecting until then). A process runs one consumer, so one slot.
+static BROKER_PROBE: OnceLock<BrokerProbe> = OnceLock::new();
+
+/// How long `/readyz` waits for the database or the broker before it calls them
+/// unreachable; below the endpoint's own per-check timeout (2 s), so the reason is theirs.
+const READY_TIMEOUT: Duration = Duration::from_millis(1500);
+
+fn offer_broker_probe<F, Fut>(probe: F)
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), NotReady>> + Send + 'static,
+{
+    let probe: BrokerProbe = Arc::new(move || Box::pin(probe()));
+    let _ = BROKER_PROBE.set(probe);
+}
+
+/// NATS is ready when the client is connected and the server answers a ping (a flush).
+async fn nats_ready(client: &async_nats::Client) -> Result<(), NotReady> {
+    let state = client.connection_state();
+    if state != async_nats::connection::State::Connected {
+        return Err(NotReady::new(format!("broker unreachable: NATS {state}")));
+    }
+    match tokio::time::timeout(READY_TIMEOUT, client.flush()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(NotReady::new(format!("broker unreachable: NATS {error}"))),
+        Err(_) => Err(NotReady::new(format!(
+            "broker unreachable: NATS did not answer within {READY_TIMEOUT:?}"
+        ))),
+    }
+}
+
+/// Kafka and RabbitMQ: ready when one of `addresses` (`HOST:PORT[,HOST:PORT...]`) accepts a
+/// TCP connection. Their clients reconnect by themselves and expose no connection state to
+/// ask, so reachability is what can be checked cheaply.
+async fn tcp_ready(addresses: String) -> Result<(), NotReady> {
+    let mut last = String::from("no address");
+    for address in addresses
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+    {
+        match tokio::time::timeout(READY_TIMEOUT, tokio::net::TcpStream::connect(address)).await {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(error)) => last = format!("{address}: {error}"),
+            Err(_) => last = format!("{address}: no answer within {READY_TIMEOUT:?}"),
+        }
+    }
+    Err(NotReady::new(format!("broker unreachable: {last}")))
+}
+
+/// `HOST:PORT` of an AMQP URL (5672, or 5671 for amqps), without its credentials.
+fn amqp_address(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(parsed) => {
+            let port = parsed.port().unwrap_or(if parsed.scheme() == "amqps" {
+                5671
+            } else {
+                5672
+            });
+            format!("{}:{port}", parsed.host_str().unwrap_or("127.0.0.1"))
+        }
+        Err(_) => String::new(),
+    }
+}
+
+/// Serves `/metrics` (names unchanged), `/healthz` and `/readyz` on `addr`. Ready means:
+/// PostgreSQL answers on a connection of the probe's own, the consumer's migrations (handoff's
+/// and its own) are current, and the broker is reachable.
+async fn install_metrics(
+    addr: SocketAddr,
+    options: &PgConnectOptions,
+    migrators: [Migrator; 2],
+) -> Result<Serving, RunError> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     let error = |source| RunError::Metrics { addr, source };
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
+    let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full("handoff_consumer_apply_seconds".to_owned()),
             APPLY_BUCKETS,
         )
         .map_err(error)?
-        .install()
+        .install_recorder()
         .map_err(error)?;
-    info!(%addr, "metrics at http://{addr}/metrics");
-    Ok(())
+    // A connection of its own (see ReadyProbe): a probe must neither wait behind the
+    // consumer's busy pool nor take a connection an event needs.
+    let probe = Arc::new(ReadyProbe::new(options.clone(), migrators.to_vec()));
+    let serving = Endpoint::new(handle)
+        .check("database", move || {
+            let probe = probe.clone();
+            async move {
+                probe
+                    .check(READY_TIMEOUT)
+                    .await
+                    .map_err(|e| NotReady::new(redact(&e.to_string())))
+            }
+        })
+        .check("broker", || async {
+            match BROKER_PROBE.get() {
+                Some(probe) => probe().await,
+                None => Err(NotReady::new(
+                    "broker not connected yet: the consumer is still starting",
+                )),
+            }
+        })
+        .serve(addr)
+        .await
+        .map_err(|source| RunError::Endpoint { addr, source })?;
+    info!(
+        addr = %serving.addr(),
+        "metrics at http://{addr}/metrics, probes at /healthz and /readyz",
+        addr = serving.addr()
+    );
+    Ok(serving)
 }
 
 /// Deletes dedup rows older than the retention, every [`PURGE_INTERVAL`]. The configuration

@@ -1,0 +1,33 @@
+//! `handoff roles --print`: the SQL of the least-privilege roles (writer, relay, operator) for
+//! handoff's tables in one schema, for an operator to review and apply with psql.
+//!
+//! It prints rather than applies: creating roles and granting privileges is a database
+//! administrator's step, run with the owner's rights, and the script is meant to be read (and
+//! kept in the deployment's repository) before it runs.
+
+use anyhow::{bail, Result};
+use handoff_postgres::{roles_sql, RoleNames, DEFAULT_ROLE_PREFIX};
+
+/// Flags of `handoff roles`.
+#[derive(clap::Args)]
+pub struct RolesArgs {
+    /// Print the SQL on stdout (the only action: nothing connects to a database).
+    #[arg(long)]
+    print: bool,
+    /// Schema of handoff's tables.
+    #[arg(long, env = "HANDOFF_SCHEMA", default_value = "public")]
+    schema: String,
+    /// Role names are PREFIX_writer, PREFIX_relay and PREFIX_operator; another prefix keeps
+    /// the roles of several schemas in one cluster apart (roles are cluster-wide).
+    #[arg(long, value_name = "PREFIX", default_value = DEFAULT_ROLE_PREFIX)]
+    role_prefix: String,
+}
+
+pub fn run(args: RolesArgs) -> Result<()> {
+    if !args.print {
+        bail!("nothing to do: `handoff roles --print [--schema S]` prints the SQL to review and apply (psql -f)");
+    }
+    let names = RoleNames::with_prefix(&args.role_prefix)?;
+    print!("{}", roles_sql(&args.schema, &names)?);
+    Ok(())
+}
