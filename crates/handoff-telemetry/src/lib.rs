@@ -12,6 +12,9 @@
 //!   exporter is built and no OpenTelemetry layer is installed: nothing is exported, and the
 //!   libraries neither capture nor continue a trace.
 //!
+//! It also takes secrets from files for them ([`secrets`]: `DATABASE_URL_FILE` and the like),
+//! the other thing every binary does at start-up.
+//!
 //! # Examples
 //!
 //! ```no_run
@@ -34,6 +37,8 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
+
+pub mod secrets;
 
 use std::io::IsTerminal;
 
