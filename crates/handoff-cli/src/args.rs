@@ -31,11 +31,17 @@ impl DatabaseArgs {
     }
 
     /// One connection, named after the command in `pg_stat_activity`.
-    async fn connect(&self, application: &str) -> Result<PgConnection> {
+    pub async fn connect(&self, application: &str) -> Result<PgConnection> {
         let options = self.options(application)?;
+        handoff_postgres::check_tls_files(&options).context("PostgreSQL TLS settings")?;
         PgConnection::connect_with(&options)
             .await
-            .context("while connecting to PostgreSQL (check --database-url / DATABASE_URL)")
+            .map_err(|error| match handoff_postgres::connect_error_kind(&error) {
+                handoff_postgres::ConnectErrorKind::Tls => postgres_refused(&options, error),
+                _ => anyhow::Error::new(error).context(
+                    "while connecting to PostgreSQL (check --database-url / DATABASE_URL)",
+                ),
+            })
     }
 
     /// One connection to a database whose handoff schema is up to date: an operator command on
@@ -52,11 +58,25 @@ impl DatabaseArgs {
 
     /// The connection options, for commands that need a pool.
     pub fn options(&self, application: &str) -> Result<PgConnectOptions> {
-        Ok(PgConnectOptions::from_str(&self.database_url)
+        Ok(handoff_postgres::connect_options(&self.database_url)
             .map_err(|e| anyhow::anyhow!("invalid database url: {}", redact(&e.to_string())))?
             .application_name(application)
             .log_statements(tracing::log::LevelFilter::Debug))
     }
+}
+
+/// The error that ends the command when PostgreSQL refuses the connection for good, on one line
+/// (`main` prints the causes joined): a TLS failure says which settings to check.
+pub fn postgres_refused(options: &PgConnectOptions, error: sqlx::Error) -> anyhow::Error {
+    let (host, port) = (options.get_host(), options.get_port());
+    let context = match handoff_postgres::connect_error_kind(&error) {
+        handoff_postgres::ConnectErrorKind::Tls => format!(
+            "TLS with PostgreSQL at {host}:{port} failed, not retrying (check sslmode, \
+             sslrootcert and the host name in the database URL)"
+        ),
+        _ => format!("PostgreSQL at {host}:{port} refused the connection"),
+    };
+    anyhow::Error::new(error).context(context)
 }
 
 /// The relay's broker settings, for the commands that publish or read the stream.
