@@ -1,7 +1,6 @@
 //! The scratch database every benchmark runs in: created on the given server at the start of a
 //! run and dropped at its end, so a run never touches an existing database.
 
-
 use anyhow::{Context, Result};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, Executor, PgConnection};

@@ -17,7 +17,9 @@ async fn the_logical_source_streams_over_verify_full() {
     let fx = Fixture::start_tls("cdc_tls", RowMode::Keep, &ca).await;
     let config = fx.logical_config();
     assert!(
-        config.replication_url.contains("sslmode=verify-full&sslrootcert="),
+        config
+            .replication_url
+            .contains("sslmode=verify-full&sslrootcert="),
         "the replication URL carries the TLS parameters"
     );
     let relay = fx.relay().await;

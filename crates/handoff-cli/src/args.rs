@@ -33,15 +33,16 @@ impl DatabaseArgs {
     /// One connection, named after the command in `pg_stat_activity`.
     pub async fn connect(&self, application: &str) -> Result<PgConnection> {
         let options = self.options(application)?;
-        handoff_postgres::check_tls_files(&options).context("PostgreSQL TLS settings")?;
-        PgConnection::connect_with(&options)
-            .await
-            .map_err(|error| match handoff_postgres::connect_error_kind(&error) {
+        handoff_postgres::check_tls_files(&options)
+            .map_err(|e| anyhow::anyhow!("PostgreSQL TLS settings: {e}"))?;
+        PgConnection::connect_with(&options).await.map_err(|error| {
+            match handoff_postgres::connect_error_kind(&error) {
                 handoff_postgres::ConnectErrorKind::Tls => postgres_refused(&options, error),
                 _ => anyhow::Error::new(error).context(
                     "while connecting to PostgreSQL (check --database-url / DATABASE_URL)",
                 ),
-            })
+            }
+        })
     }
 
     /// One connection to a database whose handoff schema is up to date: an operator command on
@@ -69,14 +70,23 @@ impl DatabaseArgs {
 /// (`main` prints the causes joined): a TLS failure says which settings to check.
 pub fn postgres_refused(options: &PgConnectOptions, error: sqlx::Error) -> anyhow::Error {
     let (host, port) = (options.get_host(), options.get_port());
-    let context = match handoff_postgres::connect_error_kind(&error) {
-        handoff_postgres::ConnectErrorKind::Tls => format!(
-            "TLS with PostgreSQL at {host}:{port} failed, not retrying (check sslmode, \
-             sslrootcert and the host name in the database URL)"
-        ),
-        _ => format!("PostgreSQL at {host}:{port} refused the connection"),
-    };
-    anyhow::Error::new(error).context(context)
+    match handoff_postgres::connect_error_kind(&error) {
+        handoff_postgres::ConnectErrorKind::Tls => {
+            // The innermost cause only ("invalid peer certificate: UnknownIssuer"): sqlx's
+            // wrapper repeats it.
+            let mut reason: &dyn std::error::Error = &error;
+            while let Some(source) = reason.source() {
+                reason = source;
+            }
+            anyhow::anyhow!(
+                "TLS with PostgreSQL at {host}:{port} failed, not retrying: {reason} (check \
+                 sslmode, sslrootcert and the host name in the database URL)"
+            )
+        }
+        _ => anyhow::Error::new(error).context(format!(
+            "PostgreSQL at {host}:{port} refused the connection"
+        )),
+    }
 }
 
 /// The relay's broker settings, for the commands that publish or read the stream.

@@ -696,7 +696,8 @@ fn log_exit(report: &handoff_relay::RelayReport) {
 /// certificate that does not verify, a missing certificate file) ends the command at once.
 async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
     // A missing sslrootcert would otherwise read as an I/O error, like an unreachable server.
-    handoff_postgres::check_tls_files(options).context("PostgreSQL TLS settings")?;
+    handoff_postgres::check_tls_files(options)
+        .map_err(|e| anyhow::anyhow!("PostgreSQL TLS settings: {e}"))?;
     let backoff = Backoff {
         initial: Duration::from_millis(200),
         max: Duration::from_secs(10),
@@ -730,7 +731,6 @@ async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
     }
     unreachable!("the retry loop only ends by returning")
 }
-
 
 /// Connects to the destination with `connect`, retrying with backoff (and saying what it waits
 /// for) while `unreachable` says the broker cannot be reached yet; any other error (a malformed

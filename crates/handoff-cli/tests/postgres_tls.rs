@@ -15,11 +15,11 @@ use handoff_core::intake::ReceivedEvent;
 use handoff_nats::{IntakeConfig, JetStreamIntake};
 use handoff_postgres::{Outbox, OutboxConfig};
 use handoff_test::cluster::PrivatePostgres;
+use handoff_test::factory;
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
 use handoff_test::tls::TestCa;
-use handoff_test::factory;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
@@ -224,9 +224,7 @@ async fn a_wrong_ca_ends_relay_migrate_and_status_within_seconds_with_one_line()
         wrong.ca_path().display()
     );
     // The right CA but the wrong host: the certificate names only localhost and 127.0.0.1.
-    let ip_url = server
-        .tls_url("postgres")
-        .replace("localhost", "127.0.0.2");
+    let ip_url = server.tls_url("postgres").replace("localhost", "127.0.0.2");
     let missing = format!(
         "postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
         server.port()
@@ -236,13 +234,25 @@ async fn a_wrong_ca_ends_relay_migrate_and_status_within_seconds_with_one_line()
     let stream = unique_name("pg_tls_wrong_ca");
     let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
     let nats_url = shared_url();
-    let relay_args = ["relay", "--nats-url", &nats_url, "--stream", &stream];
+    let relay_args = [
+        "relay",
+        "--nats-url",
+        &nats_url,
+        "--stream",
+        &stream,
+        "--subject-prefix",
+        &stream,
+    ];
     let cases: [(&str, &[&str], &str); 5] = [
         (&url, &relay_args, "TLS with PostgreSQL"),
         (&url, &["migrate"], "TLS with PostgreSQL"),
         (&url, &["status"], "TLS with PostgreSQL"),
         (&ip_url, &relay_args, "TLS with PostgreSQL"),
-        (&missing, &relay_args, "cannot read sslrootcert /nonexistent/ca.pem"),
+        (
+            &missing,
+            &relay_args,
+            "cannot read sslrootcert /nonexistent/ca.pem",
+        ),
     ];
     for (url, args, expected) in cases {
         let (output, took) = run_bounded(url, args);

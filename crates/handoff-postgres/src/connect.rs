@@ -219,21 +219,30 @@ mod tests {
     #[test]
     fn require_with_a_root_certificate_verifies_the_ca_as_libpq_does() {
         let with_root = connect_options("postgres://u@h/db?sslmode=require&sslrootcert=/ca.pem");
-        assert!(matches!(with_root.unwrap().get_ssl_mode(), PgSslMode::VerifyCa));
+        assert!(matches!(
+            with_root.unwrap().get_ssl_mode(),
+            PgSslMode::VerifyCa
+        ));
         let without = connect_options("postgres://u@h/db?sslmode=require").unwrap();
         assert!(matches!(without.get_ssl_mode(), PgSslMode::Require));
         let full = connect_options("postgres://u@h/db?sslmode=verify-full&sslrootcert=/c");
-        assert!(matches!(full.unwrap().get_ssl_mode(), PgSslMode::VerifyFull));
+        assert!(matches!(
+            full.unwrap().get_ssl_mode(),
+            PgSslMode::VerifyFull
+        ));
     }
 
     #[test]
     fn a_missing_certificate_file_is_named() {
-        let options =
-            connect_options("postgres://u@h/db?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem")
-                .unwrap();
+        let options = connect_options(
+            "postgres://u@h/db?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
+        )
+        .unwrap();
         let error = check_tls_files(&options).unwrap_err();
         assert_eq!(error.parameter, "sslrootcert");
-        assert!(error.to_string().starts_with("cannot read sslrootcert /nonexistent/ca.pem: "));
+        assert!(error
+            .to_string()
+            .starts_with("cannot read sslrootcert /nonexistent/ca.pem: "));
     }
 
     #[test]

@@ -186,7 +186,10 @@ mod tests {
         .unwrap();
         assert_eq!(
             values,
-            [("DATABASE_URL".to_owned(), "postgres://u:p@db/app".to_owned())]
+            [(
+                "DATABASE_URL".to_owned(),
+                "postgres://u:p@db/app".to_owned()
+            )]
         );
     }
 
@@ -202,14 +205,19 @@ mod tests {
 
     #[test]
     fn nothing_is_set_without_a_file_variable() {
-        assert!(run(&[("DATABASE_URL", "postgres://x")], &[]).unwrap().is_empty());
+        assert!(run(&[("DATABASE_URL", "postgres://x")], &[])
+            .unwrap()
+            .is_empty());
         assert!(run(&[("DATABASE_URL_FILE", "")], &[]).unwrap().is_empty());
     }
 
     #[test]
     fn both_set_is_refused() {
         let error = run(
-            &[("DATABASE_URL", "postgres://x"), ("DATABASE_URL_FILE", "/s")],
+            &[
+                ("DATABASE_URL", "postgres://x"),
+                ("DATABASE_URL_FILE", "/s"),
+            ],
             &[("/s", b"postgres://y")],
         )
         .unwrap_err();

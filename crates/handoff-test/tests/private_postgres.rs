@@ -96,7 +96,9 @@ async fn private_postgres_with_tls_takes_only_verified_tls_connections() {
         server.port()
     )));
 
-    let mut conn = sqlx::PgConnection::connect(&url).await.expect("verify-full");
+    let mut conn = sqlx::PgConnection::connect(&url)
+        .await
+        .expect("verify-full");
     let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
         .fetch_one(&mut conn)
         .await

@@ -28,10 +28,7 @@ async fn inventory_applies_events_over_verify_full_with_its_url_from_a_file() {
     let mut inventory = Process::start(
         INVENTORY,
         &bus.args(),
-        &[(
-            "DATABASE_URL_FILE",
-            secret.to_str().unwrap().to_owned(),
-        )],
+        &[("DATABASE_URL_FILE", secret.to_str().unwrap().to_owned())],
         "consuming",
     )
     .await;
@@ -60,7 +57,11 @@ async fn inventory_applies_events_over_verify_full_with_its_url_from_a_file() {
     .await
     .unwrap();
     assert_eq!(unencrypted, 0, "every session of the consumer is encrypted");
-    assert!(inventory.terminate().await.success(), "{}", inventory.stderr());
+    assert!(
+        inventory.terminate().await.success(),
+        "{}",
+        inventory.stderr()
+    );
     pool.close().await;
     tokio::task::block_in_place(move || drop(server));
 }
@@ -80,7 +81,11 @@ async fn inventory_trusting_another_ca_stops_at_once_with_one_line() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let started = Instant::now();
     let (status, stdout, stderr) = run_to_exit(INVENTORY, &args, &[("DATABASE_URL", url)]).await;
-    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
     assert_eq!(status.code(), Some(1), "stderr: {stderr}");
     assert_eq!(stdout, "", "never ready");
     let lines: Vec<&str> = stderr.lines().collect();

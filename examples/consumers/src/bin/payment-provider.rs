@@ -130,8 +130,8 @@ async fn run(args: Args) -> Result<()> {
     };
     let faults = FaultInjector::new(settings, seed)?;
 
-    let options = handoff_postgres::connect_options(&args.database_url)
-        .context("invalid DATABASE_URL")?;
+    let options =
+        handoff_postgres::connect_options(&args.database_url).context("invalid DATABASE_URL")?;
     // One direct connection first: an unreachable server fails the start at once with its own
     // error, where a pool would retry a refused connection until its timeout.
     let mut conn =
