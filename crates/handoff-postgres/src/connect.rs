@@ -5,8 +5,14 @@
 //! sqlx reads `sslmode` (`disable`, `prefer`, `require`, `verify-ca`, `verify-full`),
 //! `sslrootcert`, `sslcert` and `sslkey` from the URL (and `PGSSLMODE`, `PGSSLROOTCERT`,
 //! `PGSSLCERT`, `PGSSLKEY` from the environment), with TLS through rustls. [`connect_options`]
-//! adds the one libpq rule sqlx leaves out: `sslmode=require` with an `sslrootcert` verifies the
-//! server's certificate against that CA (libpq's `verify-ca`) instead of accepting any.
+//! adds the libpq rules sqlx leaves out: `sslmode=require` with an `sslrootcert` verifies the
+//! server's certificate against that CA (libpq's `verify-ca`) instead of accepting any, and
+//! `sslrootcert=system` (libpq 16) trusts the well-known public CAs (here the webpki roots
+//! compiled in) with `sslmode=verify-full`.
+//!
+//! One difference remains: sqlx adds the `sslrootcert` CA to the webpki roots rather than
+//! trusting it alone, so a server certificate from a public CA for the same host name is also
+//! accepted.
 //!
 //! # Examples
 //!
@@ -107,7 +113,46 @@ fn is_rustls(error: &std::io::Error) -> bool {
 /// sqlx's [`sqlx::Error::Configuration`] when the URL does not parse; its message may quote the
 /// URL, password included, so callers redact it before showing it.
 pub fn connect_options(url: &str) -> Result<PgConnectOptions, sqlx::Error> {
-    PgConnectOptions::from_str(url).map(libpq_tls)
+    let Some(url) = without_system_root(url)? else {
+        return PgConnectOptions::from_str(url).map(libpq_tls);
+    };
+    let options = PgConnectOptions::from_str(&url)?;
+    // libpq: with the system's roots, only verify-full is allowed, and it is the default.
+    match options.get_ssl_mode() {
+        PgSslMode::VerifyFull => Ok(options),
+        PgSslMode::Prefer if !url.contains("sslmode=") && !url.contains("ssl-mode=") => {
+            Ok(options.ssl_mode(PgSslMode::VerifyFull))
+        }
+        _ => Err(sqlx::Error::Configuration(
+            "sslrootcert=system needs sslmode=verify-full (or no sslmode)".into(),
+        )),
+    }
+}
+
+/// `url` without its `sslrootcert=system` parameter, or `None` when it has none. sqlx would
+/// read `system` as a file name; its default roots (webpki) are the system roots here.
+fn without_system_root(url: &str) -> Result<Option<String>, sqlx::Error> {
+    if !url.contains("sslrootcert=system") {
+        return Ok(None);
+    }
+    let mut parsed = url::Url::parse(url).map_err(sqlx::Error::config)?;
+    let pairs: Vec<(String, String)> = parsed.query_pairs().into_owned().collect();
+    let kept: Vec<&(String, String)> = pairs
+        .iter()
+        .filter(|(key, value)| !(key == "sslrootcert" && value == "system"))
+        .collect();
+    if kept.len() == pairs.len() {
+        return Ok(None);
+    }
+    if kept.is_empty() {
+        parsed.set_query(None);
+    } else {
+        parsed
+            .query_pairs_mut()
+            .clear()
+            .extend_pairs(kept.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    }
+    Ok(Some(parsed.into()))
 }
 
 /// `options` with libpq's reading of `sslmode=require` plus `sslrootcert` (see
@@ -230,6 +275,21 @@ mod tests {
             full.unwrap().get_ssl_mode(),
             PgSslMode::VerifyFull
         ));
+    }
+
+    #[test]
+    fn sslrootcert_system_means_the_public_roots_and_verify_full() {
+        let plain = connect_options("postgres://u:p@h/db?sslrootcert=system").unwrap();
+        assert!(matches!(plain.get_ssl_mode(), PgSslMode::VerifyFull));
+        assert!(tls_files(&plain).is_empty(), "no file named system");
+        let full = connect_options(
+            "postgres://u@h/db?sslmode=verify-full&sslrootcert=system&application_name=x",
+        )
+        .unwrap();
+        assert!(matches!(full.get_ssl_mode(), PgSslMode::VerifyFull));
+        assert_eq!(full.get_application_name(), Some("x"));
+        let weaker = connect_options("postgres://u@h/db?sslmode=require&sslrootcert=system");
+        assert!(matches!(weaker, Err(sqlx::Error::Configuration(_))));
     }
 
     #[test]
