@@ -13,7 +13,8 @@ use sqlx::{ConnectOptions, Connection, PgConnection};
 /// Where handoff's tables are.
 #[derive(clap::Args, Clone)]
 pub struct DatabaseArgs {
-    /// PostgreSQL URL. The password, if any, is never logged.
+    /// PostgreSQL URL, TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`), or
+    /// from the file DATABASE_URL_FILE names. The password, if any, is never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Schema of handoff's tables [default: the connection's search_path].

@@ -62,7 +62,8 @@ enum Command {
 
 #[derive(clap::Args)]
 struct MigrateArgs {
-    /// PostgreSQL URL. The password, if any, is never logged.
+    /// PostgreSQL URL, TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`), or
+    /// from the file DATABASE_URL_FILE names. The password, if any, is never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
     /// Schema for handoff's tables (default: the connection's search_path, usually `public`).
