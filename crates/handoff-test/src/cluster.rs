@@ -208,6 +208,15 @@ impl ClusterError {
     }
 }
 
+/// How a TLS-only server authenticates its clients.
+#[derive(Debug, Clone, Copy)]
+enum ClientAuth {
+    /// Anyone who completes the TLS handshake.
+    Trust,
+    /// A client certificate signed by the test CA, whose common name is the user.
+    Certificate,
+}
+
 /// An unprivileged account to run the server as.
 #[derive(Debug, Clone)]
 struct RunAs {
@@ -291,10 +300,25 @@ impl PrivatePostgres {
     ///
     /// As [`start_tls`](Self::start_tls).
     pub fn start_tls_with(ca: &TestCa, settings: &[&str]) -> Result<Self, ClusterError> {
-        Self::start_inner(settings, Some(ca))
+        Self::start_inner(settings, Some((ca, ClientAuth::Trust)))
     }
 
-    fn start_inner(settings: &[&str], tls: Option<&TestCa>) -> Result<Self, ClusterError> {
+    /// Like [`start_tls`](Self::start_tls), and clients must also present a certificate signed
+    /// by `ca`: `pg_hba.conf` says `cert`, so the certificate's common name is the user
+    /// ([`TestCa::client("postgres")`](TestCa::client) for the superuser). A client without
+    /// one is refused; give it `sslcert` and `sslkey` in the URL.
+    ///
+    /// # Errors
+    ///
+    /// As [`start_tls`](Self::start_tls).
+    pub fn start_tls_client_cert(ca: &TestCa) -> Result<Self, ClusterError> {
+        Self::start_inner(&[], Some((ca, ClientAuth::Certificate)))
+    }
+
+    fn start_inner(
+        settings: &[&str],
+        tls: Option<(&TestCa, ClientAuth)>,
+    ) -> Result<Self, ClusterError> {
         let bin = find_binaries()?;
         let run_as = if is_root() {
             Some(unprivileged_user()?)
@@ -324,8 +348,8 @@ impl PrivatePostgres {
             client_ca: None,
         };
         server.initdb()?;
-        if let Some(ca) = tls {
-            server.install_tls(ca)?;
+        if let Some((ca, auth)) = tls {
+            server.install_tls(ca, auth)?;
         }
         let mut attempt = 1;
         loop {
@@ -493,7 +517,7 @@ impl PrivatePostgres {
     /// Puts a server certificate signed by `ca` in the data directory (the key owned by the
     /// server's user, mode 0600, as PostgreSQL insists), writes a TLS-only `pg_hba.conf`, adds
     /// the `ssl` settings, and copies the CA certificate for clients.
-    fn install_tls(&mut self, ca: &TestCa) -> Result<(), ClusterError> {
+    fn install_tls(&mut self, ca: &TestCa, auth: ClientAuth) -> Result<(), ClusterError> {
         use std::os::unix::fs::PermissionsExt;
         let files = ca
             .server("private-postgres")
@@ -506,11 +530,17 @@ impl PrivatePostgres {
             (ca_path.as_path(), data.join("root.crt"), 0o644),
         ];
         // One line per connection type; `hostssl` only, so TCP without TLS matches nothing.
-        let hba = "# Written by handoff_test::cluster::PrivatePostgres::start_tls: TLS only.\n\
-                   local all all trust\n\
-                   local replication all trust\n\
-                   hostssl all all 127.0.0.1/32 trust\n\
-                   hostssl replication all 127.0.0.1/32 trust\n";
+        let method = match auth {
+            ClientAuth::Trust => "trust",
+            ClientAuth::Certificate => "cert",
+        };
+        let hba = format!(
+            "# Written by handoff_test::cluster::PrivatePostgres: TLS only.\n\
+             local all all trust\n\
+             local replication all trust\n\
+             hostssl all all 127.0.0.1/32 {method}\n\
+             hostssl replication all 127.0.0.1/32 {method}\n"
+        );
         let hba_path = data.join("pg_hba.conf");
         let tls_error = |path: &Path| {
             let path = path.to_owned();

@@ -131,3 +131,40 @@ async fn private_postgres_with_tls_takes_only_verified_tls_connections() {
     );
     tokio::task::block_in_place(move || drop(server));
 }
+
+/// `start_tls_client_cert`: `sslcert` and `sslkey` in the URL reach the TLS handshake; without
+/// them the server refuses the client.
+#[tokio::test(flavor = "multi_thread")]
+async fn private_postgres_with_client_certificates_takes_sslcert_and_sslkey() {
+    use handoff_test::tls::TestCa;
+    let ca = TestCa::new("client-cert").expect("test CA");
+    let client = ca.client("postgres").expect("client certificate");
+    let server = tokio::task::block_in_place(|| PrivatePostgres::start_tls_client_cert(&ca))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "{}&sslcert={}&sslkey={}",
+        server.tls_url("postgres"),
+        client.cert.display(),
+        client.key.display()
+    );
+    let mut conn = sqlx::PgConnection::connect(&url)
+        .await
+        .expect("a client certificate is accepted");
+    let (ssl, client_dn): (bool, Option<String>) =
+        sqlx::query_as("SELECT ssl, client_dn FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+            .fetch_one(&mut conn)
+            .await
+            .expect("pg_stat_ssl");
+    assert!(ssl);
+    assert_eq!(client_dn.as_deref(), Some("/CN=postgres"));
+    drop(conn);
+
+    let error = sqlx::PgConnection::connect(&server.tls_url("postgres"))
+        .await
+        .expect_err("no client certificate, no connection");
+    let code = error
+        .as_database_error()
+        .and_then(|e| e.code().map(|c| c.into_owned()));
+    assert_eq!(code.as_deref(), Some("28000"), "{error}");
+    tokio::task::block_in_place(move || drop(server));
+}
