@@ -2,8 +2,10 @@
 //! container secrets (Docker and Kubernetes mount each secret as a file, for instance
 //! `DATABASE_URL_FILE=/run/secrets/database_url`).
 //!
-//! It lives here because every handoff binary already depends on this crate for its process
-//! set-up (logging, tracing), and reading files is I/O that `handoff-core` does not do. Each
+//! It lives here, in the crate of the binaries' process set-up (logging, tracing), which
+//! `handoff`, the reference consumers and the order service already use (`saga-shop` and
+//! `webhook-receiver` depend on it for this alone): `handoff-core`, the other crate every
+//! binary has, does no I/O, and reading files is I/O. Each
 //! binary calls [`init`] first thing in `main`, before the tokio runtime starts: setting
 //! environment variables is only sound while the process has one thread. The value then reaches
 //! clap's `env = "VAR"` fallbacks (and any other reader of `VAR`) as if it had been set directly.
