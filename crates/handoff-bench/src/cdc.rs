@@ -21,7 +21,6 @@
 //!   NOTIFY), the publication and slot streaming, or that plus the delete trigger.
 
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,7 +31,6 @@ use handoff_postgres::{PollingSource, Schema};
 use handoff_relay::{Relay, RelayConfig, RelayReport};
 use handoff_test::cluster::PrivatePostgres;
 use serde::Serialize;
-use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -330,7 +328,7 @@ async fn run(
     phases: &[Phase],
 ) -> Result<()> {
     let url = cluster.url("postgres");
-    let options = PgConnectOptions::from_str(&url)?.disable_statement_logging();
+    let options = handoff_postgres::connect_options(&url)?.disable_statement_logging();
     let mut admin = PgConnection::connect_with(&options).await?;
     order_service::migrate(&mut admin)
         .await

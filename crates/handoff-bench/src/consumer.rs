@@ -23,7 +23,6 @@
 //! aggregate stands at its last sequence; a mismatch fails the bench.
 
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -310,7 +309,7 @@ pub async fn consumer(args: ConsumerArgs) -> Result<()> {
         args.concurrency > 0 && args.skus > 0,
         "--concurrency and --skus must be at least 1"
     );
-    let server = PgConnectOptions::from_str(&args.database_url)
+    let server = handoff_postgres::connect_options(&args.database_url)
         .context("invalid --database-url")?
         .disable_statement_logging();
     let jetstream = JetStreamConfig {

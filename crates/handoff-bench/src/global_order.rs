@@ -10,7 +10,6 @@
 //!
 //! Cells of both modes alternate within every round and the median over rounds is reported.
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -105,7 +104,7 @@ struct Results {
 }
 
 pub async fn global_order(args: GlobalOrderArgs) -> Result<()> {
-    let server = PgConnectOptions::from_str(&args.database_url)
+    let server = handoff_postgres::connect_options(&args.database_url)
         .context("invalid --database-url")?
         .disable_statement_logging();
     let workload = Workload::new(args.events, args.aggregates)?;

@@ -31,7 +31,6 @@
 //! (`processed_at - published_at`), which shows where a saga's extra latency queues.
 
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -239,7 +238,7 @@ pub async fn saga(args: SagaArgs) -> Result<()> {
         args.starters > 0 && args.concurrency > 0 && args.rounds > 0,
         "--starters, --concurrency and --rounds must be at least 1"
     );
-    let server = PgConnectOptions::from_str(&args.database_url)
+    let server = handoff_postgres::connect_options(&args.database_url)
         .context("invalid --database-url")?
         .disable_statement_logging();
     let scratch = ScratchDatabase::create(&server).await?;

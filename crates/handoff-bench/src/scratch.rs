@@ -1,8 +1,6 @@
 //! The scratch database every benchmark runs in: created on the given server at the start of a
 //! run and dropped at its end, so a run never touches an existing database.
 
-use std::str::FromStr;
-
 use anyhow::{Context, Result};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
@@ -41,7 +39,7 @@ impl ScratchDatabase {
         database_url: &str,
         bench: impl AsyncFnOnce(&ScratchDatabase) -> Result<()>,
     ) -> Result<()> {
-        let server = PgConnectOptions::from_str(database_url)
+        let server = handoff_postgres::connect_options(database_url)
             .context("invalid --database-url")?
             .disable_statement_logging();
         let scratch = Self::create(&server).await?;

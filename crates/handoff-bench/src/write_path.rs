@@ -5,7 +5,6 @@
 //! alternate within every round, and the reported figure is the median over rounds, so that
 //! table growth, checkpoints and drift hit both variants alike.
 
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -105,7 +104,7 @@ struct Row {
 }
 
 pub async fn write_path(args: WritePathArgs) -> Result<()> {
-    let server = PgConnectOptions::from_str(&args.database_url)
+    let server = handoff_postgres::connect_options(&args.database_url)
         .context("invalid --database-url")?
         .disable_statement_logging();
     let scratch = ScratchDatabase::create(&server).await?;

@@ -1030,5 +1030,9 @@ mod tests {
             replication_url("postgres://a@h/db?sslmode=disable"),
             "postgres://a@h/db?sslmode=disable&replication=database"
         );
+        // libpq reads the TLS parameters from the URL: they reach it unchanged.
+        let tls = "postgres://a@localhost:5432/db?sslmode=verify-full&sslrootcert=/ca.pem\
+                   &sslcert=/client.pem&sslkey=/client.key";
+        assert_eq!(replication_url(tls), format!("{tls}&replication=database"));
     }
 }

@@ -13,7 +13,8 @@ use sqlx::{ConnectOptions, Connection, PgConnection};
 /// Where handoff's tables are.
 #[derive(clap::Args, Clone)]
 pub struct DatabaseArgs {
-    /// PostgreSQL URL. The password, if any, is never logged.
+    /// PostgreSQL URL, TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`), or
+    /// from the file DATABASE_URL_FILE names. The password, if any, is never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Schema of handoff's tables [default: the connection's search_path].
@@ -31,11 +32,18 @@ impl DatabaseArgs {
     }
 
     /// One connection, named after the command in `pg_stat_activity`.
-    async fn connect(&self, application: &str) -> Result<PgConnection> {
+    pub async fn connect(&self, application: &str) -> Result<PgConnection> {
         let options = self.options(application)?;
-        PgConnection::connect_with(&options)
-            .await
-            .context("while connecting to PostgreSQL (check --database-url / DATABASE_URL)")
+        handoff_postgres::check_tls_files(&options)
+            .map_err(|e| anyhow::anyhow!("PostgreSQL TLS settings: {e}"))?;
+        PgConnection::connect_with(&options).await.map_err(|error| {
+            match handoff_postgres::connect_error_kind(&error) {
+                handoff_postgres::ConnectErrorKind::Tls => postgres_refused(&options, error),
+                _ => anyhow::Error::new(error).context(
+                    "while connecting to PostgreSQL (check --database-url / DATABASE_URL)",
+                ),
+            }
+        })
     }
 
     /// One connection to a database whose handoff schema is up to date: an operator command on
@@ -52,10 +60,33 @@ impl DatabaseArgs {
 
     /// The connection options, for commands that need a pool.
     pub fn options(&self, application: &str) -> Result<PgConnectOptions> {
-        Ok(PgConnectOptions::from_str(&self.database_url)
+        Ok(handoff_postgres::connect_options(&self.database_url)
             .map_err(|e| anyhow::anyhow!("invalid database url: {}", redact(&e.to_string())))?
             .application_name(application)
             .log_statements(tracing::log::LevelFilter::Debug))
+    }
+}
+
+/// The error that ends the command when PostgreSQL refuses the connection for good, on one line
+/// (`main` prints the causes joined): a TLS failure says which settings to check.
+pub fn postgres_refused(options: &PgConnectOptions, error: sqlx::Error) -> anyhow::Error {
+    let (host, port) = (options.get_host(), options.get_port());
+    match handoff_postgres::connect_error_kind(&error) {
+        handoff_postgres::ConnectErrorKind::Tls => {
+            // The innermost cause only ("invalid peer certificate: UnknownIssuer"): sqlx's
+            // wrapper repeats it.
+            let mut reason: &dyn std::error::Error = &error;
+            while let Some(source) = reason.source() {
+                reason = source;
+            }
+            anyhow::anyhow!(
+                "TLS with PostgreSQL at {host}:{port} failed, not retrying: {reason} (check \
+                 sslmode, sslrootcert and the host name in the database URL)"
+            )
+        }
+        _ => anyhow::Error::new(error).context(format!(
+            "PostgreSQL at {host}:{port} refused the connection"
+        )),
     }
 }
 

@@ -4,10 +4,9 @@
 //! outbox events to NATS JetStream; `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
 //! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. `roles --print` prints the least-privilege roles' SQL. Each lives in its own module.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 use handoff_postgres::{Migrator, Schema};
-use sqlx::Connection;
 
 mod args;
 mod cdc;
@@ -66,7 +65,8 @@ enum Command {
 
 #[derive(clap::Args)]
 struct MigrateArgs {
-    /// PostgreSQL URL. The password, if any, is never logged.
+    /// PostgreSQL URL, TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`), or
+    /// from the file DATABASE_URL_FILE names. The password, if any, is never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
     /// Schema for handoff's tables (default: the connection's search_path, usually `public`).
@@ -77,8 +77,26 @@ struct MigrateArgs {
     check: bool,
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
+    // `<VAR>_FILE` (DATABASE_URL_FILE, ...) before clap reads the environment, and before the
+    // runtime starts threads: setting environment variables is only sound single-threaded.
+    if let Err(code) = handoff_telemetry::secrets::init() {
+        return code;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the tokio runtime: {error}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async_main())
+}
+
+async fn async_main() -> std::process::ExitCode {
     // `handoff status | head` must end quietly when the reader goes away, as other command
     // line tools do, instead of panicking on the broken pipe: Rust ignores SIGPIPE by default.
     // SAFETY: restoring a signal's default disposition at start-up, before anything is written,
@@ -140,9 +158,11 @@ async fn migrate(args: MigrateArgs) -> Result<()> {
         Some(name) => Schema::named(name)?,
         None => Schema::default(),
     };
-    let mut conn = sqlx::PgConnection::connect(&args.database_url)
-        .await
-        .context("while connecting to PostgreSQL (check --database-url / DATABASE_URL)")?;
+    let database = args::DatabaseArgs {
+        database_url: args.database_url,
+        schema: None,
+    };
+    let mut conn = database.connect("handoff-migrate").await?;
     let migrator = Migrator::handoff(schema);
     if args.check {
         let report = migrator.check(&mut conn).await?;

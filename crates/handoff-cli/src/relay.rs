@@ -3,7 +3,6 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -320,7 +319,7 @@ impl Settings {
                     .unwrap_or_else(|| "handoff_outbox".into()),
             )?),
         };
-        let database = PgConnectOptions::from_str(&database_url)
+        let database = handoff_postgres::connect_options(&database_url)
             .map_err(|e| anyhow::anyhow!("invalid database url: {}", redact(&e.to_string())))?
             .application_name("handoff-relay");
         let schema = match args.schema.or(file.schema) {
@@ -690,8 +689,12 @@ fn log_exit(report: &handoff_relay::RelayReport) {
 }
 
 /// Connects, retrying with backoff (and saying what it waits for) while PostgreSQL cannot be
-/// reached; an answer that refuses us (authentication, missing database) ends the command.
+/// reached; an answer that refuses us (authentication, missing database) or a TLS failure (a
+/// certificate that does not verify, a missing certificate file) ends the command at once.
 async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
+    // A missing sslrootcert would otherwise read as an I/O error, like an unreachable server.
+    handoff_postgres::check_tls_files(options)
+        .map_err(|e| anyhow::anyhow!("PostgreSQL TLS settings: {e}"))?;
     let backoff = Backoff {
         initial: Duration::from_millis(200),
         max: Duration::from_secs(10),
@@ -709,7 +712,7 @@ async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
                     .acquire_timeout(Duration::from_secs(10))
                     .connect_lazy_with(options.clone()));
             }
-            Err(error @ (sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Tls(_))) => {
+            Err(error) if handoff_postgres::connect_error_kind(&error).is_retryable() => {
                 let delay = backoff.delay(attempt);
                 warn!(
                     host = options.get_host(),
@@ -720,13 +723,7 @@ async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
                 );
                 tokio::time::sleep(delay).await;
             }
-            Err(error) => {
-                return Err(error).context(format!(
-                    "PostgreSQL at {}:{} refused the connection",
-                    options.get_host(),
-                    options.get_port()
-                ))
-            }
+            Err(error) => return Err(crate::args::postgres_refused(options, error)),
         }
     }
     unreachable!("the retry loop only ends by returning")

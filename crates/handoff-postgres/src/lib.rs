@@ -56,6 +56,7 @@
 #![warn(missing_docs)]
 
 mod cleanup;
+mod connect;
 mod consumer_quarantine;
 mod health;
 mod inbox;
@@ -73,6 +74,10 @@ mod trace;
 pub use cleanup::{
     Cleanup, CleanupConfig, CleanupError, CleanupErrorKind, CleanupPhase, CleanupProgress,
     CleanupReport, BATCH_SIZE_RANGE,
+};
+pub use connect::{
+    check_tls_files, connect_error_kind, connect_options, libpq_tls, tls_files, ConnectErrorKind,
+    TlsFile, TlsFileError,
 };
 pub use consumer_quarantine::{
     ConsumerQuarantine, ConsumerQuarantineCount, ConsumerQuarantineDetail, ConsumerQuarantineError,

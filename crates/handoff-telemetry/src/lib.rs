@@ -14,7 +14,9 @@
 //!
 //! It also serves what those binaries expose over HTTP on their metrics address
 //! ([`endpoint`]): `/metrics`, and the `/healthz` and `/readyz` probes of orchestrators, with
-//! the readiness checks each binary supplies.
+//! the readiness checks each binary supplies; and it takes secrets from files for them
+//! ([`secrets`]: `DATABASE_URL_FILE` and the like), the other thing every binary does at
+//! start-up.
 //!
 //! # Examples
 //!
@@ -40,6 +42,7 @@
 #![warn(missing_docs)]
 
 pub mod endpoint;
+pub mod secrets;
 
 use std::io::IsTerminal;
 

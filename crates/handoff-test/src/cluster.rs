@@ -5,6 +5,11 @@
 //! (nothing in it outlives the process, so durability against power loss buys nothing). Dropping
 //! the value stops the server and removes the directory.
 //!
+//! [`PrivatePostgres::start_tls`] starts one that only takes TLS connections, with a server
+//! certificate from a [`TestCa`]: `ssl=on`, and a `pg_hba.conf` of `hostssl` lines only (plus
+//! `local` ones for the Unix socket), so a plain TCP connection is refused by the server.
+//! [`tls_url`](PrivatePostgres::tls_url) gives a `sslmode=verify-full` URL that trusts the CA.
+//!
 //! PostgreSQL refuses to run as root. When the current user is root, every server command runs
 //! through `runuser -u <user> --` as `postgres` (when that user exists) or else `nobody`, and the
 //! temporary directory is handed over to that user.
@@ -34,6 +39,8 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
+
+use crate::tls::{TestCa, TlsError};
 
 /// What to install when the server binaries are missing.
 const INSTALL_HINT: &str =
@@ -142,6 +149,18 @@ pub enum ClusterError {
         #[source]
         source: io::Error,
     },
+    /// The server's certificate could not be made.
+    #[error("while making the server certificate: {0}")]
+    Certificate(#[source] TlsError),
+    /// A TLS file could not be put in place for the server.
+    #[error("while installing {path} for the server: {source}")]
+    TlsFile {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
     /// The temporary directory could not be removed.
     #[error("while removing {path}: {source}")]
     Remove {
@@ -179,12 +198,23 @@ impl ClusterError {
             | Self::Spawn { .. }
             | Self::Kill { .. }
             | Self::Pid { .. }
-            | Self::Remove { .. } => ClusterErrorKind::Io,
+            | Self::Remove { .. }
+            | Self::Certificate(_)
+            | Self::TlsFile { .. } => ClusterErrorKind::Io,
             Self::Initdb { .. } | Self::Start { .. } | Self::Stop { .. } => {
                 ClusterErrorKind::Command
             }
         }
     }
+}
+
+/// How a TLS-only server authenticates its clients.
+#[derive(Debug, Clone, Copy)]
+enum ClientAuth {
+    /// Anyone who completes the TLS handshake.
+    Trust,
+    /// A client certificate signed by the test CA, whose common name is the user.
+    Certificate,
 }
 
 /// An unprivileged account to run the server as.
@@ -217,6 +247,8 @@ pub struct PrivatePostgres {
     running: bool,
     /// Extra server settings (`name=value`), passed as `-c` at every start.
     settings: Vec<String>,
+    /// The CA certificate clients trust, copied into the directory; `Some` for a TLS-only server.
+    client_ca: Option<PathBuf>,
 }
 
 impl PrivatePostgres {
@@ -241,6 +273,52 @@ impl PrivatePostgres {
     ///
     /// As [`start`](Self::start); a setting the server refuses is a [`ClusterError::Start`].
     pub fn start_with(settings: &[&str]) -> Result<Self, ClusterError> {
+        Self::start_inner(settings, None)
+    }
+
+    /// Like [`start`](Self::start), but the server takes TLS connections only: `ssl=on` with a
+    /// certificate for `localhost` and `127.0.0.1` signed by `ca`, and a `pg_hba.conf` with
+    /// `hostssl` lines (`trust`, for every database and for replication) and no `host` line, so a
+    /// connection with `sslmode=disable` is refused by the server ("no pg_hba.conf entry ... no
+    /// encryption"). The server's files are copies: `ca` may be dropped afterwards.
+    ///
+    /// [`tls_url`](Self::tls_url) is a `verify-full` URL trusting `ca`; [`url`](Self::url)
+    /// (sqlx's default `sslmode=prefer`) also connects, over TLS without verification.
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start); [`ClusterError::Certificate`] or [`ClusterError::TlsFile`]
+    /// when the certificate cannot be made or installed.
+    pub fn start_tls(ca: &TestCa) -> Result<Self, ClusterError> {
+        Self::start_tls_with(ca, &[])
+    }
+
+    /// [`start_tls`](Self::start_tls) with extra server settings, as in
+    /// [`start_with`](Self::start_with) (for instance `wal_level=logical`).
+    ///
+    /// # Errors
+    ///
+    /// As [`start_tls`](Self::start_tls).
+    pub fn start_tls_with(ca: &TestCa, settings: &[&str]) -> Result<Self, ClusterError> {
+        Self::start_inner(settings, Some((ca, ClientAuth::Trust)))
+    }
+
+    /// Like [`start_tls`](Self::start_tls), and clients must also present a certificate signed
+    /// by `ca`: `pg_hba.conf` says `cert`, so the certificate's common name is the user
+    /// ([`TestCa::client("postgres")`](TestCa::client) for the superuser). A client without
+    /// one is refused; give it `sslcert` and `sslkey` in the URL.
+    ///
+    /// # Errors
+    ///
+    /// As [`start_tls`](Self::start_tls).
+    pub fn start_tls_client_cert(ca: &TestCa) -> Result<Self, ClusterError> {
+        Self::start_inner(&[], Some((ca, ClientAuth::Certificate)))
+    }
+
+    fn start_inner(
+        settings: &[&str],
+        tls: Option<(&TestCa, ClientAuth)>,
+    ) -> Result<Self, ClusterError> {
         let bin = find_binaries()?;
         let run_as = if is_root() {
             Some(unprivileged_user()?)
@@ -267,8 +345,12 @@ impl PrivatePostgres {
             run_as,
             running: false,
             settings: settings.iter().map(|s| (*s).to_owned()).collect(),
+            client_ca: None,
         };
         server.initdb()?;
+        if let Some((ca, auth)) = tls {
+            server.install_tls(ca, auth)?;
+        }
         let mut attempt = 1;
         loop {
             server.port = free_port()?;
@@ -288,6 +370,23 @@ impl PrivatePostgres {
     /// The URL of `database` on this server, as the superuser `postgres`.
     pub fn url(&self, database: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// The URL of `database` as the superuser `postgres` over TLS that verifies the server
+    /// (`sslmode=verify-full`, `sslrootcert` the CA given to [`start_tls`](Self::start_tls)),
+    /// with the host `localhost`, which the server's certificate names:
+    /// `postgres://postgres@localhost:PORT/DB?sslmode=verify-full&sslrootcert=/tmp/.../ca.pem`.
+    ///
+    /// For a server started without TLS this is [`url`](Self::url).
+    pub fn tls_url(&self, database: &str) -> String {
+        match &self.client_ca {
+            Some(ca) => format!(
+                "postgres://postgres@localhost:{}/{database}?sslmode=verify-full&sslrootcert={}",
+                self.port,
+                ca.display()
+            ),
+            None => self.url(database),
+        }
     }
 
     /// The loopback TCP port the server listens on.
@@ -413,6 +512,68 @@ impl PrivatePostgres {
                 output: combined(&output),
             })
         }
+    }
+
+    /// Puts a server certificate signed by `ca` in the data directory (the key owned by the
+    /// server's user, mode 0600, as PostgreSQL insists), writes a TLS-only `pg_hba.conf`, adds
+    /// the `ssl` settings, and copies the CA certificate for clients.
+    fn install_tls(&mut self, ca: &TestCa, auth: ClientAuth) -> Result<(), ClusterError> {
+        use std::os::unix::fs::PermissionsExt;
+        let files = ca
+            .server("private-postgres")
+            .map_err(ClusterError::Certificate)?;
+        let data = self.data_dir();
+        let ca_path = ca.ca_path();
+        let installed = [
+            (files.cert.as_path(), data.join("server.crt"), 0o644),
+            (files.key.as_path(), data.join("server.key"), 0o600),
+            (ca_path.as_path(), data.join("root.crt"), 0o644),
+        ];
+        // One line per connection type; `hostssl` only, so TCP without TLS matches nothing.
+        let method = match auth {
+            ClientAuth::Trust => "trust",
+            ClientAuth::Certificate => "cert",
+        };
+        let hba = format!(
+            "# Written by handoff_test::cluster::PrivatePostgres: TLS only.\n\
+             local all all trust\n\
+             local replication all trust\n\
+             hostssl all all 127.0.0.1/32 {method}\n\
+             hostssl replication all 127.0.0.1/32 {method}\n"
+        );
+        let hba_path = data.join("pg_hba.conf");
+        let tls_error = |path: &Path| {
+            let path = path.to_owned();
+            move |source| ClusterError::TlsFile { path, source }
+        };
+        for (from, to, mode) in &installed {
+            std::fs::copy(from, to).map_err(tls_error(to))?;
+            std::fs::set_permissions(to, std::fs::Permissions::from_mode(*mode))
+                .map_err(tls_error(to))?;
+        }
+        std::fs::write(&hba_path, hba).map_err(tls_error(&hba_path))?;
+        if let Some(user) = &self.run_as {
+            for path in installed.iter().map(|(_, to, _)| to).chain([&hba_path]) {
+                std::os::unix::fs::chown(path, Some(user.uid), Some(user.gid))
+                    .map_err(tls_error(path))?;
+            }
+        }
+        // The client's copy of the CA, beside the data directory: readable by this process
+        // whoever owns the directory.
+        let client_ca = self.dir().join("client-ca.pem");
+        std::fs::copy(ca.ca_path(), &client_ca).map_err(tls_error(&client_ca))?;
+        self.client_ca = Some(client_ca);
+        // Relative paths are read from the data directory.
+        self.settings.extend(
+            [
+                "ssl=on",
+                "ssl_cert_file=server.crt",
+                "ssl_key_file=server.key",
+                "ssl_ca_file=root.crt",
+            ]
+            .map(str::to_owned),
+        );
+        Ok(())
     }
 
     fn pg_ctl_start(&mut self) -> Result<(), ClusterError> {

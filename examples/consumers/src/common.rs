@@ -12,7 +12,6 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::process::ExitCode;
-use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -293,6 +292,25 @@ pub enum RunError {
         #[source]
         source: sqlx::Error,
     },
+    /// TLS with PostgreSQL failed: the server's certificate did not verify (wrong CA, a host
+    /// name it does not name), the server does not offer TLS, or a certificate file is
+    /// unusable. Permanent: the start is given up at once.
+    #[error(
+        "TLS with PostgreSQL at {host}:{port} failed (check sslmode, sslrootcert and the host \
+         name in DATABASE_URL): {source}"
+    )]
+    PostgresTls {
+        /// The server's host.
+        host: String,
+        /// The server's port.
+        port: u16,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// A certificate or key file named in `DATABASE_URL` cannot be read.
+    #[error("PostgreSQL TLS settings: {0}")]
+    PostgresTlsFile(#[from] handoff_postgres::TlsFileError),
     /// PostgreSQL did not answer within the connect timeout.
     #[error("while connecting to PostgreSQL at {host}:{port}: no answer within {timeout:?}")]
     PostgresTimeout {
@@ -468,7 +486,7 @@ where
             ),
         });
     }
-    let options = PgConnectOptions::from_str(&args.database_url)
+    let options = handoff_postgres::connect_options(&args.database_url)
         .map_err(|e| RunError::DatabaseUrl(redact(&e.to_string())))?
         .application_name(&config.name);
     let migrators = [
@@ -602,6 +620,7 @@ async fn migrate(
 ) -> Result<(), RunError> {
     let host = options.get_host().to_owned();
     let port = options.get_port();
+    handoff_postgres::check_tls_files(options)?;
     let mut conn = match tokio::time::timeout(
         CONNECT_TIMEOUT,
         sqlx::PgConnection::connect_with(options),
@@ -609,6 +628,12 @@ async fn migrate(
     .await
     {
         Ok(Ok(conn)) => conn,
+        Ok(Err(source))
+            if handoff_postgres::connect_error_kind(&source)
+                == handoff_postgres::ConnectErrorKind::Tls =>
+        {
+            return Err(RunError::PostgresTls { host, port, source })
+        }
         Ok(Err(source)) => return Err(RunError::Postgres { host, port, source }),
         Err(_elapsed) => {
             return Err(RunError::PostgresTimeout {

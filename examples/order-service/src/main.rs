@@ -46,8 +46,25 @@ struct Args {
     otlp: handoff_telemetry::OtlpArgs,
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
+    // `<VAR>_FILE` (DATABASE_URL_FILE, ...) before clap reads the environment, and before the
+    // runtime starts threads: setting environment variables is only sound single-threaded.
+    if let Err(code) = handoff_telemetry::secrets::init() {
+        return code;
+    }
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(async_main()),
+        Err(error) => {
+            eprintln!("error: cannot start the tokio runtime: {error}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn async_main() -> std::process::ExitCode {
     // Test builds only: reads FAILPOINTS (see order_service::failpoints).
     #[cfg(feature = "failpoints")]
     let _scenario = fail::FailScenario::setup();
@@ -79,7 +96,11 @@ async fn run(args: Args) -> Result<()> {
     let pool = PgPoolOptions::new()
         .max_connections(args.max_connections)
         .acquire_timeout(Duration::from_secs(5))
-        .connect(&args.database_url)
+        // libpq's reading of sslmode and sslrootcert (see handoff_postgres::connect_options).
+        .connect_with(
+            handoff::postgres::connect_options(&args.database_url)
+                .context("invalid DATABASE_URL")?,
+        )
         .await
         .context("while connecting to PostgreSQL (check DATABASE_URL)")?;
     {

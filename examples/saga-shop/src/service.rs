@@ -89,7 +89,11 @@ pub async fn start<H: Handler>(
     let pool = PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(5))
-        .connect(&args.database_url)
+        // libpq's reading of sslmode and sslrootcert (see handoff_postgres::connect_options).
+        .connect_with(
+            handoff_postgres::connect_options(&args.database_url)
+                .context("invalid DATABASE_URL")?,
+        )
         .await
         .context("while connecting to PostgreSQL (check DATABASE_URL)")?;
     Migrator::handoff(Schema::default())

@@ -32,8 +32,25 @@ struct Args {
     seed: u64,
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // `<VAR>_FILE` (DATABASE_URL_FILE, ...) before clap reads the environment, and before the
+    // runtime starts threads: setting environment variables is only sound single-threaded.
+    if let Err(code) = handoff_telemetry::secrets::init() {
+        return code;
+    }
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(async_main()),
+        Err(error) => {
+            eprintln!("error: cannot start the tokio runtime: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn async_main() -> ExitCode {
     let args = match Args::try_parse() {
         Ok(args) => args,
         Err(error) if !error.use_stderr() => {

@@ -18,6 +18,7 @@ use handoff_test::cluster::PrivatePostgres;
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
+use handoff_test::tls::TestCa;
 use handoff_test::{factory, TestDb};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -41,10 +42,25 @@ impl Fixture {
     /// A private cluster with `wal_level=logical` and `extra` settings, migrated, with the
     /// publication and slot set up in `rows` mode.
     pub async fn start(name: &str, rows: RowMode, extra: &[&str]) -> Fixture {
+        Self::start_on(name, rows, extra, None).await
+    }
+
+    /// As [`start`](Self::start), on a cluster that takes TLS connections only, with a server
+    /// certificate from `ca`; the pool and the replication connection use `sslmode=verify-full`.
+    pub async fn start_tls(name: &str, rows: RowMode, ca: &TestCa) -> Fixture {
+        Self::start_on(name, rows, &[], Some(ca)).await
+    }
+
+    async fn start_on(name: &str, rows: RowMode, extra: &[&str], tls: Option<&TestCa>) -> Fixture {
         let mut settings = vec!["wal_level=logical"];
         settings.extend_from_slice(extra);
-        let cluster = PrivatePostgres::start_with(&settings).expect("start a private PostgreSQL");
-        let db = TestDb::in_database(&cluster.url("postgres"), name).await;
+        let cluster = match tls {
+            Some(ca) => PrivatePostgres::start_tls_with(ca, &settings),
+            None => PrivatePostgres::start_with(&settings),
+        }
+        .expect("start a private PostgreSQL");
+        // `tls_url` is the plain `url` for a cluster without TLS.
+        let db = TestDb::in_database(&cluster.tls_url("postgres"), name).await;
         let schema = Schema::named(db.schema()).unwrap();
         let mut conn = db.pool.acquire().await.unwrap();
         Migrator::handoff(schema.clone())
@@ -90,7 +106,7 @@ impl Fixture {
             confirm_interval: Duration::from_millis(200),
             sweep_interval: Duration::from_millis(200),
             health_interval: Duration::from_millis(500),
-            ..LogicalConfig::new(names(), self.cluster.url("postgres"))
+            ..LogicalConfig::new(names(), self.cluster.tls_url("postgres"))
         }
     }
 

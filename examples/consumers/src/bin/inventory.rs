@@ -6,8 +6,25 @@ use std::process::ExitCode;
 use reference_consumers::common;
 use reference_consumers::inventory::{self, InventoryArgs};
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // `<VAR>_FILE` (DATABASE_URL_FILE, ...) before clap reads the environment, and before the
+    // runtime starts threads: setting environment variables is only sound single-threaded.
+    if let Err(code) = handoff_telemetry::secrets::init() {
+        return code;
+    }
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(async_main()),
+        Err(error) => {
+            eprintln!("error: cannot start the tokio runtime: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn async_main() -> ExitCode {
     // Test builds only: reads FAILPOINTS (see handoff_consumer::failpoints).
     #[cfg(feature = "failpoints")]
     let _scenario = fail::FailScenario::setup();

@@ -3,7 +3,6 @@
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -12,7 +11,7 @@ use rand::TryRngCore;
 use reference_consumers::provider::{
     create_tables, ChargeStore, FaultInjector, FaultMode, FaultSettings, Provider,
 };
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::Connection;
 
 /// How long the first connection to PostgreSQL may take before the start is given up.
@@ -52,8 +51,25 @@ struct Args {
     seed: Option<u64>,
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // `<VAR>_FILE` (DATABASE_URL_FILE, ...) before clap reads the environment, and before the
+    // runtime starts threads: setting environment variables is only sound single-threaded.
+    if let Err(code) = handoff_telemetry::secrets::init() {
+        return code;
+    }
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(async_main()),
+        Err(error) => {
+            eprintln!("error: cannot start the tokio runtime: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn async_main() -> ExitCode {
     let args = match Args::try_parse() {
         Ok(args) => args,
         Err(error) if !error.use_stderr() => {
@@ -114,7 +130,8 @@ async fn run(args: Args) -> Result<()> {
     };
     let faults = FaultInjector::new(settings, seed)?;
 
-    let options = PgConnectOptions::from_str(&args.database_url).context("invalid DATABASE_URL")?;
+    let options =
+        handoff_postgres::connect_options(&args.database_url).context("invalid DATABASE_URL")?;
     // One direct connection first: an unreachable server fails the start at once with its own
     // error, where a pool would retry a refused connection until its timeout.
     let mut conn =
