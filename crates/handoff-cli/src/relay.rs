@@ -12,7 +12,9 @@ use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
 use handoff_http::{HttpConfig, HttpMode, HttpTransport, SigningSecret};
 use handoff_kafka::{KafkaConfig, KafkaTransport};
-use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
+use handoff_nats::{
+    ConnectErrorKind, ConnectSecurity, JetStreamConfig, JetStreamTransport, NatsSecurityArgs,
+};
 use handoff_postgres::{Migrator, OrderMode, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
 use serde::Deserialize;
@@ -149,6 +151,15 @@ pub struct RelayArgs {
     /// the polling source [default: aggregate].
     #[arg(long, env = "HANDOFF_ORDER")]
     order: Option<OrderMode>,
+    // NATS credentials, TLS and replicas (issue 23).
+    /// NATS credentials and TLS files (--nats-creds, --nats-nkey, --nats-tls-ca,
+    /// --nats-tls-cert, --nats-tls-key; env NATS_CREDS, ...; TOML nats_creds, ...).
+    #[command(flatten)]
+    nats_security: NatsSecurityArgs,
+    /// Replicas of a JetStream stream this relay creates; at most the cluster's servers. An
+    /// existing stream with fewer is kept, with a warning [default: 1].
+    #[arg(long, env = "HANDOFF_STREAM_REPLICAS")]
+    stream_replicas: Option<usize>,
 }
 
 /// Where `handoff relay` publishes.
@@ -222,6 +233,13 @@ struct RelayFile {
     http_timeout: Option<Duration>,
     http_concurrency: Option<usize>,
     order: Option<String>,
+    // NATS credentials, TLS and replicas (issue 23).
+    nats_creds: Option<PathBuf>,
+    nats_nkey: Option<PathBuf>,
+    nats_tls_ca: Option<PathBuf>,
+    nats_tls_cert: Option<PathBuf>,
+    nats_tls_key: Option<PathBuf>,
+    stream_replicas: Option<usize>,
 }
 
 /// The destination's settings, checked. Its `Debug` hides every URL's password.
@@ -367,6 +385,20 @@ impl Settings {
                 .nats_ping_interval
                 .or(file.nats_ping_interval)
                 .unwrap_or(defaults.ping_interval),
+            replicas: args
+                .stream_replicas
+                .or(file.stream_replicas)
+                .unwrap_or(defaults.replicas),
+            security: nats_security(
+                &args.nats_security,
+                NatsSecurityArgs {
+                    nats_creds: file.nats_creds,
+                    nats_nkey: file.nats_nkey,
+                    nats_tls_ca: file.nats_tls_ca,
+                    nats_tls_cert: file.nats_tls_cert,
+                    nats_tls_key: file.nats_tls_key,
+                },
+            ),
         };
         let base = RelayConfig::default();
         let relay = RelayConfig {
@@ -506,6 +538,18 @@ impl Settings {
             polling,
             relay,
         })
+    }
+}
+
+/// The NATS files: each flag (or its variable) wins over the config file's key.
+fn nats_security(args: &NatsSecurityArgs, file: NatsSecurityArgs) -> ConnectSecurity {
+    let pick = |flag: &Option<PathBuf>, key: Option<PathBuf>| flag.clone().or(key);
+    ConnectSecurity {
+        creds: pick(&args.nats_creds, file.nats_creds),
+        nkey: pick(&args.nats_nkey, file.nats_nkey),
+        tls_ca: pick(&args.nats_tls_ca, file.nats_tls_ca),
+        tls_cert: pick(&args.nats_tls_cert, file.nats_tls_cert),
+        tls_key: pick(&args.nats_tls_key, file.nats_tls_key),
     }
 }
 

@@ -53,5 +53,7 @@ pub use config::{ConfigError, JetStreamConfig, MAX_REPLICAS};
 pub use error::{ConnectError, ConnectErrorKind, StreamError, StreamErrorKind};
 pub use intake::{IntakeConfig, IntakeConnectError, JetStreamIntake, JetStreamSettle, REPLAY};
 pub use replay::{replay_msg_id, ReplayAck, ScanError, ScannedMessage, StreamScan};
+#[cfg(feature = "clap")]
+pub use security::NatsSecurityArgs;
 pub use security::{ConnectSecurity, SecurityError};
 pub use transport::{JetStreamTransport, StreamSummary};

@@ -208,6 +208,64 @@ impl ConnectSecurity {
     }
 }
 
+/// The `--nats-creds`, `--nats-nkey`, `--nats-tls-ca`, `--nats-tls-cert` and `--nats-tls-key`
+/// flags (env `NATS_CREDS`, `NATS_NKEY`, `NATS_TLS_CA`, `NATS_TLS_CERT`, `NATS_TLS_KEY`) every
+/// handoff binary that connects to NATS takes: flatten it into the binary's arguments and turn
+/// it into a [`ConnectSecurity`] with [`security`](Self::security).
+///
+/// # Examples
+///
+/// ```
+/// use clap::Parser;
+///
+/// #[derive(Parser)]
+/// struct Args {
+///     #[command(flatten)]
+///     nats: handoff_nats::NatsSecurityArgs,
+/// }
+///
+/// let args = Args::parse_from(["relay", "--nats-nkey", "/run/secrets/relay.nk"]);
+/// assert_eq!(
+///     args.nats.security().nkey.as_deref(),
+///     Some(std::path::Path::new("/run/secrets/relay.nk"))
+/// );
+/// ```
+#[cfg(feature = "clap")]
+#[cfg_attr(docsrs, doc(cfg(feature = "clap")))]
+#[derive(clap::Args, Debug, Clone, Default, PartialEq, Eq)]
+pub struct NatsSecurityArgs {
+    /// NATS credentials file (user JWT and nkey seed, as `nsc` writes it). Excludes
+    /// --nats-nkey.
+    #[arg(long, env = "NATS_CREDS", value_name = "FILE")]
+    pub nats_creds: Option<PathBuf>,
+    /// File holding the NATS nkey seed (SU...) of this client. Excludes --nats-creds.
+    #[arg(long, env = "NATS_NKEY", value_name = "FILE")]
+    pub nats_nkey: Option<PathBuf>,
+    /// PEM CA certificate(s) the NATS server's certificate must chain to; makes TLS required.
+    #[arg(long, env = "NATS_TLS_CA", value_name = "FILE")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// PEM client certificate for a NATS server that verifies clients (with --nats-tls-key).
+    #[arg(long, env = "NATS_TLS_CERT", value_name = "FILE")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// PEM private key of --nats-tls-cert.
+    #[arg(long, env = "NATS_TLS_KEY", value_name = "FILE")]
+    pub nats_tls_key: Option<PathBuf>,
+}
+
+#[cfg(feature = "clap")]
+impl NatsSecurityArgs {
+    /// The settings these flags give.
+    pub fn security(&self) -> ConnectSecurity {
+        ConnectSecurity {
+            creds: self.nats_creds.clone(),
+            nkey: self.nats_nkey.clone(),
+            tls_ca: self.nats_tls_ca.clone(),
+            tls_cert: self.nats_tls_cert.clone(),
+            tls_key: self.nats_tls_key.clone(),
+        }
+    }
+}
+
 fn invalid(what: &'static str, path: &Path, reason: &'static str) -> SecurityError {
     SecurityError::Invalid {
         what,

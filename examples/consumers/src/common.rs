@@ -147,6 +147,10 @@ pub struct CommonArgs {
     /// `--otlp-endpoint`: where trace spans go (nowhere without it).
     #[command(flatten)]
     pub otlp: handoff_telemetry::OtlpArgs,
+    // NATS credentials and TLS (issue 23).
+    /// `--nats-creds`, `--nats-nkey`, `--nats-tls-ca`, `--nats-tls-cert`, `--nats-tls-key`.
+    #[command(flatten)]
+    pub nats_security: handoff_nats::NatsSecurityArgs,
 }
 
 /// The `--broker` values.
@@ -230,6 +234,7 @@ impl CommonArgs {
             filter_subject: Some(format!("{}.{AGGREGATE_TYPE}.*", self.subject_prefix)),
             ack_wait: self.ack_wait,
             ping_interval: self.nats_ping_interval,
+            security: self.nats_security.security(),
             ..IntakeConfig::default()
         }
     }
