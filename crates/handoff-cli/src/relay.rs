@@ -1171,4 +1171,44 @@ mod tests {
         );
         assert_eq!(redact("no url here"), "no url here");
     }
+
+    // NATS credentials, TLS and replicas (issue 23).
+    #[test]
+    fn nats_files_and_replicas_come_from_the_file_and_flags_win() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\nnats_creds = \"/file/relay.creds\"\n\
+             nats_tls_ca = \"/file/ca.pem\"\nnats_tls_cert = \"/file/c.pem\"\n\
+             nats_tls_key = \"/file/c.key\"\nstream_replicas = 3\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path.clone()),
+            nats_security: NatsSecurityArgs {
+                nats_tls_ca: Some("/flag/ca.pem".into()),
+                ..NatsSecurityArgs::default()
+            },
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Nats { config, .. } = &settings.destination else {
+            panic!("not nats: {:?}", settings.destination);
+        };
+        assert_eq!(config.replicas, 3);
+        let security = &config.security;
+        assert_eq!(security.creds.as_deref(), Some(Path::new("/file/relay.creds")));
+        assert_eq!(security.tls_ca.as_deref(), Some(Path::new("/flag/ca.pem")));
+        assert_eq!(security.tls_key.as_deref(), Some(Path::new("/file/c.key")));
+        assert_eq!(security.nkey, None);
+
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path),
+            stream_replicas: Some(7),
+            ..RelayArgs::default()
+        });
+        let error = settings.unwrap_err().to_string();
+        assert!(error.contains("replicas must be 1 to 5"), "{error}");
+    }
 }
