@@ -1198,7 +1198,10 @@ mod tests {
         };
         assert_eq!(config.replicas, 3);
         let security = &config.security;
-        assert_eq!(security.creds.as_deref(), Some(Path::new("/file/relay.creds")));
+        assert_eq!(
+            security.creds.as_deref(),
+            Some(Path::new("/file/relay.creds"))
+        );
         assert_eq!(security.tls_ca.as_deref(), Some(Path::new("/flag/ca.pem")));
         assert_eq!(security.tls_key.as_deref(), Some(Path::new("/file/c.key")));
         assert_eq!(security.nkey, None);

@@ -31,7 +31,10 @@ async fn an_r3_stream_loses_nothing_when_its_leader_is_killed_under_load() {
         .unwrap()
         .cached_info()
         .clone();
-    assert_eq!(info.config.num_replicas, 3, "the relay created an R3 stream");
+    assert_eq!(
+        info.config.num_replicas, 3,
+        "the relay created an R3 stream"
+    );
 
     let writers = Writers {
         connections: 4,
@@ -52,7 +55,11 @@ async fn an_r3_stream_loses_nothing_when_its_leader_is_killed_under_load() {
         if published >= 300 {
             break;
         }
-        assert!(Instant::now() < deadline, "nothing published:\n{}", relay.log());
+        assert!(
+            Instant::now() < deadline,
+            "nothing published:\n{}",
+            relay.log()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let leader = NatsCluster::stream_leader(&client, &stream).await.unwrap();
@@ -89,7 +96,10 @@ async fn an_r3_stream_loses_nothing_when_its_leader_is_killed_under_load() {
     assert!(check.messages >= 1_600, "{check:?}");
     for message in &messages {
         let id = message.header("ce-id").unwrap().parse().unwrap();
-        assert!(!rolled_back.contains(&id), "a rolled-back event was published");
+        assert!(
+            !rolled_back.contains(&id),
+            "a rolled-back event was published"
+        );
     }
 
     let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_handoff"))

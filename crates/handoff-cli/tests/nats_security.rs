@@ -216,12 +216,13 @@ async fn tls_with_a_client_certificate_and_a_password_works_end_to_end_without_l
         &[PASSWORD, &key_body],
     )
     .await;
-    let client = async_nats::ConnectOptions::with_user_and_password("handoff".into(), PASSWORD.into())
-        .add_root_certificates(ca.ca_path())
-        .add_client_certificate(client.cert.clone(), client.key.clone())
-        .connect(server.url())
-        .await
-        .unwrap();
+    let client =
+        async_nats::ConnectOptions::with_user_and_password("handoff".into(), PASSWORD.into())
+            .add_root_certificates(ca.ca_path())
+            .add_client_certificate(client.cert.clone(), client.key.clone())
+            .connect(server.url())
+            .await
+            .unwrap();
     assert_eq!(read_stream(&client, &target.stream).await.len(), 24);
 }
 
@@ -254,7 +255,17 @@ async fn an_nkey_user_works_end_to_end_without_leaking_its_seed() {
     };
     // The relay takes the seed from a flag, the commands from theirs.
     let flags = ["--nats-nkey", path(&seed_file)];
-    end_to_end(&db, &outbox, &target, security, &flags, &[], &flags, &[&seed]).await;
+    end_to_end(
+        &db,
+        &outbox,
+        &target,
+        security,
+        &flags,
+        &[],
+        &flags,
+        &[&seed],
+    )
+    .await;
 
     // A seed file that holds no seed: one line naming the file, nothing of its content.
     let bad = dir.path().join("bad.nk");

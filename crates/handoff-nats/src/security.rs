@@ -140,13 +140,15 @@ impl ConnectSecurity {
             (Some(path), None) => {
                 const WHAT: &str = "credentials file";
                 let text = read(WHAT, path)?;
-                options = options.credentials(&text).map_err(|_| SecurityError::Invalid {
-                    what: WHAT,
-                    path: path.clone(),
-                    // async-nats's own message is generic too; the content is not repeated.
-                    reason: "it does not hold a user JWT and a user nkey seed in the \
+                options = options
+                    .credentials(&text)
+                    .map_err(|_| SecurityError::Invalid {
+                        what: WHAT,
+                        path: path.clone(),
+                        // async-nats's own message is generic too; the content is not repeated.
+                        reason: "it does not hold a user JWT and a user nkey seed in the \
                              decorated format `nsc` writes",
-                })?;
+                    })?;
             }
             (None, Some(path)) => {
                 const WHAT: &str = "nkey seed file";
@@ -315,9 +317,8 @@ mod tests {
         let pair = nkeys::KeyPair::new_user();
         let seed = pair.seed().unwrap();
         assert_eq!(find_seed(&format!("{seed}\n")), Some(seed.clone()));
-        let decorated = format!(
-            "-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
-        );
+        let decorated =
+            format!("-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n");
         assert_eq!(find_seed(&decorated), Some(seed.clone()));
 
         let broken = format!("{}X", &seed[..seed.len() - 1]);

@@ -84,7 +84,9 @@ async fn tls_with_a_client_certificate_and_a_password_connects_and_publishes() {
         },
         ..JetStreamConfig::default()
     };
-    let error = JetStreamTransport::connect(&url, wrong_ca).await.unwrap_err();
+    let error = JetStreamTransport::connect(&url, wrong_ca)
+        .await
+        .unwrap_err();
     assert!(!chain(&error).contains("tl5-s3cret"), "{}", chain(&error));
 
     // The right certificates and a wrong password.
@@ -159,7 +161,11 @@ async fn nkey_users_connect_with_their_seed_and_others_are_refused() {
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ConnectErrorKind::Unauthorized, "{error}");
-    assert!(!chain(&error).contains(&stranger[..12]), "{}", chain(&error));
+    assert!(
+        !chain(&error).contains(&stranger[..12]),
+        "{}",
+        chain(&error)
+    );
     let error = JetStreamTransport::connect(&server.url(), JetStreamConfig::default())
         .await
         .unwrap_err();

@@ -462,10 +462,20 @@ impl NatsServer {
         verify_clients: bool,
     ) -> io::Result<Self> {
         let cert = ca.server("nats-server").map_err(io::Error::other)?;
-        let (cert_path, key_path) = (cert.cert.display().to_string(), cert.key.display().to_string());
+        let (cert_path, key_path) = (
+            cert.cert.display().to_string(),
+            cert.key.display().to_string(),
+        );
         let ca_path = ca.ca_path().display().to_string();
         let mut args = vec![
-            "--tls", "--tlscert", &cert_path, "--tlskey", &key_path, "--user", user, "--pass",
+            "--tls",
+            "--tlscert",
+            &cert_path,
+            "--tlskey",
+            &key_path,
+            "--user",
+            user,
+            "--pass",
             password,
         ];
         if verify_clients {
@@ -695,8 +705,12 @@ impl NatsCluster {
     pub async fn start(size: usize) -> io::Result<Self> {
         let size = size.max(1);
         let name = unique_name("cluster");
-        let client_ports = (0..size).map(|_| free_port()).collect::<io::Result<Vec<_>>>()?;
-        let cluster_ports = (0..size).map(|_| free_port()).collect::<io::Result<Vec<_>>>()?;
+        let client_ports = (0..size)
+            .map(|_| free_port())
+            .collect::<io::Result<Vec<_>>>()?;
+        let cluster_ports = (0..size)
+            .map(|_| free_port())
+            .collect::<io::Result<Vec<_>>>()?;
         let routes = cluster_ports
             .iter()
             .map(|p| format!("nats://127.0.0.1:{p}"))

@@ -760,4 +760,27 @@ mod tests {
         );
         assert_eq!(redact("no url here"), "no url here");
     }
+
+    // NATS credentials and TLS (issue 23).
+    #[test]
+    fn nats_files_reach_the_intake() {
+        let args = parse(&[
+            "--nats-nkey",
+            "/run/secrets/inventory.nk",
+            "--nats-tls-ca",
+            "/etc/nats/ca.pem",
+        ])
+        .unwrap();
+        let security = args.intake_config().security;
+        assert_eq!(
+            security.nkey.as_deref(),
+            Some(std::path::Path::new("/run/secrets/inventory.nk"))
+        );
+        assert_eq!(
+            security.tls_ca.as_deref(),
+            Some(std::path::Path::new("/etc/nats/ca.pem"))
+        );
+        assert_eq!(security.creds, None);
+        assert!(parse(&[]).unwrap().intake_config().security.is_empty());
+    }
 }
