@@ -78,18 +78,31 @@ fn assert_no_secret(what: &str, log: &str, secrets: &[&str]) {
     }
 }
 
-/// Publishes 12 events through the relay, consumes them, replays them, reconciles; `relay_env`
-/// and `cli_args` carry the credentials the server wants, `secrets` must appear in no log.
+/// How one end-to-end run reaches the server: the consumer's settings, the relay's flags and
+/// environment, the commands' flags, and the secrets no log may hold.
+struct Access<'a> {
+    security: ConnectSecurity,
+    relay_args: &'a [&'a str],
+    relay_env: &'a [(&'a str, &'a str)],
+    cli_args: &'a [&'a str],
+    secrets: &'a [&'a str],
+}
+
+/// Publishes 12 events through the relay, consumes them, replays them, reconciles, with the
+/// credentials in `access`.
 async fn end_to_end(
     db: &TestDb,
     outbox: &handoff_postgres::Outbox,
     target: &Target,
-    security: ConnectSecurity,
-    relay_args: &[&str],
-    relay_env: &[(&str, &str)],
-    cli_args: &[&str],
-    secrets: &[&str],
+    access: Access<'_>,
 ) {
+    let Access {
+        security,
+        relay_args,
+        relay_env,
+        cli_args,
+        secrets,
+    } = access;
     sqlx::raw_sql("CREATE TABLE applied (n bigserial PRIMARY KEY, event_id uuid NOT NULL)")
         .execute(&db.pool)
         .await
@@ -205,17 +218,14 @@ async fn tls_with_a_client_certificate_and_a_password_works_end_to_end_without_l
         "--nats-tls-key",
         path(&client.key),
     ];
-    end_to_end(
-        &db,
-        &outbox,
-        &target,
+    let access = Access {
         security,
-        &[],
-        &relay_env,
-        &cli_args,
-        &[PASSWORD, &key_body],
-    )
-    .await;
+        relay_args: &[],
+        relay_env: &relay_env,
+        cli_args: &cli_args,
+        secrets: &[PASSWORD, &key_body],
+    };
+    end_to_end(&db, &outbox, &target, access).await;
     let client =
         async_nats::ConnectOptions::with_user_and_password("handoff".into(), PASSWORD.into())
             .add_root_certificates(ca.ca_path())
@@ -255,17 +265,14 @@ async fn an_nkey_user_works_end_to_end_without_leaking_its_seed() {
     };
     // The relay takes the seed from a flag, the commands from theirs.
     let flags = ["--nats-nkey", path(&seed_file)];
-    end_to_end(
-        &db,
-        &outbox,
-        &target,
+    let access = Access {
         security,
-        &flags,
-        &[],
-        &flags,
-        &[&seed],
-    )
-    .await;
+        relay_args: &flags,
+        relay_env: &[],
+        cli_args: &flags,
+        secrets: &[&seed],
+    };
+    end_to_end(&db, &outbox, &target, access).await;
 
     // A seed file that holds no seed: one line naming the file, nothing of its content.
     let bad = dir.path().join("bad.nk");
