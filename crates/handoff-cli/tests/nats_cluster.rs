@@ -112,6 +112,7 @@ async fn an_r3_stream_loses_nothing_when_its_leader_is_killed_under_load() {
         .await
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);
+    eprintln!("reconcile stderr: {}", String::from_utf8_lossy(&run.stderr));
     assert_eq!(
         run.status.code(),
         Some(0),
@@ -121,4 +122,58 @@ async fn an_r3_stream_loses_nothing_when_its_leader_is_killed_under_load() {
     let summary: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(summary["missing"], 0, "{summary}");
     assert_eq!(summary["checked"], check.messages, "{summary}");
+}
+
+#[tokio::test]
+async fn an_existing_weaker_stream_is_kept_with_one_warning_naming_both_values() {
+    use handoff_test::nats::{prepare_shared_server, shared_url, DeleteStreamOnDrop};
+
+    let client = prepare_shared_server().await;
+    let (db, _outbox) = migrated("nats_weaker_stream").await;
+    let stream = unique_name("nats_weaker_stream");
+    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
+    async_nats::jetstream::new(client.clone())
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{stream}.>")],
+            storage: async_nats::jetstream::stream::StorageType::Memory,
+            num_replicas: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let target = Target {
+        database_url: db.url(),
+        nats_url: shared_url(),
+        stream: stream.clone(),
+        prefix: stream.clone(),
+    };
+    let mut relay = RelayProcess::start(&target, "weak-relay", &["--stream-replicas", "3"], &[]);
+    relay
+        .wait_for_log("destination ready", Duration::from_secs(30))
+        .await;
+    assert!(relay.terminate().success(), "{}", relay.log());
+    let log = relay.log();
+    let replicas: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("fewer replicas than configured"))
+        .collect();
+    assert_eq!(replicas.len(), 1, "{log}");
+    assert!(
+        replicas[0].contains("stream_replicas=1") && replicas[0].contains("configured_replicas=3"),
+        "{log}"
+    );
+    let storage: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("in memory only"))
+        .collect();
+    assert_eq!(storage.len(), 1, "{log}");
+    assert!(storage[0].contains("stream_storage=\"memory\""), "{log}");
+    let info = async_nats::jetstream::new(client)
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .clone();
+    assert_eq!(info.config.num_replicas, 1, "the operator's stream is left as it is");
 }

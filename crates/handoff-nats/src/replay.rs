@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::consumer::pull::{Ordered, OrderedConfig};
 use async_nats::jetstream::consumer::DeliverPolicy;
 use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -142,7 +143,18 @@ pub struct StreamScan {
     at: u64,
     done: bool,
     idle: Duration,
+    /// The server said nothing matching is pending although `last` is not reached: either the
+    /// rest of the stream is another subject's, or the count is stale (seen on a replicated
+    /// stream after its leader was killed, one message short). Then only a short wait decides.
+    draining: bool,
+    /// `last` is the last message under the prefix (not only the stream's last sequence), so
+    /// the scan ends there and never on a pending count.
+    exact_last: bool,
 }
+
+/// How long a scan waits for one more message once the server reported none pending before the
+/// last sequence.
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
 
 impl std::fmt::Debug for StreamScan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -180,9 +192,15 @@ impl StreamScan {
             self.done = true;
             return Ok(None);
         };
-        let next = tokio::time::timeout(self.idle, messages.next()).await;
+        let wait = if self.draining { DRAIN_WAIT } else { self.idle };
+        let next = tokio::time::timeout(wait, messages.next()).await;
         let message = match next {
             Ok(Some(Ok(message))) => message,
+            Err(_elapsed) if self.draining => {
+                self.done = true;
+                self.messages = None;
+                return Ok(None);
+            }
             Ok(Some(Err(error))) => {
                 return Err(ScanError::Consumer {
                     stream: self.stream.clone(),
@@ -213,12 +231,19 @@ impl StreamScan {
             }
         };
         self.at = sequence;
+        if self.draining {
+            tracing::warn!(stream = %self.stream, sequence, last = self.last,
+                "a message came after the server reported none pending; its count was stale");
+        }
         // Messages stored after the scan began are not what it was asked about, but they are
-        // the stream's all the same: report this one and stop. `pending == 0` means nothing
-        // matching is left at all (the last sequence may belong to another subject).
-        if sequence >= self.last || pending == 0 {
+        // the stream's all the same: report this one and stop. `pending == 0` before the last
+        // sequence usually means the rest belongs to another subject, but the count is not
+        // trusted to end the scan alone: a stale one would report a stored event as missing.
+        if sequence >= self.last {
             self.done = true;
             self.messages = None;
+        } else {
+            self.draining = pending == 0 && !self.exact_last;
         }
         Ok(Some(scanned(sequence, &message.message)))
     }
@@ -351,7 +376,9 @@ impl JetStreamTransport {
     }
 
     /// Starts reading the stream, headers only, from the first message stored at or after
-    /// `from`, restricted to `<subject_prefix>.>` and up to the stream's last sequence now.
+    /// `from`, restricted to `<subject_prefix>.>` and up to the last message under the prefix
+    /// now (as the stream's leader says; the stream's last sequence where the server cannot
+    /// tell).
     ///
     /// It reads through an ordered consumer (ephemeral, in memory, no acknowledgements, which
     /// recreates itself on a gap), so it leaves nothing behind and pulls no payloads.
@@ -406,13 +433,40 @@ impl JetStreamTransport {
             at: 0,
             done: false,
             idle,
+            draining: false,
+            exact_last: false,
         };
         if last == 0 {
             return Ok(scan);
         }
+        let filter = format!("{}.>", self.config().subject_prefix);
+        // The last message under the prefix, asked of the stream's leader: the scan reads up to
+        // it and no further. The consumer below may sit on a replica that is still catching up
+        // (after a server restart), whose own counts say "nothing pending" too early.
+        match stream.get_last_raw_message_by_subject(&filter).await {
+            Ok(message) => {
+                if message.time < async_nats::datetime::DateTime::from(from) {
+                    // Nothing under the prefix since `from`.
+                    scan.last = 0;
+                    return Ok(scan);
+                }
+                scan.last = message.sequence;
+                scan.exact_last = true;
+            }
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                scan.last = 0;
+                return Ok(scan);
+            }
+            // An older server or a permission missing: fall back on the stream's last
+            // sequence and the consumer's pending count.
+            Err(error) => {
+                tracing::debug!(stream = %name, error = %error,
+                    "could not read the last message under the prefix; using the stream's");
+            }
+        }
         let consumer = stream
             .create_consumer(OrderedConfig {
-                filter_subject: format!("{}.>", self.config().subject_prefix),
+                filter_subject: filter,
                 headers_only: true,
                 deliver_policy: DeliverPolicy::ByStartTime {
                     start_time: async_nats::datetime::DateTime::from(from),
@@ -422,7 +476,7 @@ impl JetStreamTransport {
             })
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
-        if consumer.cached_info().num_pending == 0 {
+        if !scan.exact_last && consumer.cached_info().num_pending == 0 {
             // Nothing stored since `from` under the prefix: the ordered stream would only wait.
             return Ok(scan);
         }

@@ -245,6 +245,14 @@ async fn read_all(client: &async_nats::Client, stream: &str) -> Vec<StoredMessag
     if state.messages == 0 {
         return Vec::new();
     }
+    // The last message that exists, as the stream's leader says. The ordered consumer below may
+    // sit on a replica still catching up after a restart, whose pending count reaches 0 early;
+    // only where the server cannot answer is that count trusted.
+    let last = handle
+        .get_last_raw_message_by_subject(">")
+        .await
+        .map(|message| message.sequence)
+        .ok();
     let consumer = handle
         .create_consumer(consumer::pull::OrderedConfig {
             deliver_policy: consumer::DeliverPolicy::All,
@@ -281,10 +289,13 @@ async fn read_all(client: &async_nats::Client, stream: &str) -> Vec<StoredMessag
             headers,
             payload: message.payload.to_vec(),
         });
-        // The last sequence alone is not enough: when the stream's last message was deleted,
-        // no message carries it, and only the consumer's pending count says nothing is left.
-        if sequence >= state.last_sequence || pending == 0 {
-            break;
+        // The stream's last sequence alone is not enough: when its last message was deleted,
+        // no message carries it; the last existing message's sequence is.
+        match last {
+            Some(last) if sequence >= last => break,
+            Some(_) => {}
+            None if sequence >= state.last_sequence || pending == 0 => break,
+            None => {}
         }
     }
     stored
