@@ -245,14 +245,7 @@ async fn read_all(client: &async_nats::Client, stream: &str) -> Vec<StoredMessag
     if state.messages == 0 {
         return Vec::new();
     }
-    // The last message that exists, as the stream's leader says. The ordered consumer below may
-    // sit on a replica still catching up after a restart, whose pending count reaches 0 early;
-    // only where the server cannot answer is that count trusted.
-    let last = handle
-        .get_last_raw_message_by_subject(">")
-        .await
-        .map(|message| message.sequence)
-        .ok();
+
     let consumer = handle
         .create_consumer(consumer::pull::OrderedConfig {
             deliver_policy: consumer::DeliverPolicy::All,
@@ -289,16 +282,27 @@ async fn read_all(client: &async_nats::Client, stream: &str) -> Vec<StoredMessag
             headers,
             payload: message.payload.to_vec(),
         });
-        // The stream's last sequence alone is not enough: when its last message was deleted,
-        // no message carries it; the last existing message's sequence is.
-        match last {
-            Some(last) if sequence >= last => break,
-            Some(_) => {}
-            None if sequence >= state.last_sequence || pending == 0 => break,
-            None => {}
+        // The last sequence alone is not enough: when the stream's last message was deleted,
+        // no message carries it, and only the consumer's pending count says nothing is left.
+        // That count may be low on a replica still catching up after a restart, so a 0 before
+        // the last sequence is checked with the stream's leader.
+        if sequence >= state.last_sequence || (pending == 0 && !more_after(&handle, sequence).await)
+        {
+            break;
         }
     }
     stored
+}
+
+/// Whether the stream's leader holds a message after `sequence` (`false` when it cannot tell).
+async fn more_after(handle: &stream::Stream, sequence: u64) -> bool {
+    handle
+        .raw_message_builder()
+        .sequence(sequence + 1)
+        .next_by_subject(">")
+        .send()
+        .await
+        .is_ok()
 }
 
 /// Deletes a stream of the shared server when dropped, so a test cleans up even when it fails.
