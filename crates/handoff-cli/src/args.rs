@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
-use handoff_nats::JetStreamConfig;
+use handoff_nats::{JetStreamConfig, NatsSecurityArgs};
 use handoff_postgres::{Migrator, Schema};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection};
@@ -107,14 +107,19 @@ pub struct BrokerArgs {
     /// The relay's subject prefix: events are on <prefix>.<aggregate_type>.<aggregate_id>.
     #[arg(long, env = "HANDOFF_SUBJECT_PREFIX", default_value = "outbox")]
     pub subject_prefix: String,
+    /// NATS credentials and TLS files (--nats-creds, --nats-nkey, --nats-tls-*).
+    #[command(flatten)]
+    pub nats_security: NatsSecurityArgs,
 }
 
 impl BrokerArgs {
-    /// The relay's JetStream settings with these three replaced.
+    /// The relay's JetStream settings with the stream, prefix and connection security
+    /// replaced.
     pub fn jetstream(&self) -> JetStreamConfig {
         JetStreamConfig {
             stream: self.stream.clone(),
             subject_prefix: self.subject_prefix.clone(),
+            security: self.nats_security.security(),
             ..JetStreamConfig::default()
         }
     }

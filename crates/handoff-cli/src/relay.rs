@@ -11,7 +11,9 @@ use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
 use handoff_http::{HttpConfig, HttpMode, HttpTransport, SigningSecret};
 use handoff_kafka::{KafkaConfig, KafkaTransport};
-use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport};
+use handoff_nats::{
+    ConnectErrorKind, ConnectSecurity, JetStreamConfig, JetStreamTransport, NatsSecurityArgs,
+};
 use handoff_postgres::{Migrator, OrderMode, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
 use serde::Deserialize;
@@ -149,6 +151,15 @@ pub struct RelayArgs {
     /// the polling source [default: aggregate].
     #[arg(long, env = "HANDOFF_ORDER")]
     order: Option<OrderMode>,
+    // NATS credentials, TLS and replicas (issue 23).
+    /// NATS credentials and TLS files (--nats-creds, --nats-nkey, --nats-tls-ca,
+    /// --nats-tls-cert, --nats-tls-key; env NATS_CREDS, ...; TOML nats_creds, ...).
+    #[command(flatten)]
+    nats_security: NatsSecurityArgs,
+    /// Replicas of a JetStream stream this relay creates; at most the cluster's servers. An
+    /// existing stream with fewer is kept, with a warning [default: 1].
+    #[arg(long, env = "HANDOFF_STREAM_REPLICAS")]
+    stream_replicas: Option<usize>,
 }
 
 /// Where `handoff relay` publishes.
@@ -222,6 +233,13 @@ struct RelayFile {
     http_timeout: Option<Duration>,
     http_concurrency: Option<usize>,
     order: Option<String>,
+    // NATS credentials, TLS and replicas (issue 23).
+    nats_creds: Option<PathBuf>,
+    nats_nkey: Option<PathBuf>,
+    nats_tls_ca: Option<PathBuf>,
+    nats_tls_cert: Option<PathBuf>,
+    nats_tls_key: Option<PathBuf>,
+    stream_replicas: Option<usize>,
 }
 
 /// The destination's settings, checked. Its `Debug` hides every URL's password.
@@ -367,6 +385,20 @@ impl Settings {
                 .nats_ping_interval
                 .or(file.nats_ping_interval)
                 .unwrap_or(defaults.ping_interval),
+            replicas: args
+                .stream_replicas
+                .or(file.stream_replicas)
+                .unwrap_or(defaults.replicas),
+            security: nats_security(
+                &args.nats_security,
+                NatsSecurityArgs {
+                    nats_creds: file.nats_creds,
+                    nats_nkey: file.nats_nkey,
+                    nats_tls_ca: file.nats_tls_ca,
+                    nats_tls_cert: file.nats_tls_cert,
+                    nats_tls_key: file.nats_tls_key,
+                },
+            ),
         };
         let base = RelayConfig::default();
         let relay = RelayConfig {
@@ -506,6 +538,18 @@ impl Settings {
             polling,
             relay,
         })
+    }
+}
+
+/// The NATS files: each flag (or its variable) wins over the config file's key.
+fn nats_security(args: &NatsSecurityArgs, file: NatsSecurityArgs) -> ConnectSecurity {
+    let pick = |flag: &Option<PathBuf>, key: Option<PathBuf>| flag.clone().or(key);
+    ConnectSecurity {
+        creds: pick(&args.nats_creds, file.nats_creds),
+        nkey: pick(&args.nats_nkey, file.nats_nkey),
+        tls_ca: pick(&args.nats_tls_ca, file.nats_tls_ca),
+        tls_cert: pick(&args.nats_tls_cert, file.nats_tls_cert),
+        tls_key: pick(&args.nats_tls_key, file.nats_tls_key),
     }
 }
 
@@ -1188,5 +1232,48 @@ mod tests {
             "bad url postgres://***@h/db"
         );
         assert_eq!(redact("no url here"), "no url here");
+    }
+
+    // NATS credentials, TLS and replicas (issue 23).
+    #[test]
+    fn nats_files_and_replicas_come_from_the_file_and_flags_win() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\nnats_creds = \"/file/relay.creds\"\n\
+             nats_tls_ca = \"/file/ca.pem\"\nnats_tls_cert = \"/file/c.pem\"\n\
+             nats_tls_key = \"/file/c.key\"\nstream_replicas = 3\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path.clone()),
+            nats_security: NatsSecurityArgs {
+                nats_tls_ca: Some("/flag/ca.pem".into()),
+                ..NatsSecurityArgs::default()
+            },
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Nats { config, .. } = &settings.destination else {
+            panic!("not nats: {:?}", settings.destination);
+        };
+        assert_eq!(config.replicas, 3);
+        let security = &config.security;
+        assert_eq!(
+            security.creds.as_deref(),
+            Some(Path::new("/file/relay.creds"))
+        );
+        assert_eq!(security.tls_ca.as_deref(), Some(Path::new("/flag/ca.pem")));
+        assert_eq!(security.tls_key.as_deref(), Some(Path::new("/file/c.key")));
+        assert_eq!(security.nkey, None);
+
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path),
+            stream_replicas: Some(7),
+            ..RelayArgs::default()
+        });
+        let error = settings.unwrap_err().to_string();
+        assert!(error.contains("replicas must be 1 to 5"), "{error}");
     }
 }

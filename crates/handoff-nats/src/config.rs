@@ -2,11 +2,17 @@
 
 use std::time::Duration;
 
+use crate::ConnectSecurity;
+
+/// The most replicas JetStream keeps of a stream.
+pub const MAX_REPLICAS: usize = 5;
+
 /// Where and how [`JetStreamTransport`](crate::JetStreamTransport) publishes.
 ///
-/// The stream is created with file storage and one replica when it does not exist (see
-/// [`JetStreamTransport::ensure_stream`](crate::JetStreamTransport::ensure_stream)); neither is
-/// configurable here, since an operator who wants more creates the stream beforehand.
+/// The stream is created with file storage and [`replicas`](Self::replicas) replicas when it does
+/// not exist (see
+/// [`JetStreamTransport::ensure_stream`](crate::JetStreamTransport::ensure_stream)); an existing
+/// stream is left as it is, with a warning when it is weaker than configured.
 ///
 /// # Examples
 ///
@@ -53,6 +59,13 @@ pub struct JetStreamConfig {
     /// 60 s, which would leave a relay or consumer stalled for about three minutes. Default:
     /// 10 seconds.
     pub ping_interval: Duration,
+    /// How many servers of a cluster keep the stream, for a stream this transport creates: 1
+    /// (the default) survives no server loss; 3 on a 3-node cluster survives the loss of one
+    /// server, its leader included, with nothing acknowledged lost. 1 to [`MAX_REPLICAS`], and
+    /// no more than the cluster has servers (JetStream refuses the stream otherwise).
+    pub replicas: usize,
+    /// Credentials and TLS files for the connection; see [`ConnectSecurity`]. Default: none.
+    pub security: ConnectSecurity,
 }
 
 impl Default for JetStreamConfig {
@@ -64,6 +77,8 @@ impl Default for JetStreamConfig {
             publish_timeout: Duration::from_secs(5),
             source: "handoff".to_owned(),
             ping_interval: Duration::from_secs(10),
+            replicas: 1,
+            security: ConnectSecurity::default(),
         }
     }
 }
@@ -88,6 +103,9 @@ pub enum ConfigError {
         /// The rule it breaks.
         reason: &'static str,
     },
+    /// The replica count is 0 or more than [`MAX_REPLICAS`].
+    #[error("stream replicas must be 1 to {MAX_REPLICAS}, not {0}")]
+    InvalidReplicas(usize),
     /// A duration that must be positive is zero.
     #[error("{0} must be greater than zero")]
     ZeroDuration(&'static str),
@@ -131,6 +149,9 @@ impl JetStreamConfig {
         }
         if self.ping_interval.is_zero() {
             return Err(ConfigError::ZeroDuration("ping_interval"));
+        }
+        if !(1..=MAX_REPLICAS).contains(&self.replicas) {
+            return Err(ConfigError::InvalidReplicas(self.replicas));
         }
         let invalid_source = |reason| ConfigError::InvalidSource {
             value: self.source.clone(),
@@ -304,6 +325,25 @@ mod tests {
             config.validate(),
             Err(ConfigError::ZeroDuration("ping_interval"))
         );
+    }
+
+    #[test]
+    fn replicas_are_one_to_five() {
+        for replicas in [0, 6] {
+            let config = JetStreamConfig {
+                replicas,
+                ..JetStreamConfig::default()
+            };
+            assert_eq!(
+                config.validate(),
+                Err(ConfigError::InvalidReplicas(replicas))
+            );
+        }
+        let config = JetStreamConfig {
+            replicas: 3,
+            ..JetStreamConfig::default()
+        };
+        assert_eq!(config.validate(), Ok(()));
     }
 
     #[test]

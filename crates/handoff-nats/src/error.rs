@@ -6,7 +6,7 @@ use async_nats::jetstream::context::{
 };
 use async_nats::jetstream::ErrorCode;
 
-use crate::ConfigError;
+use crate::{ConfigError, SecurityError};
 
 /// Why [`JetStreamTransport::connect`](crate::JetStreamTransport::connect) failed.
 ///
@@ -18,6 +18,10 @@ pub enum ConnectError {
     /// The [`JetStreamConfig`](crate::JetStreamConfig) is unusable.
     #[error("invalid jetstream configuration: {0}")]
     InvalidConfig(#[from] ConfigError),
+    /// A credentials or TLS file is missing or invalid, or the settings conflict; the message
+    /// names the file, never its content.
+    #[error(transparent)]
+    Security(#[from] SecurityError),
     /// The URL is not a NATS server URL. The URL itself is left out of the message, since a
     /// malformed one cannot be stripped of its credentials reliably.
     #[error("invalid nats url: {reason}")]
@@ -77,7 +81,7 @@ impl ConnectError {
     /// ```
     pub fn kind(&self) -> ConnectErrorKind {
         match self {
-            Self::InvalidConfig(_) => ConnectErrorKind::InvalidConfig,
+            Self::InvalidConfig(_) | Self::Security(_) => ConnectErrorKind::InvalidConfig,
             Self::InvalidUrl { .. } => ConnectErrorKind::InvalidUrl,
             Self::Unreachable { .. } => ConnectErrorKind::Unreachable,
             Self::Unauthorized { .. } => ConnectErrorKind::Unauthorized,

@@ -9,7 +9,7 @@ use futures::StreamExt;
 use handoff_core::contract;
 use handoff_core::intake::{Delivery, Intake, IntakeError, MalformedEvent, ReceivedEvent, Settle};
 
-use crate::{ConnectError, JetStreamConfig, JetStreamTransport, StreamError};
+use crate::{ConnectError, ConnectSecurity, JetStreamConfig, JetStreamTransport, StreamError};
 
 /// The header a replay (`handoff replay`, `handoff reconcile --republish`) adds to a
 /// republished event; its value is the replay run's id (`reconcile-<id>` for a reconcile).
@@ -53,6 +53,8 @@ pub struct IntakeConfig {
     /// How often the client pings the server, to find a silent connection; see
     /// [`JetStreamConfig::ping_interval`]. Default 10 s.
     pub ping_interval: Duration,
+    /// Credentials and TLS files for the connection; see [`ConnectSecurity`]. Default: none.
+    pub security: ConnectSecurity,
 }
 
 impl Default for IntakeConfig {
@@ -66,6 +68,7 @@ impl Default for IntakeConfig {
             max_ack_pending: 1000,
             batch: 256,
             ping_interval: Duration::from_secs(10),
+            security: ConnectSecurity::default(),
         }
     }
 }
@@ -174,6 +177,7 @@ impl JetStreamIntake {
                 stream: config.stream.clone(),
                 subject_prefix: config.subject_prefix.clone(),
                 ping_interval: config.ping_interval,
+                security: config.security.clone(),
                 ..JetStreamConfig::default()
             },
         )

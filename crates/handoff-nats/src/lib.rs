@@ -4,7 +4,8 @@
 //! [`handoff_core::delivery::Transport`]: `handoff-relay` hands it committed outbox events and it
 //! publishes each one to a JetStream stream, finished only by the stream's acknowledgement.
 //!
-//! - [`JetStreamConfig`]: the stream, the subject prefix, the duplicate window and timeouts;
+//! - [`JetStreamConfig`]: the stream, the subject prefix, the duplicate window, the replicas of
+//!   a stream it creates, timeouts, and the [`ConnectSecurity`] (creds, nkey, TLS files);
 //! - [`JetStreamTransport::connect`] and [`JetStreamTransport::ensure_stream`]: connect, and
 //!   create or check the stream;
 //! - [`JetStreamIntake`]: the consumers' side, a durable pull consumer that hands deliveries to
@@ -41,14 +42,18 @@ mod error;
 pub mod header;
 mod intake;
 mod replay;
+mod security;
 mod transport;
 mod url;
 
 /// The NATS client crate this one is built on, for callers that need its types (such as
 /// [`async_nats::Client`] from [`JetStreamTransport::client`]) at the same version.
 pub use async_nats;
-pub use config::{ConfigError, JetStreamConfig};
+pub use config::{ConfigError, JetStreamConfig, MAX_REPLICAS};
 pub use error::{ConnectError, ConnectErrorKind, StreamError, StreamErrorKind};
 pub use intake::{IntakeConfig, IntakeConnectError, JetStreamIntake, JetStreamSettle, REPLAY};
 pub use replay::{replay_msg_id, ReplayAck, ScanError, ScannedMessage, StreamScan};
+#[cfg(feature = "clap")]
+pub use security::NatsSecurityArgs;
+pub use security::{ConnectSecurity, SecurityError};
 pub use transport::{JetStreamTransport, StreamSummary};

@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::consumer::pull::{Ordered, OrderedConfig};
 use async_nats::jetstream::consumer::DeliverPolicy;
 use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -142,6 +143,10 @@ pub struct StreamScan {
     at: u64,
     done: bool,
     idle: Duration,
+    /// The stream, to ask its leader whether anything under the prefix is left.
+    handle: Option<async_nats::jetstream::stream::Stream>,
+    /// `<subject_prefix>.>`.
+    filter: String,
 }
 
 impl std::fmt::Debug for StreamScan {
@@ -214,13 +219,56 @@ impl StreamScan {
         };
         self.at = sequence;
         // Messages stored after the scan began are not what it was asked about, but they are
-        // the stream's all the same: report this one and stop. `pending == 0` means nothing
-        // matching is left at all (the last sequence may belong to another subject).
-        if sequence >= self.last || pending == 0 {
+        // the stream's all the same: report this one and stop. `pending == 0` before the last
+        // sequence usually means the rest belongs to another subject; but the consumer may sit
+        // on a replica still catching up after a restart, whose count reaches 0 early (seen on
+        // an R3 stream: a scan ended after 309 of 2842 messages). The leader decides.
+        if sequence >= self.last || (pending == 0 && !self.more_after(sequence).await) {
             self.done = true;
             self.messages = None;
         }
         Ok(Some(scanned(sequence, &message.message)))
+    }
+}
+
+impl StreamScan {
+    /// Whether the stream's leader holds a message under the prefix after `sequence`. `false`
+    /// when it holds none, and also when it cannot tell (an error): the consumer's count is then
+    /// all there is.
+    async fn more_after(&self, sequence: u64) -> bool {
+        self.more_after_since(sequence, None).await
+    }
+
+    /// As [`more_after`](Self::more_after), counting only a message stored at or after
+    /// `since`.
+    async fn more_after_since(
+        &self,
+        sequence: u64,
+        since: Option<async_nats::datetime::DateTime>,
+    ) -> bool {
+        let Some(handle) = &self.handle else {
+            return false;
+        };
+        let next = handle
+            .raw_message_builder()
+            .sequence(sequence + 1)
+            .next_by_subject(self.filter.clone())
+            .send()
+            .await;
+        match next {
+            Ok(message) if since.is_some_and(|since| message.time < since) => false,
+            Ok(message) => {
+                tracing::debug!(stream = %self.stream, sequence, next = message.sequence,
+                    "the consumer reported nothing pending but the stream's leader holds more");
+                true
+            }
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => false,
+            Err(error) => {
+                tracing::debug!(stream = %self.stream, error = %error,
+                    "could not ask the stream's leader for the next message");
+                false
+            }
+        }
     }
 }
 
@@ -399,6 +447,7 @@ impl JetStreamTransport {
             .state
             .last_sequence;
         let idle = Duration::from_secs(30);
+        let filter = format!("{}.>", self.config().subject_prefix);
         let mut scan = StreamScan {
             stream: name.clone(),
             messages: None,
@@ -406,13 +455,15 @@ impl JetStreamTransport {
             at: 0,
             done: false,
             idle,
+            handle: None,
+            filter: filter.clone(),
         };
         if last == 0 {
             return Ok(scan);
         }
         let consumer = stream
             .create_consumer(OrderedConfig {
-                filter_subject: format!("{}.>", self.config().subject_prefix),
+                filter_subject: filter,
                 headers_only: true,
                 deliver_policy: DeliverPolicy::ByStartTime {
                     start_time: async_nats::datetime::DateTime::from(from),
@@ -422,8 +473,16 @@ impl JetStreamTransport {
             })
             .await
             .map_err(|e| consumer_error(e.to_string()))?;
-        if consumer.cached_info().num_pending == 0 {
+        scan.handle = Some(stream);
+        let info = consumer.cached_info();
+        let since = Some(async_nats::datetime::DateTime::from(from));
+        if info.num_pending == 0
+            && !scan
+                .more_after_since(info.delivered.stream_sequence, since)
+                .await
+        {
             // Nothing stored since `from` under the prefix: the ordered stream would only wait.
+            // (Asked of the leader too: a consumer on a lagging replica counts too few.)
             return Ok(scan);
         }
         scan.messages = Some(

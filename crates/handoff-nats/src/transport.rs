@@ -10,7 +10,7 @@ use async_nats::jetstream::context::{
 };
 use async_nats::jetstream::stream::{Config as StreamConfig, Info as StreamInfo, StorageType};
 use async_nats::jetstream::{self, ErrorCode};
-use async_nats::{ConnectOptions, HeaderMap, HeaderName, HeaderValue};
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use handoff_core::contract;
 use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
@@ -80,6 +80,8 @@ pub struct StreamSummary {
     pub created: bool,
     /// How many messages it held when looked at.
     pub messages: u64,
+    /// How many servers keep it.
+    pub replicas: usize,
 }
 
 impl StreamSummary {
@@ -90,6 +92,7 @@ impl StreamSummary {
             duplicate_window: info.config.duplicate_window,
             created,
             messages: info.state.messages,
+            replicas: info.config.num_replicas,
         }
     }
 }
@@ -100,7 +103,9 @@ impl JetStreamTransport {
     /// `url` is `nats://host:port` (also `tls://`, `ws://`, `wss://`; scheme and port may be left
     /// out), or several such URLs separated by commas. Credentials may be given in it as
     /// `user:password@` or `token@` (percent-encoded); they are passed to the client as options
-    /// and never appear in errors or logs.
+    /// and never appear in errors or logs. A creds file, an nkey seed and TLS files come from
+    /// [`JetStreamConfig::security`] (see [`ConnectSecurity`](crate::ConnectSecurity)); they are
+    /// read before the first dial.
     ///
     /// The first connection is tried once (each server at most 5 seconds), so a caller that
     /// waits for the broker retries with its own backoff and can say what it waits for. Once
@@ -109,8 +114,8 @@ impl JetStreamTransport {
     ///
     /// # Errors
     ///
-    /// [`ConnectError`], whose [`kind`](ConnectError::kind) tells an invalid configuration or
-    /// URL (permanent) from an unreachable server (retry) and refused credentials.
+    /// [`ConnectError`], whose [`kind`](ConnectError::kind) tells an invalid configuration, file
+    /// or URL (permanent) from an unreachable server (retry) and refused credentials.
     ///
     /// # Cancel safety
     ///
@@ -133,12 +138,14 @@ impl JetStreamTransport {
     pub async fn connect(url: &str, config: JetStreamConfig) -> Result<Self, ConnectError> {
         config.validate()?;
         let urls = url::parse(url)?;
+        // Files first: a missing seed or CA is a configuration error, named before any dial.
+        let options = config.security.connect_options()?;
         let options = match urls.credentials {
             Some(Credentials::UserPassword { user, password }) => {
-                ConnectOptions::with_user_and_password(user, password)
+                options.user_and_password(user, password)
             }
-            Some(Credentials::Token(token)) => ConnectOptions::with_token(token),
-            None => ConnectOptions::new(),
+            Some(Credentials::Token(token)) => options.token(token),
+            None => options,
         };
         let client = options
             .name(CLIENT_NAME)
@@ -165,12 +172,15 @@ impl JetStreamTransport {
     /// Makes sure the stream exists and captures `<subject_prefix>.>`.
     ///
     /// A missing stream is created with subjects `[<subject_prefix>.>]`, the configured
-    /// duplicate window, file storage and one replica. An existing stream is never changed: it
+    /// duplicate window, file storage and the configured [replicas](JetStreamConfig::replicas).
+    /// An existing stream is never changed: it
     /// must have a subject that captures every subject under the prefix, which is
     /// `<subject_prefix>.>` itself, `>`, or a pattern whose tokens are equal to or `*` for the
     /// leading prefix tokens followed by `>` (such as `*.>`). Several narrower subjects that
-    /// cover the prefix only together are not recognised. A duplicate window other than the
-    /// configured one is logged as a warning and kept, since it is the operator's stream.
+    /// cover the prefix only together are not recognised. Where the existing stream is weaker
+    /// than configured (fewer replicas, memory storage, or a duplicate window other than the
+    /// configured one), a warning naming both values is logged, once per call, and the stream
+    /// is kept as it is, since it is the operator's stream.
     ///
     /// Safe to call from several relays at once: when another one creates the stream first, its
     /// stream is checked like any existing one.
@@ -211,14 +221,15 @@ impl JetStreamTransport {
             subjects: vec![self.wanted_subjects()],
             duplicate_window: self.config.duplicate_window,
             storage: StorageType::File,
-            num_replicas: 1,
+            num_replicas: self.config.replicas,
             description: Some("handoff outbox events".to_owned()),
             ..StreamConfig::default()
         };
         match self.admin.create_stream(config).await {
             Ok(stream) => {
                 let subjects = self.wanted_subjects();
-                tracing::info!(stream = %name, %subjects, "created stream");
+                tracing::info!(stream = %name, %subjects, replicas = self.config.replicas,
+                    "created stream");
                 Ok(StreamSummary::from_info(stream.cached_info(), true))
             }
             // Another relay created it between our lookup and our create (with a config that
@@ -262,6 +273,25 @@ impl JetStreamTransport {
                 "the stream's duplicate window differs from the configured one; leaving the \
                  stream as it is (a republish after a lease expiry is only deduplicated inside \
                  the stream's window)"
+            );
+        }
+        if info.config.num_replicas < self.config.replicas {
+            tracing::warn!(
+                stream = %info.config.name,
+                stream_replicas = info.config.num_replicas,
+                configured_replicas = self.config.replicas,
+                "the stream has fewer replicas than configured; leaving the stream as it is \
+                 (it does not survive the loss of as many servers; raise its replicas with \
+                 `nats stream edit`)"
+            );
+        }
+        if info.config.storage == StorageType::Memory {
+            tracing::warn!(
+                stream = %info.config.name,
+                stream_storage = "memory",
+                configured_storage = "file",
+                "the stream keeps its messages in memory only; leaving the stream as it is \
+                 (a server restart loses what it holds)"
             );
         }
         Ok(StreamSummary::from_info(info, false))

@@ -7,6 +7,10 @@
 //!   deletes do not trip over a nats-server 2.9 race.
 //! - [`NatsServer`]: a `nats-server` of the test's own, for tests that stop, kill or restart the
 //!   broker.
+//! - [`NatsServer::start_tls`] and [`NatsServer::start_with_config`]: a private server with TLS
+//!   and a password, or with nkey users (any configuration file).
+//! - [`NatsCluster`]: a JetStream cluster of private servers on loopback, whose nodes can be
+//!   killed and restarted.
 //! - [`read_stream`]: every message of a stream, in stream order, with headers.
 //!
 //! # Examples
@@ -241,6 +245,7 @@ async fn read_all(client: &async_nats::Client, stream: &str) -> Vec<StoredMessag
     if state.messages == 0 {
         return Vec::new();
     }
+
     let consumer = handle
         .create_consumer(consumer::pull::OrderedConfig {
             deliver_policy: consumer::DeliverPolicy::All,
@@ -279,11 +284,25 @@ async fn read_all(client: &async_nats::Client, stream: &str) -> Vec<StoredMessag
         });
         // The last sequence alone is not enough: when the stream's last message was deleted,
         // no message carries it, and only the consumer's pending count says nothing is left.
-        if sequence >= state.last_sequence || pending == 0 {
+        // That count may be low on a replica still catching up after a restart, so a 0 before
+        // the last sequence is checked with the stream's leader.
+        if sequence >= state.last_sequence || (pending == 0 && !more_after(&handle, sequence).await)
+        {
             break;
         }
     }
     stored
+}
+
+/// Whether the stream's leader holds a message after `sequence` (`false` when it cannot tell).
+async fn more_after(handle: &stream::Stream, sequence: u64) -> bool {
+    handle
+        .raw_message_builder()
+        .sequence(sequence + 1)
+        .next_by_subject(">")
+        .send()
+        .await
+        .is_ok()
 }
 
 /// Deletes a stream of the shared server when dropped, so a test cleans up even when it fails.
@@ -405,10 +424,86 @@ impl NatsServer {
     /// ```
     pub fn start_with_args(args: &[&str]) -> io::Result<Self> {
         let dir = tempfile::Builder::new().prefix("handoff-nats-").tempdir()?;
+        Self::start_in(dir, args.iter().map(|a| (*a).to_owned()).collect())
+    }
+
+    /// As [`start_with_args`](Self::start_with_args), with a configuration file holding
+    /// `config` (nats-server's format, for what has no flag: nkey users, accounts, ...). The
+    /// flags handoff-test passes (`-a`, `-p`, `-js`, `-sd`) win over the file.
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start), and when the file cannot be written.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// let server = handoff_test::nats::NatsServer::start_with_config(
+    ///     r#"authorization { users = [ { nkey: "UDXU4RCSJNZOIQHZNWXHXORDPRTGNJAHAHFRGZNEEJCPQTT2M7NLCNF4" } ] }"#,
+    ///     &[],
+    /// )?;
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn start_with_config(config: &str, args: &[&str]) -> io::Result<Self> {
+        let dir = tempfile::Builder::new().prefix("handoff-nats-").tempdir()?;
+        let file = dir.path().join("server.conf");
+        std::fs::write(&file, config)?;
+        let mut all = vec!["-c".to_owned(), file.display().to_string()];
+        all.extend(args.iter().map(|a| (*a).to_owned()));
+        Self::start_in(dir, all)
+    }
+
+    /// A TLS server with a user and password: `--tls` with a certificate from `ca` (for
+    /// `localhost` and `127.0.0.1`), `--user`/`--pass`, and with `verify_clients` also
+    /// `--tlsverify` (clients must present a certificate signed by `ca`).
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start), and when the certificate cannot be made.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use handoff_test::tls::TestCa;
+    ///
+    /// let ca = TestCa::new("nats").unwrap();
+    /// let server = handoff_test::nats::NatsServer::start_tls(&ca, "relay", "s3cret", true)?;
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn start_tls(
+        ca: &crate::tls::TestCa,
+        user: &str,
+        password: &str,
+        verify_clients: bool,
+    ) -> io::Result<Self> {
+        let cert = ca.server("nats-server").map_err(io::Error::other)?;
+        let (cert_path, key_path) = (
+            cert.cert.display().to_string(),
+            cert.key.display().to_string(),
+        );
+        let ca_path = ca.ca_path().display().to_string();
+        let mut args = vec![
+            "--tls",
+            "--tlscert",
+            &cert_path,
+            "--tlskey",
+            &key_path,
+            "--user",
+            user,
+            "--pass",
+            password,
+        ];
+        if verify_clients {
+            args.extend(["--tlsverify", "--tlscacert", &ca_path]);
+        }
+        Self::start_with_args(&args)
+    }
+
+    fn start_in(dir: TempDir, args: Vec<String>) -> io::Result<Self> {
         let mut server = Self {
             child: None,
             port: 0,
-            args: args.iter().map(|a| (*a).to_owned()).collect(),
+            args,
             dir,
             log: Arc::new(Mutex::new(VecDeque::new())),
         };
@@ -581,6 +676,191 @@ impl NatsServer {
                 ))
             }
         }
+    }
+}
+
+/// A JetStream cluster of `nats-server`s on loopback, each a [`NatsServer`] with its own
+/// client port, cluster port and store directory, routed to every other.
+///
+/// Node `i` is named `n<i>` (its `server_name`, as stream infos name leaders; see
+/// [`node_named`](Self::node_named)). [`start`](Self::start) returns once the cluster has a
+/// JetStream meta leader and a stream with one replica per node can be created, so a test
+/// can create an R3 stream at once. Nodes can be killed ([`NatsServer::kill`], a crash) and
+/// started again ([`NatsServer::start_again`]) through [`node_mut`](Self::node_mut); they
+/// rejoin with their store. Dropping the cluster kills every node.
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn example() -> std::io::Result<()> {
+/// let mut cluster = handoff_test::nats::NatsCluster::start(3).await?;
+/// let client = async_nats::connect(cluster.server_addrs()).await.expect("connect");
+/// cluster.node_mut(0).kill()?;
+/// cluster.node_mut(0).start_again()?;
+/// # let _ = client;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct NatsCluster {
+    nodes: Vec<NatsServer>,
+}
+
+/// How long [`NatsCluster::start`] waits for a meta leader and room for a replicated stream.
+const CLUSTER_READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl NatsCluster {
+    /// Starts `size` nodes (at least 1) and waits until the cluster can hold a stream with
+    /// `size` replicas.
+    ///
+    /// # Errors
+    ///
+    /// When a node does not start (the error carries its log tail), or the cluster does not
+    /// elect a meta leader or cannot place a `size`-replica stream within 30 seconds.
+    pub async fn start(size: usize) -> io::Result<Self> {
+        let size = size.max(1);
+        let name = unique_name("cluster");
+        let client_ports = (0..size)
+            .map(|_| free_port())
+            .collect::<io::Result<Vec<_>>>()?;
+        let cluster_ports = (0..size)
+            .map(|_| free_port())
+            .collect::<io::Result<Vec<_>>>()?;
+        let routes = cluster_ports
+            .iter()
+            .map(|p| format!("nats://127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut nodes = Vec::with_capacity(size);
+        for i in 0..size {
+            let args = vec![
+                "--server_name".to_owned(),
+                format!("n{i}"),
+                "--cluster_name".to_owned(),
+                name.clone(),
+                "--cluster".to_owned(),
+                format!("nats://127.0.0.1:{}", cluster_ports[i]),
+                "--routes".to_owned(),
+                routes.clone(),
+            ];
+            let dir = tempfile::Builder::new().prefix("handoff-nats-").tempdir()?;
+            let mut node = NatsServer {
+                child: None,
+                port: client_ports[i],
+                args,
+                dir,
+                log: Arc::new(Mutex::new(VecDeque::new())),
+            };
+            node.spawn()?;
+            nodes.push(node);
+        }
+        let cluster = Self { nodes };
+        cluster.wait_until_ready(size).await?;
+        Ok(cluster)
+    }
+
+    /// Every node's client URL, comma-separated (what `--nats-url` takes).
+    pub fn url(&self) -> String {
+        self.nodes
+            .iter()
+            .map(NatsServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Every node's address, for `async_nats::connect` (which does not split a
+    /// comma-separated [`url`](Self::url)).
+    pub fn server_addrs(&self) -> Vec<async_nats::ServerAddr> {
+        self.nodes
+            .iter()
+            .filter_map(|node| node.url().parse().ok())
+            .collect()
+    }
+
+    /// Node `i`.
+    ///
+    /// # Panics
+    ///
+    /// When there is no node `i`.
+    pub fn node(&self, i: usize) -> &NatsServer {
+        &self.nodes[i]
+    }
+
+    /// Node `i`, to kill and start again.
+    ///
+    /// # Panics
+    ///
+    /// When there is no node `i`.
+    pub fn node_mut(&mut self, i: usize) -> &mut NatsServer {
+        &mut self.nodes[i]
+    }
+
+    /// The index of the node whose `server_name` is `name` (`n<i>`).
+    pub fn node_named(&self, name: &str) -> Option<usize> {
+        let i: usize = name.strip_prefix('n')?.parse().ok()?;
+        (i < self.nodes.len()).then_some(i)
+    }
+
+    /// The name of the server leading `stream` now, as its info says.
+    ///
+    /// # Errors
+    ///
+    /// When the stream's info cannot be read.
+    pub async fn stream_leader(client: &async_nats::Client, stream: &str) -> io::Result<String> {
+        let mut handle = jetstream::new(client.clone())
+            .get_stream(stream)
+            .await
+            .map_err(io::Error::other)?;
+        let info = handle.info().await.map_err(io::Error::other)?;
+        info.cluster
+            .as_ref()
+            .and_then(|c| c.leader.clone())
+            .ok_or_else(|| io::Error::other(format!("stream {stream} has no leader")))
+    }
+
+    /// Polls until a stream with `replicas` replicas can be created (a meta leader exists and
+    /// knows enough peers), then deletes the probe.
+    async fn wait_until_ready(&self, replicas: usize) -> io::Result<()> {
+        let deadline = Instant::now() + CLUSTER_READY_TIMEOUT;
+        let probe = unique_name("cluster_probe");
+        let mut last = String::new();
+        while Instant::now() < deadline {
+            let attempt = async {
+                let client = async_nats::connect(self.server_addrs())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let context = jetstream::new(client);
+                context
+                    .create_stream(stream::Config {
+                        name: probe.clone(),
+                        subjects: vec![format!("{probe}.>")],
+                        num_replicas: replicas,
+                        storage: stream::StorageType::Memory,
+                        ..stream::Config::default()
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                context
+                    .delete_stream(&probe)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok::<(), String>(())
+            };
+            match tokio::time::timeout(Duration::from_secs(5), attempt).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(error)) => last = error,
+                Err(_) => last = "no answer within 5s".to_owned(),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the cluster could not place an R{replicas} stream within \
+                 {CLUSTER_READY_TIMEOUT:?} (last: {last}); node 0 logged:\n{}",
+                self.nodes[0].log_tail()
+            ),
+        ))
     }
 }
 

@@ -152,6 +152,10 @@ pub struct CommonArgs {
     /// `--otlp-endpoint`: where trace spans go (nowhere without it).
     #[command(flatten)]
     pub otlp: handoff_telemetry::OtlpArgs,
+    // NATS credentials and TLS (issue 23).
+    /// `--nats-creds`, `--nats-nkey`, `--nats-tls-ca`, `--nats-tls-cert`, `--nats-tls-key`.
+    #[command(flatten)]
+    pub nats_security: handoff_nats::NatsSecurityArgs,
 }
 
 /// The `--broker` values.
@@ -235,6 +239,7 @@ impl CommonArgs {
             filter_subject: Some(format!("{}.{AGGREGATE_TYPE}.*", self.subject_prefix)),
             ack_wait: self.ack_wait,
             ping_interval: self.nats_ping_interval,
+            security: self.nats_security.security(),
             ..IntakeConfig::default()
         }
     }
@@ -913,5 +918,28 @@ mod tests {
             "bad url postgres://***@host/db"
         );
         assert_eq!(redact("no url here"), "no url here");
+    }
+
+    // NATS credentials and TLS (issue 23).
+    #[test]
+    fn nats_files_reach_the_intake() {
+        let args = parse(&[
+            "--nats-nkey",
+            "/run/secrets/inventory.nk",
+            "--nats-tls-ca",
+            "/etc/nats/ca.pem",
+        ])
+        .unwrap();
+        let security = args.intake_config().security;
+        assert_eq!(
+            security.nkey.as_deref(),
+            Some(std::path::Path::new("/run/secrets/inventory.nk"))
+        );
+        assert_eq!(
+            security.tls_ca.as_deref(),
+            Some(std::path::Path::new("/etc/nats/ca.pem"))
+        );
+        assert_eq!(security.creds, None);
+        assert!(parse(&[]).unwrap().intake_config().security.is_empty());
     }
 }
