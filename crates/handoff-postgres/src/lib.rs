@@ -22,6 +22,9 @@
 //! - [`RetainedEvents`] reads published rows back page by page, each aggregate in sequence
 //!   order, for replays and for reconciling the broker with the outbox (brief O3).
 //!
+//! - [`Pooling`]: whether a transaction pooler (PgBouncer `pool_mode = transaction`) may sit
+//!   between handoff and PostgreSQL, detected or configured; under it every statement is
+//!   unnamed and runs inside a transaction (`docs/poolers.md`).
 //! - [`bounded_release`]: pool options that close a connection whose server went silent instead
 //!   of letting it hold a pool slot.
 //!
@@ -59,6 +62,7 @@ mod inbox;
 mod migrate;
 mod outbox;
 mod pool;
+mod pooler;
 mod quarantine;
 mod retained;
 mod schema;
@@ -87,6 +91,7 @@ pub use outbox::{
     DriverError, EnqueueCall, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig,
 };
 pub use pool::bounded_release;
+pub use pooler::Pooling;
 pub use quarantine::{
     ActionRecord, EventDetail, EventState, Quarantine, QuarantineAction, QuarantineError,
     QuarantineErrorKind, QuarantinedEvent, MAX_ACTOR_BYTES, MAX_SKIP_REASON_BYTES,
