@@ -4,6 +4,8 @@
 //! outbox events to NATS JetStream; `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
 //! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. Each lives in its own module.
 
+use std::str::FromStr;
+
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use handoff_postgres::{Migrator, Schema};
@@ -136,10 +138,17 @@ async fn migrate(args: MigrateArgs) -> Result<()> {
         Some(name) => Schema::named(name)?,
         None => Schema::default(),
     };
-    let mut conn = sqlx::PgConnection::connect(&args.database_url)
+    let options = sqlx::postgres::PgConnectOptions::from_str(&args.database_url)
+        .map_err(|e| anyhow::anyhow!("invalid database url: {}", args::redact(&e.to_string())))?;
+    let mut conn = sqlx::PgConnection::connect_with(&options)
         .await
         .context("while connecting to PostgreSQL (check --database-url / DATABASE_URL)")?;
     let migrator = Migrator::handoff(schema);
+    if !args.check {
+        // Migrations hold a session advisory lock and set the session's search_path: a
+        // transaction pooler would leave both on a server connection other clients share.
+        Migrator::ensure_direct(&options).await?;
+    }
     if args.check {
         let report = migrator.check(&mut conn).await?;
         println!(
