@@ -97,11 +97,8 @@ impl TestCa {
     /// A server certificate for `localhost` and `127.0.0.1`, written as `<name>.pem` and
     /// `<name>.key`.
     pub fn server(&self, name: &str) -> Result<CertFiles, TlsError> {
-        let mut params =
-            CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])?;
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "localhost");
+        let mut params = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])?;
+        params.distinguished_name.push(DnType::CommonName, "localhost");
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         self.sign(name, params)
     }
@@ -111,9 +108,7 @@ impl TestCa {
     /// `<common_name>.key`.
     pub fn client(&self, common_name: &str) -> Result<CertFiles, TlsError> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
-        params
-            .distinguished_name
-            .push(DnType::CommonName, common_name);
+        params.distinguished_name.push(DnType::CommonName, common_name);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         self.sign(common_name, params)
     }
