@@ -54,7 +54,10 @@ async fn only_unnamed_statements_in_a_transaction_pass_a_transaction_pooler() {
     let url = bouncer.url(database.name());
     // Proves the setup: sqlx's cached named statements break behind it.
     let named = failures(&url, true, false).await;
-    assert!(named > 0, "named statements all passed: is it pooling per transaction?");
+    assert!(
+        named > 0,
+        "named statements all passed: is it pooling per transaction?"
+    );
     assert_eq!(failures(&url, false, true).await, 0);
 }
 
@@ -64,6 +67,9 @@ async fn detect_tells_the_pooler_from_a_direct_connection() {
     let bouncer = PgBouncer::start(&handoff_test::database_url()).unwrap();
     let pooled = PgConnectOptions::from_str(&bouncer.url(database.name())).unwrap();
     let direct = PgConnectOptions::from_str(&database.url()).unwrap();
-    assert_eq!(Pooling::detect(&pooled).await.unwrap(), Pooling::Transaction);
+    assert_eq!(
+        Pooling::detect(&pooled).await.unwrap(),
+        Pooling::Transaction
+    );
     assert_eq!(Pooling::detect(&direct).await.unwrap(), Pooling::Session);
 }
