@@ -433,11 +433,22 @@ async fn order_service_relay_and_inventory_run_through_a_transaction_pooler() {
         assert!(!log.contains("prepared statement"), "{name}:\n{log}");
     }
 
-    // The operator's commands through the pooler.
+    // The operator's commands through the pooler (reconcile: nothing missing, exit 0).
     for args in [
         vec!["status", "--json"],
         vec!["quarantine", "list"],
         vec!["cleanup", "--retention", "1h", "--dry-run"],
+        vec![
+            "reconcile",
+            "--since",
+            "1h",
+            "--nats-url",
+            &nats,
+            "--stream",
+            &stream,
+            "--subject-prefix",
+            &prefix,
+        ],
     ] {
         let out = Command::new(HANDOFF)
             .args(&args)
