@@ -67,11 +67,13 @@ impl Pooling {
     /// custom setting (`-c handoff.pooler_probe=on`), then reads that setting back. PostgreSQL
     /// applies startup options to the session, so a direct connection sees it. A pooler cannot
     /// pass a per-client startup option to a server connection that other clients share:
-    /// PgBouncer (1.18 and later) refuses the connection (`unsupported startup parameter`)
-    /// unless `ignore_startup_parameters` lists `options`, in which case the setting is
-    /// dropped and reads back as empty. Either answer means [`Pooling::Transaction`]: it is
-    /// also right (only slower) for a pooler in session mode. Nothing is left behind: the
-    /// setting lives in that one session, which is closed.
+    /// PgBouncer 1.18 refuses the connection (`unsupported startup parameter`) unless
+    /// `ignore_startup_parameters` lists `options`, in which case the setting is dropped and
+    /// reads back as empty. Either answer means [`Pooling::Transaction`]: it is also right
+    /// (only slower) for a pooler in session mode. Nothing is left behind: the setting lives in
+    /// that one session, which is closed. Verified against PgBouncer 1.18 only; a pooler that
+    /// applied a client's custom startup settings to shared server connections would pass for
+    /// a direct connection; set [`Pooling::Transaction`] explicitly for such a pooler.
     ///
     /// This is deterministic, unlike a probe of session state across two statements, which a
     /// pooler with one idle server connection answers as a direct connection would.
