@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use handoff_nats::{JetStreamConfig, NatsSecurityArgs};
-use handoff_postgres::{Migrator, Schema};
+use handoff_postgres::{Migrator, Pooling, Schema};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection};
 
@@ -56,6 +56,14 @@ impl DatabaseArgs {
             .await
             .context("the outbox schema is not ready (run `handoff migrate` first)")?;
         Ok(conn)
+    }
+
+    /// Whether the URL goes through a connection pooler ([`Pooling::detect`]), for commands
+    /// whose statements must then go unnamed and in transactions.
+    pub async fn pooling(&self, application: &str) -> Result<Pooling> {
+        Pooling::detect(&self.options(application)?)
+            .await
+            .context("while checking whether the database url goes through a connection pooler")
     }
 
     /// The connection options, for commands that need a pool.

@@ -63,7 +63,7 @@ fn batch_size(s: &str) -> Result<usize, String> {
 /// Runs `handoff cleanup`.
 pub async fn run(args: CleanupArgs) -> Result<()> {
     // Checked before connecting: bad horizons change nothing, not even the run log.
-    let cleanup = Cleanup::new(CleanupConfig {
+    let mut config = CleanupConfig {
         schema: args.database.schema()?,
         retention: args.retention,
         broker_durability_horizon: args.broker_durability_horizon,
@@ -74,8 +74,12 @@ pub async fn run(args: CleanupArgs) -> Result<()> {
         lock_timeout: args.lock_timeout,
         dry_run: args.dry_run,
         ..CleanupConfig::default()
-    })?;
+    };
+    config.validate()?;
     let mut conn = args.database.connect_migrated(APPLICATION_NAME).await?;
+    // Behind a transaction pooler every statement goes unnamed, in a transaction of its own.
+    config.pooling = args.database.pooling(APPLICATION_NAME).await?;
+    let cleanup = Cleanup::new(config)?;
 
     let (stop_tx, stop) = watch::channel(false);
     tokio::spawn(async move {

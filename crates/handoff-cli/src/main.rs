@@ -162,8 +162,14 @@ async fn migrate(args: MigrateArgs) -> Result<()> {
         database_url: args.database_url,
         schema: None,
     };
+    let options = database.options("handoff-migrate")?;
     let mut conn = database.connect("handoff-migrate").await?;
     let migrator = Migrator::handoff(schema);
+    if !args.check {
+        // Migrations hold a session advisory lock and set the session's search_path: a
+        // transaction pooler would leave both on a server connection other clients share.
+        Migrator::ensure_direct(&options).await?;
+    }
     if args.check {
         let report = migrator.check(&mut conn).await?;
         println!(

@@ -14,7 +14,7 @@ use handoff_kafka::{KafkaConfig, KafkaTransport};
 use handoff_nats::{
     ConnectErrorKind, ConnectSecurity, JetStreamConfig, JetStreamTransport, NatsSecurityArgs,
 };
-use handoff_postgres::{Migrator, OrderMode, PollingConfig, PollingSource, Schema};
+use handoff_postgres::{Migrator, OrderMode, PollingConfig, PollingSource, Pooling, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
 use serde::Deserialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -160,6 +160,13 @@ pub struct RelayArgs {
     /// existing stream with fewer is kept, with a warning [default: 1].
     #[arg(long, env = "HANDOFF_STREAM_REPLICAS")]
     stream_replicas: Option<usize>,
+    // Transaction poolers (docs/poolers.md).
+    /// A direct PostgreSQL URL (not through a transaction pooler) for the relay's LISTEN only,
+    /// when --database-url goes through PgBouncer in transaction mode: idle relays then wake on
+    /// NOTIFY instead of polling. The password, if any, is never logged [default: LISTEN on
+    /// --database-url when it is direct; polling behind a pooler].
+    #[arg(long, env = "HANDOFF_LISTEN_DATABASE_URL", hide_env_values = true)]
+    listen_database_url: Option<String>,
 }
 
 /// Where `handoff relay` publishes.
@@ -240,6 +247,8 @@ struct RelayFile {
     nats_tls_cert: Option<PathBuf>,
     nats_tls_key: Option<PathBuf>,
     stream_replicas: Option<usize>,
+    // Transaction poolers.
+    listen_database_url: Option<String>,
 }
 
 /// The destination's settings, checked. Its `Debug` hides every URL's password.
@@ -288,6 +297,9 @@ struct Settings {
     metrics_addr: Option<SocketAddr>,
     polling: PollingConfig,
     relay: RelayConfig,
+    // Transaction poolers.
+    /// The direct connection for LISTEN, when `database` may go through a pooler.
+    listen_database: Option<PgConnectOptions>,
 }
 
 impl std::fmt::Debug for Settings {
@@ -303,6 +315,7 @@ impl std::fmt::Debug for Settings {
             .field("metrics_addr", &self.metrics_addr)
             .field("polling", &self.polling)
             .field("relay", &self.relay)
+            .field("listen_database", &self.listen_database.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -529,6 +542,17 @@ impl Settings {
             ..PollingConfig::default()
         };
         polling.validate()?;
+        let listen_database = args
+            .listen_database_url
+            .or(file.listen_database_url)
+            .map(|url| {
+                handoff_postgres::connect_options(&url)
+                    .map(|options| options.application_name("handoff-relay-listen"))
+                    .map_err(|e| {
+                        anyhow::anyhow!("invalid listen database url: {}", redact(&e.to_string()))
+                    })
+            })
+            .transpose()?;
         Ok(Settings {
             database,
             database_url,
@@ -537,6 +561,7 @@ impl Settings {
             metrics_addr: args.metrics_addr.or(file.metrics_addr),
             polling,
             relay,
+            listen_database,
         })
     }
 }
@@ -655,13 +680,19 @@ async fn serve<T: Transport>(
         pool = connect_postgres(&settings.database) => pool?,
         () = &mut shutdown => return Ok(()),
     };
+    let mut settings = settings;
+    let listen_pool = pooler_settings(&mut settings).await?;
     if settings.relay.order == OrderMode::Global {
         let head = settings.polling.schema.qualify("outbox_global_head");
+        // Unnamed, in a transaction: safe through a transaction pooler (docs/poolers.md).
+        let mut tx = pool.begin().await?;
         let migrated: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .persistent(false)
             .bind(&head)
-            .fetch_one(&pool)
+            .fetch_one(&mut *tx)
             .await
             .context("while looking for the global order lane")?;
+        tx.commit().await?;
         if !migrated {
             bail!(
                 "--order global needs migration 0006 (global_order), which this database lacks \
@@ -682,7 +713,11 @@ async fn serve<T: Transport>(
     if let Some(names) = settings.logical.clone() {
         return run_logical(settings, names, pool, transport, shutdown).await;
     }
-    let source = std::sync::Arc::new(PollingSource::new(pool, settings.polling)?);
+    let mut source = PollingSource::new(pool, settings.polling)?;
+    if let Some(listen_pool) = listen_pool {
+        source = source.with_listen_pool(listen_pool);
+    }
+    let source = std::sync::Arc::new(source);
     if settings.metrics_addr.is_some() {
         tokio::spawn(report_backlog(source.clone()));
     }
@@ -695,6 +730,49 @@ async fn serve<T: Transport>(
     }
     log_exit(&report);
     Ok(())
+}
+
+/// Finds out whether `--database-url` goes through a connection pooler and sets the polling
+/// source up for it: unnamed statements in transactions, and LISTEN on the
+/// `--listen-database-url` pool it returns, or no LISTEN at all (said once) without one.
+async fn pooler_settings(settings: &mut Settings) -> Result<Option<PgPool>> {
+    let pooling = Pooling::detect(&settings.database)
+        .await
+        .context("while checking whether the database url goes through a connection pooler")?;
+    settings.polling.pooling = pooling;
+    let Some(listen) = settings.listen_database.clone() else {
+        if pooling == Pooling::Transaction && settings.polling.listen {
+            warn!(
+                poll_interval = ?settings.relay.poll_interval,
+                "the database url goes through a connection pooler, where LISTEN has no session \
+                 of its own: the relay polls instead of waking on NOTIFY (set \
+                 --listen-database-url to a direct connection for low-latency wake-ups)"
+            );
+        } else if pooling == Pooling::Transaction {
+            info!("the database url goes through a connection pooler");
+        }
+        return Ok(None);
+    };
+    if Pooling::detect(&listen)
+        .await
+        .context("while connecting to the listen database url")?
+        != Pooling::Session
+    {
+        bail!(
+            "--listen-database-url goes through a connection pooler too; LISTEN needs a direct \
+             connection to PostgreSQL"
+        );
+    }
+    if pooling == Pooling::Transaction {
+        info!("the database url goes through a connection pooler; LISTEN uses the listen database url");
+    }
+    // One connection: the listener holds it for as long as it listens.
+    Ok(Some(
+        PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_lazy_with(listen),
+    ))
 }
 
 /// The relay over a logical replication slot instead of the polling source.

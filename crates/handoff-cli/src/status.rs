@@ -88,7 +88,10 @@ pub async fn run(args: StatusArgs) -> Result<ExitCode> {
     let report = Status::new(&args.database.schema()?)
         .read(&mut conn, args.stuck_after, args.top)
         .await?;
-    let sagas = Sagas::read(&mut conn, &args).await?;
+    // In a transaction: its statements then stay on one server connection behind a pooler.
+    let mut tx = sqlx::Connection::begin(&mut conn).await?;
+    let sagas = Sagas::read(&mut tx, &args).await?;
+    tx.commit().await?;
     let consumers = ConsumerQuarantine::counts(&mut conn, &args.database.schema()?).await?;
     let alerts = alerts(&report, &sagas, &consumers, &args);
     if args.json {

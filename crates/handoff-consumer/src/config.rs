@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use handoff_core::Backoff;
-use handoff_postgres::{validate_consumer_name, InboxError, Schema};
+use handoff_postgres::{validate_consumer_name, InboxError, Pooling, Schema};
 
 /// What a consumer does with an event that is not next in its aggregate's line (brief C3).
 ///
@@ -200,6 +200,12 @@ pub struct ConsumerConfig {
     /// default) applies every delivery in a transaction of its own. In batch mode the apply
     /// timeout bounds a whole batch.
     pub batch: Option<BatchConfig>,
+    /// [`Pooling::Transaction`] when the pool goes through a transaction pooler (PgBouncer
+    /// `pool_mode = transaction`): the inbox's statements then go unnamed, and those outside
+    /// the event's transaction (the dedup purge, the record of outside calls) each in a
+    /// transaction of their own. The handler's own statements must follow suit
+    /// (`.persistent(false)`; docs/poolers.md). Default: [`Pooling::Session`].
+    pub pooling: Pooling,
 }
 
 impl Default for ConsumerConfig {
@@ -220,6 +226,7 @@ impl Default for ConsumerConfig {
             shutdown_grace: Duration::from_secs(10),
             apply_timeout: Duration::from_secs(60),
             batch: None,
+            pooling: Pooling::Session,
         }
     }
 }

@@ -167,7 +167,7 @@ impl<H: Handler> Consumer<H> {
     /// [`ConfigError`] when `config` does not [validate](ConsumerConfig::validate).
     pub fn new(config: ConsumerConfig, pool: PgPool, handler: H) -> Result<Self, ConfigError> {
         config.validate()?;
-        let inbox = Inbox::new(config.schema.clone(), &config.name)?;
+        let inbox = Inbox::new(config.schema.clone(), &config.name)?.with_pooling(config.pooling);
         Ok(Self {
             shared: Arc::new(Shared {
                 permits: Semaphore::new(config.max_concurrency),

@@ -91,7 +91,9 @@ pub async fn apply_requested_retries<H: Handler>(
 ) -> Result<usize, RetryError> {
     let quarantine =
         ConsumerQuarantine::new(&config.schema, &config.name).map_err(RetryError::Config)?;
-    let inbox = Inbox::new(config.schema.clone(), &config.name).map_err(RetryError::Inbox)?;
+    let inbox = Inbox::new(config.schema.clone(), &config.name)
+        .map_err(RetryError::Inbox)?
+        .with_pooling(config.pooling);
     let mut settled = 0;
     while retry_one(pool, config, &quarantine, &inbox, handler).await? {
         settled += 1;

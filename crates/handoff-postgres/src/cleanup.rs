@@ -27,6 +27,7 @@ use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 use uuid::Uuid;
 
+use crate::pooler::{Pooling, Scoped};
 use crate::Schema;
 
 const OUTBOX_DELETE_SQL: &str = include_str!("../queries/cleanup/outbox_delete.sql");
@@ -92,6 +93,9 @@ pub struct CleanupConfig {
     pub lock_attempts: u32,
     /// Count what would be removed; change nothing (not even the run log).
     pub dry_run: bool,
+    /// [`Pooling::Transaction`] when the connection goes through a transaction pooler: every
+    /// statement is then unnamed, and those outside a batch run in a transaction of their own.
+    pub pooling: Pooling,
 }
 
 impl Default for CleanupConfig {
@@ -107,6 +111,7 @@ impl Default for CleanupConfig {
             lock_timeout: Duration::from_secs(1),
             lock_attempts: 10,
             dry_run: false,
+            pooling: Pooling::Session,
         }
     }
 }
@@ -381,6 +386,11 @@ impl Cleanup {
         })
     }
 
+    /// Whether statements may be cached under a name (not behind a transaction pooler).
+    fn named_statements(&self) -> bool {
+        self.config.pooling.named_statements()
+    }
+
     /// The settings.
     pub fn config(&self) -> &CleanupConfig {
         &self.config
@@ -393,15 +403,21 @@ impl Cleanup {
     ///
     /// [`CleanupError::Database`].
     pub async fn estimate_rows(&self, conn: &mut PgConnection) -> Result<(u64, u64), CleanupError> {
+        let what = "reading the table size estimates";
+        let mut scope = Scoped::begin(conn, self.config.pooling)
+            .await
+            .map_err(CleanupError::database(what))?;
         let (outbox, dedup): (Option<f32>, Option<f32>) = sqlx::query_as(
             "SELECT (SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)),
                     (SELECT reltuples FROM pg_class WHERE oid = to_regclass($2))",
         )
+        .persistent(self.named_statements())
         .bind(&self.outbox_table)
         .bind(&self.dedup_table)
-        .fetch_one(conn)
+        .fetch_one(scope.conn())
         .await
-        .map_err(CleanupError::database("reading the table size estimates"))?;
+        .map_err(CleanupError::database(what))?;
+        scope.finish().await.map_err(CleanupError::database(what))?;
         // reltuples is -1 for a table never vacuumed or analysed.
         let rows = |n: Option<f32>| n.map_or(0, |n| n.max(0.0) as u64);
         Ok((rows(outbox), rows(dedup)))
@@ -436,23 +452,35 @@ impl Cleanup {
         let retention = self.config.retention.as_secs_f64();
         let dedup_retention = self.config.dedup_retention.map(|d| d.as_secs_f64());
         let (run_id, outbox_cutoff, dedup_cutoff) = if self.config.dry_run {
+            let what = "reading the horizons";
+            let mut scope = Scoped::begin(conn, self.config.pooling)
+                .await
+                .map_err(CleanupError::database(what))?;
             let (outbox, dedup): (DateTime<Utc>, Option<DateTime<Utc>>) =
                 sqlx::query_as(&self.cutoffs_sql)
+                    .persistent(self.named_statements())
                     .bind(retention)
                     .bind(dedup_retention)
-                    .fetch_one(&mut *conn)
+                    .fetch_one(scope.conn())
                     .await
-                    .map_err(CleanupError::database("reading the horizons"))?;
+                    .map_err(CleanupError::database(what))?;
+            scope.finish().await.map_err(CleanupError::database(what))?;
             (None, outbox, dedup)
         } else {
+            let what = "recording the cleanup run";
+            let mut scope = Scoped::begin(conn, self.config.pooling)
+                .await
+                .map_err(CleanupError::database(what))?;
             let (id, outbox, dedup): (i64, DateTime<Utc>, Option<DateTime<Utc>>) =
                 sqlx::query_as(&self.run_start_sql)
+                    .persistent(self.named_statements())
                     .bind(retention)
                     .bind(dedup_retention)
                     .bind(self.config.archive)
-                    .fetch_one(&mut *conn)
+                    .fetch_one(scope.conn())
                     .await
-                    .map_err(CleanupError::database("recording the cleanup run"))?;
+                    .map_err(CleanupError::database(what))?;
+            scope.finish().await.map_err(CleanupError::database(what))?;
             (Some(id), outbox, dedup)
         };
         tracing::debug!(
@@ -592,6 +620,7 @@ impl Cleanup {
             let result = async {
                 let mut tx = self.begin_batch(conn).await?;
                 let row: OutboxRow = sqlx::query_as(&self.outbox_sql)
+                    .persistent(self.named_statements())
                     .bind(cursor)
                     .bind(self.batch_limit())
                     .bind(cutoff)
@@ -628,6 +657,7 @@ impl Cleanup {
             let result = async {
                 let mut tx = self.begin_batch(conn).await?;
                 let row: DedupRow = sqlx::query_as(&self.dedup_sql)
+                    .persistent(self.named_statements())
                     .bind(cursor.map(|(consumer, _)| consumer.as_str()))
                     .bind(cursor.map(|(_, event_id)| *event_id))
                     .bind(self.batch_limit())
@@ -662,6 +692,7 @@ impl Cleanup {
             "SELECT set_config('lock_timeout', $1, true),
                     set_config('plan_cache_mode', 'force_custom_plan', true)",
         )
+        .persistent(self.named_statements())
         .bind(format!("{}ms", self.config.lock_timeout.as_millis().max(1)))
         .execute(&mut *tx)
         .await?;
@@ -718,18 +749,22 @@ impl Cleanup {
         report: &CleanupReport,
         completed: bool,
     ) -> Result<(), CleanupError> {
+        let what = "recording the end of the cleanup run";
+        let mut scope = Scoped::begin(conn, self.config.pooling)
+            .await
+            .map_err(CleanupError::database(what))?;
         sqlx::query(&self.run_finish_sql)
+            .persistent(self.named_statements())
             .bind(run_id)
             .bind(i64::try_from(report.outbox_deleted).unwrap_or(i64::MAX))
             .bind(i64::try_from(report.dedup_deleted).unwrap_or(i64::MAX))
             .bind(i64::try_from(report.batches).unwrap_or(i64::MAX))
             .bind(report.longest_batch.as_secs_f64() * 1000.0)
             .bind(completed)
-            .execute(conn)
+            .execute(scope.conn())
             .await
-            .map_err(CleanupError::database(
-                "recording the end of the cleanup run",
-            ))?;
+            .map_err(CleanupError::database(what))?;
+        scope.finish().await.map_err(CleanupError::database(what))?;
         Ok(())
     }
 }

@@ -466,10 +466,14 @@ impl ConsumerQuarantine {
         schema: &Schema,
     ) -> Result<Vec<ConsumerQuarantineCount>, sqlx::Error> {
         let sql = COUNTS_SQL.replace("{schema}", &schema.prefix());
-        sqlx::query(&sql)
-            .fetch_all(conn)
-            .await?
-            .iter()
+        // Operator statements: unnamed, in a transaction, so they pass a transaction pooler.
+        let mut tx = conn.begin().await?;
+        let rows = sqlx::query(&sql)
+            .persistent(false)
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        rows.iter()
             .map(|row| {
                 Ok(ConsumerQuarantineCount {
                     consumer_name: row.try_get("consumer_name")?,
@@ -493,12 +497,15 @@ impl ConsumerQuarantine {
         limit: i64,
         include_resolved: bool,
     ) -> Result<Vec<ConsumerQuarantined>, ConsumerQuarantineError> {
+        let mut tx = conn.begin().await?;
         let rows = sqlx::query(&self.list_sql)
+            .persistent(false)
             .bind(&self.consumer_name)
             .bind(limit.max(0))
             .bind(include_resolved)
-            .fetch_all(conn)
+            .fetch_all(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(rows.iter().map(read_row).collect::<Result<_, _>>()?)
     }
 
@@ -513,21 +520,25 @@ impl ConsumerQuarantine {
         which: QuarantineRef,
     ) -> Result<ConsumerQuarantineDetail, ConsumerQuarantineError> {
         let (id, event_id) = which.binds();
+        let mut tx = conn.begin().await?;
         let row = sqlx::query(&self.show_sql)
+            .persistent(false)
             .bind(&self.consumer_name)
             .bind(id)
             .bind(event_id)
-            .fetch_optional(&mut *conn)
+            .fetch_optional(&mut *tx)
             .await?
             .ok_or(ConsumerQuarantineError::UnknownRow(which))?;
         let detail_row = read_row(&row)?;
         let actions = sqlx::query(&self.actions_sql)
+            .persistent(false)
             .bind(detail_row.quarantine_id)
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *tx)
             .await?
             .iter()
             .map(read_action)
             .collect::<Result<Vec<_>, _>>()?;
+        tx.commit().await?;
         Ok(ConsumerQuarantineDetail {
             payload: row.try_get("payload")?,
             headers: json_column(&row, "headers")?,
@@ -668,6 +679,7 @@ impl ConsumerQuarantine {
         }
         let (last_sequence, advanced): (Option<i64>, bool) = {
             let row = sqlx::query(&self.skip_inbox_sql)
+                .persistent(false)
                 .bind(&self.consumer_name)
                 .bind(locked.event_id)
                 .bind(&locked.aggregate_type)
@@ -748,6 +760,7 @@ impl ConsumerQuarantine {
         tx: &mut PgConnection,
     ) -> Result<Option<RetryClaim>, ConsumerQuarantineError> {
         let Some(row) = sqlx::query(&self.next_retry_sql)
+            .persistent(false)
             .bind(&self.consumer_name)
             .fetch_optional(tx)
             .await?
@@ -879,6 +892,7 @@ impl ConsumerQuarantine {
     ) -> Result<Locked, ConsumerQuarantineError> {
         let (id, event_id) = which.binds();
         let row = sqlx::query(&self.lock_sql)
+            .persistent(false)
             .bind(&self.consumer_name)
             .bind(id)
             .bind(event_id)
@@ -906,6 +920,7 @@ impl ConsumerQuarantine {
     ) -> Result<Option<String>, sqlx::Error> {
         let from: Vec<String> = change.from.iter().map(|s| (*s).to_owned()).collect();
         let row = sqlx::query(&self.mark_sql)
+            .persistent(false)
             .bind(quarantine_id)
             .bind(&from)
             .bind(change.to)
@@ -930,6 +945,7 @@ impl ConsumerQuarantine {
         after: &str,
     ) -> Result<ActionRecord, sqlx::Error> {
         let row = sqlx::query(&self.record_sql)
+            .persistent(false)
             .bind(locked.quarantine_id)
             .bind(&self.consumer_name)
             .bind(locked.event_id)

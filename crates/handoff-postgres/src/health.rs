@@ -132,7 +132,8 @@ impl ReadyProbe {
                 Err(error) => return (None, Err(unreachable(error))),
             },
         };
-        if let Err(error) = sqlx::query("SELECT 1").execute(&mut conn).await {
+        // Simple protocol: no prepared statement, so it also passes a transaction pooler.
+        if let Err(error) = sqlx::Executor::execute(&mut conn, "SELECT 1").await {
             return (None, Err(unreachable(error)));
         }
         for migrator in &self.migrators {

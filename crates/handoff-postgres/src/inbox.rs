@@ -9,6 +9,7 @@ use handoff_core::intake::{MalformedEvent, ReceivedEvent};
 use handoff_core::EventId;
 use sqlx::PgConnection;
 
+use crate::pooler::{Pooling, Scoped};
 use crate::Schema;
 
 const ADMIT_SQL: &str = include_str!("../queries/inbox/admit.sql");
@@ -47,6 +48,8 @@ pub const MAX_CONSUMER_NAME_BYTES: usize = 200;
 #[derive(Debug, Clone)]
 pub struct Inbox {
     consumer_name: String,
+    /// Whether a transaction pooler may sit in front (see [`Inbox::with_pooling`]).
+    pooling: Pooling,
     admit_sql: String,
     admit_batch_sql: String,
     advance_to_sql: String,
@@ -293,6 +296,7 @@ impl Inbox {
         let sql = |template: &str| template.replace("{schema}", &prefix);
         Ok(Self {
             consumer_name,
+            pooling: Pooling::Session,
             admit_sql: sql(ADMIT_SQL),
             admit_batch_sql: sql(ADMIT_BATCH_SQL),
             advance_to_sql: sql(ADVANCE_TO_SQL),
@@ -301,6 +305,15 @@ impl Inbox {
             call_begin_sql: sql(CALL_BEGIN_SQL),
             call_finish_sql: sql(CALL_FINISH_SQL),
         })
+    }
+
+    /// Sends its statements as `pooling` requires: under [`Pooling::Transaction`] unnamed, and
+    /// those that run outside the consumer's transaction ([`purge_processed`](Self::purge_processed),
+    /// [`begin_call`](Self::begin_call), [`finish_call`](Self::finish_call)) inside a
+    /// transaction of their own. Default: [`Pooling::Session`].
+    pub fn with_pooling(mut self, pooling: Pooling) -> Self {
+        self.pooling = pooling;
+        self
     }
 
     /// The consumer this inbox belongs to.
@@ -327,6 +340,7 @@ impl Inbox {
         event: &ReceivedEvent,
     ) -> Result<Admission, InboxError> {
         let (fresh, last, advanced): (bool, Option<i64>, bool) = sqlx::query_as(&self.admit_sql)
+            .persistent(self.pooling.named_statements())
             .bind(&self.consumer_name)
             .bind(event.event_id)
             .bind(&event.aggregate_type)
@@ -411,6 +425,7 @@ impl Inbox {
             Vec::new()
         } else {
             let rows: Vec<(bool, bool, bool)> = sqlx::query_as(&self.admit_batch_sql)
+                .persistent(self.pooling.named_statements())
                 .bind(&self.consumer_name)
                 .bind(sent.iter().map(|e| e.event_id).collect::<Vec<_>>())
                 .bind(
@@ -461,6 +476,7 @@ impl Inbox {
         event: &ReceivedEvent,
     ) -> Result<(), InboxError> {
         sqlx::query(&self.advance_to_sql)
+            .persistent(self.pooling.named_statements())
             .bind(&self.consumer_name)
             .bind(event.event_id)
             .bind(&event.aggregate_type)
@@ -498,6 +514,7 @@ impl Inbox {
             .collect();
         let ok = event.ok();
         sqlx::query(&self.quarantine_sql)
+            .persistent(self.pooling.named_statements())
             .bind(&self.consumer_name)
             .bind(match event {
                 Ok(e) => Some(e.event_id),
@@ -532,13 +549,19 @@ impl Inbox {
         before: DateTime<Utc>,
         batch: i64,
     ) -> Result<u64, InboxError> {
+        let what = "purging dedup rows";
+        let mut scope = Scoped::begin(conn, self.pooling)
+            .await
+            .map_err(InboxError::database(what))?;
         let done = sqlx::query(&self.purge_sql)
+            .persistent(self.pooling.named_statements())
             .bind(&self.consumer_name)
             .bind(before)
             .bind(batch)
-            .execute(conn)
+            .execute(scope.conn())
             .await
-            .map_err(InboxError::database("purging dedup rows"))?;
+            .map_err(InboxError::database(what))?;
+        scope.finish().await.map_err(InboxError::database(what))?;
         Ok(done.rows_affected())
     }
 
@@ -554,14 +577,20 @@ impl Inbox {
         key: &str,
         event_id: EventId,
     ) -> Result<CallRecord, InboxError> {
+        let what = "recording an outside call";
+        let mut scope = Scoped::begin(conn, self.pooling)
+            .await
+            .map_err(InboxError::database(what))?;
         let (previous_status, response_status, response_body, attempts) =
             sqlx::query_as(&self.call_begin_sql)
+                .persistent(self.pooling.named_statements())
                 .bind(&self.consumer_name)
                 .bind(key)
                 .bind(event_id)
-                .fetch_one(conn)
+                .fetch_one(scope.conn())
                 .await
-                .map_err(InboxError::database("recording an outside call"))?;
+                .map_err(InboxError::database(what))?;
+        scope.finish().await.map_err(InboxError::database(what))?;
         Ok(CallRecord {
             previous_status,
             response_status,
@@ -582,7 +611,12 @@ impl Inbox {
         status: CallStatus,
         response: &CallResponse<'_>,
     ) -> Result<(), InboxError> {
+        let what = "recording an outside call's outcome";
+        let mut scope = Scoped::begin(conn, self.pooling)
+            .await
+            .map_err(InboxError::database(what))?;
         sqlx::query(&self.call_finish_sql)
+            .persistent(self.pooling.named_statements())
             .bind(&self.consumer_name)
             .bind(key)
             .bind(status.as_str())
@@ -590,9 +624,10 @@ impl Inbox {
             .bind(response.digest)
             .bind(response.body)
             .bind(response.error)
-            .execute(conn)
+            .execute(scope.conn())
             .await
-            .map_err(InboxError::database("recording an outside call's outcome"))?;
+            .map_err(InboxError::database(what))?;
+        scope.finish().await.map_err(InboxError::database(what))?;
         Ok(())
     }
 }

@@ -24,6 +24,9 @@
 //!
 //! - [`roles_sql`]: least-privilege roles (writer, relay, operator) over these tables;
 //!   [`ReadyProbe`]: the database half of a readiness probe.
+//! - [`Pooling`]: whether a transaction pooler (PgBouncer `pool_mode = transaction`) may sit
+//!   between handoff and PostgreSQL, detected or configured; under it every statement is
+//!   unnamed and runs inside a transaction (`docs/poolers.md`).
 //! - [`bounded_release`]: pool options that close a connection whose server went silent instead
 //!   of letting it hold a pool slot.
 //!
@@ -63,6 +66,7 @@ mod inbox;
 mod migrate;
 mod outbox;
 mod pool;
+mod pooler;
 mod quarantine;
 mod retained;
 mod roles;
@@ -97,6 +101,7 @@ pub use outbox::{
     DriverError, EnqueueCall, EnqueueError, EnqueueErrorKind, Enqueued, Outbox, OutboxConfig,
 };
 pub use pool::bounded_release;
+pub use pooler::Pooling;
 pub use quarantine::{
     ActionRecord, EventDetail, EventState, Quarantine, QuarantineAction, QuarantineError,
     QuarantineErrorKind, QuarantinedEvent, MAX_ACTOR_BYTES, MAX_SKIP_REASON_BYTES,

@@ -9,8 +9,10 @@
 use std::time::Instant;
 
 use sha2::{Digest, Sha256};
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, Executor, PgConnection};
 
+use crate::pooler::Pooling;
 use crate::schema::Schema;
 
 /// One embedded migration file.
@@ -151,6 +153,15 @@ pub enum MigrateError {
         #[source]
         source: sqlx::Error,
     },
+    /// The connection goes through a connection pooler ([`Pooling::detect`]): migrations take
+    /// a session advisory lock and set the session's `search_path`, which a transaction
+    /// pooler would leave on a server connection other clients then use.
+    #[error(
+        "the database url goes through a connection pooler (such as PgBouncer in transaction \
+         mode); migrations need a direct connection to PostgreSQL: run `handoff migrate` with \
+         --database-url pointing at the server itself"
+    )]
+    ThroughPooler,
 }
 
 /// The kind of a [`MigrateError`].
@@ -165,6 +176,8 @@ pub enum MigrateErrorKind {
     Apply,
     /// See [`MigrateError::Database`].
     Database,
+    /// See [`MigrateError::ThroughPooler`].
+    ThroughPooler,
 }
 
 impl MigrateError {
@@ -175,6 +188,7 @@ impl MigrateError {
             Self::Behind { .. } => MigrateErrorKind::Behind,
             Self::Apply { .. } => MigrateErrorKind::Apply,
             Self::Database { .. } => MigrateErrorKind::Database,
+            Self::ThroughPooler => MigrateErrorKind::ThroughPooler,
         }
     }
 }
@@ -255,6 +269,31 @@ impl Migrator {
         let report = result?;
         unlocked?;
         Ok(report)
+    }
+
+    /// Refuses `options` when they lead through a connection pooler, before anything runs.
+    ///
+    /// [`run`](Self::run) and [`revert`](Self::revert) need a session of their own (an advisory
+    /// lock held across transactions, the session's `search_path`), so they are a step for a
+    /// direct connection. Call this with the options the migration connection is made from;
+    /// [`check`](Self::check) needs no session and works through a pooler.
+    ///
+    /// # Errors
+    ///
+    /// [`MigrateError::ThroughPooler`] when [`Pooling::detect`] finds a pooler;
+    /// [`MigrateError::Database`] when the server cannot be reached.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn ensure_direct(options: &PgConnectOptions) -> Result<(), MigrateError> {
+        match Pooling::detect(options)
+            .await
+            .map_err(db("checking for a connection pooler"))?
+        {
+            Pooling::Session => Ok(()),
+            _ => Err(MigrateError::ThroughPooler),
+        }
     }
 
     /// Checks that every known migration is applied with its recorded checksum, without changing
@@ -428,10 +467,19 @@ impl Migrator {
     }
 
     /// `(version, checksum)` of every applied migration; none when the history table is missing.
+    ///
+    /// In one transaction with unnamed statements: [`check`](Self::check) runs at every
+    /// service's start, also through a transaction pooler, and a transaction keeps both
+    /// statements on one server connection.
     async fn applied(&self, conn: &mut PgConnection) -> Result<Vec<(i64, Vec<u8>)>, MigrateError> {
+        let mut tx = conn
+            .begin()
+            .await
+            .map_err(db("looking for the migration history table"))?;
         let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .persistent(false)
             .bind(self.history())
-            .fetch_one(&mut *conn)
+            .fetch_one(&mut *tx)
             .await
             .map_err(db("looking for the migration history table"))?;
         if !exists {
@@ -441,10 +489,15 @@ impl Migrator {
             "SELECT version, checksum FROM {} ORDER BY version",
             self.history()
         );
-        sqlx::query_as(&sql)
-            .fetch_all(&mut *conn)
+        let applied = sqlx::query_as(&sql)
+            .persistent(false)
+            .fetch_all(&mut *tx)
             .await
-            .map_err(db("reading the migration history"))
+            .map_err(db("reading the migration history"))?;
+        tx.commit()
+            .await
+            .map_err(db("reading the migration history"))?;
+        Ok(applied)
     }
 
     fn compare(&self, applied: &[(i64, Vec<u8>)]) -> Result<MigrationReport, MigrateError> {

@@ -7,6 +7,7 @@ use handoff_core::{
 };
 use sqlx::PgConnection;
 
+use crate::pooler::Pooling;
 use crate::schema::Schema;
 
 /// How an [`Outbox`] is set up.
@@ -36,6 +37,10 @@ pub struct OutboxConfig {
     /// transaction, which serialises all global-order writers on one row until they commit
     /// (needs migration 0006).
     pub order: OrderMode,
+    /// [`Pooling::Transaction`] when the caller's connections may go through a transaction
+    /// pooler: the enqueue statements are then sent unnamed (the caller's transaction keeps
+    /// them on one server connection). Default: [`Pooling::Session`], cached named statements.
+    pub pooling: Pooling,
 }
 
 impl OutboxConfig {
@@ -238,6 +243,11 @@ impl Outbox {
         })
     }
 
+    /// Whether statements may be cached under a name (not behind a transaction pooler).
+    fn named_statements(&self) -> bool {
+        self.inner.config.pooling.named_statements()
+    }
+
     /// The configuration this outbox was built with.
     pub fn config(&self) -> &OutboxConfig {
         &self.inner.config
@@ -300,6 +310,7 @@ impl Outbox {
         let global = self.inner.config.order == OrderMode::Global && !events.is_empty();
         if global {
             let last: i64 = sqlx::query_scalar(&self.inner.global_reserve_sql)
+                .persistent(self.named_statements())
                 .bind(events.len() as i64)
                 .fetch_one(&mut *conn)
                 .await
@@ -314,6 +325,7 @@ impl Outbox {
         let mut enqueued = Vec::with_capacity(events.len());
         for group in groups {
             let mut query = sqlx::query_as(sql)
+                .persistent(self.named_statements())
                 .bind(group.aggregate_type)
                 .bind(group.aggregate_id)
                 .bind(&group.event_ids)
@@ -391,7 +403,7 @@ impl Outbox {
             return Ok(Vec::new());
         }
         let sql = format!("SELECT {}", call.sql(1));
-        call.bind(sqlx::query_scalar::<_, i64>(&sql))
+        call.bind(sqlx::query_scalar::<_, i64>(&sql).persistent(self.named_statements()))
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| self.classify_sqlx(e))?;

@@ -21,7 +21,7 @@ use chrono::{DateTime, Utc};
 use handoff_core::{EventCatalog, EventId, Limits, NewEvent, ValidationError};
 use serde::Serialize;
 use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Row};
+use sqlx::{Connection, PgConnection, Row};
 
 use crate::Schema;
 
@@ -275,10 +275,14 @@ impl Quarantine {
         conn: &mut PgConnection,
         limit: i64,
     ) -> Result<Vec<QuarantinedEvent>, QuarantineError> {
+        // Operator statements: unnamed, in a transaction, so they pass a transaction pooler.
+        let mut tx = conn.begin().await?;
         let rows = sqlx::query(&self.list_sql)
+            .persistent(false)
             .bind(limit.max(0))
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(rows.iter().map(read_event).collect::<Result<_, _>>()?)
     }
 
@@ -292,17 +296,21 @@ impl Quarantine {
         conn: &mut PgConnection,
         event_id: EventId,
     ) -> Result<EventDetail, QuarantineError> {
+        let mut tx = conn.begin().await?;
         let row = sqlx::query(&self.show_sql)
+            .persistent(false)
             .bind(event_id)
-            .fetch_optional(&mut *conn)
+            .fetch_optional(&mut *tx)
             .await?;
         let actions = sqlx::query(&self.actions_sql)
+            .persistent(false)
             .bind(event_id)
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *tx)
             .await?
             .iter()
             .map(read_action)
             .collect::<Result<Vec<_>, _>>()?;
+        tx.commit().await?;
         let Some(row) = row else {
             if actions.is_empty() {
                 return Err(QuarantineError::UnknownEvent(event_id));
@@ -432,14 +440,17 @@ impl Quarantine {
             Action::Repair(payload) => ("repair", None, Some(payload)),
             Action::Skip(reason) => ("skip", Some(reason), None),
         };
+        let mut tx = conn.begin().await?;
         let row = sqlx::query(&self.act_sql)
+            .persistent(false)
             .bind(event_id)
             .bind(name)
             .bind(actor)
             .bind(reason)
             .bind(payload)
-            .fetch_optional(&mut *conn)
+            .fetch_optional(&mut *tx)
             .await?;
+        tx.commit().await?;
         match row {
             Some(row) => Ok(ActionRecord {
                 action_id: row.try_get("action_id")?,

@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use handoff_core::delivery::OutboxEvent;
 use handoff_core::EventId;
-use sqlx::{PgConnection, Row};
+use sqlx::{Connection, PgConnection, Row};
 
 use crate::source::read_outbox_event;
 use crate::Schema;
@@ -222,6 +222,9 @@ impl RetainedEvents {
         limit: u32,
         with_payload: bool,
     ) -> Result<Vec<RetainedEvent>, RetainedError> {
+        // In a transaction: the unnamed statement's parse and execution then stay on one
+        // server connection behind a transaction pooler.
+        let mut tx = conn.begin().await.map_err(RetainedError::Query)?;
         let rows = sqlx::query(&self.page_sql)
             // Planned with its real values each time; see the query's comment.
             .persistent(false)
@@ -238,9 +241,10 @@ impl RetainedEvents {
             .bind(after.map(|c| c.aggregate_sequence))
             .bind(with_payload)
             .bind(i64::from(limit))
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *tx)
             .await
             .map_err(RetainedError::Query)?;
+        tx.commit().await.map_err(RetainedError::Query)?;
         rows.iter()
             .map(|row| {
                 Ok(RetainedEvent {
@@ -266,10 +270,14 @@ impl RetainedEvents {
         &self,
         conn: &mut PgConnection,
     ) -> Result<DateTime<Utc>, RetainedError> {
-        sqlx::query_scalar(&self.clock_sql)
-            .fetch_one(&mut *conn)
+        let mut tx = conn.begin().await.map_err(RetainedError::Query)?;
+        let now = sqlx::query_scalar(&self.clock_sql)
+            .persistent(false)
+            .fetch_one(&mut *tx)
             .await
-            .map_err(RetainedError::Query)
+            .map_err(RetainedError::Query)?;
+        tx.commit().await.map_err(RetainedError::Query)?;
+        Ok(now)
     }
 }
 

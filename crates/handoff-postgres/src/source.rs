@@ -12,6 +12,7 @@ use sqlx::{Postgres, Row};
 use tokio::sync::Mutex;
 use tokio::time::error::Elapsed;
 
+use crate::pooler::{Pooling, Scoped};
 use crate::Schema;
 use handoff_core::OrderMode;
 
@@ -78,6 +79,11 @@ pub struct PollingConfig {
     /// an out-of-memory) never fails and so never reaches the attempt cap; this bound stops it
     /// from crash-looping every relay for ever. Default: 5.
     pub max_takeovers: i32,
+    /// [`Pooling::Transaction`] when the pool goes through a transaction pooler: every
+    /// statement is then unnamed and runs in a transaction of its own, and without a listen
+    /// pool ([`PollingSource::with_listen_pool`]) LISTEN is not used (the relay polls).
+    /// Default: [`Pooling::Session`].
+    pub pooling: Pooling,
 }
 
 impl Default for PollingConfig {
@@ -92,6 +98,7 @@ impl Default for PollingConfig {
             query_timeout: Duration::from_secs(10),
             order: OrderMode::Aggregate,
             max_takeovers: 5,
+            pooling: Pooling::Session,
         }
     }
 }
@@ -240,6 +247,8 @@ impl PollingConfig {
 /// ```
 pub struct PollingSource {
     pool: PgPool,
+    /// Where LISTEN runs, when not on `pool` (see [`PollingSource::with_listen_pool`]).
+    listen_pool: Option<PgPool>,
     config: PollingConfig,
     sql: Sql,
     wake: Mutex<Wake>,
@@ -324,6 +333,7 @@ impl PollingSource {
         };
         Ok(PollingSource {
             pool,
+            listen_pool: None,
             config,
             sql,
             wake: Mutex::new(Wake::default()),
@@ -354,9 +364,16 @@ impl PollingSource {
     pub async fn backlog(&self) -> Result<Backlog, SourceError> {
         let what = "while reading the backlog";
         let mut conn = self.connection(what).await?;
-        let query = sqlx::query(&self.sql.backlog)
-            .bind(self.config.stuck_after.as_secs_f64())
-            .fetch_one(&mut *conn);
+        let query = async {
+            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            let row = sqlx::query(&self.sql.backlog)
+                .persistent(self.named_statements())
+                .bind(self.config.stuck_after.as_secs_f64())
+                .fetch_one(scope.conn())
+                .await?;
+            scope.finish().await?;
+            Ok(row)
+        };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         let row = self.bounded(&mut conn, outcome, what)?;
         read_backlog(&row).map_err(|e| SourceError::new("while reading the backlog", e))
@@ -372,7 +389,15 @@ impl PollingSource {
     pub async fn other_lane(&self) -> Result<OtherLane, SourceError> {
         let what = "while reading the pending events of the other order mode";
         let mut conn = self.connection(what).await?;
-        let query = sqlx::query(&self.sql.global_pending).fetch_one(&mut *conn);
+        let query = async {
+            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            let row = sqlx::query(&self.sql.global_pending)
+                .persistent(self.named_statements())
+                .fetch_one(scope.conn())
+                .await?;
+            scope.finish().await?;
+            Ok(row)
+        };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         let row = self.bounded(&mut conn, outcome, what)?;
         let read = |row: &PgRow| -> Result<OtherLane, sqlx::Error> {
@@ -394,9 +419,15 @@ impl PollingSource {
     async fn unwait(&self, wake: &mut Wake) -> Result<(), SourceError> {
         let what = "while unregistering the wait";
         let mut conn = self.connection(what).await?;
-        let query = sqlx::query(&self.sql.unwait)
-            .bind(&self.config.relay_id)
-            .execute(&mut *conn);
+        let query = async {
+            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            sqlx::query(&self.sql.unwait)
+                .persistent(self.named_statements())
+                .bind(&self.config.relay_id)
+                .execute(scope.conn())
+                .await?;
+            scope.finish().await
+        };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;
         wake.registered_until = None;
@@ -420,6 +451,27 @@ impl PollingSource {
                 leases.remove(id);
             }
         }
+    }
+
+    /// Whether statements may be cached under a name (not behind a transaction pooler).
+    fn named_statements(&self) -> bool {
+        self.config.pooling.named_statements()
+    }
+
+    /// Whether an idle relay waits on LISTEN: asked for, and on a session of its own (LISTEN
+    /// through a transaction pooler would be on whichever server connection ran it, which
+    /// hands the notifications to nobody).
+    pub fn listens(&self) -> bool {
+        self.config.listen
+            && (self.listen_pool.is_some() || self.config.pooling == Pooling::Session)
+    }
+
+    /// Listens for the writers' notifications on connections of `pool` instead of the
+    /// source's own pool: a direct connection for LISTEN when the source's pool goes through a
+    /// transaction pooler (`handoff relay --listen-database-url`).
+    pub fn with_listen_pool(mut self, pool: PgPool) -> Self {
+        self.listen_pool = Some(pool);
+        self
     }
 
     /// A pooled connection, taken within [`PollingConfig::query_timeout`].
@@ -549,16 +601,23 @@ impl Source for PollingSource {
         // query was measured at ~850 ms per 500-row claim instead of ~20 ms.
         let what = "while claiming";
         let mut conn = self.connection(what).await?;
-        let query = sqlx::query(&self.sql.claim)
-            .persistent(false)
-            .bind(&self.config.relay_id)
-            .bind(max)
-            .bind(self.config.lease.as_secs_f64())
-            .bind(self.config.max_takeovers)
-            // Suspects from the second takeover on (from the first when one is the bound): a
-            // single one is any relay crash's fate for everything in flight, a second is rare.
-            .bind(self.config.max_takeovers.min(2))
-            .fetch_all(&mut *conn);
+        let query = async {
+            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            let rows = sqlx::query(&self.sql.claim)
+                .persistent(false)
+                .bind(&self.config.relay_id)
+                .bind(max)
+                .bind(self.config.lease.as_secs_f64())
+                .bind(self.config.max_takeovers)
+                // Suspects from the second takeover on (from the first when one is the bound):
+                // a single one is any relay crash's fate for everything in flight, a second is
+                // rare.
+                .bind(self.config.max_takeovers.min(2))
+                .fetch_all(scope.conn())
+                .await?;
+            scope.finish().await?;
+            Ok(rows)
+        };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         let rows = self.bounded(&mut conn, outcome, what)?;
         drop(conn);
@@ -636,10 +695,16 @@ impl Source for PollingSource {
         let receipts: Vec<Option<&str>> = published.iter().map(|p| p.receipt.detail()).collect();
         let what = "while marking events published";
         let mut conn = self.connection(what).await?;
-        let query = sqlx::query(&self.sql.mark_published)
-            .bind(&ids)
-            .bind(&receipts)
-            .execute(&mut *conn);
+        let query = async {
+            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            sqlx::query(&self.sql.mark_published)
+                .persistent(self.named_statements())
+                .bind(&ids)
+                .bind(&receipts)
+                .execute(scope.conn())
+                .await?;
+            scope.finish().await
+        };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;
         self.forget_leases(&ids, &leases);
@@ -661,15 +726,21 @@ impl Source for PollingSource {
         let leases = self.leases_of(&ids);
         let what = "while recording failed publishes";
         let mut conn = self.connection(what).await?;
-        let query = sqlx::query(&self.sql.record_failures)
-            .bind(&self.config.relay_id)
-            .bind(&ids)
-            .bind(errors)
-            .bind(delays)
-            .bind(charged)
-            .bind(&leases)
-            .bind(hold_reasons)
-            .execute(&mut *conn);
+        let query = async {
+            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            sqlx::query(&self.sql.record_failures)
+                .persistent(self.named_statements())
+                .bind(&self.config.relay_id)
+                .bind(&ids)
+                .bind(errors)
+                .bind(delays)
+                .bind(charged)
+                .bind(&leases)
+                .bind(hold_reasons)
+                .execute(scope.conn())
+                .await?;
+            scope.finish().await
+        };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;
         self.forget_leases(&ids, &leases);
@@ -680,11 +751,17 @@ impl Source for PollingSource {
         let leases = self.leases_of(event_ids);
         let what = "while releasing leases";
         let mut conn = self.connection(what).await?;
-        let query = sqlx::query(&self.sql.release)
-            .bind(&self.config.relay_id)
-            .bind(event_ids)
-            .bind(&leases)
-            .execute(&mut *conn);
+        let query = async {
+            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            sqlx::query(&self.sql.release)
+                .persistent(self.named_statements())
+                .bind(&self.config.relay_id)
+                .bind(event_ids)
+                .bind(&leases)
+                .execute(scope.conn())
+                .await?;
+            scope.finish().await
+        };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;
         self.forget_leases(event_ids, &leases);
@@ -692,14 +769,15 @@ impl Source for PollingSource {
     }
 
     async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
-        if !self.config.listen {
+        if !self.listens() {
             tokio::time::sleep(at_most).await;
             return Ok(());
         }
         let mut wake = self.wake.lock().await;
         if wake.listener.is_none() {
             let connect = async {
-                let mut listener = PgListener::connect_with(&self.pool).await?;
+                let pool = self.listen_pool.as_ref().unwrap_or(&self.pool);
+                let mut listener = PgListener::connect_with(pool).await?;
                 listener.listen(WAKE_CHANNEL).await?;
                 Ok::<_, sqlx::Error>(listener)
             };
@@ -728,10 +806,16 @@ impl Source for PollingSource {
             let fresh = wake.registered_until.is_none();
             let what = "while registering the wait";
             let mut conn = self.connection(what).await?;
-            let query = sqlx::query(&self.sql.wait)
-                .bind(&self.config.relay_id)
-                .bind(self.config.wait_ttl.as_secs_f64())
-                .execute(&mut *conn);
+            let query = async {
+                let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+                sqlx::query(&self.sql.wait)
+                    .persistent(self.named_statements())
+                    .bind(&self.config.relay_id)
+                    .bind(self.config.wait_ttl.as_secs_f64())
+                    .execute(scope.conn())
+                    .await?;
+                scope.finish().await
+            };
             let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
             self.bounded(&mut conn, outcome, what)?;
             wake.registered_until = Some(now + self.config.wait_ttl);

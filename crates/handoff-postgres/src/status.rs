@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use handoff_core::EventId;
 use serde::Serialize;
 use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Row};
+use sqlx::{Connection, PgConnection, Row};
 
 use crate::source::read_backlog;
 use crate::Schema;
@@ -172,14 +172,20 @@ impl Status {
         stuck_after: Duration,
         top: i64,
     ) -> Result<StatusReport, sqlx::Error> {
+        // One transaction and unnamed statements: an operator's read, safe through a
+        // transaction pooler at the cost of a parse per statement (docs/poolers.md).
+        let mut tx = conn.begin().await?;
+        let conn = &mut *tx;
         let stuck_seconds = stuck_after.as_secs_f64();
         let backlog = read_backlog(
             &sqlx::query(&self.backlog_sql)
+                .persistent(false)
                 .bind(stuck_seconds)
                 .fetch_one(&mut *conn)
                 .await?,
         )?;
         let stuck_aggregates = sqlx::query(&self.stuck_sql)
+            .persistent(false)
             .bind(stuck_seconds)
             .bind(top.max(0))
             .fetch_all(&mut *conn)
@@ -188,6 +194,7 @@ impl Status {
             .map(read_stuck)
             .collect::<Result<_, _>>()?;
         let tables = sqlx::query(TABLES_SQL)
+            .persistent(false)
             .bind(&self.tables)
             .fetch_all(&mut *conn)
             .await?
@@ -207,13 +214,16 @@ impl Status {
             })
             .collect::<Result<_, sqlx::Error>>()?;
         let last_cleanup = sqlx::query(&self.last_cleanup_sql)
+            .persistent(false)
             .fetch_optional(&mut *conn)
             .await?
             .map(|row| read_cleanup(&row))
             .transpose()?;
         let global = sqlx::query(&self.global_pending_sql)
+            .persistent(false)
             .fetch_one(&mut *conn)
             .await?;
+        tx.commit().await?;
         Ok(StatusReport {
             pending: backlog.pending,
             oldest_pending_age_seconds: backlog.oldest_age.map_or(0.0, |age| age.as_secs_f64()),

@@ -101,3 +101,58 @@ async fn tokio_postgres_versioned_enqueue_uses_the_callers_sequences() {
     tx.rollback().await.unwrap();
     assert_eq!(db.count("outbox").await, 2);
 }
+
+/// Through a transaction pooler (a private PgBouncer, `pool_mode = transaction`, 4 server
+/// connections): 16 tokio-postgres clients enqueue concurrently, each in its transactions, and
+/// every event lands once at its place; `query_typed` prepares nothing under a name, so no
+/// statement goes missing between server connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokio_postgres_enqueue_works_through_a_transaction_pooler() {
+    use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
+    use handoff_test::pgbouncer::{OwnDatabase, PgBouncer};
+    use sqlx::Connection;
+
+    let database = OwnDatabase::create("tokio_postgres_pooler").await;
+    let mut direct = sqlx::PgConnection::connect(&database.url()).await.unwrap();
+    Migrator::handoff(Schema::default())
+        .run(&mut direct)
+        .await
+        .unwrap();
+    let bouncer = PgBouncer::start_with_pool_size(&handoff_test::database_url(), 4).unwrap();
+    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
+    let url = format!(
+        "host=127.0.0.1 port={} user=postgres dbname={}",
+        bouncer.port(),
+        database.name()
+    );
+    let writers: Vec<_> = (0..16)
+        .map(|w| {
+            let url = url.clone();
+            let outbox = outbox.clone();
+            tokio::spawn(async move {
+                let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .expect("connect through the pooler");
+                tokio::spawn(connection);
+                for n in 0..25u64 {
+                    let tx = client.transaction().await.unwrap();
+                    outbox
+                        .enqueue_tokio_postgres(&tx, &[factory::event(&format!("w{w}"), n)])
+                        .await
+                        .unwrap();
+                    tx.commit().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let (events, aggregates, top): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT aggregate_id), max(aggregate_sequence) FROM outbox",
+    )
+    .fetch_one(&mut direct)
+    .await
+    .unwrap();
+    assert_eq!((events, aggregates, top), (400, 16, 25));
+}

@@ -76,7 +76,10 @@ impl SagaAdmin {
         limit: i64,
     ) -> Result<Vec<SagaRecord>, SagaError> {
         let mut conn = db.acquire().await.map_err(SagaError::Database)?;
+        // Unnamed: an operator's read, safe through a transaction pooler inside the caller's
+        // transaction (docs/poolers.md).
         sqlx::query_as(&self.store.list)
+            .persistent(false)
             .bind(state.map(SagaState::as_str))
             .bind(limit)
             .fetch_all(&mut *conn)

@@ -161,7 +161,10 @@ impl Store {
         conn: &mut PgConnection,
         saga_types: Option<&[String]>,
     ) -> Result<Vec<SagaCount>, SagaError> {
+        // Unnamed: a periodic count, also read by `handoff status` through a transaction
+        // pooler (docs/poolers.md); the parse costs nothing next to the scan.
         sqlx::query_as(&self.open_counts)
+            .persistent(false)
             .bind(saga_types)
             .fetch_all(&mut *conn)
             .await

@@ -10,6 +10,8 @@
 //! - [`rabbitmq`]: a private RabbitMQ node, for tests that raise its memory alarm or change its
 //!   limits without touching the shared broker.
 //! - [`tansu`]: a private tansu broker (Kafka protocol) for the Kafka destination's tests.
+//! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode, and a database of its own
+//!   for a test behind it.
 //! - [`proxy`]: a loopback TCP proxy with network faults (delay, cut, black hole, refusal).
 //! - [`tls`]: a throwaway certificate authority with server and client certificates.
 
@@ -23,6 +25,7 @@ pub mod cluster;
 pub mod factory;
 pub mod inbox;
 pub mod nats;
+pub mod pgbouncer;
 pub mod proxy;
 pub mod rabbitmq;
 pub mod tansu;

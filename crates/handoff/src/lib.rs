@@ -74,5 +74,6 @@ pub use handoff_core::{
     Event, EventCatalog, EventId, Limits, NewEvent, OrderMode, ValidationError,
 };
 pub use handoff_postgres::{
-    EnqueueError, EnqueueErrorKind, Enqueued, MigrateError, Migrator, Outbox, OutboxConfig, Schema,
+    EnqueueError, EnqueueErrorKind, Enqueued, MigrateError, Migrator, Outbox, OutboxConfig,
+    Pooling, Schema,
 };

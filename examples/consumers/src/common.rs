@@ -20,7 +20,8 @@ use handoff_consumer::{ConfigError, Consumer, ConsumerConfig, GapPolicy, Handler
 use handoff_core::intake::Intake;
 use handoff_nats::{IntakeConfig, IntakeConnectError, JetStreamIntake};
 use handoff_postgres::{
-    bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, ReadyProbe, Schema,
+    bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, Pooling, ReadyProbe,
+    Schema,
     SchemaError,
 };
 use handoff_telemetry::endpoint::{Endpoint, NotReady, Serving};
@@ -263,6 +264,10 @@ pub struct Context {
     pub schema: Schema,
     /// The consumer's inbox, for [`ExternalCalls`](handoff_consumer::ExternalCalls).
     pub inbox: Inbox,
+    // Transaction poolers.
+    /// Whether `pool` goes through a transaction pooler: the handler's statements must then
+    /// go unnamed (docs/poolers.md).
+    pub pooling: Pooling,
 }
 
 /// Why a reference consumer did not start (or could not run).
@@ -480,7 +485,7 @@ where
     H: Handler,
     F: FnOnce(&Context) -> H,
 {
-    let config = args.consumer_config()?;
+    let mut config = args.consumer_config()?;
     config.validate()?;
     if args.ack_wait < Duration::from_secs(1) {
         return Err(RunError::InvalidFlag {
@@ -494,6 +499,8 @@ where
     let options = handoff_postgres::connect_options(&args.database_url)
         .map_err(|e| RunError::DatabaseUrl(redact(&e.to_string())))?
         .application_name(&config.name);
+    let pooling = detect_pooling(&options).await?;
+    config.pooling = pooling;
     let migrators = [
         Migrator::handoff(config.schema.clone()),
         Migrator::new(config.schema.clone(), own.history_table, own.migrations),
@@ -507,9 +514,19 @@ where
     // Work abandoned at the apply timeout leaves its transaction open on the server when the
     // connection went silent, holding the aggregate's row locks, so the redelivery would block
     // behind it; the server ends such a session itself once it idles that long in a transaction.
+    // A pooler refuses (or drops) startup options: there its own idle_transaction_timeout
+    // plays this part (docs/poolers.md).
     let idle_limit = format!("{}ms", args.apply_timeout.as_millis());
-    let options = options.options([("idle_in_transaction_session_timeout", idle_limit.as_str())]);
-    migrate(&options, &config.schema, own).await?;
+    let options = match pooling {
+        Pooling::Session => {
+            options.options([("idle_in_transaction_session_timeout", idle_limit.as_str())])
+        }
+        _ => {
+            info!("DATABASE_URL goes through a connection pooler: statements go unnamed, each in a transaction");
+            options
+        }
+    };
+    migrate(&options, &config.schema, own, pooling).await?;
     let per_event = u32::try_from(config.max_concurrency)
         .unwrap_or(u32::MAX)
         .saturating_mul(connections_per_event.max(1));
@@ -523,11 +540,12 @@ where
         RELEASE_CHECK,
     )
     .connect_lazy_with(options);
-    let inbox = Inbox::new(config.schema.clone(), &config.name)?;
+    let inbox = Inbox::new(config.schema.clone(), &config.name)?.with_pooling(pooling);
     let context = Context {
         pool: pool.clone(),
         schema: config.schema.clone(),
         inbox: inbox.clone(),
+        pooling,
     };
     let handler = make_handler(&context);
     let dedup_retention = config.dedup_retention;
@@ -616,12 +634,30 @@ async fn consume<H: Handler, I: Intake>(
     Ok(())
 }
 
+/// Whether `options` lead through a connection pooler ([`Pooling::detect`]), within the
+/// connect timeout.
+async fn detect_pooling(options: &PgConnectOptions) -> Result<Pooling, RunError> {
+    let host = options.get_host().to_owned();
+    let port = options.get_port();
+    match tokio::time::timeout(CONNECT_TIMEOUT, Pooling::detect(options)).await {
+        Ok(Ok(pooling)) => Ok(pooling),
+        Ok(Err(source)) => Err(RunError::Postgres { host, port, source }),
+        Err(_elapsed) => Err(RunError::PostgresTimeout {
+            host,
+            port,
+            timeout: CONNECT_TIMEOUT,
+        }),
+    }
+}
+
 /// Connects once (an unreachable server fails the start at once) and applies handoff's
-/// migrations, then the consumer's own.
+/// migrations, then the consumer's own. Behind a transaction pooler it only checks that they
+/// are applied: migrating needs a direct connection ([`MigrateError::ThroughPooler`]).
 async fn migrate(
     options: &PgConnectOptions,
     schema: &Schema,
     own: OwnTables,
+    pooling: Pooling,
 ) -> Result<(), RunError> {
     let host = options.get_host().to_owned();
     let port = options.get_port();
@@ -648,10 +684,22 @@ async fn migrate(
             })
         }
     };
-    Migrator::handoff(schema.clone()).run(&mut conn).await?;
-    Migrator::new(schema.clone(), own.history_table, own.migrations)
-        .run(&mut conn)
-        .await?;
+    let migrators = [
+        Migrator::handoff(schema.clone()),
+        Migrator::new(schema.clone(), own.history_table, own.migrations),
+    ];
+    for migrator in migrators {
+        if pooling == Pooling::Session {
+            migrator.run(&mut conn).await?;
+            continue;
+        }
+        match migrator.check(&mut conn).await {
+            Ok(_) => {}
+            // Pending migrations: say that they need a direct connection, not just "behind".
+            Err(MigrateError::Behind { .. }) => return Err(MigrateError::ThroughPooler.into()),
+            Err(error) => return Err(error.into()),
+        }
+    }
     if let Err(error) = conn.close().await {
         debug!(%error, "closing the migration connection failed");
     }

@@ -34,7 +34,7 @@ use clap::Parser;
 use handoff_consumer::{Handler, HandlerError};
 use handoff_core::intake::ReceivedEvent;
 use handoff_core::Event;
-use handoff_postgres::{Migration, Schema};
+use handoff_postgres::{Migration, Pooling, Schema};
 use order_service::events::{OrderCancelled, OrderCreated, OrderLineAdded};
 use order_service::model::Line;
 use sqlx::PgConnection;
@@ -101,7 +101,7 @@ pub async fn run(args: InventoryArgs) -> Result<(), RunError> {
         migrations: MIGRATIONS,
     };
     common::run(&args.common, own, 1, |context| {
-        Inventory::new(&context.schema)
+        Inventory::new(&context.schema).with_pooling(context.pooling)
     })
     .await
 }
@@ -110,6 +110,8 @@ pub async fn run(args: InventoryArgs) -> Result<(), RunError> {
 #[derive(Debug, Clone)]
 pub struct Inventory {
     apply_changes_sql: String,
+    /// Whether its statement may be cached under a name (not behind a transaction pooler).
+    named_statements: bool,
 }
 
 impl Inventory {
@@ -117,7 +119,16 @@ impl Inventory {
     pub fn new(schema: &Schema) -> Self {
         Self {
             apply_changes_sql: APPLY_CHANGES_SQL.replace("{stock}", &schema.qualify("stock")),
+            named_statements: true,
         }
+    }
+
+    /// The same handler with its statement sent as `pooling` requires: unnamed behind a
+    /// transaction pooler.
+    #[must_use]
+    pub fn with_pooling(mut self, pooling: Pooling) -> Self {
+        self.named_statements = pooling.named_statements();
+        self
     }
 }
 
@@ -133,6 +144,7 @@ impl Handler for Inventory {
         }
         let (skus, amounts): (Vec<String>, Vec<i64>) = changes.into_iter().unzip();
         sqlx::query(&self.apply_changes_sql)
+            .persistent(self.named_statements)
             .bind(skus)
             .bind(amounts)
             .execute(&mut *tx)

@@ -17,7 +17,7 @@ use handoff_consumer::{
 };
 use handoff_core::intake::ReceivedEvent;
 use handoff_core::Event;
-use handoff_postgres::{Migration, Schema};
+use handoff_postgres::{Migration, Pooling, Schema};
 use order_service::events::OrderCreated;
 use reqwest::Url;
 use serde::{Deserialize, Serialize};
@@ -142,7 +142,7 @@ pub async fn run(args: PaymentsArgs) -> Result<(), RunError> {
     // connection, which must not wait for the transaction.
     common::run(&args.common, own, 2, |context| {
         let calls = ExternalCalls::new(context.pool.clone(), context.inbox.clone(), policy);
-        Payments::new(calls, http, charges_url, &context.schema)
+        Payments::new(calls, http, charges_url, &context.schema).with_pooling(context.pooling)
     })
     .await
 }
@@ -201,6 +201,8 @@ pub struct Payments {
     http: reqwest::Client,
     charges_url: Url,
     insert_payment_sql: String,
+    /// Whether its statement may be cached under a name (not behind a transaction pooler).
+    named_statements: bool,
 }
 
 impl Payments {
@@ -218,7 +220,16 @@ impl Payments {
             charges_url,
             insert_payment_sql: INSERT_PAYMENT_SQL
                 .replace("{payments}", &schema.qualify("payments")),
+            named_statements: true,
         }
+    }
+
+    /// The same handler with its statement sent as `pooling` requires: unnamed behind a
+    /// transaction pooler.
+    #[must_use]
+    pub fn with_pooling(mut self, pooling: Pooling) -> Self {
+        self.named_statements = pooling.named_statements();
+        self
     }
 
     /// One attempt of the charge under `key`.
@@ -265,6 +276,7 @@ impl Handler for Payments {
             .await?;
         let reply = read_reply(&answer.body, &request)?;
         sqlx::query(&self.insert_payment_sql)
+            .persistent(self.named_statements)
             .bind(request.order_id)
             .bind(&reply.charge_id)
             .bind(request.amount_cents)

@@ -16,7 +16,7 @@ pub mod model;
 pub mod store;
 
 use handoff::postgres::{MigrateError, Migration, MigrationReport};
-use handoff::{Migrator, OrderMode, Outbox, OutboxConfig, Schema};
+use handoff::{Migrator, OrderMode, Outbox, OutboxConfig, Pooling, Schema};
 use sqlx::{PgConnection, PgPool};
 
 /// The service's own migrations, recorded apart from handoff's.
@@ -68,8 +68,16 @@ pub fn outbox() -> Outbox {
 /// The outbox the service enqueues through, in `order` mode: with [`OrderMode::Global`] every
 /// event also takes the next global sequence (docs/global-order.md).
 pub fn outbox_in(order: OrderMode) -> Outbox {
+    outbox_for(order, Pooling::Session)
+}
+
+/// The outbox the service enqueues through, in `order` mode, with its statements sent as
+/// `pooling` requires: [`Pooling::Transaction`] when `DATABASE_URL` goes through a transaction
+/// pooler (docs/poolers.md).
+pub fn outbox_for(order: OrderMode, pooling: Pooling) -> Outbox {
     let config = OutboxConfig {
         order,
+        pooling,
         ..OutboxConfig::default()
     };
     // The default configuration, whatever the order mode, is valid by construction.
@@ -93,5 +101,16 @@ pub fn app_with(
     version: events::OrderCreatedVersion,
     order: OrderMode,
 ) -> axum::Router {
-    api::router(store::Store::new(pool, outbox_in(order)).writing_order_created(version))
+    app_pooled(pool, version, order, Pooling::Session)
+}
+
+/// [`app_with`] over a pool whose connections may go through a transaction pooler
+/// (`pooling`): every statement then goes unnamed, inside a transaction.
+pub fn app_pooled(
+    pool: PgPool,
+    version: events::OrderCreatedVersion,
+    order: OrderMode,
+    pooling: Pooling,
+) -> axum::Router {
+    api::router(store::Store::new(pool, outbox_for(order, pooling)).writing_order_created(version))
 }

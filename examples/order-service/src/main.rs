@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Parser;
 use order_service::events::OrderCreatedVersion;
+
 use sqlx::postgres::PgPoolOptions;
 
 #[derive(Parser)]
@@ -93,21 +94,29 @@ async fn async_main() -> std::process::ExitCode {
 async fn run(args: Args) -> Result<()> {
     let version = OrderCreatedVersion::from_number(args.order_created_version)
         .with_context(|| format!("cannot write OrderCreated v{}", args.order_created_version))?;
+    // libpq's reading of sslmode and sslrootcert (see handoff_postgres::connect_options).
+    let options = handoff::postgres::connect_options(&args.database_url)
+        .map_err(|_| anyhow::anyhow!("DATABASE_URL is not a valid PostgreSQL URL"))?;
     let pool = PgPoolOptions::new()
         .max_connections(args.max_connections)
         .acquire_timeout(Duration::from_secs(5))
-        // libpq's reading of sslmode and sslrootcert (see handoff_postgres::connect_options).
-        .connect_with(
-            handoff::postgres::connect_options(&args.database_url)
-                .context("invalid DATABASE_URL")?,
-        )
+        .connect_with(options.clone())
         .await
         .context("while connecting to PostgreSQL (check DATABASE_URL)")?;
+    // Behind a transaction pooler (PgBouncer pool_mode=transaction) every statement must go
+    // unnamed and inside a transaction; a direct connection keeps sqlx's cached statements.
+    let pooling = handoff::Pooling::detect(&options)
+        .await
+        .context("while checking whether DATABASE_URL goes through a connection pooler")?;
     {
         let mut conn = pool.acquire().await?;
         if args.no_migrate {
             order_service::check_migrations(&mut conn).await?;
         } else {
+            // Migrations need a session of their own: a direct connection, never the pooler.
+            handoff::Migrator::ensure_direct(&options)
+                .await
+                .context("start with --no-migrate behind a pooler, after migrating directly")?;
             order_service::migrate(&mut conn).await?;
         }
     }
@@ -121,11 +130,15 @@ async fn run(args: Args) -> Result<()> {
         %addr,
         order_created_version = version.number(),
         order = %args.order,
+        %pooling,
         "order service ready"
     );
-    axum::serve(listener, order_service::app_with(pool, version, args.order))
-        .with_graceful_shutdown(shutdown())
-        .await?;
+    axum::serve(
+        listener,
+        order_service::app_pooled(pool, version, args.order, pooling),
+    )
+    .with_graceful_shutdown(shutdown())
+    .await?;
     Ok(())
 }
 

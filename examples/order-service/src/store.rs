@@ -130,7 +130,7 @@ impl Store {
             }
             None => {
                 tx.rollback().await?;
-                replay(&mut conn, key, fingerprint).await
+                replay(&mut conn, key, fingerprint, self.named()).await
             }
         }
     }
@@ -150,7 +150,7 @@ impl Store {
         line.validate()?;
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        let mut order = match gate(&mut tx, order_id, key, fingerprint).await? {
+        let mut order = match gate(&mut tx, order_id, key, fingerprint, self.named()).await? {
             Gate::Run(order) => order,
             Gate::Answer(answer) => {
                 tx.rollback().await?;
@@ -175,6 +175,7 @@ impl Store {
         let sql = ADD_LINE_SQL.replace("{event}", &call.sql(12));
         let body = response.body.to_string();
         let query = sqlx::query_as(&sql)
+            .persistent(self.named())
             .bind(key.as_str())
             .bind(fingerprint.as_bytes())
             .bind(response.status as i16)
@@ -187,7 +188,7 @@ impl Store {
             .bind(order.total_cents)
             .bind(order.version);
         let applied = self.apply(&mut tx, &call, query).await?;
-        finish(tx, applied, response, key, fingerprint).await
+        finish(tx, applied, response, key, fingerprint, self.named()).await
     }
 
     /// Cancels an open order and emits `OrderCancelled`, once per idempotency key.
@@ -205,7 +206,7 @@ impl Store {
         request.validate()?;
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        let mut order = match gate(&mut tx, order_id, key, fingerprint).await? {
+        let mut order = match gate(&mut tx, order_id, key, fingerprint, self.named()).await? {
             Gate::Run(order) => order,
             Gate::Answer(answer) => {
                 tx.rollback().await?;
@@ -227,6 +228,7 @@ impl Store {
         let sql = CANCEL_ORDER_SQL.replace("{event}", &call.sql(7));
         let body = response.body.to_string();
         let query = sqlx::query_as(&sql)
+            .persistent(self.named())
             .bind(key.as_str())
             .bind(fingerprint.as_bytes())
             .bind(response.status as i16)
@@ -234,7 +236,7 @@ impl Store {
             .bind(order_id)
             .bind(order.version);
         let applied = self.apply(&mut tx, &call, query).await?;
-        finish(tx, applied, response, key, fingerprint).await
+        finish(tx, applied, response, key, fingerprint, self.named()).await
     }
 
     /// Runs a command statement with its outbox call bound after the command's own values;
@@ -260,7 +262,20 @@ impl Store {
     /// [`CommandError::Database`].
     pub async fn get_order(&self, order_id: Uuid) -> Result<Option<Order>, CommandError> {
         let mut conn = self.pool.acquire().await?;
-        Ok(read_order(&mut conn, order_id, false).await?)
+        if self.named() {
+            return Ok(read_order(&mut conn, order_id, false, true).await?);
+        }
+        // Behind a transaction pooler: two unnamed statements, kept on one server connection.
+        let mut tx = conn.begin().await?;
+        let order = read_order(&mut tx, order_id, false, false).await?;
+        tx.commit().await?;
+        Ok(order)
+    }
+
+    /// Whether statements may be cached under a name: not when the outbox says a transaction
+    /// pooler may sit in front (docs/poolers.md).
+    fn named(&self) -> bool {
+        self.outbox.config().pooling.named_statements()
     }
 }
 
@@ -304,9 +319,11 @@ pub async fn create_order_in_tx_as(
     // a new order's row is invisible to every other transaction until this one commits.
     let call = outbox.versioned_call(order.version, &[event])?;
     let response = created_response(&order);
-    let (written, sequence) = write_new_order(tx, Some(&call), &order, &response, key, fingerprint)
-        .await
-        .map_err(|e| CommandError::Enqueue(outbox.classify(e)))?;
+    let named = outbox.config().pooling.named_statements();
+    let (written, sequence) =
+        write_new_order(tx, Some(&call), &order, &response, key, fingerprint, named)
+            .await
+            .map_err(|e| CommandError::Enqueue(outbox.classify(e)))?;
     debug_assert!(!written || sequence == Some(order.version));
     Ok(written.then_some(response))
 }
@@ -325,7 +342,7 @@ pub async fn insert_order_in_tx(
 ) -> Result<Option<(Order, StoredResponse)>, CommandError> {
     let order = new_order(request);
     let response = created_response(&order);
-    let (written, _) = write_new_order(tx, None, &order, &response, key, fingerprint).await?;
+    let (written, _) = write_new_order(tx, None, &order, &response, key, fingerprint, true).await?;
     Ok(written.then_some((order, response)))
 }
 
@@ -356,6 +373,7 @@ async fn write_new_order(
     response: &StoredResponse,
     key: &IdempotencyKey,
     fingerprint: &Fingerprint,
+    named: bool,
 ) -> Result<(bool, Option<i64>), sqlx::Error> {
     let event_sql = call.map_or_else(|| "NULL::bigint".to_owned(), |c| c.sql(11));
     let sql = INSERT_ORDER_SQL.replace("{event}", &event_sql);
@@ -364,6 +382,7 @@ async fn write_new_order(
     let quantities: Vec<i32> = order.lines.iter().map(|l| l.quantity).collect();
     let prices: Vec<i64> = order.lines.iter().map(|l| l.unit_price_cents).collect();
     let query = sqlx::query_as::<_, (i64, Option<i64>)>(&sql)
+        .persistent(named)
         .bind(key.as_str())
         .bind(fingerprint.as_bytes())
         .bind(response.status as i16)
@@ -407,11 +426,12 @@ async fn gate(
     order_id: Uuid,
     key: &IdempotencyKey,
     fingerprint: &Fingerprint,
+    named: bool,
 ) -> Result<Gate, sqlx::Error> {
-    let order = read_order(conn, order_id, true).await?;
+    let order = read_order(conn, order_id, true, named).await?;
     // The key first: a retry of a command that succeeded gets its stored response, not the
     // refusal its own success now causes (a retried cancel is not "already cancelled").
-    if let Some(stored) = load_response(conn, key).await? {
+    if let Some(stored) = load_response(conn, key, named).await? {
         return Ok(Gate::Answer(compare(stored, fingerprint)));
     }
     Ok(match order {
@@ -425,6 +445,7 @@ async fn read_order(
     conn: &mut PgConnection,
     order_id: Uuid,
     for_update: bool,
+    named: bool,
 ) -> Result<Option<Order>, sqlx::Error> {
     // The row lock on the order is the aggregate's lock: commands on one order run one at a
     // time, so the version and total computed here are still right at commit.
@@ -435,6 +456,7 @@ async fn read_order(
     };
     let Some((customer_id, status, total_cents, version)) =
         sqlx::query_as::<_, (String, Status, i64, i64)>(sql)
+            .persistent(named)
             .bind(order_id)
             .fetch_optional(&mut *conn)
             .await?
@@ -444,6 +466,7 @@ async fn read_order(
     let lines = sqlx::query_as::<_, (String, i32, i64)>(
         "SELECT sku, quantity, unit_price_cents FROM order_lines WHERE order_id = $1 ORDER BY line_no",
     )
+    .persistent(named)
     .bind(order_id)
     .fetch_all(&mut *conn)
     .await?
@@ -468,11 +491,13 @@ async fn read_order(
 async fn load_response(
     conn: &mut PgConnection,
     key: &IdempotencyKey,
+    named: bool,
 ) -> Result<Option<(Vec<u8>, StoredResponse)>, sqlx::Error> {
     let row: Option<(Vec<u8>, i16, serde_json::Value)> = sqlx::query_as(
         "SELECT fingerprint, response_status, response_body FROM idempotency_keys
          WHERE idempotency_key = $1",
     )
+    .persistent(named)
     .bind(key.as_str())
     .fetch_optional(&mut *conn)
     .await?;
@@ -506,6 +531,7 @@ async fn finish(
     response: StoredResponse,
     key: &IdempotencyKey,
     fingerprint: &Fingerprint,
+    named: bool,
 ) -> Result<Outcome, CommandError> {
     if applied {
         freeze_if_fired(fp::BEFORE_COMMIT).await;
@@ -513,7 +539,7 @@ async fn finish(
         freeze_if_fired(fp::AFTER_COMMIT).await;
         return Ok(Outcome::Applied(response));
     }
-    let stored = load_response(&mut tx, key).await?;
+    let stored = load_response(&mut tx, key, named).await?;
     tx.rollback().await?;
     match stored {
         Some(stored) => compare(stored, fingerprint),
@@ -526,8 +552,18 @@ async fn replay(
     conn: &mut PgConnection,
     key: &IdempotencyKey,
     fingerprint: &Fingerprint,
+    named: bool,
 ) -> Result<Outcome, CommandError> {
-    match load_response(conn, key).await? {
+    let stored = if named {
+        load_response(conn, key, true).await?
+    } else {
+        // Behind a transaction pooler: the unnamed statement in a transaction of its own.
+        let mut tx = conn.begin().await?;
+        let stored = load_response(&mut tx, key, false).await?;
+        tx.commit().await?;
+        stored
+    };
+    match stored {
         Some(stored) => compare(stored, fingerprint),
         None => Err(CommandError::KeyInFlight),
     }
