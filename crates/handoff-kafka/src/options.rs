@@ -14,6 +14,7 @@ use std::str::FromStr;
 
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::error::KafkaError;
+use rdkafka::producer::BaseProducer;
 use rdkafka::types::RDKafkaConfRes;
 
 /// What stands in for a secret value in `Debug` output.
@@ -97,6 +98,13 @@ pub enum OptionError {
         key: String,
         /// Why, and which flag sets it instead.
         reason: &'static str,
+    },
+    /// librdkafka refused to make a client from the options together (a SASL mechanism this
+    /// build lacks, an `ssl.*` file it cannot read or parse).
+    #[error("librdkafka refused the kafka options: {reason}")]
+    Unusable {
+        /// librdkafka's reason (it names settings and files, not secret values).
+        reason: String,
     },
     /// librdkafka refused the key or its value.
     #[error("kafka option {key:?} was refused by librdkafka: {reason}")]
@@ -270,10 +278,21 @@ impl KafkaOptions {
     pub fn validate(&self) -> Result<(), OptionError> {
         let mut config = ClientConfig::new();
         self.apply(&mut config);
+        config.create_native_config().map_err(refused_option)?;
+        if self.is_empty() {
+            return Ok(());
+        }
+        // Some values are only checked when a client is made from them (the SASL mechanism,
+        // the files and PEM texts of `ssl.*`): make one, with no brokers so it connects
+        // nowhere, and silent, since it would only warn that it has no brokers.
+        config.set_log_level(RDKafkaLogLevel::Emerg);
         config
-            .create_native_config()
+            .create::<BaseProducer>()
             .map(drop)
-            .map_err(refused_option)
+            .map_err(|error| match error {
+                KafkaError::ClientCreation(reason) => OptionError::Unusable { reason },
+                other => refused_option(other),
+            })
     }
 
     /// Copies every option into `config`, over what is already set there.
