@@ -147,6 +147,17 @@ pub struct CommonArgs {
     /// `--otlp-endpoint`: where trace spans go (nowhere without it).
     #[command(flatten)]
     pub otlp: handoff_telemetry::OtlpArgs,
+    // Kafka options and AMQP over TLS (issue 23).
+    /// With --broker kafka: a librdkafka setting, KEY=VALUE (repeatable), such as
+    /// security.protocol=SASL_SSL or sasl.mechanism=SCRAM-SHA-512. Secret values (passwords,
+    /// secrets, private keys) are never logged; flags show in process listings.
+    #[arg(long = "kafka-option", value_name = "KEY=VALUE",
+        value_parser = handoff_kafka::KafkaOptionParser)]
+    pub kafka_option: Vec<handoff_kafka::KafkaOption>,
+    /// With an amqps:// --amqp-url: a CA certificate file (PEM) trusted besides the public
+    /// roots, for a broker whose certificate a private CA signed.
+    #[arg(long, env = "AMQP_TLS_CA", value_name = "FILE")]
+    pub amqp_tls_ca: Option<std::path::PathBuf>,
 }
 
 /// The `--broker` values.
@@ -504,12 +515,14 @@ where
                 topic: args.topic.clone(),
                 group_id: args.consumer_name.clone(),
                 redeliver_after: args.ack_wait,
+                options: args.kafka_option.iter().cloned().collect(),
                 ..handoff_kafka::IntakeConfig::default()
             };
             let intake = handoff_kafka::KafkaIntake::connect(intake_config)
                 .await
                 .map_err(|e| RunError::Broker(e.to_string()))?;
-            info!(topic = %args.topic, group = %args.consumer_name, "consuming");
+            let options: Vec<&str> = args.kafka_option.iter().map(|o| o.key()).collect();
+            info!(topic = %args.topic, group = %args.consumer_name, ?options, "consuming");
             consume(&consumer, intake, &args.topic, &args.consumer_name).await
         }
         BrokerArg::Amqp => {
@@ -517,6 +530,7 @@ where
             let intake_config = handoff_amqp::IntakeConfig {
                 url: args.amqp_url.clone(),
                 queue: queue.to_owned(),
+                tls_ca: args.amqp_tls_ca.clone(),
                 ..handoff_amqp::IntakeConfig::default()
             };
             let declaration = handoff_amqp::QueueDeclaration {
