@@ -63,5 +63,5 @@ pub use options::{
 /// The Kafka client crate this one is built on, for callers that need its types at the same
 /// version.
 pub use rdkafka;
-pub use scan::{read_topic, ScanError, StoredRecord};
+pub use scan::{read_topic, read_topic_with, ScanError, StoredRecord};
 pub use transport::{Delivered, KafkaTransport, TopicSummary};
