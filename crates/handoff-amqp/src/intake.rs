@@ -374,7 +374,10 @@ fn parse_url(config: &IntakeConfig) -> Result<BrokerUrl, ConnectError> {
         ));
     }
     let heartbeat = u16::try_from(config.heartbeat.as_secs().max(1)).unwrap_or(u16::MAX);
-    url::with_tls_ca(url::parse(&config.url, heartbeat)?, config.tls_ca.as_deref())
+    url::with_tls_ca(
+        url::parse(&config.url, heartbeat)?,
+        config.tls_ca.as_deref(),
+    )
 }
 
 impl Intake for AmqpIntake {

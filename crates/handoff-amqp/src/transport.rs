@@ -187,7 +187,10 @@ impl AmqpTransport {
     pub async fn connect(config: AmqpConfig) -> Result<Self, ConnectError> {
         config.validate()?;
         let heartbeat = u16::try_from(config.heartbeat.as_secs()).unwrap_or(u16::MAX);
-        let url = url::with_tls_ca(url::parse(&config.url, heartbeat)?, config.tls_ca.as_deref())?;
+        let url = url::with_tls_ca(
+            url::parse(&config.url, heartbeat)?,
+            config.tls_ca.as_deref(),
+        )?;
         let link = open_link(&url, &config, None).await?;
         Ok(Self {
             config,

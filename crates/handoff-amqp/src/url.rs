@@ -78,7 +78,10 @@ pub(crate) fn parse(url: &str, heartbeat_secs: u16) -> Result<BrokerUrl, Connect
 ///
 /// [`ConnectError::TlsCa`] when the URL is not `amqps://` (a CA for a plaintext connection is
 /// a mistake, not a no-op), or the file cannot be read or holds no PEM certificate.
-pub(crate) fn with_tls_ca(mut url: BrokerUrl, ca: Option<&Path>) -> Result<BrokerUrl, ConnectError> {
+pub(crate) fn with_tls_ca(
+    mut url: BrokerUrl,
+    ca: Option<&Path>,
+) -> Result<BrokerUrl, ConnectError> {
     let Some(ca) = ca else {
         return Ok(url);
     };
@@ -101,7 +104,6 @@ pub(crate) fn with_tls_ca(mut url: BrokerUrl, ca: Option<&Path>) -> Result<Broke
     url.tls.cert_chain = Some(pem);
     Ok(url)
 }
-
 
 /// `scheme://host:port/vhost`: nothing of the URL that could be secret.
 fn show(uri: &AMQPUri) -> String {

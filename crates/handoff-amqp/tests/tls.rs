@@ -65,7 +65,11 @@ async fn publishes_and_consumes_over_amqps_trusting_the_private_ca_and_refuses_o
     let transport = AmqpTransport::connect(tls_config(&node, &ca, &exchange))
         .await
         .unwrap();
-    assert!(transport.server().starts_with("amqps://127.0.0.1:"), "{}", transport.server());
+    assert!(
+        transport.server().starts_with("amqps://127.0.0.1:"),
+        "{}",
+        transport.server()
+    );
     let sent = event("o-1", 1);
     transport.publish(&sent).await.unwrap();
     let delivery = tokio::time::timeout(Duration::from_secs(10), intake.next())

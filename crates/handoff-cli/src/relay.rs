@@ -416,9 +416,12 @@ impl Settings {
                 humantime::format_duration(publish_timeout)
             );
         }
-        let kafka_options = kafka_options(file.kafka.take(), std::mem::take(&mut args.kafka_option))?;
+        let kafka_options =
+            kafka_options(file.kafka.take(), std::mem::take(&mut args.kafka_option))?;
         if !kafka_options.is_empty() && kind != DestinationKind::Kafka {
-            bail!("kafka options (--kafka-option or [kafka] in the config) need --destination kafka");
+            bail!(
+                "kafka options (--kafka-option or [kafka] in the config) need --destination kafka"
+            );
         }
         let amqp_tls_ca = args.amqp_tls_ca.take().or(file.amqp_tls_ca.take());
         if amqp_tls_ca.is_some() && kind != DestinationKind::Amqp {
@@ -1264,7 +1267,10 @@ mod tests {
             ..RelayArgs::default()
         })
         .unwrap_err();
-        assert!(format!("{error:#}").contains("Unsupported SASL mechanism"), "{error:#}");
+        assert!(
+            format!("{error:#}").contains("Unsupported SASL mechanism"),
+            "{error:#}"
+        );
 
         // Options for a destination that takes none are a mistake, not a no-op.
         let mut nats = args("postgres://localhost/db");
@@ -1316,7 +1322,10 @@ mod tests {
         let Destination::Amqp { config } = &settings.destination else {
             panic!("the file asks for amqp");
         };
-        assert_eq!(config.tls_ca.as_deref(), Some(Path::new("/etc/ca/file.pem")));
+        assert_eq!(
+            config.tls_ca.as_deref(),
+            Some(Path::new("/etc/ca/file.pem"))
+        );
         let settings = Settings::resolve(RelayArgs {
             config: Some(path),
             amqp_tls_ca: Some("/etc/ca/flag.pem".into()),
@@ -1326,7 +1335,10 @@ mod tests {
         let Destination::Amqp { config } = &settings.destination else {
             panic!("the file asks for amqp");
         };
-        assert_eq!(config.tls_ca.as_deref(), Some(Path::new("/etc/ca/flag.pem")));
+        assert_eq!(
+            config.tls_ca.as_deref(),
+            Some(Path::new("/etc/ca/flag.pem"))
+        );
 
         let mut nats = args("postgres://localhost/db");
         nats.amqp_tls_ca = Some("/etc/ca/flag.pem".into());

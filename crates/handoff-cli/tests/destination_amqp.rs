@@ -238,7 +238,14 @@ async fn a_relay_publishes_over_amqps_with_a_private_ca_and_a_wrong_ca_ends_it_w
     // why, without the URL's credentials.
     let wrong = handoff_test::tls::TestCa::new("wrong").unwrap();
     let wrong_path = wrong.ca_path();
-    let flags = ["--destination", "amqp", "--url", &amqps, "--exchange", &name];
+    let flags = [
+        "--destination",
+        "amqp",
+        "--url",
+        &amqps,
+        "--exchange",
+        &name,
+    ];
     let mut relay = RelayProcess::spawn(
         &db.url(),
         "relay-wrong-ca",

@@ -57,9 +57,7 @@ pub use error::{ConnectError, ConnectErrorKind, TopicError, TopicErrorKind};
 pub use intake::{IntakeConfig, IntakeConfigError, IntakeConnectError, KafkaIntake, KafkaSettle};
 #[cfg(feature = "clap")]
 pub use options::KafkaOptionParser;
-pub use options::{
-    is_secret_option, librdkafka_features, KafkaOption, KafkaOptions, OptionError,
-};
+pub use options::{is_secret_option, librdkafka_features, KafkaOption, KafkaOptions, OptionError};
 /// The Kafka client crate this one is built on, for callers that need its types at the same
 /// version.
 pub use rdkafka;

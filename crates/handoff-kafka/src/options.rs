@@ -24,7 +24,10 @@ const HIDDEN: &str = "***";
 const RESERVED: &[(&str, &str)] = &[
     ("bootstrap.servers", "set the brokers with --brokers"),
     ("metadata.broker.list", "set the brokers with --brokers"),
-    ("acks", "handoff produces with acks=all, which at-least-once delivery needs"),
+    (
+        "acks",
+        "handoff produces with acks=all, which at-least-once delivery needs",
+    ),
     (
         "request.required.acks",
         "handoff produces with acks=all, which at-least-once delivery needs",
@@ -431,13 +434,21 @@ mod tests {
             "=x".parse::<KafkaOption>(),
             Err(OptionError::InvalidKey { .. })
         ));
-        let error = "sasl password hunter2=x".parse::<KafkaOption>().unwrap_err();
+        let error = "sasl password hunter2=x"
+            .parse::<KafkaOption>()
+            .unwrap_err();
         assert!(!error.to_string().contains("hunter2"), "{error}");
     }
 
     #[test]
     fn reserved_keys_say_which_flag_sets_them() {
-        for key in ["acks", "ACKS", "enable.idempotence", "bootstrap.servers", "group.id"] {
+        for key in [
+            "acks",
+            "ACKS",
+            "enable.idempotence",
+            "bootstrap.servers",
+            "group.id",
+        ] {
             let error = KafkaOptions::default().set(key, "x").map(drop).unwrap_err();
             assert!(matches!(error, OptionError::Reserved { .. }), "{key}");
         }
@@ -504,8 +515,17 @@ mod tests {
     #[test]
     fn this_build_has_tls_and_every_sasl_mechanism_but_gssapi() {
         let features = librdkafka_features();
-        for wanted in ["ssl", "sasl", "sasl_plain", "sasl_scram", "sasl_oauthbearer"] {
-            assert!(features.iter().any(|f| f == wanted), "{wanted}: {features:?}");
+        for wanted in [
+            "ssl",
+            "sasl",
+            "sasl_plain",
+            "sasl_scram",
+            "sasl_oauthbearer",
+        ] {
+            assert!(
+                features.iter().any(|f| f == wanted),
+                "{wanted}: {features:?}"
+            );
         }
         let mut options = KafkaOptions::default();
         for (key, value) in [

@@ -72,11 +72,8 @@ impl ClientContext for KafkaContext {
             }
             // librdkafka's reasons name the broker and the mechanism, never a password.
             Some(code) if is_refusal(code) => {
-                *self
-                    .state
-                    .refused
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some(reason.to_owned());
+                *self.state.refused.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(reason.to_owned());
             }
             _ => {}
         }

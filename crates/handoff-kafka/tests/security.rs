@@ -148,7 +148,10 @@ async fn options_librdkafka_refuses_end_the_connect_naming_the_key() {
     .await
     .unwrap_err();
     assert_eq!(error.kind(), ConnectErrorKind::InvalidConfig);
-    assert!(error.to_string().contains("sasl.mechanisms.typo"), "{error}");
+    assert!(
+        error.to_string().contains("sasl.mechanisms.typo"),
+        "{error}"
+    );
 
     let error = KafkaTransport::connect(KafkaConfig {
         options: options(&[
