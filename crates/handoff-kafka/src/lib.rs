@@ -15,9 +15,9 @@
 //! - [`KafkaOptions`]: librdkafka settings passed through for TLS, SASL (PLAIN, SCRAM,
 //!   OAUTHBEARER) and tuning, whose secret values never reach a log line.
 //!
-//! librdkafka is built with OpenSSL (TLS, SASL PLAIN, SCRAM and OAUTHBEARER), without GSSAPI
-//! (Kerberos) and without libcurl (OAUTHBEARER's OIDC token fetch); [`librdkafka_features`]
-//! lists what the build has.
+//! librdkafka is built with OpenSSL (TLS, SASL PLAIN, SCRAM and OAUTHBEARER) and libcurl
+//! (OAUTHBEARER's OIDC token fetch), without GSSAPI (Kerberos); [`librdkafka_features`] lists
+//! what the build has.
 //!
 //! Delivery is at least once: the producer is idempotent, so its own retries never duplicate,
 //! but a relay that republishes an event after a crash produces a second copy with the same

@@ -351,7 +351,7 @@ pub(crate) fn refused_option(error: KafkaError) -> OptionError {
 }
 
 /// The features this build of librdkafka has (its `builtin.features`), such as `ssl`,
-/// `sasl_plain`, `sasl_scram`, `sasl_oauthbearer`, `gzip`.
+/// `sasl_plain`, `sasl_scram`, `sasl_oauthbearer`, `oidc`, `gzip`.
 ///
 /// # Examples
 ///
@@ -359,6 +359,7 @@ pub(crate) fn refused_option(error: KafkaError) -> OptionError {
 /// let features = handoff_kafka::librdkafka_features();
 /// assert!(features.iter().any(|f| f == "ssl"));
 /// assert!(features.iter().any(|f| f == "sasl_scram"));
+/// assert!(features.iter().any(|f| f == "oidc"));
 /// ```
 pub fn librdkafka_features() -> Vec<String> {
     ClientConfig::new()
@@ -513,7 +514,7 @@ mod tests {
     }
 
     #[test]
-    fn this_build_has_tls_and_every_sasl_mechanism_but_gssapi() {
+    fn this_build_has_tls_every_sasl_mechanism_but_gssapi_and_oidc() {
         let features = librdkafka_features();
         for wanted in [
             "ssl",
@@ -521,6 +522,8 @@ mod tests {
             "sasl_plain",
             "sasl_scram",
             "sasl_oauthbearer",
+            "http",
+            "oidc",
         ] {
             assert!(
                 features.iter().any(|f| f == wanted),
@@ -538,9 +541,28 @@ mod tests {
             options.set(key, value).unwrap();
         }
         options.validate().unwrap();
-        for mechanism in ["PLAIN", "SCRAM-SHA-256", "OAUTHBEARER"] {
+        for mechanism in ["PLAIN", "SCRAM-SHA-256"] {
             options.set("sasl.mechanism", mechanism).unwrap();
             options.validate().unwrap();
         }
+        // OAUTHBEARER with librdkafka's own OIDC token fetch (client credentials), which needs
+        // the libcurl this build links.
+        let mut oauth = KafkaOptions::default();
+        for (key, value) in [
+            ("security.protocol", "SASL_SSL"),
+            ("sasl.mechanism", "OAUTHBEARER"),
+            ("sasl.oauthbearer.method", "oidc"),
+            ("sasl.oauthbearer.client.id", "relay"),
+            ("sasl.oauthbearer.client.secret", "hunter2"),
+            (
+                "sasl.oauthbearer.token.endpoint.url",
+                "https://login.example.com/oauth2/token",
+            ),
+            ("sasl.oauthbearer.scope", "kafka"),
+        ] {
+            oauth.set(key, value).unwrap();
+        }
+        oauth.validate().unwrap();
+        assert!(!format!("{oauth:?}").contains("hunter2"));
     }
 }
