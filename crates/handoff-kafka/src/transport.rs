@@ -70,8 +70,15 @@ impl ClientContext for KafkaContext {
             Some(RDKafkaErrorCode::AllBrokersDown) => {
                 self.state.brokers_down.store(true, Ordering::Relaxed);
             }
-            // librdkafka's reasons name the broker and the mechanism, never a password.
-            Some(code) if is_refusal(code) => {
+            // librdkafka's reasons name the broker and the mechanism, never a password. A TLS
+            // client on a plaintext listener is disconnected mid-handshake, which librdkafka
+            // reports as a transport failure ("SSL handshake failed: ... connecting to a
+            // PLAINTEXT broker listener?"); at connect time that is a refusal too.
+            Some(code)
+                if is_refusal(code)
+                    || (code == RDKafkaErrorCode::BrokerTransportFailure
+                        && reason.contains("SSL handshake failed")) =>
+            {
                 *self.state.refused.lock().unwrap_or_else(|e| e.into_inner()) =
                     Some(reason.to_owned());
             }
