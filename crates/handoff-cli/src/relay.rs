@@ -541,7 +541,19 @@ impl Settings {
 fn read_file(path: &Path) -> Result<RelayFile> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("while reading the config file {}", path.display()))?;
-    toml::from_str(&text).with_context(|| format!("in the config file {}", path.display()))
+    // toml's own message quotes the offending line, which may hold a password: name the line
+    // and the problem only.
+    toml::from_str(&text).map_err(|error| {
+        let line = error
+            .span()
+            .map(|span| text[..span.start.min(text.len())].lines().count().max(1));
+        let at = line.map(|n| format!(", line {n}")).unwrap_or_default();
+        anyhow::anyhow!(
+            "in the config file {}{at}: {}",
+            path.display(),
+            error.message()
+        )
+    })
 }
 
 /// The librdkafka options: the file's `[kafka]` table, then the flags (a flag wins over the
@@ -1343,5 +1355,26 @@ mod tests {
         let mut nats = args("postgres://localhost/db");
         nats.amqp_tls_ca = Some("/etc/ca/flag.pem".into());
         assert!(Settings::resolve(nats).is_err());
+    }
+
+    #[test]
+    fn a_malformed_config_file_is_reported_without_its_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "destination = \"kafka\"\n[kafka]\nsasl.password = hunter2\n",
+        )
+        .unwrap();
+        let error = format!(
+            "{:#}",
+            Settings::resolve(RelayArgs {
+                config: Some(path),
+                ..RelayArgs::default()
+            })
+            .unwrap_err()
+        );
+        assert!(!error.contains("hunter2"), "{error}");
+        assert!(error.contains("line 3"), "{error}");
     }
 }
