@@ -33,13 +33,13 @@ pub enum ConnectError {
     /// The TLS handshake failed: the broker's certificate is not signed by a trusted CA (see
     /// [`AmqpConfig::tls_ca`](crate::AmqpConfig::tls_ca)), names another host, or has expired.
     /// Waiting cannot fix it.
-    #[error("amqp broker {server} failed the TLS handshake: {source}")]
+    #[error("amqp broker {server} failed the TLS handshake: {reason}")]
     Tls {
         /// The broker, without credentials.
         server: String,
-        /// The client's error (rustls' reason).
-        #[source]
-        source: lapin::Error,
+        /// rustls' reason, such as `invalid peer certificate: UnknownIssuer` (the innermost
+        /// error: lapin's and the socket's wrappers repeat it).
+        reason: String,
     },
     /// The TLS CA file is unusable, or set for a URL that is not `amqps://`.
     #[error("amqp tls ca {path}: {reason}", path = path.display())]

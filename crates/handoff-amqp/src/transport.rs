@@ -702,7 +702,14 @@ pub(crate) fn connect_error(source: lapin::Error, url: &BrokerUrl) -> ConnectErr
     if refused {
         ConnectError::Unauthorized { server, source }
     } else if tls {
-        ConnectError::Tls { server, source }
+        let mut innermost: &dyn std::error::Error = &source;
+        while let Some(next) = innermost.source() {
+            innermost = next;
+        }
+        ConnectError::Tls {
+            server,
+            reason: innermost.to_string(),
+        }
     } else {
         ConnectError::Unreachable { server, source }
     }

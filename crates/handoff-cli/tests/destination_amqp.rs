@@ -252,8 +252,14 @@ async fn a_relay_publishes_over_amqps_with_a_private_ca_and_a_wrong_ca_ends_it_w
         &flags,
         &[("AMQP_TLS_CA", wrong_path.to_str().unwrap())],
     );
+    let started = Instant::now();
     let status = exit_status(&mut relay, Duration::from_secs(20)).await;
     let log = relay.log();
+    eprintln!(
+        "exit {status} after {:?}; last line: {:?}",
+        started.elapsed(),
+        log.lines().last()
+    );
     assert!(!status.success(), "{log}");
     assert!(log.contains("failed the TLS handshake"), "{log}");
     assert!(!log.contains("guest:guest"), "{log}");
