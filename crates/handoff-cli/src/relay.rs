@@ -546,7 +546,8 @@ fn read_file(path: &Path) -> Result<RelayFile> {
     toml::from_str(&text).map_err(|error| {
         let line = error
             .span()
-            .map(|span| text[..span.start.min(text.len())].lines().count().max(1));
+            .and_then(|span| text.get(..span.start))
+            .map(|before| before.matches('\n').count() + 1);
         let at = line.map(|n| format!(", line {n}")).unwrap_or_default();
         anyhow::anyhow!(
             "in the config file {}{at}: {}",
