@@ -1,5 +1,6 @@
 //! Where the AMQP transport publishes, and how long it waits.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Where and how [`AmqpTransport`](crate::AmqpTransport) publishes.
@@ -55,6 +56,10 @@ pub struct AmqpConfig {
     /// The name the connection shows in `rabbitmqctl list_connections` and the management UI.
     /// Default: `"handoff"`.
     pub connection_name: String,
+    /// A CA certificate file (PEM, one or more certificates) trusted for an `amqps://` URL
+    /// besides the public (webpki) roots: for a broker whose certificate a private CA signed.
+    /// The broker's certificate must name the URL's host. Only with `amqps://`. Default: none.
+    pub tls_ca: Option<PathBuf>,
 }
 
 impl Default for AmqpConfig {
@@ -68,6 +73,7 @@ impl Default for AmqpConfig {
             heartbeat: Duration::from_secs(10),
             ce_source: "handoff".to_owned(),
             connection_name: "handoff".to_owned(),
+            tls_ca: None,
         }
     }
 }
@@ -84,6 +90,7 @@ impl std::fmt::Debug for AmqpConfig {
             .field("heartbeat", &self.heartbeat)
             .field("ce_source", &self.ce_source)
             .field("connection_name", &self.connection_name)
+            .field("tls_ca", &self.tls_ca)
             .finish()
     }
 }

@@ -30,6 +30,25 @@ pub enum ConnectError {
         #[source]
         source: lapin::Error,
     },
+    /// The TLS handshake failed: the broker's certificate is not signed by a trusted CA (see
+    /// [`AmqpConfig::tls_ca`](crate::AmqpConfig::tls_ca)), names another host, or has expired.
+    /// Waiting cannot fix it.
+    #[error("amqp broker {server} failed the TLS handshake: {reason}")]
+    Tls {
+        /// The broker, without credentials.
+        server: String,
+        /// rustls' reason, such as `invalid peer certificate: UnknownIssuer` (the innermost
+        /// error: lapin's and the socket's wrappers repeat it).
+        reason: String,
+    },
+    /// The TLS CA file is unusable, or set for a URL that is not `amqps://`.
+    #[error("amqp tls ca {path}: {reason}", path = path.display())]
+    TlsCa {
+        /// The file as configured.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// No answer within [`AmqpConfig::connect_timeout`](crate::AmqpConfig::connect_timeout).
     #[error("amqp broker {server} did not complete the connection within {timeout:?}")]
     TimedOut {
@@ -82,6 +101,9 @@ pub enum ConnectErrorKind {
     Unreachable,
     /// The credentials or vhost were refused; retrying only helps once an operator fixes them.
     Unauthorized,
+    /// TLS failed (an untrusted certificate, a wrong host name) or the CA file is unusable:
+    /// an operator must act.
+    Tls,
     /// The broker's topology (exchange, queue) is not what the configuration needs: an
     /// operator must act.
     Topology,
@@ -108,6 +130,7 @@ impl ConnectError {
             Self::InvalidUrl { .. } => ConnectErrorKind::InvalidUrl,
             Self::Unreachable { .. } | Self::TimedOut { .. } => ConnectErrorKind::Unreachable,
             Self::Unauthorized { .. } => ConnectErrorKind::Unauthorized,
+            Self::Tls { .. } | Self::TlsCa { .. } => ConnectErrorKind::Tls,
             Self::Exchange { .. } | Self::Queue { .. } => ConnectErrorKind::Topology,
         }
     }

@@ -1,6 +1,7 @@
 //! [`AmqpIntake`]: a consumer's [`Intake`] from one RabbitMQ queue.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -56,6 +57,9 @@ pub struct IntakeConfig {
     /// The AMQP heartbeat asked for when the URL sets none, as
     /// [`AmqpConfig::heartbeat`](crate::AmqpConfig::heartbeat). Default 10 seconds.
     pub heartbeat: Duration,
+    /// A CA certificate file (PEM) trusted for an `amqps://` URL, as
+    /// [`AmqpConfig::tls_ca`](crate::AmqpConfig::tls_ca). Default: none.
+    pub tls_ca: Option<PathBuf>,
 }
 
 impl Default for IntakeConfig {
@@ -67,6 +71,7 @@ impl Default for IntakeConfig {
             connection_name: "handoff consumer".to_owned(),
             connect_timeout: Duration::from_secs(5),
             heartbeat: Duration::from_secs(10),
+            tls_ca: None,
         }
     }
 }
@@ -81,6 +86,7 @@ impl std::fmt::Debug for IntakeConfig {
             .field("connection_name", &self.connection_name)
             .field("connect_timeout", &self.connect_timeout)
             .field("heartbeat", &self.heartbeat)
+            .field("tls_ca", &self.tls_ca)
             .finish()
     }
 }
@@ -368,7 +374,10 @@ fn parse_url(config: &IntakeConfig) -> Result<BrokerUrl, ConnectError> {
         ));
     }
     let heartbeat = u16::try_from(config.heartbeat.as_secs().max(1)).unwrap_or(u16::MAX);
-    url::parse(&config.url, heartbeat)
+    url::with_tls_ca(
+        url::parse(&config.url, heartbeat)?,
+        config.tls_ca.as_deref(),
+    )
 }
 
 impl Intake for AmqpIntake {

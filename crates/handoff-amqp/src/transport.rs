@@ -187,7 +187,10 @@ impl AmqpTransport {
     pub async fn connect(config: AmqpConfig) -> Result<Self, ConnectError> {
         config.validate()?;
         let heartbeat = u16::try_from(config.heartbeat.as_secs()).unwrap_or(u16::MAX);
-        let url = url::parse(&config.url, heartbeat)?;
+        let url = url::with_tls_ca(
+            url::parse(&config.url, heartbeat)?,
+            config.tls_ca.as_deref(),
+        )?;
         let link = open_link(&url, &config, None).await?;
         Ok(Self {
             config,
@@ -583,7 +586,12 @@ async fn open_link(
 /// tells it when it blocks the connection for an alarm (`Connection::status().blocked()`).
 pub(crate) async fn connect(url: &BrokerUrl, name: &str) -> Result<Connection, ConnectError> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect_uri(url.uri.clone(), properties)
+    lapin::DefaultConnectionBuilder::new()
+        .map_err(|source| connect_error(source, url))?
+        .with_uri(url.uri.clone())
+        .with_properties(properties)
+        .with_tls_config(url.tls.clone())
+        .connect()
         .await
         .map_err(|source| connect_error(source, url))
 }
@@ -687,8 +695,21 @@ pub(crate) fn connect_error(source: lapin::Error, url: &BrokerUrl) -> ConnectErr
         ),
         _ => false,
     };
+    // rustls reports a refused certificate as InvalidData; nothing else on a TLS socket does
+    // before the AMQP handshake.
+    let tls = url.uri.scheme == lapin::uri::AMQPScheme::AMQPS
+        && matches!(source.kind(), ErrorKind::IOError(e) if e.kind() == std::io::ErrorKind::InvalidData);
     if refused {
         ConnectError::Unauthorized { server, source }
+    } else if tls {
+        let mut innermost: &dyn std::error::Error = &source;
+        while let Some(next) = innermost.source() {
+            innermost = next;
+        }
+        ConnectError::Tls {
+            server,
+            reason: innermost.to_string(),
+        }
     } else {
         ConnectError::Unreachable { server, source }
     }

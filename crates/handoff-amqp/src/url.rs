@@ -5,7 +5,10 @@
 //! may then resolve to an address the broker does not listen on. Its messages for a URL that is
 //! not hierarchical quote the URL, so those are replaced.
 
-use lapin::uri::AMQPUri;
+use std::path::Path;
+
+use lapin::tcp::OwnedTLSConfig;
+use lapin::uri::{AMQPScheme, AMQPUri};
 use url::{Host, Url};
 
 use crate::ConnectError;
@@ -16,6 +19,8 @@ pub(crate) struct BrokerUrl {
     pub(crate) uri: AMQPUri,
     /// `scheme://host:port/vhost`, for messages and logs.
     pub(crate) shown: String,
+    /// The CA certificates trusted for `amqps://` besides the public (webpki) roots.
+    pub(crate) tls: OwnedTLSConfig,
 }
 
 // Hand-written so that a `{:?}` never prints the password.
@@ -59,7 +64,45 @@ pub(crate) fn parse(url: &str, heartbeat_secs: u16) -> Result<BrokerUrl, Connect
         uri.query.heartbeat = Some(heartbeat_secs);
     }
     let shown = show(&uri);
-    Ok(BrokerUrl { uri, shown })
+    Ok(BrokerUrl {
+        uri,
+        shown,
+        tls: OwnedTLSConfig::default(),
+    })
+}
+
+/// `url` that also trusts the CA certificates (PEM) in `ca`, for a broker whose certificate a
+/// private CA signed.
+///
+/// # Errors
+///
+/// [`ConnectError::TlsCa`] when the URL is not `amqps://` (a CA for a plaintext connection is
+/// a mistake, not a no-op), or the file cannot be read or holds no PEM certificate.
+pub(crate) fn with_tls_ca(
+    mut url: BrokerUrl,
+    ca: Option<&Path>,
+) -> Result<BrokerUrl, ConnectError> {
+    let Some(ca) = ca else {
+        return Ok(url);
+    };
+    let refused = |reason: String| ConnectError::TlsCa {
+        path: ca.to_path_buf(),
+        reason,
+    };
+    if url.uri.scheme != AMQPScheme::AMQPS {
+        return Err(refused(format!(
+            "a TLS CA is set but {} is not an amqps:// url",
+            url.shown
+        )));
+    }
+    let pem = std::fs::read_to_string(ca).map_err(|e| refused(format!("cannot be read: {e}")))?;
+    // rustls skips what it cannot parse without a word: a file without a certificate would
+    // only show up as "unknown issuer" at the handshake.
+    if !pem.contains("-----BEGIN CERTIFICATE-----") {
+        return Err(refused("holds no PEM certificate".to_owned()));
+    }
+    url.tls.cert_chain = Some(pem);
+    Ok(url)
 }
 
 /// `scheme://host:port/vhost`: nothing of the URL that could be secret.

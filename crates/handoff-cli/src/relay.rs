@@ -10,7 +10,7 @@ use handoff_amqp::{AmqpConfig, AmqpTransport};
 use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
 use handoff_http::{HttpConfig, HttpMode, HttpTransport, SigningSecret};
-use handoff_kafka::{KafkaConfig, KafkaTransport};
+use handoff_kafka::{KafkaConfig, KafkaOption, KafkaOptionParser, KafkaOptions, KafkaTransport};
 use handoff_nats::{
     ConnectErrorKind, ConnectSecurity, JetStreamConfig, JetStreamTransport, NatsSecurityArgs,
 };
@@ -167,6 +167,17 @@ pub struct RelayArgs {
     /// --database-url when it is direct; polling behind a pooler].
     #[arg(long, env = "HANDOFF_LISTEN_DATABASE_URL", hide_env_values = true)]
     listen_database_url: Option<String>,
+    // Kafka options and AMQP over TLS (issue 23).
+    /// With --destination kafka: a librdkafka setting, KEY=VALUE (repeatable), such as
+    /// security.protocol=SASL_SSL or sasl.mechanism=SCRAM-SHA-512; wins over the same key in
+    /// the config file's [kafka] table. Flags show in process listings: put secrets
+    /// (sasl.password) in the file. Secret values are never logged.
+    #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = KafkaOptionParser)]
+    kafka_option: Vec<KafkaOption>,
+    /// With an amqps:// --url: a CA certificate file (PEM) trusted besides the public roots,
+    /// for a broker whose certificate a private CA signed.
+    #[arg(long, env = "AMQP_TLS_CA", value_name = "FILE")]
+    amqp_tls_ca: Option<PathBuf>,
 }
 
 /// Where `handoff relay` publishes.
@@ -249,6 +260,11 @@ struct RelayFile {
     stream_replicas: Option<usize>,
     // Transaction poolers.
     listen_database_url: Option<String>,
+    // Kafka options and AMQP over TLS (issue 23).
+    /// `[kafka]`: librdkafka settings; dotted keys may be written bare (`security.protocol =
+    /// "SASL_SSL"`, a nested table to TOML) or quoted.
+    kafka: Option<toml::Table>,
+    amqp_tls_ca: Option<PathBuf>,
 }
 
 /// The destination's settings, checked. Its `Debug` hides every URL's password.
@@ -321,8 +337,8 @@ impl std::fmt::Debug for Settings {
 }
 
 impl Settings {
-    fn resolve(args: RelayArgs) -> Result<Settings> {
-        let file = match &args.config {
+    fn resolve(mut args: RelayArgs) -> Result<Settings> {
+        let mut file = match &args.config {
             Some(path) => read_file(path)?,
             None => RelayFile::default(),
         };
@@ -445,6 +461,17 @@ impl Settings {
                 humantime::format_duration(publish_timeout)
             );
         }
+        let kafka_options =
+            kafka_options(file.kafka.take(), std::mem::take(&mut args.kafka_option))?;
+        if !kafka_options.is_empty() && kind != DestinationKind::Kafka {
+            bail!(
+                "kafka options (--kafka-option or [kafka] in the config) need --destination kafka"
+            );
+        }
+        let amqp_tls_ca = args.amqp_tls_ca.take().or(file.amqp_tls_ca.take());
+        if amqp_tls_ca.is_some() && kind != DestinationKind::Amqp {
+            bail!("--amqp-tls-ca needs --destination amqp");
+        }
         let destination = match kind {
             DestinationKind::Nats => {
                 jetstream.validate()?;
@@ -484,6 +511,7 @@ impl Settings {
                         .or(file.ce_source)
                         .unwrap_or(defaults.ce_source),
                     client_id: "handoff-relay".into(),
+                    options: kafka_options,
                 };
                 config.validate()?;
                 Destination::Kafka { config }
@@ -497,6 +525,7 @@ impl Settings {
                     ce_source: jetstream.source,
                     // Shown by `rabbitmqctl list_connections`: which relay holds it.
                     connection_name: format!("handoff relay {relay_id}"),
+                    tls_ca: amqp_tls_ca,
                     ..defaults
                 };
                 config.validate()?;
@@ -581,7 +610,71 @@ fn nats_security(args: &NatsSecurityArgs, file: NatsSecurityArgs) -> ConnectSecu
 fn read_file(path: &Path) -> Result<RelayFile> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("while reading the config file {}", path.display()))?;
-    toml::from_str(&text).with_context(|| format!("in the config file {}", path.display()))
+    // toml's own message quotes the offending line, which may hold a password: name the line
+    // and the problem only.
+    toml::from_str(&text).map_err(|error| {
+        let line = error
+            .span()
+            .and_then(|span| text.get(..span.start))
+            .map(|before| before.matches('\n').count() + 1);
+        let at = line.map(|n| format!(", line {n}")).unwrap_or_default();
+        anyhow::anyhow!(
+            "in the config file {}{at}: {}",
+            path.display(),
+            error.message()
+        )
+    })
+}
+
+/// The librdkafka options: the file's `[kafka]` table, then the flags (a flag wins over the
+/// file's value of the same key).
+fn kafka_options(file: Option<toml::Table>, flags: Vec<KafkaOption>) -> Result<KafkaOptions> {
+    let mut options = KafkaOptions::default();
+    if let Some(table) = file {
+        let mut flat = Vec::new();
+        flatten_kafka_table("", table, &mut flat)?;
+        for (key, value) in flat {
+            options
+                .set(key, value)
+                .context("in the [kafka] table of the config file")?;
+        }
+    }
+    for option in flags {
+        options.insert(option);
+    }
+    options.validate()?;
+    Ok(options)
+}
+
+/// `[kafka]`'s entries as `(dotted.key, value)`: TOML reads a bare `security.protocol = ...`
+/// as a nested table, which is joined back into librdkafka's key.
+fn flatten_kafka_table(
+    prefix: &str,
+    table: toml::Table,
+    out: &mut Vec<(String, String)>,
+) -> Result<()> {
+    for (key, value) in table {
+        let key = if prefix.is_empty() {
+            key
+        } else {
+            format!("{prefix}.{key}")
+        };
+        let value = match value {
+            toml::Value::String(text) => text,
+            toml::Value::Integer(n) => n.to_string(),
+            toml::Value::Float(x) => x.to_string(),
+            toml::Value::Boolean(b) => b.to_string(),
+            toml::Value::Table(inner) => {
+                flatten_kafka_table(&key, inner, out)?;
+                continue;
+            }
+            toml::Value::Array(_) | toml::Value::Datetime(_) => bail!(
+                "in the [kafka] table of the config file: {key:?} must be a string, a number                  or a boolean"
+            ),
+        };
+        out.push((key, value));
+    }
+    Ok(())
 }
 
 /// `<host>-<pid>`: unique per live process on a host, and readable in `claimed_by`.
@@ -621,6 +714,12 @@ pub async fn run(args: RelayArgs) -> Result<()> {
             serve(settings, transport, shutdown).await
         }
         Destination::Kafka { config } => {
+            // Keys only: values may be secrets.
+            info!(
+                librdkafka = %handoff_kafka::rdkafka::util::get_rdkafka_version().1,
+                options = ?config.options.keys().collect::<Vec<_>>(),
+                "connecting to kafka"
+            );
             let transport = tokio::select! {
                 transport = connect_kafka(config) => transport?,
                 () = &mut shutdown => return Ok(()),
@@ -1353,5 +1452,157 @@ mod tests {
         });
         let error = settings.unwrap_err().to_string();
         assert!(error.contains("replicas must be 1 to 5"), "{error}");
+    }
+
+    #[test]
+    fn kafka_options_come_from_the_file_table_and_flags_win_per_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
+             brokers = \"k1:9093\"\n\
+             [kafka]\n\
+             security.protocol = \"SASL_SSL\"\n\
+             sasl.mechanism = \"PLAIN\"\n\
+             \"sasl.username\" = \"relay\"\n\
+             sasl.password = \"fil3secret\"\n\
+             linger.ms = 5\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path.clone()),
+            kafka_option: vec![
+                "sasl.mechanism=SCRAM-SHA-512".parse().unwrap(),
+                "sasl.password=fl4gsecret".parse().unwrap(),
+            ],
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Kafka { config } = &settings.destination else {
+            panic!("not kafka: {:?}", settings.destination);
+        };
+        let options = &config.options;
+        assert_eq!(options.get("security.protocol"), Some("SASL_SSL"));
+        assert_eq!(options.get("sasl.mechanism"), Some("SCRAM-SHA-512"));
+        assert_eq!(options.get("sasl.username"), Some("relay"));
+        assert_eq!(options.get("sasl.password"), Some("fl4gsecret"));
+        assert_eq!(options.get("linger.ms"), Some("5"));
+        let shown = format!("{settings:?}");
+        assert!(!shown.contains("secret"), "{shown}");
+        assert!(shown.contains("SCRAM-SHA-512"), "{shown}");
+
+        // librdkafka's own checks run at resolve time and name the key only.
+        let error = Settings::resolve(RelayArgs {
+            config: Some(path.clone()),
+            kafka_option: vec!["no.such.key=1".parse().unwrap()],
+            ..RelayArgs::default()
+        })
+        .unwrap_err();
+        let shown = format!("{error:#}");
+        assert!(shown.contains("\"no.such.key\""), "{shown}");
+        let error = Settings::resolve(RelayArgs {
+            config: Some(path),
+            kafka_option: vec!["sasl.mechanism=NOPE".parse().unwrap()],
+            ..RelayArgs::default()
+        })
+        .unwrap_err();
+        assert!(
+            format!("{error:#}").contains("Unsupported SASL mechanism"),
+            "{error:#}"
+        );
+
+        // Options for a destination that takes none are a mistake, not a no-op.
+        let mut nats = args("postgres://localhost/db");
+        nats.kafka_option = vec!["linger.ms=5".parse().unwrap()];
+        let error = Settings::resolve(nats).unwrap_err().to_string();
+        assert!(error.contains("--destination kafka"), "{error}");
+    }
+
+    #[test]
+    fn a_reserved_or_unusable_kafka_key_in_the_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for (table, wanted) in [
+            ("acks = \"1\"", "acks=all"),
+            ("ssl.ca.location = [\"a\", \"b\"]", "must be a string"),
+        ] {
+            let path = dir.path().join("relay.toml");
+            std::fs::write(
+                &path,
+                format!(
+                    "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
+                     brokers = \"k1:9093\"\n[kafka]\n{table}\n"
+                ),
+            )
+            .unwrap();
+            let error = Settings::resolve(RelayArgs {
+                config: Some(path),
+                ..RelayArgs::default()
+            })
+            .unwrap_err();
+            assert!(format!("{error:#}").contains(wanted), "{error:#}");
+        }
+    }
+
+    #[test]
+    fn the_amqp_tls_ca_comes_from_the_flag_or_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "database_url = \"postgres://localhost/db\"\ndestination = \"amqp\"\n\
+             url = \"amqps://rabbit:5671/%2f\"\namqp_tls_ca = \"/etc/ca/file.pem\"\n",
+        )
+        .unwrap();
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path.clone()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Amqp { config } = &settings.destination else {
+            panic!("the file asks for amqp");
+        };
+        assert_eq!(
+            config.tls_ca.as_deref(),
+            Some(Path::new("/etc/ca/file.pem"))
+        );
+        let settings = Settings::resolve(RelayArgs {
+            config: Some(path),
+            amqp_tls_ca: Some("/etc/ca/flag.pem".into()),
+            ..RelayArgs::default()
+        })
+        .unwrap();
+        let Destination::Amqp { config } = &settings.destination else {
+            panic!("the file asks for amqp");
+        };
+        assert_eq!(
+            config.tls_ca.as_deref(),
+            Some(Path::new("/etc/ca/flag.pem"))
+        );
+
+        let mut nats = args("postgres://localhost/db");
+        nats.amqp_tls_ca = Some("/etc/ca/flag.pem".into());
+        assert!(Settings::resolve(nats).is_err());
+    }
+
+    #[test]
+    fn a_malformed_config_file_is_reported_without_its_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            "destination = \"kafka\"\n[kafka]\nsasl.password = hunter2\n",
+        )
+        .unwrap();
+        let error = format!(
+            "{:#}",
+            Settings::resolve(RelayArgs {
+                config: Some(path),
+                ..RelayArgs::default()
+            })
+            .unwrap_err()
+        );
+        assert!(!error.contains("hunter2"), "{error}");
+        assert!(error.contains("line 3"), "{error}");
     }
 }

@@ -156,3 +156,111 @@ async fn relays_killed_again_and_again_deliver_every_committed_event_in_order_to
         check.duplicates
     );
 }
+
+/// Waits (at most `timeout`) for `relay` to exit on its own, and returns its status.
+async fn exit_status(relay: &mut RelayProcess, timeout: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = relay.try_status() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "relay {} still runs after {timeout:?}:\n{}",
+            relay.id,
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_relay_publishes_over_amqps_with_a_private_ca_and_a_wrong_ca_ends_it_with_one_clear_line()
+{
+    let (ca, node) = tokio::task::spawn_blocking(|| {
+        let ca = handoff_test::tls::TestCa::new("relay-amqps").unwrap();
+        let node = handoff_test::rabbitmq::RabbitMqNode::start_with_tls(&ca).unwrap();
+        (ca, node)
+    })
+    .await
+    .unwrap();
+    let amqps = node.amqps_url().unwrap();
+    let (db, outbox) = migrated("destination_amqps").await;
+    let name = handoff_test::nats::unique_name("amqps");
+    AmqpIntake::declare_queue(
+        &IntakeConfig {
+            url: node.url(),
+            queue: name.clone(),
+            ..IntakeConfig::default()
+        },
+        &QueueDeclaration {
+            exchange: name.clone(),
+            binding_key: "#".into(),
+            ..QueueDeclaration::default()
+        },
+    )
+    .await
+    .unwrap();
+    common::enqueue_spread(&db.pool, &outbox, 0, 60, 6).await;
+
+    let ca_path = ca.ca_path();
+    let ca_path = ca_path.to_str().unwrap();
+    let flags = [
+        "--destination",
+        "amqp",
+        "--url",
+        &amqps,
+        "--exchange",
+        &name,
+        "--amqp-tls-ca",
+        ca_path,
+    ];
+    let mut relay = RelayProcess::spawn(&db.url(), "relay-amqps", &flags, &[]);
+    wait_drained(&db.pool, Duration::from_secs(30), || relay.log()).await;
+    assert!(relay.terminate().success(), "{}", relay.log());
+
+    let connection = Connection::connect(&node.url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut messages = Vec::new();
+    while let Some(message) = channel
+        .basic_get(name.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        messages.push(read(&message.delivery, messages.len()));
+    }
+    let check = check_delivered(&db.pool, &messages).await;
+    assert!(check.messages >= 60, "{} messages", check.messages);
+
+    // The CA from the environment, and the wrong one: the relay ends at once, non-zero, saying
+    // why, without the URL's credentials.
+    let wrong = handoff_test::tls::TestCa::new("wrong").unwrap();
+    let wrong_path = wrong.ca_path();
+    let flags = [
+        "--destination",
+        "amqp",
+        "--url",
+        &amqps,
+        "--exchange",
+        &name,
+    ];
+    let mut relay = RelayProcess::spawn(
+        &db.url(),
+        "relay-wrong-ca",
+        &flags,
+        &[("AMQP_TLS_CA", wrong_path.to_str().unwrap())],
+    );
+    let started = Instant::now();
+    let status = exit_status(&mut relay, Duration::from_secs(20)).await;
+    let log = relay.log();
+    eprintln!(
+        "exit {status} after {:?}; last line: {:?}",
+        started.elapsed(),
+        log.lines().last()
+    );
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("failed the TLS handshake"), "{log}");
+    assert!(!log.contains("guest:guest"), "{log}");
+}

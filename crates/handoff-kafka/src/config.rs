@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::{KafkaOptions, OptionError};
+
 /// Where and how [`KafkaTransport`](crate::KafkaTransport) publishes.
 ///
 /// The topic is created with [`partitions`](Self::partitions) partitions and replication factor
@@ -49,6 +51,10 @@ pub struct KafkaConfig {
     /// The client id the brokers see in their logs and quotas. Non-empty printable ASCII.
     /// Default: `"handoff"`.
     pub client_id: String,
+    /// librdkafka settings for TLS, SASL and tuning (`security.protocol`, `sasl.mechanism`,
+    /// `ssl.ca.location`, `linger.ms`, ...), applied to every client after handoff's own.
+    /// Keys handoff sets itself are refused. Default: none.
+    pub options: KafkaOptions,
 }
 
 impl Default for KafkaConfig {
@@ -60,6 +66,7 @@ impl Default for KafkaConfig {
             publish_timeout: Duration::from_secs(5),
             ce_source: "handoff".to_owned(),
             client_id: "handoff".to_owned(),
+            options: KafkaOptions::default(),
         }
     }
 }
@@ -102,6 +109,9 @@ pub enum ConfigError {
     /// The client id is empty or not printable ASCII.
     #[error("invalid client id {0:?}: it must be non-empty printable ASCII")]
     InvalidClientId(String),
+    /// A librdkafka option is malformed, reserved or refused by librdkafka.
+    #[error(transparent)]
+    InvalidOption(#[from] OptionError),
 }
 
 impl KafkaConfig {
@@ -146,6 +156,7 @@ impl KafkaConfig {
         if self.client_id.is_empty() || !self.client_id.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ConfigError::InvalidClientId(self.client_id.clone()));
         }
+        self.options.validate()?;
         Ok(())
     }
 }

@@ -21,6 +21,16 @@ pub enum ConnectError {
         #[source]
         source: KafkaError,
     },
+    /// A broker answered but refused this client: TLS failed (an untrusted or wrong CA, a TLS
+    /// client on a plaintext listener) or SASL authentication failed (a wrong password, a
+    /// mechanism the broker does not offer). Waiting cannot fix it.
+    #[error("kafka brokers {brokers} refused the connection: {reason}")]
+    Refused {
+        /// The bootstrap brokers tried.
+        brokers: String,
+        /// librdkafka's reason (it never holds a password).
+        reason: String,
+    },
     /// No broker answered a metadata request in time (refused, timed out, unresolvable).
     #[error("kafka brokers {brokers} are unreachable: {source}")]
     Unreachable {
@@ -40,6 +50,8 @@ pub enum ConnectErrorKind {
     InvalidConfig,
     /// The brokers may come up later: retry with backoff.
     Unreachable,
+    /// The brokers refused TLS or SASL: fix the security options; retrying cannot help.
+    Refused,
 }
 
 impl ConnectError {
@@ -61,6 +73,7 @@ impl ConnectError {
         match self {
             Self::InvalidConfig(_) | Self::Client { .. } => ConnectErrorKind::InvalidConfig,
             Self::Unreachable { .. } => ConnectErrorKind::Unreachable,
+            Self::Refused { .. } => ConnectErrorKind::Refused,
         }
     }
 }

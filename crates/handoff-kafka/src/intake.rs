@@ -19,7 +19,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{check_brokers, check_topic};
-use crate::{ConfigError, ConnectError, KafkaConfig, KafkaTransport, TopicError};
+use crate::{ConfigError, ConnectError, KafkaConfig, KafkaOptions, KafkaTransport, TopicError};
 
 /// Where and how a [`KafkaIntake`] consumes.
 ///
@@ -63,6 +63,9 @@ pub struct IntakeConfig {
     /// would rather fail over quickly. The brokers bound it (`group.min.session.timeout.ms`,
     /// 6 s by default).
     pub session_timeout: Duration,
+    /// librdkafka settings for TLS, SASL and tuning, as [`KafkaConfig::options`]; applied to
+    /// the consumer and to the client that makes sure the topic exists. Default: none.
+    pub options: KafkaOptions,
 }
 
 impl Default for IntakeConfig {
@@ -75,6 +78,7 @@ impl Default for IntakeConfig {
             max_unsettled: 1000,
             redeliver_after: Duration::from_secs(30),
             session_timeout: Duration::from_secs(10),
+            options: KafkaOptions::default(),
         }
     }
 }
@@ -119,6 +123,7 @@ impl IntakeConfig {
                 "session_timeout must be from 1 s to 1 hour",
             ));
         }
+        self.options.validate().map_err(ConfigError::from)?;
         Ok(())
     }
 }
@@ -416,6 +421,7 @@ impl KafkaIntake {
             brokers: config.brokers.clone(),
             topic: config.topic.clone(),
             client_id: config.client_id.clone(),
+            options: config.options.clone(),
             ..KafkaConfig::default()
         })
         .await?;
@@ -427,7 +433,8 @@ impl KafkaIntake {
             source,
         };
         let tracks = Arc::new(Tracks::default());
-        let consumer: StreamConsumer<IntakeContext> = ClientConfig::new()
+        let mut client = ClientConfig::new();
+        client
             .set("bootstrap.servers", &config.brokers)
             .set("group.id", &config.group_id)
             .set("client.id", &config.client_id)
@@ -443,7 +450,9 @@ impl KafkaIntake {
             .set(
                 "heartbeat.interval.ms",
                 (config.session_timeout.as_millis() / 3).to_string(),
-            )
+            );
+        config.options.apply(&mut client);
+        let consumer: StreamConsumer<IntakeContext> = client
             .create_with_context(IntakeContext {
                 tracks: Arc::clone(&tracks),
                 topic: config.topic.clone(),

@@ -11,7 +11,13 @@
 //!   topic when it is missing (an existing one is never altered);
 //! - [`KafkaIntake`]: the consumers' side, a consumer group that hands deliveries to
 //!   `handoff-consumer` and commits offsets only up to what is settled;
-//! - [`read_topic`]: every message a topic holds, for checks and tests.
+//! - [`read_topic`]: every message a topic holds, for checks and tests;
+//! - [`KafkaOptions`]: librdkafka settings passed through for TLS, SASL (PLAIN, SCRAM,
+//!   OAUTHBEARER) and tuning, whose secret values never reach a log line.
+//!
+//! librdkafka is built with OpenSSL (TLS, SASL PLAIN, SCRAM and OAUTHBEARER) and libcurl
+//! (OAUTHBEARER's OIDC token fetch), without GSSAPI (Kerberos); [`librdkafka_features`] lists
+//! what the build has.
 //!
 //! Delivery is at least once: the producer is idempotent, so its own retries never duplicate,
 //! but a relay that republishes an event after a crash produces a second copy with the same
@@ -42,14 +48,18 @@
 mod config;
 mod error;
 mod intake;
+mod options;
 mod scan;
 mod transport;
 
 pub use config::{ConfigError, KafkaConfig};
 pub use error::{ConnectError, ConnectErrorKind, TopicError, TopicErrorKind};
 pub use intake::{IntakeConfig, IntakeConfigError, IntakeConnectError, KafkaIntake, KafkaSettle};
+#[cfg(feature = "clap")]
+pub use options::KafkaOptionParser;
+pub use options::{is_secret_option, librdkafka_features, KafkaOption, KafkaOptions, OptionError};
 /// The Kafka client crate this one is built on, for callers that need its types at the same
 /// version.
 pub use rdkafka;
-pub use scan::{read_topic, ScanError, StoredRecord};
+pub use scan::{read_topic, read_topic_with, ScanError, StoredRecord};
 pub use transport::{Delivered, KafkaTransport, TopicSummary};

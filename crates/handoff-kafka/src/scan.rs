@@ -11,7 +11,7 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::config::{check_brokers, check_topic};
-use crate::ConfigError;
+use crate::{ConfigError, KafkaOptions};
 
 /// One message as the topic stores it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,10 +119,30 @@ pub async fn read_topic(
     topic: &str,
     timeout: Duration,
 ) -> Result<Vec<StoredRecord>, ScanError> {
+    read_topic_with(brokers, topic, &KafkaOptions::default(), timeout).await
+}
+
+/// As [`read_topic`], with librdkafka `options` (TLS, SASL) for the reading client, as
+/// [`KafkaConfig::options`](crate::KafkaConfig::options).
+///
+/// # Errors
+///
+/// As [`read_topic`], and [`ScanError::InvalidConfig`] for options librdkafka refuses.
+///
+/// # Cancel safety
+///
+/// As [`read_topic`].
+pub async fn read_topic_with(
+    brokers: &str,
+    topic: &str,
+    options: &KafkaOptions,
+    timeout: Duration,
+) -> Result<Vec<StoredRecord>, ScanError> {
     check_brokers(brokers)?;
     check_topic(topic)?;
-    let (brokers, topic_name) = (brokers.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || read_blocking(&brokers, &topic_name, timeout))
+    options.validate().map_err(ConfigError::from)?;
+    let (brokers, topic_name, options) = (brokers.to_owned(), topic.to_owned(), options.clone());
+    tokio::task::spawn_blocking(move || read_blocking(&brokers, &topic_name, &options, timeout))
         .await
         .unwrap_or_else(|_| {
             Err(ScanError::Kafka {
@@ -151,6 +171,7 @@ impl ConsumerContext for ScanContext {}
 fn read_blocking(
     brokers: &str,
     topic: &str,
+    options: &KafkaOptions,
     timeout: Duration,
 ) -> Result<Vec<StoredRecord>, ScanError> {
     let deadline = Instant::now() + timeout;
@@ -159,7 +180,8 @@ fn read_blocking(
         topic: topic.to_owned(),
         source,
     };
-    let consumer: BaseConsumer<ScanContext> = ClientConfig::new()
+    let mut client = ClientConfig::new();
+    client
         .set("bootstrap.servers", brokers)
         // librdkafka wants a group id for a consumer; nothing is ever committed under it.
         .set("group.id", "handoff-scan")
@@ -168,9 +190,10 @@ fn read_blocking(
         // The end of each partition is where its fetch reaches the log's end. Not the
         // ListOffsets watermarks: tansu 0.6 answers those wrongly for all but one partition
         // of a topic (offset 1 for partitions holding dozens of messages).
-        .set("enable.partition.eof", "true")
-        .create_with_context(ScanContext)
-        .map_err(kafka)?;
+        .set("enable.partition.eof", "true");
+    options.apply(&mut client);
+    let consumer: BaseConsumer<ScanContext> =
+        client.create_with_context(ScanContext).map_err(kafka)?;
     let metadata = consumer
         .fetch_metadata(Some(topic), left())
         .map_err(kafka)?;

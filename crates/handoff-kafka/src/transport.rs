@@ -1,7 +1,7 @@
 //! [`KafkaTransport`]: the relay's [`Transport`] onto one Kafka topic.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use handoff_core::contract;
@@ -29,6 +29,33 @@ pub(crate) struct ClientState {
     /// librdkafka reported that every broker is down, and no delivery or metadata answer has
     /// come since: failures now are the destination's, not the event's.
     pub(crate) brokers_down: AtomicBool,
+    /// The last TLS or authentication failure librdkafka reported (a wrong CA, a wrong SASL
+    /// password, a TLS client on a plaintext listener): what a connect that got no answer
+    /// says instead of "unreachable". std Mutex: never held across `.await`.
+    pub(crate) refused: Mutex<Option<String>>,
+}
+
+impl ClientState {
+    /// The TLS or authentication failure reported so far, if any.
+    pub(crate) fn refusal(&self) -> Option<String> {
+        self.refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// Whether librdkafka's `code` says the brokers answered but refused this client (TLS or
+/// SASL), which waiting cannot fix.
+pub(crate) fn is_refusal(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::Authentication
+            | RDKafkaErrorCode::SSL
+            | RDKafkaErrorCode::SaslAuthenticationFailed
+            | RDKafkaErrorCode::UnsupportedSASLMechanism
+            | RDKafkaErrorCode::IllegalSASLState
+    )
 }
 
 /// The client context: librdkafka's global errors set [`ClientState`], and are logged.
@@ -39,8 +66,23 @@ pub(crate) struct KafkaContext {
 
 impl ClientContext for KafkaContext {
     fn error(&self, error: KafkaError, reason: &str) {
-        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown) {
-            self.state.brokers_down.store(true, Ordering::Relaxed);
+        match error.rdkafka_error_code() {
+            Some(RDKafkaErrorCode::AllBrokersDown) => {
+                self.state.brokers_down.store(true, Ordering::Relaxed);
+            }
+            // librdkafka's reasons name the broker and the mechanism, never a password. A TLS
+            // client on a plaintext listener is disconnected mid-handshake, which librdkafka
+            // reports as a transport failure ("SSL handshake failed: ... connecting to a
+            // PLAINTEXT broker listener?"); at connect time that is a refusal too.
+            Some(code)
+                if is_refusal(code)
+                    || (code == RDKafkaErrorCode::BrokerTransportFailure
+                        && reason.contains("SSL handshake failed")) =>
+            {
+                *self.state.refused.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(reason.to_owned());
+            }
+            _ => {}
         }
         // librdkafka retries by itself; these are worth a warning, not an error.
         tracing::warn!(%error, reason, "kafka client error");
@@ -178,10 +220,9 @@ impl KafkaTransport {
             .create_with_context(KafkaContext {
                 state: Arc::clone(&state),
             })
-            .map_err(|source| ConnectError::Client { source })?;
-        let admin: AdminClient<DefaultClientContext> = admin_config(&config)
-            .create()
-            .map_err(|source| ConnectError::Client { source })?;
+            .map_err(client_error)?;
+        let admin: AdminClient<DefaultClientContext> =
+            admin_config(&config).create().map_err(client_error)?;
         let probe = producer.clone();
         let topic = config.topic.clone();
         tokio::task::spawn_blocking(move || {
@@ -192,9 +233,15 @@ impl KafkaTransport {
         })
         .await
         .unwrap_or(Err(KafkaError::MetadataFetch(RDKafkaErrorCode::Fail)))
-        .map_err(|source| ConnectError::Unreachable {
-            brokers: config.brokers.clone(),
-            source,
+        .map_err(|source| match state.refusal() {
+            Some(reason) => ConnectError::Refused {
+                brokers: config.brokers.clone(),
+                reason,
+            },
+            None => ConnectError::Unreachable {
+                brokers: config.brokers.clone(),
+                source,
+            },
         })?;
         Ok(Self {
             producer: RwLock::new(producer),
@@ -530,6 +577,7 @@ fn producer_config(config: &KafkaConfig) -> ClientConfig {
         .set("allow.auto.create.topics", "false")
         // The Java client's key hash: other producers put a key in the same partition.
         .set("partitioner", "murmur2_random");
+    config.options.apply(&mut client);
     client
 }
 
@@ -538,7 +586,19 @@ fn admin_config(config: &KafkaConfig) -> ClientConfig {
     client
         .set("bootstrap.servers", &config.brokers)
         .set("client.id", &config.client_id);
+    config.options.apply(&mut client);
     client
+}
+
+/// librdkafka's refusal to create a client, without the option value rdkafka's own
+/// configuration errors quote.
+pub(crate) fn client_error(source: KafkaError) -> ConnectError {
+    match source {
+        KafkaError::ClientConfig(..) => ConnectError::InvalidConfig(
+            crate::ConfigError::InvalidOption(crate::options::refused_option(source)),
+        ),
+        source => ConnectError::Client { source },
+    }
 }
 
 /// Sorts librdkafka's codes into the relay's kinds; `timeout` is the kind a timeout gets (the

@@ -29,7 +29,18 @@ pub enum ConnectError {
         /// What is wrong with it.
         reason: String,
     },
-    /// No server could be reached (refused, timed out, DNS or TLS failure).
+    /// The TLS handshake failed: the server's certificate did not verify against the configured
+    /// CA (or names another host), or the server refused ours. Retrying cannot change a
+    /// certificate.
+    #[error("tls with nats server {server} failed: {source}")]
+    Tls {
+        /// The servers tried, without credentials.
+        server: String,
+        /// The client's error.
+        #[source]
+        source: async_nats::ConnectError,
+    },
+    /// No server could be reached (refused, timed out, DNS failure).
     #[error("nats server {server} is unreachable: {source}")]
     Unreachable {
         /// The servers tried, without credentials.
@@ -61,6 +72,8 @@ pub enum ConnectErrorKind {
     Unreachable,
     /// The credentials were refused; retrying only helps once an operator fixes them.
     Unauthorized,
+    /// TLS failed (a certificate that does not verify); retrying cannot help.
+    Tls,
 }
 
 impl ConnectError {
@@ -85,6 +98,7 @@ impl ConnectError {
             Self::InvalidUrl { .. } => ConnectErrorKind::InvalidUrl,
             Self::Unreachable { .. } => ConnectErrorKind::Unreachable,
             Self::Unauthorized { .. } => ConnectErrorKind::Unauthorized,
+            Self::Tls { .. } => ConnectErrorKind::Tls,
         }
     }
 }

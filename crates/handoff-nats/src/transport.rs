@@ -490,6 +490,9 @@ impl Transport for JetStreamTransport {
 
 fn connect_error(source: async_nats::ConnectError, server: String) -> ConnectError {
     use async_nats::ConnectErrorKind as Kind;
+    if is_tls_failure(&source) {
+        return ConnectError::Tls { server, source };
+    }
     match source.kind() {
         Kind::ServerParse => ConnectError::InvalidUrl {
             reason: source.to_string(),
@@ -501,6 +504,29 @@ fn connect_error(source: async_nats::ConnectError, server: String) -> ConnectErr
             ConnectError::Unreachable { server, source }
         }
     }
+}
+
+/// Whether a connect failed in TLS. async-nats reports a handshake that rustls refused (an
+/// unknown CA, another host's certificate) as an I/O error, so its kind alone would make a
+/// wrong CA look like a server that is down, retried forever; rustls's error inside tells.
+fn is_tls_failure(error: &async_nats::ConnectError) -> bool {
+    if error.kind() == async_nats::ConnectErrorKind::Tls {
+        return true;
+    }
+    let mut next = std::error::Error::source(error);
+    while let Some(cause) = next {
+        if cause.is::<rustls::Error>() {
+            return true;
+        }
+        // io::Error's source() skips the error it wraps: look at that one directly.
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            if io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()) {
+                return true;
+            }
+        }
+        next = cause.source();
+    }
+    false
 }
 
 fn is_stream_not_found(kind: &GetStreamErrorKind) -> bool {

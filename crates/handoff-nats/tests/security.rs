@@ -87,6 +87,8 @@ async fn tls_with_a_client_certificate_and_a_password_connects_and_publishes() {
     let error = JetStreamTransport::connect(&url, wrong_ca)
         .await
         .unwrap_err();
+    // Permanent: the relay must stop at once instead of retrying a certificate forever.
+    assert_eq!(error.kind(), ConnectErrorKind::Tls, "{}", chain(&error));
     assert!(!chain(&error).contains("tl5-s3cret"), "{}", chain(&error));
 
     // The right certificates and a wrong password.

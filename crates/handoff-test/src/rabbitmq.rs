@@ -72,6 +72,8 @@ pub struct RabbitMqNode {
     port: u16,
     /// Database, logs, pid file, configuration and `HOME` (the Erlang cookie); removed on drop.
     dir: TempDir,
+    /// Loopback AMQPS (TLS) port, when started by [`RabbitMqNode::start_with_tls`].
+    tls_port: Option<u16>,
 }
 
 impl RabbitMqNode {
@@ -148,6 +150,7 @@ impl RabbitMqNode {
             node,
             port: 0,
             dir,
+            tls_port: None,
         };
         let mut attempt = 1;
         loop {
@@ -164,6 +167,51 @@ impl RabbitMqNode {
                 Err(error) => return Err(error),
             }
         }
+    }
+
+    /// As [`start`](Self::start), with a TLS listener as well, on a second loopback port
+    /// ([`amqps_url`](Self::amqps_url)), whose certificate `ca` signs (for `localhost` and
+    /// `127.0.0.1`). Clients are not asked for a certificate.
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start), and when the certificate cannot be made.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use handoff_test::rabbitmq::RabbitMqNode;
+    /// use handoff_test::tls::TestCa;
+    ///
+    /// let ca = TestCa::new("rabbit").unwrap();
+    /// let node = RabbitMqNode::start_with_tls(&ca)?;
+    /// let url = node.amqps_url().unwrap(); // amqps://guest:guest@127.0.0.1:PORT/%2f
+    /// # let _ = url;
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn start_with_tls(ca: &crate::tls::TestCa) -> io::Result<Self> {
+        let server = ca
+            .server("rabbitmq")
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        let tls_port = free_port()?;
+        let lines = [
+            format!("listeners.ssl.default = 127.0.0.1:{tls_port}"),
+            format!("ssl_options.cacertfile = {}", ca.ca_path().display()),
+            format!("ssl_options.certfile = {}", server.cert.display()),
+            format!("ssl_options.keyfile = {}", server.key.display()),
+            "ssl_options.verify = verify_none".to_owned(),
+            "ssl_options.fail_if_no_peer_cert = false".to_owned(),
+        ];
+        let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+        let mut node = Self::start_with_config(&lines)?;
+        node.tls_port = Some(tls_port);
+        Ok(node)
+    }
+
+    /// `amqps://guest:guest@127.0.0.1:PORT/%2f`, when the node has a TLS listener.
+    pub fn amqps_url(&self) -> Option<String> {
+        self.tls_port
+            .map(|port| format!("amqps://guest:guest@127.0.0.1:{port}/%2f"))
     }
 
     /// `amqp://guest:guest@127.0.0.1:PORT/%2f`.

@@ -65,9 +65,28 @@ impl Tansu {
     /// When the binary cannot be run, or the broker exits or is not ready within 30 seconds
     /// (the error carries the tail of its output).
     pub fn start() -> io::Result<Self> {
+        Self::start_with(false)
+    }
+
+    /// As [`start`](Self::start), with `tansu broker --authentication`: every request but
+    /// `ApiVersions` and the SASL handshake needs an authenticated connection. tansu 0.6
+    /// offers SASL PLAIN, which it accepts with any password (it checks only that one is
+    /// given), and SCRAM-SHA-256/512, which it checks against stored credentials; a fresh
+    /// in-memory broker has none (creating one is itself a request that needs authentication),
+    /// so every SCRAM login fails. (tansu 0.6 takes `--cert` and `--key` but does not serve
+    /// TLS with them.)
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_with_authentication() -> io::Result<Self> {
+        Self::start_with(true)
+    }
+
+    fn start_with(authentication: bool) -> io::Result<Self> {
         let mut attempt = 1;
         loop {
-            match Self::spawn(free_port()?) {
+            match Self::spawn(free_port()?, authentication) {
                 Ok(broker) => return Ok(broker),
                 // Another process took the port between our probe and the broker's bind.
                 Err(error)
@@ -113,7 +132,7 @@ impl Tansu {
         Ok(())
     }
 
-    fn spawn(port: u16) -> io::Result<Self> {
+    fn spawn(port: u16, authentication: bool) -> io::Result<Self> {
         let bin = binary();
         let url = format!("tcp://127.0.0.1:{port}");
         let mut command = Command::new(&bin);
@@ -126,6 +145,7 @@ impl Tansu {
                 &url,
             ])
             .args(["--storage-engine", "memory://tansu/"])
+            .args(authentication.then_some("--authentication"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

@@ -157,6 +157,17 @@ pub struct CommonArgs {
     /// `--nats-creds`, `--nats-nkey`, `--nats-tls-ca`, `--nats-tls-cert`, `--nats-tls-key`.
     #[command(flatten)]
     pub nats_security: handoff_nats::NatsSecurityArgs,
+    // Kafka options and AMQP over TLS (issue 23).
+    /// With --broker kafka: a librdkafka setting, KEY=VALUE (repeatable), such as
+    /// security.protocol=SASL_SSL or sasl.mechanism=SCRAM-SHA-512. Secret values (passwords,
+    /// secrets, private keys) are never logged; flags show in process listings.
+    #[arg(long = "kafka-option", value_name = "KEY=VALUE",
+        value_parser = handoff_kafka::KafkaOptionParser)]
+    pub kafka_option: Vec<handoff_kafka::KafkaOption>,
+    /// With an amqps:// --amqp-url: a CA certificate file (PEM) trusted besides the public
+    /// roots, for a broker whose certificate a private CA signed.
+    #[arg(long, env = "AMQP_TLS_CA", value_name = "FILE")]
+    pub amqp_tls_ca: Option<std::path::PathBuf>,
 }
 
 /// The `--broker` values.
@@ -571,6 +582,7 @@ where
                 topic: args.topic.clone(),
                 group_id: args.consumer_name.clone(),
                 redeliver_after: args.ack_wait,
+                options: args.kafka_option.iter().cloned().collect(),
                 ..handoff_kafka::IntakeConfig::default()
             };
             let intake = handoff_kafka::KafkaIntake::connect(intake_config)
@@ -578,7 +590,8 @@ where
                 .map_err(|e| RunError::Broker(e.to_string()))?;
             let brokers = args.brokers.clone();
             offer_broker_probe(move || tcp_ready(brokers.clone()));
-            info!(topic = %args.topic, group = %args.consumer_name, "consuming");
+            let options: Vec<&str> = args.kafka_option.iter().map(|o| o.key()).collect();
+            info!(topic = %args.topic, group = %args.consumer_name, ?options, "consuming");
             consume(&consumer, intake, &args.topic, &args.consumer_name).await
         }
         BrokerArg::Amqp => {
@@ -586,6 +599,7 @@ where
             let intake_config = handoff_amqp::IntakeConfig {
                 url: args.amqp_url.clone(),
                 queue: queue.to_owned(),
+                tls_ca: args.amqp_tls_ca.clone(),
                 ..handoff_amqp::IntakeConfig::default()
             };
             let declaration = handoff_amqp::QueueDeclaration {
