@@ -78,22 +78,9 @@ struct MigrateArgs {
 }
 
 fn main() -> std::process::ExitCode {
-    // `<VAR>_FILE` (DATABASE_URL_FILE, ...) before clap reads the environment, and before the
-    // runtime starts threads: setting environment variables is only sound single-threaded.
-    if let Err(code) = handoff_telemetry::secrets::init() {
-        return code;
-    }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("error: cannot start the tokio runtime: {error}");
-            return std::process::ExitCode::FAILURE;
-        }
-    };
-    runtime.block_on(async_main())
+    // `<VAR>_FILE` (DATABASE_URL_FILE, ...) before anything reads the environment; then the
+    // runtime.
+    handoff_telemetry::secrets::run_main(async_main)
 }
 
 async fn async_main() -> std::process::ExitCode {

@@ -95,6 +95,43 @@ pub fn init() -> Result<(), ExitCode> {
     })
 }
 
+/// Runs a binary's `async_main` as every handoff binary starts: [`init`] first, while the
+/// process has one thread, then `async_main` on a multi-threaded tokio runtime built after it
+/// (so no `#[tokio::main]`, whose threads would exist before the variables are set).
+///
+/// # Examples
+///
+/// ```no_run
+/// use std::process::ExitCode;
+///
+/// fn main() -> ExitCode {
+///     handoff_telemetry::secrets::run_main(async_main)
+/// }
+///
+/// async fn async_main() -> ExitCode {
+///     // DATABASE_URL is set here when only DATABASE_URL_FILE was.
+///     ExitCode::SUCCESS
+/// }
+/// ```
+pub fn run_main<F>(async_main: impl FnOnce() -> F) -> ExitCode
+where
+    F: std::future::Future<Output = ExitCode>,
+{
+    if let Err(code) = init() {
+        return code;
+    }
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(async_main()),
+        Err(error) => {
+            eprintln!("error: cannot start the tokio runtime: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// Sets each `VAR` in `names` from the file `VAR_FILE` names, where `VAR_FILE` is set.
 ///
 /// Nothing is set unless every file could be read. Only call it while the process has a

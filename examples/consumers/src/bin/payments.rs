@@ -7,21 +7,9 @@ use reference_consumers::common;
 use reference_consumers::payments::{self, PaymentsArgs};
 
 fn main() -> ExitCode {
-    // `<VAR>_FILE` (DATABASE_URL_FILE, ...) before clap reads the environment, and before the
-    // runtime starts threads: setting environment variables is only sound single-threaded.
-    if let Err(code) = handoff_telemetry::secrets::init() {
-        return code;
-    }
-    match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime.block_on(async_main()),
-        Err(error) => {
-            eprintln!("error: cannot start the tokio runtime: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    // `<VAR>_FILE` (DATABASE_URL_FILE, ...) before anything reads the environment; then the
+    // runtime.
+    handoff_telemetry::secrets::run_main(async_main)
 }
 
 async fn async_main() -> ExitCode {
