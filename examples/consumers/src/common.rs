@@ -651,16 +651,31 @@ async fn consume<H: Handler, I: Intake>(
 /// Whether `options` lead through a connection pooler ([`Pooling::detect`]), within the
 /// connect timeout.
 async fn detect_pooling(options: &PgConnectOptions) -> Result<Pooling, RunError> {
-    let host = options.get_host().to_owned();
-    let port = options.get_port();
+    handoff_postgres::check_tls_files(options)?;
     match tokio::time::timeout(CONNECT_TIMEOUT, Pooling::detect(options)).await {
         Ok(Ok(pooling)) => Ok(pooling),
-        Ok(Err(source)) => Err(RunError::Postgres { host, port, source }),
-        Err(_elapsed) => Err(RunError::PostgresTimeout {
-            host,
-            port,
-            timeout: CONNECT_TIMEOUT,
-        }),
+        Ok(Err(source)) => Err(connect_failed(options, source)),
+        Err(_elapsed) => Err(connect_timed_out(options)),
+    }
+}
+
+/// The start-up error for a first connection that failed: a TLS failure apart, since no
+/// retry can fix a certificate.
+fn connect_failed(options: &PgConnectOptions, source: sqlx::Error) -> RunError {
+    let host = options.get_host().to_owned();
+    let port = options.get_port();
+    if handoff_postgres::connect_error_kind(&source) == handoff_postgres::ConnectErrorKind::Tls {
+        RunError::PostgresTls { host, port, source }
+    } else {
+        RunError::Postgres { host, port, source }
+    }
+}
+
+fn connect_timed_out(options: &PgConnectOptions) -> RunError {
+    RunError::PostgresTimeout {
+        host: options.get_host().to_owned(),
+        port: options.get_port(),
+        timeout: CONNECT_TIMEOUT,
     }
 }
 
@@ -673,9 +688,6 @@ async fn migrate(
     own: OwnTables,
     pooling: Pooling,
 ) -> Result<(), RunError> {
-    let host = options.get_host().to_owned();
-    let port = options.get_port();
-    handoff_postgres::check_tls_files(options)?;
     let mut conn = match tokio::time::timeout(
         CONNECT_TIMEOUT,
         sqlx::PgConnection::connect_with(options),
@@ -683,20 +695,8 @@ async fn migrate(
     .await
     {
         Ok(Ok(conn)) => conn,
-        Ok(Err(source))
-            if handoff_postgres::connect_error_kind(&source)
-                == handoff_postgres::ConnectErrorKind::Tls =>
-        {
-            return Err(RunError::PostgresTls { host, port, source })
-        }
-        Ok(Err(source)) => return Err(RunError::Postgres { host, port, source }),
-        Err(_elapsed) => {
-            return Err(RunError::PostgresTimeout {
-                host,
-                port,
-                timeout: CONNECT_TIMEOUT,
-            })
-        }
+        Ok(Err(source)) => return Err(connect_failed(options, source)),
+        Err(_elapsed) => return Err(connect_timed_out(options)),
     };
     let migrators = [
         Migrator::handoff(schema.clone()),
