@@ -520,7 +520,10 @@ fn is_tls_failure(error: &async_nats::ConnectError) -> bool {
         }
         // io::Error's source() skips the error it wraps: look at that one directly.
         if let Some(io) = cause.downcast_ref::<std::io::Error>() {
-            if io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()) {
+            if io
+                .get_ref()
+                .is_some_and(|inner| inner.is::<rustls::Error>())
+            {
                 return true;
             }
         }

@@ -21,8 +21,7 @@ use handoff_core::intake::Intake;
 use handoff_nats::{IntakeConfig, IntakeConnectError, JetStreamIntake};
 use handoff_postgres::{
     bounded_release, Inbox, InboxError, MigrateError, Migration, Migrator, Pooling, ReadyProbe,
-    Schema,
-    SchemaError,
+    Schema, SchemaError,
 };
 use handoff_telemetry::endpoint::{Endpoint, NotReady, Serving};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
