@@ -400,6 +400,22 @@ async fn concurrent_sagas_complete_through_a_transaction_pooler_with_each_effect
         assert_eq!(scalar(pool, "SELECT count(*) FROM consumer_quarantine").await, 0);
     }
 
+    // The operators' reads work through the pooler too, many at once (`handoff saga list` and
+    // `show` run these).
+    let admin = handoff_saga::SagaAdmin::new(&handoff_postgres::Schema::default());
+    let listed = admin.list(&pooled, None, 1_000).await.unwrap();
+    assert_eq!(listed.len(), ORDERS);
+    assert!(admin.open_counts(&pooled).await.unwrap().is_empty());
+    let mut shows = tokio::task::JoinSet::new();
+    for (order_id, _) in placed.iter().take(CONCURRENCY) {
+        let (admin, pool, order_id) = (admin.clone(), pooled.clone(), *order_id);
+        shows.spawn(async move { admin.show(&pool, order_id).await });
+    }
+    while let Some(shown) = shows.join_next().await {
+        let detail = shown.unwrap().unwrap().expect("the saga exists");
+        assert_eq!(detail.history.len() as i64, detail.saga.version);
+    }
+
     // No database error anywhere: a statement that lost its prepared statement or its
     // transaction to the pooler would have been retried, and logged.
     for (service, role) in services.iter().zip(["orders", "inventory", "payments"]) {
