@@ -6,9 +6,7 @@ use std::future::Future;
 use handoff_consumer::{Handler, HandlerError};
 use handoff_core::intake::ReceivedEvent;
 use handoff_core::EventCatalog;
-use handoff_postgres::{
-    validate_consumer_name, InboxError, Outbox, OutboxConfig, Pooling, Schema,
-};
+use handoff_postgres::{validate_consumer_name, InboxError, Outbox, OutboxConfig, Pooling, Schema};
 use serde_json::{Map, Value};
 use sqlx::{Connection, PgConnection};
 use tracing::debug;

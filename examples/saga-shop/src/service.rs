@@ -8,9 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use handoff_consumer::{Consumer, ConsumerConfig, Handler};
 use handoff_nats::{IntakeConfig, JetStreamConfig, JetStreamIntake, JetStreamTransport};
-use handoff_postgres::{
-    MigrateError, Migrator, PollingConfig, PollingSource, Pooling, Schema,
-};
+use handoff_postgres::{MigrateError, Migrator, PollingConfig, PollingSource, Pooling, Schema};
 use handoff_relay::{Relay, RelayConfig};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
@@ -169,7 +167,6 @@ pub async fn start<H: Handler>(
     aggregate_type: &str,
     handler: H,
 ) -> Result<Running> {
-
     let transport = JetStreamTransport::connect(
         &args.nats_url,
         JetStreamConfig {

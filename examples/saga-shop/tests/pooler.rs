@@ -201,7 +201,7 @@ async fn concurrent_sagas_complete_through_a_transaction_pooler_with_each_effect
     );
     for pool in [&orders_direct, &inventory_direct, &payments_direct] {
         handoff_postgres::Migrator::handoff(handoff_postgres::Schema::default())
-            .run(&mut *pool.acquire().await.unwrap())
+            .run(&mut pool.acquire().await.unwrap())
             .await
             .unwrap();
     }
@@ -357,24 +357,35 @@ async fn concurrent_sagas_complete_through_a_transaction_pooler_with_each_effect
     // compensated (stock reserved, then released; never charged), every other order completes.
     for (order_id, request) in &placed {
         let (state, version, history) = &sagas[order_id];
-        assert_eq!(version, history, "saga {order_id}: one history row per version");
+        assert_eq!(
+            version, history,
+            "saga {order_id}: one history row per version"
+        );
         let charged = charges.get(order_id).map_or(&[][..], Vec::as_slice);
         if request.card == "declined" {
             assert_eq!(state, "compensated", "order {order_id}");
             assert_eq!(statuses[order_id], "cancelled");
             assert_eq!(reservations.get(order_id), Some(&(request.quantity, true)));
-            assert!(payments.get(order_id).is_none() && charged.is_empty());
+            assert!(!payments.contains_key(order_id) && charged.is_empty());
         } else {
             assert_eq!(state, "completed", "order {order_id}");
             assert_eq!(statuses[order_id], "confirmed");
             assert_eq!(reservations.get(order_id), Some(&(request.quantity, false)));
             let (charge, refunded) = &payments[order_id];
             assert!(!refunded);
-            assert_eq!(charged, std::slice::from_ref(charge), "charged once at the provider");
+            assert_eq!(
+                charged,
+                std::slice::from_ref(charge),
+                "charged once at the provider"
+            );
         }
     }
     assert_eq!(reservations.len(), ORDERS, "one reservation per saga");
-    assert_eq!(payments.len(), ORDERS - ORDERS / 4, "one payment per completed saga");
+    assert_eq!(
+        payments.len(),
+        ORDERS - ORDERS / 4,
+        "one payment per completed saga"
+    );
 
     // Stock: what was there less what the live reservations hold.
     let stock: Vec<(String, i32)> = sqlx::query_as("SELECT sku, on_hand FROM stock ORDER BY sku")
@@ -394,10 +405,16 @@ async fn concurrent_sagas_complete_through_a_transaction_pooler_with_each_effect
     // reservation per saga and a release per declined card, payments a charge (or refusal) per
     // saga; and nothing was quarantined.
     let answers = "SELECT count(*) FROM saga_participant_steps";
-    assert_eq!(scalar(&inventory_direct, answers).await, (ORDERS + ORDERS / 4) as i64);
+    assert_eq!(
+        scalar(&inventory_direct, answers).await,
+        (ORDERS + ORDERS / 4) as i64
+    );
     assert_eq!(scalar(&payments_direct, answers).await, ORDERS as i64);
     for pool in [&orders_direct, &inventory_direct, &payments_direct] {
-        assert_eq!(scalar(pool, "SELECT count(*) FROM consumer_quarantine").await, 0);
+        assert_eq!(
+            scalar(pool, "SELECT count(*) FROM consumer_quarantine").await,
+            0
+        );
     }
 
     // The operators' reads work through the pooler too, many at once (`handoff saga list` and
