@@ -2,7 +2,7 @@
 //! a stuck one, each action leaving an audit row. Needs no saga definition, so the `handoff`
 //! command can run it against any orchestrator's database.
 
-use handoff_postgres::Schema;
+use handoff_postgres::{Pooling, Schema};
 use serde::Serialize;
 use sqlx::{Acquire, Postgres};
 use uuid::Uuid;
@@ -37,10 +37,15 @@ pub struct SagaCount {
 /// The operators' view of the saga tables in one schema. Holds no connection: each call runs
 /// on the pool or connection it is given (`&PgPool`, `&mut PgConnection`).
 ///
+/// Every call sends its statements unnamed, inside one transaction (a savepoint when given one
+/// already open), so it works through a transaction pooler such as PgBouncer
+/// (docs/poolers.md): an operator command makes one call, so the direct path pays a parse per
+/// statement and a `BEGIN`/`COMMIT`, not a cost per event.
+///
 /// # Examples
 ///
 /// ```no_run
-/// use handoff_postgres::Schema;
+/// use handoff_postgres::{Pooling, Schema};
 /// use handoff_saga::{SagaAdmin, SagaState};
 ///
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -60,7 +65,8 @@ impl SagaAdmin {
     /// The saga tables in `schema`.
     pub fn new(schema: &Schema) -> Self {
         Self {
-            store: Store::new(schema),
+            // Operator calls are rare: always the pooler-safe way.
+            store: Store::new(schema, Pooling::Transaction),
         }
     }
 
@@ -75,16 +81,16 @@ impl SagaAdmin {
         state: Option<SagaState>,
         limit: i64,
     ) -> Result<Vec<SagaRecord>, SagaError> {
-        let mut conn = db.acquire().await.map_err(SagaError::Database)?;
-        // Unnamed: an operator's read, safe through a transaction pooler inside the caller's
-        // transaction (docs/poolers.md).
-        sqlx::query_as(&self.store.list)
+        let mut tx = db.begin().await.map_err(SagaError::Database)?;
+        let sagas = sqlx::query_as(&self.store.list)
             .persistent(false)
             .bind(state.map(SagaState::as_str))
             .bind(limit)
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *tx)
             .await
-            .map_err(|e| self.store.error(e))
+            .map_err(|e| self.store.error(e))?;
+        tx.commit().await.map_err(SagaError::Database)?;
+        Ok(sagas)
     }
 
     /// One saga with its history and audit; `None` when there is no such saga.
@@ -97,23 +103,27 @@ impl SagaAdmin {
         db: impl Acquire<'c, Database = Postgres>,
         saga_id: Uuid,
     ) -> Result<Option<SagaDetail>, SagaError> {
-        let mut conn = db.acquire().await.map_err(SagaError::Database)?;
+        let mut tx = db.begin().await.map_err(SagaError::Database)?;
         let saga: Option<SagaRecord> = sqlx::query_as(&self.store.get)
+            .persistent(false)
             .bind(saga_id)
-            .fetch_optional(&mut *conn)
+            .fetch_optional(&mut *tx)
             .await
             .map_err(|e| self.store.error(e))?;
         let Some(saga) = saga else { return Ok(None) };
         let history = sqlx::query_as(&self.store.history_of)
+            .persistent(false)
             .bind(saga_id)
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *tx)
             .await
             .map_err(|e| self.store.error(e))?;
         let actions = sqlx::query_as(&self.store.actions_of)
+            .persistent(false)
             .bind(saga_id)
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *tx)
             .await
             .map_err(|e| self.store.error(e))?;
+        tx.commit().await.map_err(SagaError::Database)?;
         Ok(Some(SagaDetail {
             saga,
             history,
@@ -131,8 +141,10 @@ impl SagaAdmin {
         &self,
         db: impl Acquire<'c, Database = Postgres>,
     ) -> Result<Vec<SagaCount>, SagaError> {
-        let mut conn = db.acquire().await.map_err(SagaError::Database)?;
-        self.store.open_counts(&mut conn, None).await
+        let mut tx = db.begin().await.map_err(SagaError::Database)?;
+        let counts = self.store.open_counts(&mut tx, None).await?;
+        tx.commit().await.map_err(SagaError::Database)?;
+        Ok(counts)
     }
 
     /// Moves a stuck saga again, for when the cause is fixed (the participant is back, its
@@ -223,6 +235,7 @@ impl SagaAdmin {
             self.store.sagas()
         );
         let after: SagaRecord = sqlx::query_as(&sql)
+            .persistent(false)
             .bind(saga_id)
             .fetch_one(&mut *tx)
             .await
@@ -240,6 +253,7 @@ impl SagaAdmin {
             )
             .await?;
         sqlx::query(&self.store.audit)
+            .persistent(false)
             .bind(saga_id)
             .bind(action)
             .bind(reason)

@@ -10,7 +10,7 @@ use std::time::Duration;
 use handoff_consumer::{Handler, HandlerError};
 use handoff_core::intake::ReceivedEvent;
 use handoff_core::{Backoff, EventCatalog};
-use handoff_postgres::{EnqueueError, Outbox, OutboxConfig, Schema};
+use handoff_postgres::{EnqueueError, Outbox, OutboxConfig, Pooling, Schema};
 use serde_json::{Map, Value};
 use sqlx::{Connection, PgConnection, PgPool};
 use tracing::{debug, info, warn};
@@ -42,6 +42,14 @@ pub struct OrchestratorConfig {
     /// `stuck` with the last error as its reason (for `handoff saga resume` or `resolve`).
     /// At least 1.
     pub transition_attempts: u32,
+    // Transaction poolers (issue 23).
+    /// [`Pooling::Transaction`] when the database's connections may go through a transaction
+    /// pooler such as PgBouncer (docs/poolers.md): every statement, the saga commands'
+    /// enqueue included, is then sent unnamed, and those the deadline sweep and the gauge send
+    /// outside a transaction run in one of their own. The caller's statements in the
+    /// transaction it gives [`Orchestrator::start`] and the hooks must do the same
+    /// ([`Orchestrator::pooling`]). Default: [`Pooling::Session`] (cached named statements).
+    pub pooling: Pooling,
 }
 
 impl Default for OrchestratorConfig {
@@ -56,6 +64,7 @@ impl Default for OrchestratorConfig {
                 max: Duration::from_secs(60),
             },
             transition_attempts: 5,
+            pooling: Pooling::Session,
         }
     }
 }
@@ -305,6 +314,7 @@ impl<H: SagaHooks> Orchestrator<H> {
         }
         let outbox_config = OutboxConfig {
             schema: config.schema.clone(),
+            pooling: config.pooling,
             ..OutboxConfig::default()
         };
         let outbox = Outbox::new(outbox_config, catalog).expect("the default limits accept events");
@@ -313,11 +323,18 @@ impl<H: SagaHooks> Orchestrator<H> {
                 saga_types: by_type.keys().cloned().collect(),
                 definitions: by_type,
                 outbox,
-                store: Store::new(&config.schema),
+                store: Store::new(&config.schema, config.pooling),
                 config,
                 hooks,
             }),
         })
+    }
+
+    /// How the orchestrator's statements reach PostgreSQL ([`OrchestratorConfig::pooling`]):
+    /// the application's own statements in the same transactions (the one given to
+    /// [`start`](Self::start), the hooks') must be sent the same way.
+    pub fn pooling(&self) -> Pooling {
+        self.inner.config.pooling
     }
 
     /// The commands the orchestrator sends, for an application that wants them in its own
@@ -367,6 +384,7 @@ impl<H: SagaHooks> Orchestrator<H> {
             action: first.action.clone(),
         };
         let inserted = sqlx::query(&inner.store.insert)
+            .persistent(inner.store.named)
             .bind(saga_id)
             .bind(saga_type)
             .bind(&data)
@@ -452,12 +470,21 @@ impl<H: SagaHooks> Orchestrator<H> {
     /// Cancel safe: a cancelled transaction rolls back, and the saga is due again.
     pub async fn sweep(&self, pool: &PgPool) -> Result<usize, SagaError> {
         let inner = &self.inner;
-        let due: Vec<Uuid> = sqlx::query_scalar(&inner.store.due)
+        let due = sqlx::query_scalar(&inner.store.due)
+            .persistent(inner.store.named)
             .bind(&inner.saga_types)
-            .bind(inner.config.sweep_batch)
-            .fetch_all(pool)
-            .await
-            .map_err(|e| inner.store.error(e))?;
+            .bind(inner.config.sweep_batch);
+        let due: Vec<Uuid> = if inner.store.named {
+            due.fetch_all(pool).await
+        } else {
+            // Behind a transaction pooler an unnamed statement needs a transaction, or its
+            // two exchanges may land on different server connections (docs/poolers.md).
+            let mut tx = pool.begin().await.map_err(SagaError::Database)?;
+            let due = due.fetch_all(&mut *tx).await;
+            tx.commit().await.map_err(SagaError::Database)?;
+            due
+        }
+        .map_err(|e| inner.store.error(e))?;
         let mut moved = 0;
         for saga_id in due {
             match self.fire(pool, saga_id).await? {
@@ -478,6 +505,7 @@ impl<H: SagaHooks> Orchestrator<H> {
         let inner = &self.inner;
         let mut tx = pool.begin().await.map_err(SagaError::Database)?;
         let saga: Option<SagaRecord> = sqlx::query_as(&inner.store.lock_due)
+            .persistent(inner.store.named)
             .bind(saga_id)
             .fetch_optional(&mut *tx)
             .await
@@ -539,14 +567,25 @@ impl<H: SagaHooks> Orchestrator<H> {
             .delay(u32::try_from(failures).unwrap_or(u32::MAX));
         warn!(saga_id = %saga.saga_id, saga_type = saga.saga_type, failures, %error,
               retry_in_ms = delay.as_millis(), "saga deadline transition failed; backing off");
-        let postponed = sqlx::query(&inner.store.postpone)
+        let postpone = sqlx::query(&inner.store.postpone)
+            .persistent(inner.store.named)
             .bind(saga.saga_id)
             .bind(failures)
             .bind(&error)
             .bind(delay.as_secs_f64())
-            .bind(saga.version)
-            .execute(pool)
-            .await;
+            .bind(saga.version);
+        let postponed = if inner.store.named {
+            postpone.execute(pool).await
+        } else {
+            // In a transaction of its own behind a transaction pooler (see `sweep`).
+            match pool.begin().await {
+                Ok(mut tx) => match postpone.execute(&mut *tx).await {
+                    Ok(done) => tx.commit().await.map(|()| done),
+                    Err(error) => Err(error),
+                },
+                Err(error) => Err(error),
+            }
+        };
         if let Err(postpone_error) = postponed {
             warn!(saga_id = %saga.saga_id, error = %inner.store.error(postpone_error),
                   "could not back a failing saga off; it is due again at once");
@@ -568,6 +607,7 @@ impl<H: SagaHooks> Orchestrator<H> {
         let mut tx = pool.begin().await.map_err(SagaError::Database)?;
         // SKIP LOCKED, as when firing: the sweep never waits on a row someone else holds.
         let current: Option<SagaRecord> = sqlx::query_as(&inner.store.lock_due)
+            .persistent(inner.store.named)
             .bind(saga.saga_id)
             .fetch_optional(&mut *tx)
             .await
@@ -650,11 +690,22 @@ impl<H: SagaHooks> Orchestrator<H> {
     /// Sets the `handoff_sagas{saga_type, state}` gauge of the sagas in flight or stuck.
     async fn count(&self, pool: &PgPool) -> Result<(), SagaError> {
         let inner = &self.inner;
-        let mut conn = pool.acquire().await.map_err(SagaError::Database)?;
-        let rows = inner
-            .store
-            .open_counts(&mut conn, Some(&inner.saga_types))
-            .await?;
+        let rows = if inner.store.named {
+            let mut conn = pool.acquire().await.map_err(SagaError::Database)?;
+            inner
+                .store
+                .open_counts(&mut conn, Some(&inner.saga_types))
+                .await?
+        } else {
+            // Unnamed, so in a transaction behind a transaction pooler (see `sweep`).
+            let mut tx = pool.begin().await.map_err(SagaError::Database)?;
+            let rows = inner
+                .store
+                .open_counts(&mut tx, Some(&inner.saga_types))
+                .await?;
+            tx.commit().await.map_err(SagaError::Database)?;
+            rows
+        };
         for saga_type in &inner.saga_types {
             for state in [
                 SagaState::Running,
@@ -709,6 +760,7 @@ impl<H: SagaHooks> Orchestrator<H> {
             None => (None, None),
         };
         let updated: Option<SagaRecord> = sqlx::query_as(&inner.store.update)
+            .persistent(inner.store.named)
             .bind(saga.saga_id)
             .bind(t.state.as_str())
             .bind(t.step)

@@ -6,7 +6,7 @@ use std::future::Future;
 use handoff_consumer::{Handler, HandlerError};
 use handoff_core::intake::ReceivedEvent;
 use handoff_core::EventCatalog;
-use handoff_postgres::{validate_consumer_name, InboxError, Outbox, OutboxConfig, Schema};
+use handoff_postgres::{validate_consumer_name, InboxError, Outbox, OutboxConfig, Pooling, Schema};
 use serde_json::{Map, Value};
 use sqlx::{Connection, PgConnection};
 use tracing::debug;
@@ -109,6 +109,9 @@ pub struct SagaParticipant<P> {
     outbox: Outbox,
     lookup: String,
     insert: String,
+    /// Whether statements may be prepared under a name and cached: not behind a transaction
+    /// pooler.
+    named: bool,
 }
 
 impl<P: Participant> SagaParticipant<P> {
@@ -147,7 +150,30 @@ impl<P: Participant> SagaParticipant<P> {
             .expect("the default limits accept events"),
             name,
             participant,
+            named: true,
         })
+    }
+
+    /// Sends every statement of the participant's bookkeeping and its replies' enqueue the way
+    /// `pooling` requires: [`Pooling::Transaction`] when the database's connections may go
+    /// through a transaction pooler such as PgBouncer (docs/poolers.md), so they go unnamed.
+    /// They all run in the consumer's transaction; give the consumer
+    /// (`ConsumerConfig::pooling`) and the [`Participant`]'s own statements the same setting.
+    /// Default: [`Pooling::Session`].
+    pub fn with_pooling(mut self, pooling: Pooling) -> Self {
+        let config = OutboxConfig {
+            pooling,
+            ..self.outbox.config().clone()
+        };
+        self.outbox = Outbox::new(config, self.outbox.catalog().clone())
+            .expect("the default limits accept events");
+        self.named = pooling.named_statements();
+        self
+    }
+
+    /// How this participant's statements are sent ([`with_pooling`](Self::with_pooling)).
+    pub fn pooling(&self) -> Pooling {
+        self.outbox.config().pooling
     }
 
     /// The reply events this participant enqueues, for an application that wants them in its
@@ -159,6 +185,7 @@ impl<P: Participant> SagaParticipant<P> {
     /// Answers one command in `tx`; returns the reply enqueued.
     async fn answer(&self, tx: &mut PgConnection, command: &Command) -> Result<Reply, StepError> {
         let recorded: Vec<(String, String, Value)> = sqlx::query_as(&self.lookup)
+            .persistent(self.named)
             .bind(&self.name)
             .bind(command.saga_id)
             .bind(command.step)
@@ -269,6 +296,7 @@ impl<P: Participant> SagaParticipant<P> {
         reply: &Reply,
     ) -> Result<(), StepError> {
         sqlx::query(&self.insert)
+            .persistent(self.named)
             .bind(&self.name)
             .bind(command.saga_id)
             .bind(command.step)

@@ -1,7 +1,7 @@
 //! The saga tables' SQL, in one place for the orchestrator and the operators' commands: the
 //! row lock, the history row every transition writes, and the per-state counts.
 
-use handoff_postgres::Schema;
+use handoff_postgres::{Pooling, Schema};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -13,6 +13,9 @@ use crate::state::{SagaRecord, SagaState, COLUMNS};
 #[derive(Debug, Clone)]
 pub(crate) struct Store {
     schema: Schema,
+    /// Whether statements may be prepared under a name and cached: not behind a transaction
+    /// pooler (docs/poolers.md).
+    pub(crate) named: bool,
     sagas: String,
     pub(crate) insert: String,
     pub(crate) lock_due: String,
@@ -30,12 +33,13 @@ pub(crate) struct Store {
 }
 
 impl Store {
-    pub(crate) fn new(schema: &Schema) -> Self {
+    pub(crate) fn new(schema: &Schema, pooling: Pooling) -> Self {
         let sagas = schema.qualify("saga_instances");
         let history = schema.qualify("saga_history");
         let actions = schema.qualify("saga_operator_actions");
         Self {
             schema: schema.clone(),
+            named: pooling.named_statements(),
             sagas: sagas.clone(),
             insert: format!(
                 "INSERT INTO {sagas} (saga_id, saga_type, state, step, data, attempt, command_id, \
@@ -124,6 +128,7 @@ impl Store {
         saga_id: Uuid,
     ) -> Result<Option<SagaRecord>, SagaError> {
         sqlx::query_as(&self.lock)
+            .persistent(self.named)
             .bind(saga_id)
             .fetch_optional(&mut *tx)
             .await
@@ -143,6 +148,7 @@ impl Store {
         detail: Option<&str>,
     ) -> Result<(), SagaError> {
         sqlx::query(&self.history)
+            .persistent(self.named)
             .bind(saga_id)
             .bind(version)
             .bind(state.as_str())

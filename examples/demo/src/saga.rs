@@ -154,7 +154,7 @@ pub async fn run(resources: &mut Resources) -> Result<String> {
         [saga_shop::definition(humantime::parse_duration(
             REPLY_TIMEOUT,
         )?)],
-        orders::Hooks,
+        orders::Hooks::default(),
     )?;
     let admin = SagaAdmin::new(&handoff_postgres::Schema::default());
     let place = |sku: &str, quantity: i32, card: &str| OrderRequest {

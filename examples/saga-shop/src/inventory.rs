@@ -1,8 +1,12 @@
 //! The inventory service: reserves stock for a saga, and releases it as the compensation.
 
+use handoff_postgres::Pooling;
 use handoff_saga::{Command, Participant, StepError};
 use serde_json::{json, Map, Value};
 use sqlx::PgConnection;
+
+/// The tables [`TABLES`] creates, checked at start behind a connection pooler.
+pub const TABLE_NAMES: &[&str] = &["stock", "reservations", "release_failures"];
 
 /// The service's own tables.
 pub const TABLES: &str = "
@@ -25,7 +29,10 @@ CREATE TABLE IF NOT EXISTS release_failures (
 
 /// The inventory participant.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Inventory;
+pub struct Inventory {
+    /// How its statements are sent: the consumer's and the `SagaParticipant`'s pooling.
+    pub pooling: Pooling,
+}
 
 fn line(command: &Command) -> Result<(String, i32), StepError> {
     let sku = command.data["sku"].as_str();
@@ -50,6 +57,7 @@ impl Participant for Inventory {
         let (sku, quantity) = line(command)?;
         let taken =
             sqlx::query("UPDATE stock SET on_hand = on_hand - $2 WHERE sku = $1 AND on_hand >= $2")
+                .persistent(self.pooling.named_statements())
                 .bind(&sku)
                 .bind(quantity)
                 .execute(&mut *tx)
@@ -58,6 +66,7 @@ impl Participant for Inventory {
             return Err(StepError::Refused(format!("not enough {sku} in stock")));
         }
         sqlx::query("INSERT INTO reservations (saga_id, sku, quantity) VALUES ($1, $2, $3)")
+            .persistent(self.pooling.named_statements())
             .bind(command.saga_id)
             .bind(&sku)
             .bind(quantity)
@@ -76,6 +85,7 @@ impl Participant for Inventory {
         let (sku, _) = line(command)?;
         let refused: bool =
             sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM release_failures WHERE sku = $1)")
+                .persistent(self.pooling.named_statements())
                 .bind(&sku)
                 .fetch_one(&mut *tx)
                 .await?;
@@ -88,11 +98,13 @@ impl Participant for Inventory {
             "UPDATE reservations SET released_at = now() \
              WHERE saga_id = $1 AND released_at IS NULL RETURNING sku, quantity",
         )
+        .persistent(self.pooling.named_statements())
         .bind(command.saga_id)
         .fetch_optional(&mut *tx)
         .await?;
         if let Some((sku, quantity)) = released {
             sqlx::query("UPDATE stock SET on_hand = on_hand + $2 WHERE sku = $1")
+                .persistent(self.pooling.named_statements())
                 .bind(&sku)
                 .bind(quantity)
                 .execute(&mut *tx)

@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use handoff_postgres::Schema;
 use handoff_saga::{Orchestrator, OrchestratorConfig, SagaParticipant, REPLY_AGGREGATE_TYPE};
 use reqwest::Url;
-use saga_shop::service::{self, ServiceArgs};
+use saga_shop::service::{self, ServiceArgs, Tables};
 use saga_shop::{inventory, orders, payments};
 
 #[derive(Parser)]
@@ -74,6 +74,12 @@ async fn async_main() -> std::process::ExitCode {
     }
 }
 
+/// Logs how the service reaches its database: behind a transaction pooler everything it sends
+/// goes unnamed, in transactions.
+fn announce(service: &str, pooling: handoff_postgres::Pooling) {
+    tracing::info!(service, %pooling, "saga-shop service running");
+}
+
 async fn run(cli: Cli) -> Result<()> {
     // Installed first: a SIGTERM during start-up stops the service cleanly.
     let signal = service::shutdown_signal()?;
@@ -82,35 +88,55 @@ async fn run(cli: Cli) -> Result<()> {
             service,
             reply_timeout,
         } => {
+            let (pool, pooling) = service::connect(&service).await?;
+            let tables = Tables {
+                create: orders::TABLES,
+                names: orders::TABLE_NAMES,
+            };
+            service::prepare(&pool, pooling, tables).await?;
             let orchestrator = Orchestrator::new(
-                OrchestratorConfig::default(),
+                OrchestratorConfig {
+                    pooling,
+                    ..OrchestratorConfig::default()
+                },
                 [saga_shop::definition(reply_timeout)],
-                orders::Hooks,
+                orders::Hooks { pooling },
             )?;
             let handler = orchestrator.clone();
-            let (pool, mut running) = service::start(
+            let mut running = service::start(
                 &service,
+                &pool,
+                pooling,
                 "orders",
-                orders::TABLES,
                 REPLY_AGGREGATE_TYPE,
-                |_| handler,
+                handler,
             )
             .await?;
             let stopped = running.stopped();
             running.spawn(async move { orchestrator.run(pool, stopped).await });
+            announce("orders", pooling);
             running
         }
         Service::Inventory { service } => {
-            let handler =
-                SagaParticipant::new("inventory", Schema::default(), inventory::Inventory)?;
-            let (_, running) = service::start(
+            let (pool, pooling) = service::connect(&service).await?;
+            let tables = Tables {
+                create: inventory::TABLES,
+                names: inventory::TABLE_NAMES,
+            };
+            service::prepare(&pool, pooling, tables).await?;
+            let participant = inventory::Inventory { pooling };
+            let handler = SagaParticipant::new("inventory", Schema::default(), participant)?
+                .with_pooling(pooling);
+            let running = service::start(
                 &service,
+                &pool,
+                pooling,
                 "inventory",
-                inventory::TABLES,
                 "inventory-commands",
-                |_| handler,
+                handler,
             )
             .await?;
+            announce("inventory", pooling);
             running
         }
         Service::Payments {
@@ -118,16 +144,26 @@ async fn run(cli: Cli) -> Result<()> {
             provider_url,
             provider_timeout,
         } => {
-            let participant = payments::Payments::new(&provider_url, provider_timeout, 3)?;
-            let handler = SagaParticipant::new("payments", Schema::default(), participant)?;
-            let (_, running) = service::start(
+            let (pool, pooling) = service::connect(&service).await?;
+            let tables = Tables {
+                create: payments::TABLES,
+                names: payments::TABLE_NAMES,
+            };
+            service::prepare(&pool, pooling, tables).await?;
+            let participant =
+                payments::Payments::new(&provider_url, provider_timeout, 3)?.with_pooling(pooling);
+            let handler = SagaParticipant::new("payments", Schema::default(), participant)?
+                .with_pooling(pooling);
+            let running = service::start(
                 &service,
+                &pool,
+                pooling,
                 "payments",
-                payments::TABLES,
                 "payments-commands",
-                |_| handler,
+                handler,
             )
             .await?;
+            announce("payments", pooling);
             running
         }
     };

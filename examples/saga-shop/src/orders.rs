@@ -1,6 +1,7 @@
 //! The orders service: the order row and its saga start in one transaction; the saga's end
 //! confirms or cancels the order in the transaction that ends it.
 
+use handoff_postgres::Pooling;
 use handoff_saga::{HookError, Orchestrator, SagaHooks, SagaRecord};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -8,6 +9,9 @@ use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::SAGA_TYPE;
+
+/// The tables [`TABLES`] creates, checked at start behind a connection pooler.
+pub const TABLE_NAMES: &[&str] = &["shop_orders"];
 
 /// The service's own table.
 pub const TABLES: &str = "
@@ -37,7 +41,8 @@ pub struct OrderRequest {
     pub card: String,
 }
 
-/// Writes the order and starts its saga (same id) in one transaction.
+/// Writes the order and starts its saga (same id) in one transaction, with its statements sent
+/// as the orchestrator's [`Orchestrator::pooling`] requires.
 ///
 /// # Errors
 ///
@@ -53,6 +58,7 @@ pub async fn place(
         "INSERT INTO shop_orders (order_id, sku, quantity, amount_cents, card) \
          VALUES ($1, $2, $3, $4, $5)",
     )
+    .persistent(orchestrator.pooling().named_statements())
     .bind(order_id)
     .bind(&request.sku)
     .bind(request.quantity)
@@ -76,24 +82,34 @@ pub async fn place(
 
 /// Confirms or cancels the order when its saga ends.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Hooks;
+pub struct Hooks {
+    /// How the hooks' statements are sent: the orchestrator's
+    /// [`OrchestratorConfig::pooling`](handoff_saga::OrchestratorConfig::pooling).
+    pub pooling: Pooling,
+}
 
 impl SagaHooks for Hooks {
     async fn completed(&self, tx: &mut PgConnection, saga: &SagaRecord) -> Result<(), HookError> {
-        set_status(tx, saga.saga_id, "confirmed").await
+        set_status(tx, saga.saga_id, "confirmed", self.pooling).await
     }
 
     async fn compensated(&self, tx: &mut PgConnection, saga: &SagaRecord) -> Result<(), HookError> {
-        set_status(tx, saga.saga_id, "cancelled").await
+        set_status(tx, saga.saga_id, "cancelled", self.pooling).await
     }
 }
 
-async fn set_status(tx: &mut PgConnection, order_id: Uuid, status: &str) -> Result<(), HookError> {
+async fn set_status(
+    tx: &mut PgConnection,
+    order_id: Uuid,
+    status: &str,
+    pooling: Pooling,
+) -> Result<(), HookError> {
     // Only from pending: a second end of one order is a bug that must fail loudly.
     let updated = sqlx::query(
         "UPDATE shop_orders SET status = $2, updated_at = now() \
          WHERE order_id = $1 AND status = 'pending'",
     )
+    .persistent(pooling.named_statements())
     .bind(order_id)
     .bind(status)
     .execute(&mut *tx)

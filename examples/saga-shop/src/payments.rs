@@ -8,12 +8,16 @@
 use std::time::Duration;
 
 use handoff_consumer::HandlerError;
+use handoff_postgres::Pooling;
 use handoff_saga::{Command, Participant, StepError};
 use reqwest::Url;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use sqlx::PgConnection;
 use tracing::{info, warn};
+
+/// The tables [`TABLES`] creates, checked at start behind a connection pooler.
+pub const TABLE_NAMES: &[&str] = &["payments"];
 
 /// The service's own table.
 pub const TABLES: &str = "
@@ -31,6 +35,7 @@ pub struct Payments {
     http: reqwest::Client,
     charges: Url,
     attempts: u32,
+    pooling: Pooling,
 }
 
 impl Payments {
@@ -50,7 +55,15 @@ impl Payments {
             http,
             charges,
             attempts: attempts.max(1),
+            pooling: Pooling::Session,
         })
+    }
+
+    /// Sends its statements as `pooling` requires (the consumer's and the `SagaParticipant`'s
+    /// pooling). Default: [`Pooling::Session`].
+    pub fn with_pooling(mut self, pooling: Pooling) -> Self {
+        self.pooling = pooling;
+        self
     }
 
     /// The charge, retried under the same key while the answer is ambiguous.
@@ -113,6 +126,7 @@ impl Participant for Payments {
             .ok_or_else(|| StepError::Refused("no amount_cents".into()))?;
         let charge_id = self.charge(command, amount_cents).await?;
         sqlx::query("INSERT INTO payments (saga_id, charge_id, amount_cents) VALUES ($1, $2, $3)")
+            .persistent(self.pooling.named_statements())
             .bind(command.saga_id)
             .bind(&charge_id)
             .bind(amount_cents)
@@ -133,6 +147,7 @@ impl Participant for Payments {
         sqlx::query(
             "UPDATE payments SET refunded_at = now() WHERE saga_id = $1 AND refunded_at IS NULL",
         )
+        .persistent(self.pooling.named_statements())
         .bind(command.saga_id)
         .execute(&mut *tx)
         .await?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use handoff_consumer::{Consumer, ConsumerConfig, Handler};
 use handoff_nats::{IntakeConfig, JetStreamConfig, JetStreamIntake, JetStreamTransport};
-use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
+use handoff_postgres::{MigrateError, Migrator, PollingConfig, PollingSource, Pooling, Schema};
 use handoff_relay::{Relay, RelayConfig};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
@@ -67,40 +67,106 @@ impl Running {
     }
 }
 
-/// Connects, migrates handoff's tables and creates `tables`, starts the relay and a consumer
-/// named `name` of the `<prefix>.<aggregate_type>.>` subjects with `handler`.
+/// A service's own tables: the idempotent DDL that creates them, and their names.
+#[derive(Debug, Clone, Copy)]
+pub struct Tables {
+    /// `CREATE TABLE IF NOT EXISTS ...`, run at start on a direct connection.
+    pub create: &'static str,
+    /// The tables `create` makes, checked at start behind a connection pooler.
+    pub names: &'static [&'static str],
+}
+
+/// Connects to the service's database and tells whether `DATABASE_URL` goes through a
+/// connection pooler ([`Pooling::detect`]): behind one (PgBouncer in transaction mode) every
+/// statement must go unnamed and inside a transaction, which the returned [`Pooling`] says to
+/// everything the service builds on the pool.
 ///
 /// # Errors
 ///
-/// When the database or the broker cannot be reached or set up.
-pub async fn start<H: Handler>(
-    args: &ServiceArgs,
-    name: &str,
-    tables: &str,
-    aggregate_type: &str,
-    handler: impl FnOnce(&PgPool) -> H,
-) -> Result<(PgPool, Running)> {
+/// When the URL is invalid or the database cannot be reached.
+pub async fn connect(args: &ServiceArgs) -> Result<(PgPool, Pooling)> {
     if let Some(addr) = args.metrics_addr {
         metrics_exporter_prometheus::PrometheusBuilder::new()
             .with_http_listener(addr)
             .install()
             .with_context(|| format!("while serving metrics on {addr}"))?;
     }
+    let options =
+        handoff_postgres::connect_options(&args.database_url).context("invalid DATABASE_URL")?;
+    let pooling = Pooling::detect(&options)
+        .await
+        .context("while checking whether DATABASE_URL goes through a connection pooler")?;
     let pool = PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(5))
         // libpq's reading of sslmode and sslrootcert (see handoff_postgres::connect_options).
-        .connect_with(
-            handoff_postgres::connect_options(&args.database_url)
-                .context("invalid DATABASE_URL")?,
-        )
+        .connect_with(options)
         .await
         .context("while connecting to PostgreSQL (check DATABASE_URL)")?;
-    Migrator::handoff(Schema::default())
-        .run(&mut *pool.acquire().await?)
-        .await?;
-    sqlx::raw_sql(tables).execute(&pool).await?;
+    Ok((pool, pooling))
+}
 
+/// Sets the database up: on a direct connection, migrates handoff's tables and creates
+/// `tables`. Behind a connection pooler it only checks them: migrations need a session of
+/// their own, which a transaction pooler does not give.
+///
+/// # Errors
+///
+/// Behind a pooler, when handoff's migrations are pending or one of `tables` is missing,
+/// saying to set the database up over a direct connection; any database error.
+pub async fn prepare(pool: &PgPool, pooling: Pooling, tables: Tables) -> Result<()> {
+    let migrator = Migrator::handoff(Schema::default());
+    if pooling == Pooling::Session {
+        migrator.run(&mut *pool.acquire().await?).await?;
+        sqlx::raw_sql(tables.create).execute(pool).await?;
+        return Ok(());
+    }
+    // Migrator::check runs unnamed in a transaction of its own: safe through the pooler.
+    match migrator.check(&mut *pool.acquire().await?).await {
+        Ok(_) => {}
+        // Pending migrations: say that they need a direct connection, not just "behind".
+        Err(MigrateError::Behind { .. }) => return Err(MigrateError::ThroughPooler.into()),
+        Err(error) => return Err(error.into()),
+    }
+    let mut tx = pool.begin().await?;
+    let missing: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM unnest($1::text[]) AS name WHERE to_regclass(name) IS NULL",
+    )
+    .persistent(false)
+    .bind(tables.names)
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "the service's tables {} are missing, and DATABASE_URL goes through a connection \
+             pooler (such as PgBouncer in transaction mode), where saga-shop does not create \
+             them: start this service once with DATABASE_URL pointing at PostgreSQL itself \
+             (it migrates and creates its tables at start)",
+            missing.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Starts the relay of the service's outbox on `pool` and a consumer named `name` of the
+/// `<prefix>.<aggregate_type>.>` subjects with `handler`, their statements sent as `pooling`
+/// requires. The database must be [`prepare`]d.
+///
+/// Behind a transaction pooler the relay cannot `LISTEN` for new events and polls every second
+/// instead.
+///
+/// # Errors
+///
+/// When the broker cannot be reached or set up, or a setting is refused.
+pub async fn start<H: Handler>(
+    args: &ServiceArgs,
+    pool: &PgPool,
+    pooling: Pooling,
+    name: &str,
+    aggregate_type: &str,
+    handler: H,
+) -> Result<Running> {
     let transport = JetStreamTransport::connect(
         &args.nats_url,
         JetStreamConfig {
@@ -117,6 +183,7 @@ pub async fn start<H: Handler>(
         PollingConfig {
             relay_id: format!("saga-shop-{name}-{}", std::process::id()),
             lease: args.lease,
+            pooling,
             ..PollingConfig::default()
         },
     )?;
@@ -150,9 +217,10 @@ pub async fn start<H: Handler>(
         },
         // A payment provider that keeps timing out must not land a charge in the quarantine.
         max_deliveries: 1000,
+        pooling,
         ..ConsumerConfig::default()
     };
-    let consumer = Consumer::new(config, pool.clone(), handler(&pool))?;
+    let consumer = Consumer::new(config, pool.clone(), handler)?;
 
     let (stop, _) = watch::channel(false);
     let mut running = Running {
@@ -165,7 +233,7 @@ pub async fn start<H: Handler>(
     });
     let stopped = running.stopped();
     running.spawn(async move { consumer.run(intake, stopped).await });
-    Ok((pool, running))
+    Ok(running)
 }
 
 /// Completes on SIGTERM or SIGINT.

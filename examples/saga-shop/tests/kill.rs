@@ -170,7 +170,7 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
     let starter = Orchestrator::new(
         OrchestratorConfig::default(),
         [saga_shop::definition(Duration::from_secs(4))],
-        orders::Hooks,
+        orders::Hooks::default(),
     )
     .unwrap();
     let placing = {
