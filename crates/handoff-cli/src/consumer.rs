@@ -9,7 +9,7 @@ use handoff_postgres::{
 };
 
 use crate::args::DatabaseArgs;
-use crate::format::since;
+use crate::format::{self, printable, since};
 use crate::quarantine::ActorArgs;
 
 #[derive(clap::Args)]
@@ -237,13 +237,6 @@ fn print_list(consumer: &str, rows: &[ConsumerQuarantined]) {
     }
 }
 
-/// `text` with control characters shown as spaces: reasons and payloads come from messages.
-fn printable(text: &str) -> String {
-    text.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect()
-}
-
 fn print_detail(detail: &ConsumerQuarantineDetail) {
     let row = &detail.row;
     println!("row          {}", row.quarantine_id);
@@ -293,24 +286,5 @@ fn print_detail(detail: &ConsumerQuarantineDetail) {
         ),
         Err(_) => println!("{}", printable(&detail.payload)),
     }
-    if detail.actions.is_empty() {
-        println!("actions      none");
-    } else {
-        println!("actions");
-        for action in &detail.actions {
-            println!(
-                "  #{} {} by {} at {}{}",
-                action.action_id,
-                action.action,
-                action.actor,
-                action.acted_at.to_rfc3339(),
-                action
-                    .reason
-                    .as_deref()
-                    .map_or(String::new(), |r| format!(": {}", printable(r))),
-            );
-            println!("     before {}", action.before);
-            println!("     after  {}", action.after);
-        }
-    }
+    format::print_actions(&detail.actions, printable);
 }

@@ -36,6 +36,42 @@ pub fn bytes(n: i64) -> String {
     }
 }
 
+/// `text` with control characters (a terminal's escape sequences among them) shown as spaces:
+/// reasons, payloads and receipts may hold what a message or a remote endpoint sent.
+pub fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
+}
+
+/// The audit trail of a quarantined row (outbox or consumer), one action with its before and
+/// after states per entry; `reason` renders each action's reason.
+pub fn print_actions(
+    actions: &[handoff_postgres::QuarantineAction],
+    reason: impl Fn(&str) -> String,
+) {
+    if actions.is_empty() {
+        println!("actions      none");
+        return;
+    }
+    println!("actions");
+    for action in actions {
+        println!(
+            "  #{} {} by {} at {}{}",
+            action.action_id,
+            action.action,
+            action.actor,
+            action.acted_at.to_rfc3339(),
+            action
+                .reason
+                .as_deref()
+                .map_or(String::new(), |r| format!(": {}", reason(r))),
+        );
+        println!("     before {}", action.before);
+        println!("     after  {}", action.after);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,7 +9,7 @@ use handoff_postgres::{EventDetail, Quarantine, QuarantinedEvent};
 use uuid::Uuid;
 
 use crate::args::DatabaseArgs;
-use crate::format::since;
+use crate::format::{self, printable, since};
 
 #[derive(clap::Args)]
 pub struct QuarantineArgs {
@@ -266,14 +266,6 @@ fn receipt_lines(receipt: &str) -> Vec<String> {
     lines
 }
 
-/// `text` with control characters (a terminal's escape sequences among them) shown as spaces:
-/// the receipt holds what a remote endpoint sent.
-fn printable(text: &str) -> String {
-    text.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect()
-}
-
 fn print_detail(event_id: Uuid, detail: &EventDetail) -> Result<()> {
     println!("event        {event_id}");
     println!("state        {}", detail.state.as_str());
@@ -325,26 +317,7 @@ fn print_detail(event_id: Uuid, detail: &EventDetail) -> Result<()> {
         println!("payload");
         println!("{}", serde_json::to_string_pretty(payload)?);
     }
-    if detail.actions.is_empty() {
-        println!("actions      none");
-    } else {
-        println!("actions");
-        for action in &detail.actions {
-            println!(
-                "  #{} {} by {} at {}{}",
-                action.action_id,
-                action.action,
-                action.actor,
-                action.acted_at.to_rfc3339(),
-                action
-                    .reason
-                    .as_deref()
-                    .map_or(String::new(), |r| format!(": {r}")),
-            );
-            println!("     before {}", action.before);
-            println!("     after  {}", action.after);
-        }
-    }
+    format::print_actions(&detail.actions, str::to_owned);
     Ok(())
 }
 

@@ -785,29 +785,13 @@ impl ConsumerQuarantine {
             .unwrap_or_default();
         headers.sort();
         // The poll only takes rows `retry` accepted, which have all of these.
-        let missing = |column: &str| sqlx::Error::ColumnDecode {
-            index: column.to_owned(),
-            source: "a retry-requested row without it".into(),
-        };
         let event = ReceivedEvent {
-            event_id: row
-                .try_get::<Option<EventId>, _>("event_id")?
-                .ok_or_else(|| missing("event_id"))?,
-            aggregate_type: row
-                .try_get::<Option<String>, _>("aggregate_type")?
-                .ok_or_else(|| missing("aggregate_type"))?,
-            aggregate_id: row
-                .try_get::<Option<String>, _>("aggregate_id")?
-                .ok_or_else(|| missing("aggregate_id"))?,
-            sequence: row
-                .try_get::<Option<i64>, _>("aggregate_sequence")?
-                .ok_or_else(|| missing("aggregate_sequence"))?,
-            event_type: row
-                .try_get::<Option<String>, _>("event_type")?
-                .ok_or_else(|| missing("event_type"))?,
-            schema_version: row
-                .try_get::<Option<i32>, _>("schema_version")?
-                .ok_or_else(|| missing("schema_version"))?,
+            event_id: retry_column(&row, "event_id")?,
+            aggregate_type: retry_column(&row, "aggregate_type")?,
+            aggregate_id: retry_column(&row, "aggregate_id")?,
+            sequence: retry_column(&row, "aggregate_sequence")?,
+            event_type: retry_column(&row, "event_type")?,
+            schema_version: retry_column(&row, "schema_version")?,
             payload: row.try_get("payload")?,
             headers,
             replayed: false,
@@ -998,4 +982,16 @@ fn read_row(row: &PgRow) -> Result<ConsumerQuarantined, sqlx::Error> {
         retries: row.try_get("retries")?,
         last_sequence: row.try_get("last_sequence")?,
     })
+}
+
+/// A column that is nullable in the table but set on every row `retry` accepted.
+fn retry_column<'r, T>(row: &'r PgRow, column: &str) -> Result<T, sqlx::Error>
+where
+    T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+{
+    row.try_get::<Option<T>, _>(column)?
+        .ok_or_else(|| sqlx::Error::ColumnDecode {
+            index: column.to_owned(),
+            source: "a retry-requested row without it".into(),
+        })
 }
