@@ -1202,6 +1202,14 @@ async fn report_backlog(source: std::sync::Arc<PollingSource>) {
 mod tests {
     use super::*;
 
+    /// A relay config file holding `text`, in a directory that lives as long as the guard.
+    fn config_file(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
     fn args(database_url: &str) -> RelayArgs {
         RelayArgs {
             database_url: Some(database_url.into()),
@@ -1245,14 +1253,10 @@ mod tests {
 
     #[test]
     fn the_file_fills_what_flags_leave_open_and_flags_win() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("relay.toml");
-        std::fs::write(
-            &path,
+        let (_dir, path) = config_file(
             "database_url = \"postgres://localhost/db\"\nstream = \"FROM_FILE\"\n\
-             subject_prefix = \"file\"\nlease = \"40s\"\n",
-        )
-        .unwrap();
+         subject_prefix = \"file\"\nlease = \"40s\"\n",
+        );
         let settings = Settings::resolve(RelayArgs {
             config: Some(path),
             subject_prefix: Some("flag".into()),
@@ -1274,14 +1278,10 @@ mod tests {
         let error = Settings::resolve(kafka).unwrap_err().to_string();
         assert!(error.contains("no kafka brokers"), "{error}");
 
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("relay.toml");
-        std::fs::write(
-            &path,
+        let (_dir, path) = config_file(
             "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
-             brokers = \"k1:9092,k2:9092\"\ntopic = \"from_file\"\npartitions = 3\n",
-        )
-        .unwrap();
+         brokers = \"k1:9092,k2:9092\"\ntopic = \"from_file\"\npartitions = 3\n",
+        );
         let settings = Settings::resolve(RelayArgs {
             config: Some(path),
             topic: Some("from_flag".into()),
@@ -1324,14 +1324,10 @@ mod tests {
 
     #[test]
     fn the_amqp_destination_resolves_from_file_and_flags_and_hides_its_password() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("relay.toml");
-        std::fs::write(
-            &path,
+        let (_dir, path) = config_file(
             "database_url = \"postgres://localhost/db\"\ndestination = \"amqp\"\n\
-             url = \"amqp://relay:s3cret@rabbit:5672/%2f\"\nexchange = \"from_file\"\n",
-        )
-        .unwrap();
+         url = \"amqp://relay:s3cret@rabbit:5672/%2f\"\nexchange = \"from_file\"\n",
+        );
         let settings = Settings::resolve(RelayArgs {
             config: Some(path.clone()),
             relay_id: Some("r1".into()),
@@ -1371,13 +1367,8 @@ mod tests {
         assert_eq!(settings.relay.order, OrderMode::Aggregate);
         assert_eq!(settings.polling.order, OrderMode::Aggregate);
 
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("relay.toml");
-        std::fs::write(
-            &path,
-            "database_url = \"postgres://localhost/db\"\norder = \"global\"\n",
-        )
-        .unwrap();
+        let (_dir, path) =
+            config_file("database_url = \"postgres://localhost/db\"\norder = \"global\"\n");
         let settings = Settings::resolve(RelayArgs {
             config: Some(path.clone()),
             ..RelayArgs::default()
@@ -1414,15 +1405,11 @@ mod tests {
     // NATS credentials, TLS and replicas (issue 23).
     #[test]
     fn nats_files_and_replicas_come_from_the_file_and_flags_win() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("relay.toml");
-        std::fs::write(
-            &path,
+        let (_dir, path) = config_file(
             "database_url = \"postgres://localhost/db\"\nnats_creds = \"/file/relay.creds\"\n\
-             nats_tls_ca = \"/file/ca.pem\"\nnats_tls_cert = \"/file/c.pem\"\n\
-             nats_tls_key = \"/file/c.key\"\nstream_replicas = 3\n",
-        )
-        .unwrap();
+         nats_tls_ca = \"/file/ca.pem\"\nnats_tls_cert = \"/file/c.pem\"\n\
+         nats_tls_key = \"/file/c.key\"\nstream_replicas = 3\n",
+        );
         let settings = Settings::resolve(RelayArgs {
             config: Some(path.clone()),
             nats_security: NatsSecurityArgs {
@@ -1456,20 +1443,16 @@ mod tests {
 
     #[test]
     fn kafka_options_come_from_the_file_table_and_flags_win_per_key() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("relay.toml");
-        std::fs::write(
-            &path,
+        let (_dir, path) = config_file(
             "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
-             brokers = \"k1:9093\"\n\
-             [kafka]\n\
-             security.protocol = \"SASL_SSL\"\n\
-             sasl.mechanism = \"PLAIN\"\n\
-             \"sasl.username\" = \"relay\"\n\
-             sasl.password = \"fil3secret\"\n\
-             linger.ms = 5\n",
-        )
-        .unwrap();
+         brokers = \"k1:9093\"\n\
+         [kafka]\n\
+         security.protocol = \"SASL_SSL\"\n\
+         sasl.mechanism = \"PLAIN\"\n\
+         \"sasl.username\" = \"relay\"\n\
+         sasl.password = \"fil3secret\"\n\
+         linger.ms = 5\n",
+        );
         let settings = Settings::resolve(RelayArgs {
             config: Some(path.clone()),
             kafka_option: vec![
@@ -1521,20 +1504,14 @@ mod tests {
 
     #[test]
     fn a_reserved_or_unusable_kafka_key_in_the_file_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
         for (table, wanted) in [
             ("acks = \"1\"", "acks=all"),
             ("ssl.ca.location = [\"a\", \"b\"]", "must be a string"),
         ] {
-            let path = dir.path().join("relay.toml");
-            std::fs::write(
-                &path,
-                format!(
-                    "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
-                     brokers = \"k1:9093\"\n[kafka]\n{table}\n"
-                ),
-            )
-            .unwrap();
+            let (_dir, path) = config_file(&format!(
+                "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
+                 brokers = \"k1:9093\"\n[kafka]\n{table}\n"
+            ));
             let error = Settings::resolve(RelayArgs {
                 config: Some(path),
                 ..RelayArgs::default()
@@ -1546,14 +1523,10 @@ mod tests {
 
     #[test]
     fn the_amqp_tls_ca_comes_from_the_flag_or_the_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("relay.toml");
-        std::fs::write(
-            &path,
+        let (_dir, path) = config_file(
             "database_url = \"postgres://localhost/db\"\ndestination = \"amqp\"\n\
-             url = \"amqps://rabbit:5671/%2f\"\namqp_tls_ca = \"/etc/ca/file.pem\"\n",
-        )
-        .unwrap();
+         url = \"amqps://rabbit:5671/%2f\"\namqp_tls_ca = \"/etc/ca/file.pem\"\n",
+        );
         let settings = Settings::resolve(RelayArgs {
             config: Some(path.clone()),
             ..RelayArgs::default()
@@ -1587,13 +1560,8 @@ mod tests {
 
     #[test]
     fn a_malformed_config_file_is_reported_without_its_text() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("relay.toml");
-        std::fs::write(
-            &path,
-            "destination = \"kafka\"\n[kafka]\nsasl.password = hunter2\n",
-        )
-        .unwrap();
+        let (_dir, path) =
+            config_file("destination = \"kafka\"\n[kafka]\nsasl.password = hunter2\n");
         let error = format!(
             "{:#}",
             Settings::resolve(RelayArgs {
