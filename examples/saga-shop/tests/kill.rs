@@ -4,6 +4,8 @@
 //! ambiguous answer) adds its own retries. Every saga must still end, and every effect be done
 //! (or done and undone) exactly once: stock, reservations, charges at the provider, payments.
 
+mod common;
+
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::Duration;
@@ -11,13 +13,8 @@ use std::time::Duration;
 use handoff_saga::{Orchestrator, OrchestratorConfig};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::TestDb;
-use reference_consumers::provider::{
-    store::{create_tables, ChargeStore},
-    FaultInjector, FaultMode, FaultSettings, Provider,
-};
 use saga_shop::orders::{self, OrderRequest};
 use saga_shop::{inventory, payments};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use uuid::Uuid;
 
@@ -44,18 +41,7 @@ impl Service {
             .kill_on_drop(true)
             .spawn()
             .expect("start saga-shop");
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(30), async {
-            while let Some(line) = lines.next_line().await.unwrap() {
-                if line == "ready" {
-                    return true;
-                }
-            }
-            false
-        })
-        .await;
-        assert_eq!(ready, Ok(true), "{} did not get ready", self.role);
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        common::wait_ready(&mut child, self.role).await;
         self.child = Some(child);
     }
 
@@ -80,23 +66,8 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
 
     // The provider: charges under Idempotency-Key; a third of the charges time out after
     // committing, so payments must ask again with the same key.
-    create_tables(&mut provider_db.pool.acquire().await.unwrap())
-        .await
-        .unwrap();
-    let faults = FaultInjector::new(
-        FaultSettings {
-            fail_after_apply: 0.3,
-            mode: FaultMode::Timeout,
-            hang: Duration::from_secs(2),
-        },
-        7,
-    )
-    .unwrap();
-    let provider = Provider::new(ChargeStore::new(provider_db.pool.clone()), faults);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let provider_url = format!("http://{}", listener.local_addr().unwrap());
-    let router = provider.router();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let (provider_url, provider) =
+        common::start_provider(provider_db.pool.clone(), 0.3, Duration::from_secs(2)).await;
 
     // Tables first, so the stock is there before the first reservation.
     sqlx::raw_sql(orders::TABLES)

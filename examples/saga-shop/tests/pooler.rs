@@ -5,6 +5,8 @@
 //! effect applied once; and behind the pooler the services check the schema instead of
 //! migrating, saying what to do when it is not current.
 
+mod common;
+
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -15,10 +17,6 @@ use handoff_saga::{Orchestrator, OrchestratorConfig};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::pgbouncer::{OwnDatabase, PgBouncer};
 use handoff_test::TestDb;
-use reference_consumers::provider::{
-    store::{create_tables, ChargeStore},
-    FaultInjector, FaultMode, FaultSettings, Provider,
-};
 use saga_shop::orders::{self, OrderRequest};
 use saga_shop::{inventory, payments};
 use sqlx::postgres::PgPoolOptions;
@@ -61,18 +59,7 @@ impl Service {
                 kept.lock().unwrap().push(line);
             }
         });
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(30), async {
-            while let Some(line) = lines.next_line().await.unwrap() {
-                if line == "ready" {
-                    return true;
-                }
-            }
-            false
-        })
-        .await;
-        assert_eq!(ready, Ok(true), "{role} did not get ready");
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        common::wait_ready(&mut child, role).await;
         Self {
             _child: child,
             stderr,
@@ -144,23 +131,8 @@ async fn concurrent_sagas_complete_through_a_transaction_pooler_with_each_effect
     let payments_direct = direct_pool(&payments_db.url()).await;
 
     // The provider, honest: this test is about the pooler, kill.rs about ambiguous charges.
-    create_tables(&mut provider_db.pool.acquire().await.unwrap())
-        .await
-        .unwrap();
-    let faults = FaultInjector::new(
-        FaultSettings {
-            fail_after_apply: 0.0,
-            mode: FaultMode::Timeout,
-            hang: Duration::from_secs(1),
-        },
-        7,
-    )
-    .unwrap();
-    let provider = Provider::new(ChargeStore::new(provider_db.pool.clone()), faults);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let provider_url = format!("http://{}", listener.local_addr().unwrap());
-    let router = provider.router();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let (provider_url, _provider) =
+        common::start_provider(provider_db.pool.clone(), 0.0, Duration::from_secs(1)).await;
 
     let common = |extra: &[&str]| {
         let mut args = vec![
