@@ -8,9 +8,7 @@
 
 mod common;
 
-use std::process::Output;
-
-use common::{handoff, migrated, stdout_json};
+use common::{assert_refused, handoff, migrated, stderr, stdout, stdout_json};
 use handoff_consumer::{apply_requested_retries, ConsumerConfig, Handler, HandlerError};
 use handoff_core::intake::{MalformedEvent, ReceivedEvent};
 use handoff_postgres::{Inbox, QuarantineKind, Schema};
@@ -18,14 +16,6 @@ use handoff_test::TestDb;
 use serde_json::Value;
 use sqlx::PgConnection;
 use uuid::Uuid;
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
 
 fn received(aggregate: &str, sequence: i64) -> ReceivedEvent {
     ReceivedEvent {
@@ -262,12 +252,7 @@ async fn list_and_show_report_each_consumers_rows_as_text_and_json() {
             &first_id.to_string(),
         ],
     );
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        stderr(&out).contains(&format!("no quarantine row {first_id}")),
-        "{}",
-        stderr(&out)
-    );
+    assert_refused(&out, &format!("no quarantine row {first_id}"));
     let out = handoff(
         &db,
         &[
@@ -403,8 +388,7 @@ async fn retry_marks_the_row_for_the_consumer_with_an_audit_row_and_refuses_what
             &id.to_string(),
         ],
     );
-    assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("is resolved"), "{}", stderr(&out));
+    assert_refused(&out, "is resolved");
 }
 
 /// Records each application in `retried`, in the transaction it is given.
@@ -445,15 +429,9 @@ async fn skip_records_the_event_advances_its_aggregate_when_next_and_refuses_a_h
 
     // No reason: a usage error, nothing changed. An empty one: refused by the library.
     let out = skip(next_id.to_string(), &[]).await;
-    assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("--reason"), "{}", stderr(&out));
+    assert_refused(&out, "--reason");
     let out = skip(next_id.to_string(), &["--reason", "  "]).await;
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        stderr(&out).contains("a skip needs a reason"),
-        "{}",
-        stderr(&out)
-    );
+    assert_refused(&out, "a skip needs a reason");
     assert_eq!(row_status(&db, next_id).await.0, "quarantined");
     assert!(actions(&db, next_id).await.is_empty());
 
@@ -486,17 +464,11 @@ async fn skip_records_the_event_advances_its_aggregate_when_next_and_refuses_a_h
     assert_eq!(after["resolution"], "skipped");
     assert_eq!(after["last_sequence"], 1);
     let out = skip(next_id.to_string(), &["--reason", "again"]).await;
-    assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("is resolved"), "{}", stderr(&out));
+    assert_refused(&out, "is resolved");
 
     // Ahead of its aggregate (o-2 has applied nothing; this is #3): refused, nothing written.
     let out = skip(ahead_id.to_string(), &["--reason", "not wanted"]).await;
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        stderr(&out).contains("ahead of its aggregate"),
-        "{}",
-        stderr(&out)
-    );
+    assert_refused(&out, "ahead of its aggregate");
     assert_eq!(row_status(&db, ahead_id).await.0, "quarantined");
     assert!(!processed(&db, "inventory", ahead.event_id).await);
     assert_eq!(last_sequence(&db, "inventory", "o-2").await, None);

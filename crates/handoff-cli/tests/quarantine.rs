@@ -7,11 +7,10 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::Output;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};
-use common::{handoff, migrated, stdout_json, RelayProcess, Target};
+use common::{handoff, migrated, stderr, stdout_json, RelayProcess, Target};
 use handoff_core::Limits;
 use handoff_postgres::{Outbox, OutboxConfig};
 use handoff_test::nats::{
@@ -23,10 +22,6 @@ use uuid::Uuid;
 
 /// The stream's message size limit: the poison events are bigger, the others far smaller.
 const STREAM_MAX_MESSAGE: i32 = 4096;
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
 
 async fn event_id(db: &TestDb, aggregate: &str, sequence: i64) -> Uuid {
     sqlx::query_scalar(

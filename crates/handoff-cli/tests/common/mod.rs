@@ -27,6 +27,22 @@ pub fn handoff(db: &TestDb, args: &[&str]) -> Output {
         .expect("run handoff")
 }
 
+/// A command's stdout as text.
+pub fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// A command's stderr as text.
+pub fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Asserts that a command failed with status 1 and said `why` on stderr.
+pub fn assert_refused(output: &Output, why: &str) {
+    assert_eq!(output.status.code(), Some(1), "stderr: {}", stderr(output));
+    assert!(stderr(output).contains(why), "{}", stderr(output));
+}
+
 /// A command's stdout as JSON; fails the test with both outputs when it is not.
 pub fn stdout_json(output: &Output) -> serde_json::Value {
     serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
