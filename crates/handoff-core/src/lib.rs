@@ -14,6 +14,8 @@
 //! - [`OrderMode`], per-aggregate (default) or strict global order;
 //! - [`intake`], the consumer's seam: an [`intake::Intake`] of delivered events, each settled
 //!   through [`intake::Settle`];
+//! - [`readback`], reading back what a destination stores: [`readback::ReadBack`], for
+//!   replay, reconcile and the checkers;
 //! - [`trace`] (feature `otel`), the W3C trace context between `tracing` spans and event
 //!   headers.
 //!
@@ -55,6 +57,7 @@ mod event;
 pub mod intake;
 mod limits;
 mod order;
+pub mod readback;
 pub mod redact;
 pub mod subject;
 #[cfg(feature = "otel")]
