@@ -121,9 +121,15 @@ impl ReadBack for KafkaReadBack {
                 ))
             }
         };
-        let records = read_records(&self.brokers, &self.topic, &self.options, self.timeout, start)
-            .await
-            .map_err(read_back_error)?;
+        let records = read_records(
+            &self.brokers,
+            &self.topic,
+            &self.options,
+            self.timeout,
+            start,
+        )
+        .await
+        .map_err(read_back_error)?;
         let messages: Vec<StoredMessage> = records
             .into_iter()
             .filter(|(_, stamped)| match (since, stamped) {
@@ -172,7 +178,9 @@ fn parse_position(position: &str) -> Result<StartAt, ReadBackError> {
 /// Milliseconds since the epoch, as Kafka stamps records (0 for an earlier time).
 fn epoch_millis(at: SystemTime) -> i64 {
     at.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |since| i64::try_from(since.as_millis()).unwrap_or(i64::MAX))
+        .map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        })
 }
 
 fn stored(topic: &str, record: StoredRecord) -> StoredMessage {

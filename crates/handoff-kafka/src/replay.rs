@@ -11,7 +11,7 @@ use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind};
 use rdkafka::producer::{DeliveryFuture, FutureProducer};
 
 use crate::transport::KafkaContext;
-use crate::{Delivered, KafkaTransport};
+use crate::{Delivered, KafkaTransport, TopicError};
 
 /// The delivery report of one replayed copy, to be awaited with [`wait`](Self::wait).
 ///
@@ -51,6 +51,32 @@ impl KafkaReplayAck<'_> {
 }
 
 impl KafkaTransport {
+    /// The topic's partition count, or `None` when the cluster does not know the topic: a
+    /// replay checks the topic is there before it sends anything (creating it would only hide
+    /// a wrong `--topic`).
+    ///
+    /// # Errors
+    ///
+    /// [`TopicError`] when the cluster does not answer in time.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe; the metadata request runs on a blocking thread and finishes by itself.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn example(t: &handoff_kafka::KafkaTransport) -> Result<(), handoff_kafka::TopicError> {
+    /// if t.topic_partitions().await?.is_none() {
+    ///     eprintln!("topic {} does not exist", t.config().topic);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn topic_partitions(&self) -> Result<Option<i32>, TopicError> {
+        self.partition_count().await
+    }
+
     /// The headers a replayed copy of `event` is produced with: the relay's
     /// [`headers`](Self::headers) and `Handoff-Replay: <marker>`.
     ///

@@ -330,7 +330,7 @@ impl KafkaTransport {
     }
 
     /// The topic's partition count, or `None` when the cluster does not know the topic.
-    async fn partition_count(&self) -> Result<Option<i32>, TopicError> {
+    pub(crate) async fn partition_count(&self) -> Result<Option<i32>, TopicError> {
         let producer = self.producer();
         let topic = self.config.topic.clone();
         let metadata_error = |source| TopicError::Metadata {
