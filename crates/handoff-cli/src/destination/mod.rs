@@ -22,15 +22,23 @@
 //!    (flags and [`Common`] into the library's config, checked), [`Destination::connect`] (the
 //!    relay's transport, retried while the broker is unreachable, with
 //!    [`connect_with_retry`]) and, when its messages can be read back,
-//!    [`Destination::open_store`] with a [`Store`]; otherwise `type Store = Unreadable;` and
-//!    the commands refuse it.
-//! 2. In this file: `mod <name>;`, a variant of [`DestinationKind`] (its doc line is the
-//!    `--destination` help), a `#[command(flatten)] #[serde(flatten)]` field of
-//!    [`DestinationArgs`], and one line in each of [`DestinationArgs::dispatch`] and
+//!    [`Destination::open_store`] with a [`Store`] (its crate's `ReadBack` plus
+//!    [`Store::location`] and [`Store::send_replay`]; see `nats.rs`, where the transport is
+//!    the store, and `kafka.rs`, where a transport and a reader make one) and
+//!    [`Destination::names`] / [`Destination::place`] for the commands' output; otherwise
+//!    `type Store = Unreadable;` and the commands refuse it on one line.
+//! 2. In this file: `pub mod <name>;`, a variant of [`DestinationKind`] (its doc line is the
+//!    value's help; the serde name is the lowercase variant), a `#[command(flatten)]
+//!    #[serde(flatten)]` field of [`DestinationArgs`] (and the destination in its
+//!    `--destination` doc line), and one line in each of [`DestinationArgs::dispatch`] and
 //!    [`DestinationArgs::refuse_strays`].
 //! 3. Its crate in `crates/handoff-cli/Cargo.toml`.
 //!
-//! Nothing else changes: `relay.rs`, `replay.rs` and `reconcile.rs` only see [`Visit`].
+//! Nothing else changes: `relay.rs`, `replay.rs` and `reconcile.rs` only see [`Visit`]. The
+//! config file takes every new flag under its name with `_` for `-` by itself (its known keys
+//! are the relay's clap argument ids); a flag whose TOML form differs (such as Kafka's
+//! `--kafka-option` and `[kafka]` table) gives the flag the key's id (`#[arg(id = "kafka")]`)
+//! and the file-only field `#[arg(skip)]`.
 
 use std::future::Future;
 use std::pin::Pin;
