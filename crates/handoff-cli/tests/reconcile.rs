@@ -198,3 +198,18 @@ async fn reconcile_refuses_bad_arguments_and_an_unknown_stream() {
     assert_eq!(run.code, Some(1), "{run:?}");
     assert!(run.stderr.contains("--stream"), "{run:?}");
 }
+
+#[tokio::test]
+async fn reconcile_and_replay_refuse_a_destination_that_cannot_be_read_back_on_one_line() {
+    let (db, _outbox) = migrated("reconcile_unreadable").await;
+    for destination in ["amqp", "http"] {
+        for command in [&["reconcile", "--since", "1h"][..], &["replay", "--all"]] {
+            let args = [command, &["--destination", destination]].concat();
+            let run = common::handoff(&db, &args);
+            let stderr = common::stderr(&run);
+            common::assert_refused(&run, "cannot be read back");
+            assert!(stderr.contains("delivery receipts"), "{stderr}");
+            assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+        }
+    }
+}
