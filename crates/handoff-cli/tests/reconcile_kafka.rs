@@ -1,7 +1,8 @@
 //! `handoff reconcile --destination kafka` as a real process against the real PostgreSQL and a
 //! private tansu: messages the topic lost behind handoff's back (the topic deleted and
 //! recreated with all but five of its messages) are found from the outbox, reported with exit
-//! status 2, and republished with the replay marker, each once, in per-aggregate order.
+//! status 2, and republished with the replay marker, each once, in per-aggregate order; and
+//! `handoff replay --destination kafka` adding marked copies of one aggregate in order.
 
 mod common;
 mod ops;
@@ -16,6 +17,7 @@ use handoff_kafka::rdkafka::config::ClientConfig;
 use handoff_kafka::rdkafka::message::{Header, OwnedHeaders};
 use handoff_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use handoff_kafka::{read_topic, StoredRecord};
+use handoff_test::factory;
 use handoff_test::tansu::{unique_topic, Tansu};
 use ops::{assert_in_order_per_aggregate, is_lost, missing_ids};
 use uuid::Uuid;
@@ -210,4 +212,56 @@ async fn reconcile_and_replay_refuse_kafka_without_its_topic() {
         let run = handoff(&db, &[command, &destination].concat());
         common::assert_refused(&run, "(check --topic)");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_into_kafka_adds_marked_copies_of_one_aggregate_in_order() {
+    let broker = Tansu::start().unwrap();
+    let brokers = broker.brokers();
+    let (db, outbox) = migrated("replay_kafka").await;
+    let topic = unique_topic("replay_kafka");
+    enqueue_spread(&db.pool, &outbox, 0, 12, 3).await;
+    let destination = kafka_flags(&brokers, &topic);
+    let mut relay = RelayProcess::spawn(&db.url(), "replay-kafka", &destination, &[]);
+    wait_drained(&db.pool, Duration::from_secs(30), || relay.log()).await;
+    assert!(relay.terminate().success(), "{}", relay.log());
+    let before = read(&brokers, &topic).await;
+    assert_eq!(before.len(), 12);
+
+    let filter = [
+        "replay",
+        "--aggregate-type",
+        factory::AGGREGATE_TYPE,
+        "--aggregate-id",
+        "agg-1",
+    ];
+    let run = handoff(&db, &[&filter[..], &destination, &["--json"]].concat());
+    assert_eq!(run.status.code(), Some(0), "{run:?}");
+    let summary = stdout_json(&run);
+    assert_eq!(
+        (&summary["matched"], &summary["published"]),
+        (&4.into(), &4.into())
+    );
+    assert_eq!(summary["destination"], "kafka");
+    assert_eq!(summary["topic"], topic.as_str());
+    let replay_id = summary["replay_id"].as_str().unwrap();
+
+    let after = read(&brokers, &topic).await;
+    assert_eq!(after.len(), 16);
+    let copies: Vec<&StoredRecord> = after
+        .iter()
+        .filter(|r| r.header("Handoff-Replay").is_some())
+        .collect();
+    assert_eq!(copies.len(), 4);
+    for copy in &copies {
+        assert_eq!(copy.header("Handoff-Replay"), Some(replay_id));
+        assert_eq!(aggregate_of(copy), "agg-1");
+        let original = before.iter().find(|r| id_of(r) == id_of(copy)).unwrap();
+        assert_eq!(
+            (&copy.key, copy.partition, &copy.payload),
+            (&original.key, original.partition, &original.payload)
+        );
+    }
+    let sequences: Vec<&str> = copies.iter().map(|r| sequence_of(r)).collect();
+    assert_eq!(sequences, ["1", "2", "3", "4"]);
 }
