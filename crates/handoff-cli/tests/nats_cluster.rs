@@ -9,12 +9,6 @@ use std::time::{Duration, Instant};
 use common::{check_stream, migrated, wait_drained, RelayProcess, Target, Writers};
 use handoff_test::nats::{read_stream, unique_name, NatsCluster};
 
-// Out of the default suite until `handoff reconcile` reads a cluster's stream reliably right
-// after a node rejoins: about one run in six its scan stops early (351 of 2,842 messages read)
-// and reports stored events as missing, so the reconcile assertion fails though the stream
-// holds every event once and in order. Run it with
-// `cargo nextest run -p handoff-cli --all-features --test nats_cluster --run-ignored all`.
-#[ignore = "reconcile's scan can stop early on a replica that is catching up (issue 23 note)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_r3_stream_loses_nothing_when_its_leader_is_killed_under_load() {
     let mut cluster = NatsCluster::start(3).await.expect("a 3-node cluster");
@@ -74,8 +68,9 @@ async fn an_r3_stream_loses_nothing_when_its_leader_is_killed_under_load() {
     cluster.node_mut(killed).kill().unwrap();
     let killed_at = Instant::now();
 
-    // A new leader takes over while the writers go on; the killed node comes back.
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // A new leader takes over while the writers go on; the killed node comes back. An election
+    // takes seconds, longer on a loaded machine.
+    let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         match NatsCluster::stream_leader(&client, &stream).await {
             Ok(new) if new != leader => break,
@@ -130,8 +125,8 @@ async fn an_r3_stream_loses_nothing_when_its_leader_is_killed_under_load() {
         String::from_utf8_lossy(&run.stderr)
     );
     let summary: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
-    assert_eq!(summary["missing"], 0, "{summary}");
-    assert_eq!(summary["checked"], check.messages, "{summary}");
+    assert_eq!(summary["missing"], 0, "{summary}\n{stderr}");
+    assert_eq!(summary["checked"], check.messages, "{summary}\n{stderr}");
 }
 
 #[tokio::test]

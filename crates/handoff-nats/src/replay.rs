@@ -219,54 +219,118 @@ impl StreamScan {
         };
         self.at = sequence;
         // Messages stored after the scan began are not what it was asked about, but they are
-        // the stream's all the same: report this one and stop. `pending == 0` before the last
-        // sequence usually means the rest belongs to another subject; but the consumer may sit
+        // the stream's all the same: report this one and stop. Before the last sequence, the
+        // consumer's `pending == 0` is only a hint: on a replicated stream the consumer may sit
         // on a replica still catching up after a restart, whose count reaches 0 early (seen on
-        // an R3 stream: a scan ended after 309 of 2842 messages). The leader decides.
-        if sequence >= self.last || (pending == 0 && !self.more_after(sequence).await) {
-            self.done = true;
-            self.messages = None;
+        // an R3 stream: a scan ended after 351 of 2,842 messages). The leader decides.
+        if sequence >= self.last {
+            tracing::debug!(stream = %self.stream, sequence, "scan reached its last sequence");
+            self.finish();
+        } else if pending == 0 {
+            match self.leader_next(sequence, None).await? {
+                Some(next) if next <= self.last => {
+                    tracing::debug!(stream = %self.stream, sequence, next,
+                        "the consumer reported nothing pending but the stream's leader holds more");
+                }
+                // Only messages stored after the scan began (or none) are left under the prefix.
+                next => {
+                    tracing::debug!(stream = %self.stream, sequence, ?next, last = self.last,
+                        "nothing pending and nothing more before the last sequence");
+                    self.finish()
+                }
+            }
         }
         Ok(Some(scanned(sequence, &message.message)))
     }
+
+    fn finish(&mut self) {
+        self.done = true;
+        self.messages = None;
+    }
 }
 
-impl StreamScan {
-    /// Whether the stream's leader holds a message under the prefix after `sequence`. `false`
-    /// when it holds none, and also when it cannot tell (an error): the consumer's count is then
-    /// all there is.
-    async fn more_after(&self, sequence: u64) -> bool {
-        self.more_after_since(sequence, None).await
-    }
+/// How long the scan keeps asking the stream's leader before it gives up with an error: a new
+/// leader is elected within a few seconds of losing the old one.
+const LEADER_PATIENCE: Duration = Duration::from_secs(20);
 
-    /// As [`more_after`](Self::more_after), counting only a message stored at or after
-    /// `since`.
-    async fn more_after_since(
+impl StreamScan {
+    /// The sequence of the first message under the prefix after `sequence` (and stored at or
+    /// after `since`), as the stream's leader answers: `None` when it holds none.
+    ///
+    /// The stream-message get (`$JS.API.STREAM.MSG.GET`) is answered by the leader only, unlike a
+    /// direct get or a consumer, which a replica may serve. While the stream has no leader (an
+    /// election after a node died), it asks again, for at most [`LEADER_PATIENCE`]; then it fails
+    /// rather than end the scan early on a guess.
+    async fn leader_next(
         &self,
         sequence: u64,
         since: Option<async_nats::datetime::DateTime>,
-    ) -> bool {
+    ) -> Result<Option<u64>, ScanError> {
         let Some(handle) = &self.handle else {
-            return false;
+            return Ok(None);
         };
-        let next = handle
-            .raw_message_builder()
-            .sequence(sequence + 1)
-            .next_by_subject(self.filter.clone())
-            .send()
-            .await;
-        match next {
-            Ok(message) if since.is_some_and(|since| message.time < since) => false,
-            Ok(message) => {
-                tracing::debug!(stream = %self.stream, sequence, next = message.sequence,
-                    "the consumer reported nothing pending but the stream's leader holds more");
-                true
+        let deadline = tokio::time::Instant::now() + LEADER_PATIENCE;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let next = handle
+                .raw_message_builder()
+                .sequence(sequence + 1)
+                .next_by_subject(self.filter.clone())
+                .send()
+                .await;
+            let error = match next {
+                Ok(message) if since.is_some_and(|since| message.time < since) => return Ok(None),
+                Ok(message) => return Ok(Some(message.sequence)),
+                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                    return Ok(None)
+                }
+                Err(error) => error,
+            };
+            if tokio::time::Instant::now() + pause > deadline {
+                return Err(ScanError::Stream {
+                    stream: self.stream.clone(),
+                    message: format!(
+                        "the stream's leader did not say whether messages follow sequence \
+                         {sequence} within {LEADER_PATIENCE:?}: {error}"
+                    ),
+                });
             }
-            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => false,
-            Err(error) => {
-                tracing::debug!(stream = %self.stream, error = %error,
-                    "could not ask the stream's leader for the next message");
-                false
+            tracing::debug!(stream = %self.stream, sequence, error = %error,
+                "asking the stream's leader for the next message again");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
+        }
+    }
+}
+
+/// The stream's last sequence as its leader sees it.
+///
+/// A stream info request may be answered by a replica that believes the stream has no leader,
+/// typically a node that has just restarted and not yet heard from the leader: it answers with
+/// its own, possibly far behind, state and no leader's name (seen: last sequence 314 of 2,842).
+/// Such an answer is asked again, for at most [`LEADER_PATIENCE`]; a single server's stream (no
+/// cluster) answers for itself.
+async fn leader_last_sequence(
+    stream: &mut async_nats::jetstream::stream::Stream,
+) -> Result<u64, String> {
+    let deadline = tokio::time::Instant::now() + LEADER_PATIENCE;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let info = stream.info().await.map_err(|e| e.to_string())?;
+        let leader = info.cluster.as_ref().map(|c| c.leader.clone());
+        match leader {
+            None | Some(Some(_)) => return Ok(info.state.last_sequence),
+            Some(None) if tokio::time::Instant::now() + pause > deadline => {
+                return Err(format!(
+                    "the stream has no leader (asked for {LEADER_PATIENCE:?}); its replicas \
+                     cannot tell how far it goes"
+                ))
+            }
+            Some(None) => {
+                tracing::debug!(stream = %info.config.name,
+                    "a replica without a leader answered the stream info; asking again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
             }
         }
     }
@@ -440,12 +504,10 @@ impl JetStreamTransport {
             .get_stream(&name)
             .await
             .map_err(|e| stream_error(e.to_string()))?;
-        let last = stream
-            .info()
+        let last = leader_last_sequence(&mut stream)
             .await
-            .map_err(|e| stream_error(e.to_string()))?
-            .state
-            .last_sequence;
+            .map_err(stream_error)?;
+        tracing::debug!(stream = %name, last, "scan starts");
         let idle = Duration::from_secs(30);
         let filter = format!("{}.>", self.config().subject_prefix);
         let mut scan = StreamScan {
@@ -477,9 +539,10 @@ impl JetStreamTransport {
         let info = consumer.cached_info();
         let since = Some(async_nats::datetime::DateTime::from(from));
         if info.num_pending == 0
-            && !scan
-                .more_after_since(info.delivered.stream_sequence, since)
-                .await
+            && scan
+                .leader_next(info.delivered.stream_sequence, since)
+                .await?
+                .is_none()
         {
             // Nothing stored since `from` under the prefix: the ordered stream would only wait.
             // (Asked of the leader too: a consumer on a lagging replica counts too few.)

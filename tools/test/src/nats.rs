@@ -236,12 +236,19 @@ async fn read_all(client: &async_nats::Client, stream: &str) -> Vec<StoredMessag
         .get_stream(stream)
         .await
         .unwrap_or_else(|e| panic!("get stream {stream}: {e}"));
-    let state = handle
-        .info()
-        .await
-        .unwrap_or_else(|e| panic!("info of stream {stream}: {e}"))
-        .state
-        .clone();
+    // A replica that has just restarted may answer for a stream it thinks has no leader, with
+    // its own state, far behind (handoff_nats's scan has the details): only a leader's answer
+    // (or a single server's, no cluster) says how far the stream goes. READ_TIMEOUT bounds this.
+    let state = loop {
+        let info = handle
+            .info()
+            .await
+            .unwrap_or_else(|e| panic!("info of stream {stream}: {e}"));
+        if info.cluster.as_ref().is_none_or(|c| c.leader.is_some()) {
+            break info.state.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     if state.messages == 0 {
         return Vec::new();
     }
