@@ -13,21 +13,16 @@ use handoff_core::readback::{
     MessageScan, ReadBack, ReadBackError, ReadBackErrorKind, ReadFrom, StoredMessage,
 };
 
-use crate::{JetStreamTransport, ScanError, ScannedMessage};
-
-/// Messages handed from the scanning thread to [`JetStreamMessageScan::next`] ahead of use.
-const READ_AHEAD: usize = 256;
+use crate::{JetStreamTransport, ScanError, ScannedMessage, StreamScan};
 
 /// A read of the stream through the [`ReadBack`] seam; see [`JetStreamTransport::scan`] for
 /// what it reads (the relay's subjects only, up to the last sequence when it began).
-///
-/// The scan runs on a blocking thread of its own and hands messages over a channel:
-/// [`StreamScan::next`](crate::StreamScan::next)'s future is not `Send` (it holds a `&StreamScan` across an await, and
-/// the ordered consumer inside is not `Sync`), while the seam's futures must be. Dropping this
-/// scan ends that thread at its next message (or its idle timeout, 30 s).
 #[derive(Debug)]
 pub struct JetStreamMessageScan {
-    messages: tokio::sync::mpsc::Receiver<Result<StoredMessage, ReadBackError>>,
+    scan: StreamScan,
+    /// Messages below this sequence are skipped (a read from a position starts at that
+    /// message's time, which earlier sequences may share).
+    from_sequence: u64,
 }
 
 impl ReadBack for JetStreamTransport {
@@ -85,42 +80,11 @@ impl ReadBack for JetStreamTransport {
                 ))
             }
         };
-        let transport = self.clone();
-        let runtime = tokio::runtime::Handle::current();
-        let (started, begun) = tokio::sync::oneshot::channel();
-        let (sender, messages) = tokio::sync::mpsc::channel(READ_AHEAD);
-        tokio::task::spawn_blocking(move || {
-            let mut scan = match runtime.block_on(transport.scan(start)) {
-                Ok(scan) => {
-                    let _ = started.send(Ok(()));
-                    scan
-                }
-                Err(error) => {
-                    let _ = started.send(Err(read_back_error(error)));
-                    return;
-                }
-            };
-            loop {
-                let next = match runtime.block_on(scan.next()) {
-                    Ok(Some(message)) if message.stream_sequence < from_sequence => continue,
-                    Ok(Some(message)) => Ok(stored(message)),
-                    Ok(None) => return,
-                    Err(error) => Err(read_back_error(error)),
-                };
-                let failed = next.is_err();
-                if sender.blocking_send(next).is_err() || failed {
-                    return;
-                }
-            }
-        });
-        match begun.await {
-            Ok(Ok(())) => Ok(JetStreamMessageScan { messages }),
-            Ok(Err(error)) => Err(error),
-            Err(_gone) => Err(ReadBackError::new(
-                ReadBackErrorKind::Other,
-                "the stream's reading thread ended before it began",
-            )),
-        }
+        let scan = self.scan(start).await.map_err(read_back_error)?;
+        Ok(JetStreamMessageScan {
+            scan,
+            from_sequence,
+        })
     }
 }
 
@@ -167,9 +131,16 @@ impl MessageScan for JetStreamMessageScan {
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: a message not returned stays in the channel for the next call.
+    /// As [`StreamScan::next`]: nothing is lost on the server, but a message being received
+    /// may be skipped by this scan.
     async fn next(&mut self) -> Result<Option<StoredMessage>, ReadBackError> {
-        self.messages.recv().await.transpose()
+        loop {
+            match self.scan.next().await.map_err(read_back_error)? {
+                Some(message) if message.stream_sequence < self.from_sequence => continue,
+                Some(message) => return Ok(Some(stored(message))),
+                None => return Ok(None),
+            }
+        }
     }
 }
 

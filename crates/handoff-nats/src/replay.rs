@@ -227,7 +227,15 @@ impl StreamScan {
             tracing::debug!(stream = %self.stream, sequence, "scan reached its last sequence");
             self.finish();
         } else if pending == 0 {
-            match self.leader_next(sequence, None).await? {
+            match leader_next(
+                self.handle.as_ref(),
+                &self.stream,
+                &self.filter,
+                sequence,
+                None,
+            )
+            .await?
+            {
                 Some(next) if next <= self.last => {
                     tracing::debug!(stream = %self.stream, sequence, next,
                         "the consumer reported nothing pending but the stream's leader holds more");
@@ -253,53 +261,57 @@ impl StreamScan {
 /// leader is elected within a few seconds of losing the old one.
 const LEADER_PATIENCE: Duration = Duration::from_secs(20);
 
-impl StreamScan {
-    /// The sequence of the first message under the prefix after `sequence` (and stored at or
-    /// after `since`), as the stream's leader answers: `None` when it holds none.
-    ///
-    /// The stream-message get (`$JS.API.STREAM.MSG.GET`) is answered by the leader only, unlike a
-    /// direct get or a consumer, which a replica may serve. While the stream has no leader (an
-    /// election after a node died), it asks again, for at most [`LEADER_PATIENCE`]; then it fails
-    /// rather than end the scan early on a guess.
-    async fn leader_next(
-        &self,
-        sequence: u64,
-        since: Option<async_nats::datetime::DateTime>,
-    ) -> Result<Option<u64>, ScanError> {
-        let Some(handle) = &self.handle else {
-            return Ok(None);
-        };
-        let deadline = tokio::time::Instant::now() + LEADER_PATIENCE;
-        let mut pause = Duration::from_millis(50);
-        loop {
-            let next = handle
-                .raw_message_builder()
-                .sequence(sequence + 1)
-                .next_by_subject(self.filter.clone())
-                .send()
-                .await;
-            let error = match next {
-                Ok(message) if since.is_some_and(|since| message.time < since) => return Ok(None),
-                Ok(message) => return Ok(Some(message.sequence)),
-                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
-                    return Ok(None)
-                }
-                Err(error) => error,
-            };
-            if tokio::time::Instant::now() + pause > deadline {
-                return Err(ScanError::Stream {
-                    stream: self.stream.clone(),
-                    message: format!(
-                        "the stream's leader did not say whether messages follow sequence \
-                         {sequence} within {LEADER_PATIENCE:?}: {error}"
-                    ),
-                });
+/// The sequence of the first message under `filter` after `sequence` (and stored at or after
+/// `since`) in `stream`, as the stream's leader answers: `None` when it holds none (or there is
+/// no stream handle).
+///
+/// The stream-message get (`$JS.API.STREAM.MSG.GET`) is answered by the leader only, unlike a
+/// direct get or a consumer, which a replica may serve. While the stream has no leader (an
+/// election after a node died), it asks again, for at most [`LEADER_PATIENCE`]; then it fails
+/// rather than end the scan early on a guess.
+async fn leader_next(
+    handle: Option<&async_nats::jetstream::stream::Stream>,
+    stream: &str,
+    filter: &str,
+    sequence: u64,
+    since: Option<async_nats::datetime::DateTime>,
+) -> Result<Option<u64>, ScanError> {
+    // A free function over the fields it needs, not a method: borrowing the whole scan across
+    // an await would make `StreamScan::next` need a `Sync` scan, which the ordered consumer
+    // inside is not.
+    let Some(handle) = handle else {
+        return Ok(None);
+    };
+    let deadline = tokio::time::Instant::now() + LEADER_PATIENCE;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let next = handle
+            .raw_message_builder()
+            .sequence(sequence + 1)
+            .next_by_subject(filter)
+            .send()
+            .await;
+        let error = match next {
+            Ok(message) if since.is_some_and(|since| message.time < since) => return Ok(None),
+            Ok(message) => return Ok(Some(message.sequence)),
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                return Ok(None)
             }
-            tracing::debug!(stream = %self.stream, sequence, error = %error,
-                "asking the stream's leader for the next message again");
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(1));
+            Err(error) => error,
+        };
+        if tokio::time::Instant::now() + pause > deadline {
+            return Err(ScanError::Stream {
+                stream: stream.to_owned(),
+                message: format!(
+                    "the stream's leader did not say whether messages follow sequence \
+                     {sequence} within {LEADER_PATIENCE:?}: {error}"
+                ),
+            });
         }
+        tracing::debug!(stream = %stream, sequence, error = %error,
+            "asking the stream's leader for the next message again");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -539,10 +551,15 @@ impl JetStreamTransport {
         let info = consumer.cached_info();
         let since = Some(async_nats::datetime::DateTime::from(from));
         if info.num_pending == 0
-            && scan
-                .leader_next(info.delivered.stream_sequence, since)
-                .await?
-                .is_none()
+            && leader_next(
+                scan.handle.as_ref(),
+                &scan.stream,
+                &scan.filter,
+                info.delivered.stream_sequence,
+                since,
+            )
+            .await?
+            .is_none()
         {
             // Nothing stored since `from` under the prefix: the ordered stream would only wait.
             // (Asked of the leader too: a consumer on a lagging replica counts too few.)
