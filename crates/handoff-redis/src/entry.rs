@@ -68,7 +68,9 @@ pub(crate) fn entries(reply: Value) -> Result<Vec<Entry>, ReplyError> {
     let Value::Array(items) = reply else {
         return match reply {
             Value::Nil => Ok(Vec::new()),
-            other => Err(ReplyError(format!("expected a list of entries, got {other:?}"))),
+            other => Err(ReplyError(format!(
+                "expected a list of entries, got {other:?}"
+            ))),
         };
     };
     let mut entries = Vec::with_capacity(items.len());

@@ -219,9 +219,7 @@ mod tests {
             Some("command not allowed when used memory > 'maxmemory'".to_owned()),
         );
         assert_eq!(redis_publish_kind(&oom), PublishErrorKind::Throttled);
-        let io = RedisError::from(std::io::Error::from(
-            std::io::ErrorKind::ConnectionRefused,
-        ));
+        let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
         assert_eq!(redis_publish_kind(&io), PublishErrorKind::Unavailable);
         let timed_out = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
         assert_eq!(redis_publish_kind(&timed_out), PublishErrorKind::Timeout);

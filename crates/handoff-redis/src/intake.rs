@@ -258,7 +258,8 @@ impl RedisIntake {
             }
         }
         let entries = self.read_group(">", Some(self.config.block)).await?;
-        self.buffer.extend(entries.into_iter().map(|entry| (entry, 1)));
+        self.buffer
+            .extend(entries.into_iter().map(|entry| (entry, 1)));
         Ok(())
     }
 
@@ -396,7 +397,10 @@ impl RedisIntake {
 
     fn error(&self, what: &str, error: CallError) -> IntakeError {
         IntakeError::new(
-            &format!("{what} {} of stream {}", self.config.group, self.config.stream),
+            &format!(
+                "{what} {} of stream {}",
+                self.config.group, self.config.stream
+            ),
             error,
         )
     }
@@ -457,14 +461,17 @@ impl RedisSettle {
     async fn acknowledge(&self, what: &str) -> Result<(), IntakeError> {
         let (stream, group, id) = (&self.stream, &self.group, &self.id);
         self.link
-            .call(self.timeout, |mut connection: MultiplexedConnection| async move {
-                redis::cmd("XACK")
-                    .arg(stream)
-                    .arg(group)
-                    .arg(id)
-                    .query_async::<i64>(&mut connection)
-                    .await
-            })
+            .call(
+                self.timeout,
+                |mut connection: MultiplexedConnection| async move {
+                    redis::cmd("XACK")
+                        .arg(stream)
+                        .arg(group)
+                        .arg(id)
+                        .query_async::<i64>(&mut connection)
+                        .await
+                },
+            )
             .await
             .map(drop)
             .map_err(|e| IntakeError::new(what, e))
@@ -560,11 +567,17 @@ fn stream_entries(reply: Value) -> Result<Vec<Entry>, entry::ReplyError> {
             .into_iter()
             .map(|stream| match stream {
                 Value::Array(mut pair) if pair.len() == 2 => Ok(pair.swap_remove(1)),
-                other => Err(entry::ReplyError(format!("expected [stream, entries], got {other:?}"))),
+                other => Err(entry::ReplyError(format!(
+                    "expected [stream, entries], got {other:?}"
+                ))),
             })
             .collect::<Result<Vec<_>, _>>()?,
         Value::Map(pairs) => pairs.into_iter().map(|(_, entries)| entries).collect(),
-        other => return Err(entry::ReplyError(format!("unexpected XREADGROUP reply: {other:?}"))),
+        other => {
+            return Err(entry::ReplyError(format!(
+                "unexpected XREADGROUP reply: {other:?}"
+            )))
+        }
     };
     let mut entries = Vec::new();
     for list in streams {

@@ -50,7 +50,12 @@ impl RedisScan {
         self.end.as_deref()
     }
 
-    async fn range(&self, command: &str, start: &str, end: &str) -> Result<Vec<Entry>, ReadBackError> {
+    async fn range(
+        &self,
+        command: &str,
+        start: &str,
+        end: &str,
+    ) -> Result<Vec<Entry>, ReadBackError> {
         let stream = self.stream.as_str();
         let reply: Value = self
             .link

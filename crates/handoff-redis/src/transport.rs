@@ -346,7 +346,9 @@ impl Transport for RedisTransport {
                 return false;
             }
             let ping = self.link.call(left, |mut connection| async move {
-                redis::cmd("PING").query_async::<String>(&mut connection).await
+                redis::cmd("PING")
+                    .query_async::<String>(&mut connection)
+                    .await
             });
             if let Ok(Ok(_)) = tokio::time::timeout(left, ping).await {
                 return true;

@@ -20,7 +20,9 @@ async fn an_event_is_one_entry_with_event_id_payload_and_the_contract_fields() {
     let scratch = Scratch::new("contract");
     let transport = RedisTransport::connect(scratch.config()).await.unwrap();
     let mut event = outbox_event("eu.west 42", 3);
-    event.headers.push(("traceparent".into(), "00-abc-def-01".into()));
+    event
+        .headers
+        .push(("traceparent".into(), "00-abc-def-01".into()));
 
     let receipt = transport.publish(&event).await.unwrap();
 
@@ -233,10 +235,7 @@ async fn read_back_returns_entries_in_order_from_the_start_a_position_or_a_time(
     assert_eq!(rest, 1200 - 700);
 
     let mut since = transport.read_back(ReadFrom::Time(before)).await.unwrap();
-    assert_eq!(
-        since.next().await.unwrap().unwrap().event_id,
-        Some(ids[0])
-    );
+    assert_eq!(since.next().await.unwrap().unwrap().event_id, Some(ids[0]));
     let later = SystemTime::now() + Duration::from_secs(3600);
     let mut none = transport.read_back(ReadFrom::Time(later)).await.unwrap();
     assert!(none.next().await.unwrap().is_none());
