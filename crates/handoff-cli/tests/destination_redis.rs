@@ -2,9 +2,13 @@
 //! local Redis: writers commit events over many aggregates while relays are SIGKILLed and
 //! restarted; the stream then holds every committed event, nothing rolled back, per aggregate
 //! in sequence order, and none twice (every republish fell inside the dedup window).
+//! `handoff reconcile --destination redis` finds entries deleted behind handoff's back and
+//! republishes them, in order.
 
 mod common;
 
+use std::collections::{HashMap, HashSet};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::{
@@ -208,4 +212,144 @@ async fn the_config_file_names_the_redis_stream() {
     wait_drained(&db.pool, Duration::from_secs(30), || logs(&relays)).await;
     let check = check_delivered(&db.pool, &read_stream(&stream.0).await).await;
     assert_eq!((check.messages, check.duplicates), (5, 0));
+}
+
+/// `handoff <command> --destination redis --redis-stream <stream> <args>`: exit code, stdout.
+async fn handoff(database_url: &str, stream: &str, command: &str, args: &[&str]) -> (i32, String) {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .arg(command)
+        .args(["--destination", "redis", "--redis-stream", stream])
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env("REDIS_URL", redis_url())
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(60), output)
+        .await
+        .expect("handoff finished within 60 s")
+        .expect("run handoff");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let code = output.status.code().unwrap_or_else(|| {
+        panic!(
+            "killed; stderr: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    (code, stdout)
+}
+
+fn missing_ids(summary: &serde_json::Value) -> HashSet<Uuid> {
+    summary["missing_events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event_id"].as_str().unwrap().parse().unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_republishes_entries_deleted_behind_handoffs_back_in_order() {
+    let (db, outbox) = migrated("destination_redis_reconcile").await;
+    let stream = Stream::new("dest-redis-reconcile");
+    common::enqueue_spread(&db.pool, &outbox, 0, 24, 4).await;
+    let relays = [redis_relay(&db.url(), &stream.0, "r-reconcile", &[])];
+    wait_drained(&db.pool, Duration::from_secs(30), || logs(&relays)).await;
+    drop(relays);
+    let url = db.url();
+    let reconcile = |args: &'static [&'static str]| {
+        let (url, stream) = (url.clone(), stream.0.clone());
+        async move {
+            let mut all = vec!["--since", "10m", "--json"];
+            all.extend_from_slice(args);
+            let (code, stdout) = handoff(&url, &stream, "reconcile", &all).await;
+            let summary: serde_json::Value =
+                serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+            (code, summary)
+        }
+    };
+
+    let (code, summary) = reconcile(&[]).await;
+    assert_eq!(code, 0, "{summary}");
+    assert_eq!(
+        (&summary["checked"], &summary["missing"]),
+        (&24.into(), &0.into())
+    );
+
+    // Redis "loses" five entries: sequences 2, 3 and 5 of agg-1 (so the republish order within
+    // one aggregate shows), 1 of agg-2 and 4 of agg-3.
+    let before = read_stream(&stream.0).await;
+    assert_eq!(before.len(), 24);
+    let lost: Vec<&Delivered> = before
+        .iter()
+        .filter(|m| match m.aggregate_id.as_str() {
+            "agg-1" => [2, 3, 5].contains(&m.sequence),
+            "agg-2" => m.sequence == 1,
+            "agg-3" => m.sequence == 4,
+            _ => false,
+        })
+        .collect();
+    assert_eq!(lost.len(), 5);
+    let mut connection = redis::Client::open(redis_url())
+        .and_then(|c| c.get_connection())
+        .unwrap();
+    for message in &lost {
+        let id = message.position.trim_start_matches("entry ");
+        let deleted: i64 = redis::cmd("XDEL")
+            .arg(&stream.0)
+            .arg(id)
+            .query(&mut connection)
+            .unwrap();
+        assert_eq!(deleted, 1);
+    }
+    let lost_ids: HashSet<Uuid> = lost.iter().map(|m| m.event_id).collect();
+
+    let (code, summary) = reconcile(&[]).await;
+    assert_eq!(code, 2, "{summary}");
+    assert_eq!(
+        (&summary["missing"], &summary["republished"]),
+        (&5.into(), &0.into())
+    );
+    assert_eq!(missing_ids(&summary), lost_ids);
+    assert_eq!(
+        read_stream(&stream.0).await.len(),
+        19,
+        "a check publishes nothing"
+    );
+
+    let (code, summary) = reconcile(&["--republish"]).await;
+    assert_eq!(code, 0, "{summary}");
+    assert_eq!(
+        (&summary["missing"], &summary["republished"]),
+        (&5.into(), &5.into())
+    );
+    let after = read_stream(&stream.0).await;
+    assert_eq!(after.len(), 24, "19 kept + 5 republished, nothing else");
+    let added = &after[19..];
+    assert_eq!(
+        added.iter().map(|m| m.event_id).collect::<HashSet<_>>(),
+        lost_ids
+    );
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for message in added {
+        let previous = last
+            .insert(&message.aggregate_id, message.sequence)
+            .unwrap_or(0);
+        assert!(
+            message.sequence > previous,
+            "{}: {} republished after {previous}",
+            message.aggregate_id,
+            message.sequence
+        );
+    }
+    assert_eq!(last["agg-1"], 5);
+
+    // The copies count as present.
+    let (code, summary) = reconcile(&[]).await;
+    assert_eq!(code, 0, "{summary}");
+    assert_eq!(
+        (&summary["missing"], &summary["present_as_replayed_copy"]),
+        (&0.into(), &5.into())
+    );
 }
