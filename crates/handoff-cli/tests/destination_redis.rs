@@ -14,39 +14,10 @@ use std::time::{Duration, Instant};
 use common::{
     check_delivered, logs, migrated, pending, wait_drained, Delivered, RelayProcess, Writers,
 };
-use handoff_core::readback::{MessageScan, ReadBack, ReadFrom};
-use handoff_redis::{redis, RedisConfig, RedisTransport};
+use handoff_redis::redis;
+use handoff_test::redis::ScratchStream;
 use sqlx::PgPool;
 use uuid::Uuid;
-
-fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
-
-/// A stream key of the test's own; deleted with its dedup keys on drop.
-struct Stream(String);
-
-impl Stream {
-    fn new(test: &str) -> Stream {
-        Stream(format!("handoff-test:{test}:{}", Uuid::now_v7()))
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        let Ok(mut connection) = redis::Client::open(redis_url()).and_then(|c| c.get_connection())
-        else {
-            return;
-        };
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}*", self.0))
-            .query(&mut connection)
-            .unwrap_or_default();
-        for key in keys {
-            let _: Result<(), _> = redis::cmd("DEL").arg(key).query(&mut connection);
-        }
-    }
-}
 
 /// A relay into `stream`, the URL from the environment as a deployment would set it.
 fn redis_relay(database_url: &str, stream: &str, id: &str, env: &[(&str, &str)]) -> RelayProcess {
@@ -58,7 +29,7 @@ fn redis_relay(database_url: &str, stream: &str, id: &str, env: &[(&str, &str)])
         "--poll-interval",
         "100ms",
     ];
-    let url = redis_url();
+    let url = handoff_test::redis::url();
     let mut env = env.to_vec();
     env.push(("REDIS_URL", url.as_str()));
     RelayProcess::spawn(database_url, id, &flags, &env)
@@ -73,37 +44,32 @@ async fn published(pool: &PgPool) -> i64 {
 
 /// Every entry of the stream, in stream order, through the read-back seam.
 async fn read_stream(stream: &str) -> Vec<Delivered> {
-    let transport = RedisTransport::connect(RedisConfig {
-        url: redis_url(),
-        stream: stream.to_owned(),
-        ..RedisConfig::default()
-    })
-    .await
-    .unwrap();
-    let mut scan = transport.read_back(ReadFrom::Start).await.unwrap();
-    let mut delivered = Vec::new();
-    while let Some(message) = scan.next().await.unwrap() {
-        let header = |name: &str| {
-            message
-                .header(name)
-                .unwrap_or_else(|| panic!("entry {}: no {name}", message.position))
-        };
-        delivered.push(Delivered {
-            event_id: message.event_id.unwrap(),
-            aggregate_id: handoff_core::subject::decode_token(header("Handoff-Aggregate-Id"))
-                .unwrap()
-                .into_owned(),
-            sequence: header("Handoff-Sequence").parse().unwrap(),
-            position: format!("entry {}", message.position),
-        });
-    }
-    delivered
+    handoff_test::redis::read_stream(stream)
+        .await
+        .into_iter()
+        .map(|message| {
+            let header = |name: &str| {
+                message
+                    .header(name)
+                    .unwrap_or_else(|| panic!("entry {}: no {name}", message.position))
+                    .to_owned()
+            };
+            Delivered {
+                event_id: message.event_id.unwrap(),
+                aggregate_id: handoff_core::subject::decode_token(&header("Handoff-Aggregate-Id"))
+                    .unwrap()
+                    .into_owned(),
+                sequence: header("Handoff-Sequence").parse().unwrap(),
+                position: format!("entry {}", message.position),
+            }
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_committed_event_reaches_redis_once_in_order_through_relay_sigkills() {
     let (db, outbox) = migrated("destination_redis").await;
-    let stream = Stream::new("dest-redis");
+    let stream = ScratchStream::new("dest-redis");
     let url = db.url();
 
     let writer = Writers {
@@ -118,7 +84,7 @@ async fn every_committed_event_reaches_redis_once_in_order_through_relay_sigkill
     // stays unmarked until its lease runs out, and the others publish it again.
     let frozen = redis_relay(
         &url,
-        &stream.0,
+        stream.key(),
         "r-frozen",
         &[("FAILPOINTS", "relay.after_ack=return")],
     );
@@ -130,7 +96,7 @@ async fn every_committed_event_reaches_redis_once_in_order_through_relay_sigkill
     drop(frozen);
 
     let mut relays: Vec<RelayProcess> = (0..2)
-        .map(|n| redis_relay(&url, &stream.0, &format!("r-{n}"), &[]))
+        .map(|n| redis_relay(&url, stream.key(), &format!("r-{n}"), &[]))
         .collect();
     // Three rounds: once the relays have published more, SIGKILL one (leaving whatever it had
     // appended but not marked) and start a fresh one in its place.
@@ -148,7 +114,7 @@ async fn every_committed_event_reaches_redis_once_in_order_through_relay_sigkill
         let victim = round % relays.len();
         relays[victim].kill();
         let id = format!("r-{}", round + 2);
-        relays[victim] = redis_relay(&url, &stream.0, &id, &[]);
+        relays[victim] = redis_relay(&url, stream.key(), &id, &[]);
     }
     let rolled_back = writer.await.unwrap();
     assert!(!rolled_back.is_empty());
@@ -159,7 +125,7 @@ async fn every_committed_event_reaches_redis_once_in_order_through_relay_sigkill
         .await
         .unwrap();
 
-    let delivered = read_stream(&stream.0).await;
+    let delivered = read_stream(stream.key()).await;
     let check = check_delivered(&db.pool, &delivered).await;
     assert_eq!(
         check.duplicates, 0,
@@ -189,7 +155,7 @@ async fn every_committed_event_reaches_redis_once_in_order_through_relay_sigkill
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_config_file_names_the_redis_stream() {
     let (db, outbox) = migrated("destination_redis_toml").await;
-    let stream = Stream::new("dest-redis-toml");
+    let stream = ScratchStream::new("dest-redis-toml");
     common::enqueue_spread(&db.pool, &outbox, 0, 5, 2).await;
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("relay.toml");
@@ -198,8 +164,8 @@ async fn the_config_file_names_the_redis_stream() {
         format!(
             "destination = \"redis\"\nredis_url = \"{}\"\nredis_stream = \"{}\"\n\
              redis_dedup_window = \"5m\"\n",
-            redis_url(),
-            stream.0
+            handoff_test::redis::url(),
+            stream.key()
         ),
     )
     .unwrap();
@@ -210,7 +176,7 @@ async fn the_config_file_names_the_redis_stream() {
         &[],
     )];
     wait_drained(&db.pool, Duration::from_secs(30), || logs(&relays)).await;
-    let check = check_delivered(&db.pool, &read_stream(&stream.0).await).await;
+    let check = check_delivered(&db.pool, &read_stream(stream.key()).await).await;
     assert_eq!((check.messages, check.duplicates), (5, 0));
 }
 
@@ -221,7 +187,7 @@ async fn handoff(database_url: &str, stream: &str, command: &str, args: &[&str])
         .args(["--destination", "redis", "--redis-stream", stream])
         .args(args)
         .env("DATABASE_URL", database_url)
-        .env("REDIS_URL", redis_url())
+        .env("REDIS_URL", handoff_test::redis::url())
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .kill_on_drop(true)
@@ -252,14 +218,14 @@ fn missing_ids(summary: &serde_json::Value) -> HashSet<Uuid> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcile_republishes_entries_deleted_behind_handoffs_back_in_order() {
     let (db, outbox) = migrated("destination_redis_reconcile").await;
-    let stream = Stream::new("dest-redis-reconcile");
+    let stream = ScratchStream::new("dest-redis-reconcile");
     common::enqueue_spread(&db.pool, &outbox, 0, 24, 4).await;
-    let relays = [redis_relay(&db.url(), &stream.0, "r-reconcile", &[])];
+    let relays = [redis_relay(&db.url(), stream.key(), "r-reconcile", &[])];
     wait_drained(&db.pool, Duration::from_secs(30), || logs(&relays)).await;
     drop(relays);
     let url = db.url();
     let reconcile = |args: &'static [&'static str]| {
-        let (url, stream) = (url.clone(), stream.0.clone());
+        let (url, stream) = (url.clone(), stream.key().to_owned());
         async move {
             let mut all = vec!["--since", "10m", "--json"];
             all.extend_from_slice(args);
@@ -279,7 +245,7 @@ async fn reconcile_republishes_entries_deleted_behind_handoffs_back_in_order() {
 
     // Redis "loses" five entries: sequences 2, 3 and 5 of agg-1 (so the republish order within
     // one aggregate shows), 1 of agg-2 and 4 of agg-3.
-    let before = read_stream(&stream.0).await;
+    let before = read_stream(stream.key()).await;
     assert_eq!(before.len(), 24);
     let lost: Vec<&Delivered> = before
         .iter()
@@ -291,13 +257,11 @@ async fn reconcile_republishes_entries_deleted_behind_handoffs_back_in_order() {
         })
         .collect();
     assert_eq!(lost.len(), 5);
-    let mut connection = redis::Client::open(redis_url())
-        .and_then(|c| c.get_connection())
-        .unwrap();
+    let mut connection = handoff_test::redis::connection();
     for message in &lost {
         let id = message.position.trim_start_matches("entry ");
         let deleted: i64 = redis::cmd("XDEL")
-            .arg(&stream.0)
+            .arg(stream.key())
             .arg(id)
             .query(&mut connection)
             .unwrap();
@@ -313,7 +277,7 @@ async fn reconcile_republishes_entries_deleted_behind_handoffs_back_in_order() {
     );
     assert_eq!(missing_ids(&summary), lost_ids);
     assert_eq!(
-        read_stream(&stream.0).await.len(),
+        read_stream(stream.key()).await.len(),
         19,
         "a check publishes nothing"
     );
@@ -324,7 +288,7 @@ async fn reconcile_republishes_entries_deleted_behind_handoffs_back_in_order() {
         (&summary["missing"], &summary["republished"]),
         (&5.into(), &5.into())
     );
-    let after = read_stream(&stream.0).await;
+    let after = read_stream(stream.key()).await;
     assert_eq!(after.len(), 24, "19 kept + 5 republished, nothing else");
     let added = &after[19..];
     assert_eq!(

@@ -7,7 +7,7 @@ mod common;
 use std::future::Future;
 use std::time::Duration;
 
-use common::{connection, Scratch};
+use common::{connection, intake_config, Scratch};
 use handoff_core::delivery::Transport;
 use handoff_core::intake::{Delivery, Intake, Settle};
 use handoff_redis::redis;
@@ -38,7 +38,7 @@ fn quick(config: IntakeConfig) -> IntakeConfig {
 async fn the_intake_delivers_the_contract_and_acknowledges_only_on_settle() {
     let scratch = Scratch::new("intake-deliver");
     let transport = RedisTransport::connect(scratch.config()).await.unwrap();
-    let mut intake = RedisIntake::connect(scratch.intake("svc", "svc-1"))
+    let mut intake = RedisIntake::connect(intake_config(&scratch, "svc", "svc-1"))
         .await
         .unwrap();
     let events: Vec<_> = (1..=3).map(|n| outbox_event("o-1", n)).collect();
@@ -78,7 +78,7 @@ async fn a_dead_consumers_unacknowledged_entry_is_taken_over_by_another() {
     transport.publish(&first).await.unwrap();
     transport.publish(&second).await.unwrap();
 
-    let mut dying = RedisIntake::connect(quick(scratch.intake("svc", "a")))
+    let mut dying = RedisIntake::connect(quick(intake_config(&scratch, "svc", "a")))
         .await
         .unwrap();
     next(&mut dying).await.settle.ack().await.unwrap();
@@ -86,7 +86,7 @@ async fn a_dead_consumers_unacknowledged_entry_is_taken_over_by_another() {
     assert_eq!(unsettled.event.unwrap().event_id, second.event_id);
     drop(dying);
 
-    let mut survivor = RedisIntake::connect(quick(scratch.intake("svc", "b")))
+    let mut survivor = RedisIntake::connect(quick(intake_config(&scratch, "svc", "b")))
         .await
         .unwrap();
     let again = next(&mut survivor).await;
@@ -102,14 +102,14 @@ async fn a_restarted_consumer_reads_its_own_pending_entries_first() {
     let transport = RedisTransport::connect(scratch.config()).await.unwrap();
     let event = outbox_event("o-1", 1);
     transport.publish(&event).await.unwrap();
-    let mut before = RedisIntake::connect(scratch.intake("svc", "a"))
+    let mut before = RedisIntake::connect(intake_config(&scratch, "svc", "a"))
         .await
         .unwrap();
     drop(next(&mut before).await);
     drop(before);
 
     // The default takeover wait is 30 s: only its own history can bring the entry back now.
-    let mut after = RedisIntake::connect(scratch.intake("svc", "a"))
+    let mut after = RedisIntake::connect(intake_config(&scratch, "svc", "a"))
         .await
         .unwrap();
     let again = next(&mut after).await;
@@ -123,7 +123,7 @@ async fn a_handed_back_entry_comes_again_and_a_terminated_one_never() {
     let transport = RedisTransport::connect(scratch.config()).await.unwrap();
     let event = outbox_event("o-1", 1);
     transport.publish(&event).await.unwrap();
-    let mut intake = RedisIntake::connect(quick(scratch.intake("svc", "a")))
+    let mut intake = RedisIntake::connect(quick(intake_config(&scratch, "svc", "a")))
         .await
         .unwrap();
 
@@ -149,20 +149,20 @@ async fn a_handed_back_entry_comes_again_and_a_terminated_one_never() {
 async fn an_entry_without_the_contract_is_delivered_as_malformed() {
     let scratch = Scratch::new("intake-malformed");
     let _: String = redis::cmd("XADD")
-        .arg(&scratch.stream)
+        .arg(scratch.key())
         .arg("*")
         .arg("payload")
         .arg("{}")
         .query(&mut connection())
         .unwrap();
-    let mut intake = RedisIntake::connect(scratch.intake("svc", "a"))
+    let mut intake = RedisIntake::connect(intake_config(&scratch, "svc", "a"))
         .await
         .unwrap();
     let delivery = next(&mut intake).await;
     let malformed = delivery.event.unwrap_err();
     assert_eq!(malformed.reason, "header ce-id is missing");
     assert!(
-        malformed.location.contains(&scratch.stream),
+        malformed.location.contains(scratch.key()),
         "{}",
         malformed.location
     );

@@ -31,9 +31,9 @@ async fn an_event_is_one_entry_with_event_id_payload_and_the_contract_fields() {
     let message = &messages[0];
     assert_eq!(
         receipt.detail(),
-        Some(format!("redis {} {}", scratch.stream, message.position).as_str())
+        Some(format!("redis {} {}", scratch.key(), message.position).as_str())
     );
-    assert_eq!(message.subject, scratch.stream);
+    assert_eq!(message.subject, scratch.key());
     assert_eq!(message.event_id, Some(event.event_id));
     assert_eq!(message.replay, None);
     assert_eq!(message.payload.as_deref(), Some(event.payload.as_bytes()));
@@ -69,7 +69,7 @@ async fn an_event_is_one_entry_with_event_id_payload_and_the_contract_fields() {
 
     // The raw entry: `event_id` and `payload` lead.
     let raw: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
-        .arg(&scratch.stream)
+        .arg(scratch.key())
         .arg("-")
         .arg("+")
         .query(&mut connection())
@@ -147,7 +147,7 @@ async fn connecting_to_a_closed_port_or_a_key_of_another_type_fails_with_its_kin
 
     let scratch = Scratch::new("wrongtype");
     let _: () = redis::cmd("SET")
-        .arg(&scratch.stream)
+        .arg(scratch.key())
         .arg("a string")
         .query(&mut connection())
         .unwrap();

@@ -8,46 +8,39 @@ use std::collections::BTreeMap;
 
 use common::{cancelled, created, line, order_event, wait_for, Process, INVENTORY};
 use handoff_core::delivery::{OutboxEvent, Transport};
-use handoff_redis::redis;
-use handoff_redis::{RedisConfig, RedisTransport};
+use handoff_redis::RedisTransport;
+use handoff_test::redis::ScratchStream;
 use handoff_test::TestDb;
 use sqlx::PgPool;
 use uuid::Uuid;
 
 const SKUS: [&str; 4] = ["apple", "pear", "plum", "fig"];
 
-fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
-
 /// A stream of the test's own, fed by the relay's transport; deleted (with its dedup keys and
 /// groups) on drop.
 struct Stream {
-    key: String,
+    scratch: ScratchStream,
     transport: RedisTransport,
 }
 
 impl Stream {
     async fn new(test: &str) -> Stream {
-        let key = format!("handoff-test:{test}:{}", Uuid::now_v7());
-        let transport = RedisTransport::connect(RedisConfig {
-            url: redis_url(),
-            stream: key.clone(),
-            ..RedisConfig::default()
-        })
-        .await
-        .expect("connect the transport");
-        Stream { key, transport }
+        let scratch = ScratchStream::new(test);
+        let transport = RedisTransport::connect(scratch.config())
+            .await
+            .expect("connect the transport");
+        Stream { scratch, transport }
     }
 
     fn args(&self) -> Vec<String> {
+        let url = handoff_test::redis::url();
         [
             "--broker",
             "redis",
             "--redis-url",
-            &redis_url(),
+            &url,
             "--redis-stream",
-            &self.key,
+            self.scratch.key(),
         ]
         .map(str::to_owned)
         .to_vec()
@@ -58,41 +51,6 @@ impl Stream {
             .publish(event)
             .await
             .unwrap_or_else(|e| panic!("publish {}: {e}", event.event_id));
-    }
-
-    /// Entries of the group delivered and not acknowledged.
-    fn pending(&self, group: &str) -> i64 {
-        let mut connection = redis::Client::open(redis_url())
-            .and_then(|c| c.get_connection())
-            .expect("a redis connection");
-        let summary: redis::Value = redis::cmd("XPENDING")
-            .arg(&self.key)
-            .arg(group)
-            .query(&mut connection)
-            .expect("XPENDING");
-        match summary {
-            redis::Value::Array(parts) => match parts.first() {
-                Some(redis::Value::Int(n)) => *n,
-                other => panic!("unexpected XPENDING summary {other:?}"),
-            },
-            other => panic!("unexpected XPENDING reply {other:?}"),
-        }
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        let Ok(mut connection) = redis::Client::open(redis_url()).and_then(|c| c.get_connection())
-        else {
-            return;
-        };
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}*", self.key))
-            .query(&mut connection)
-            .unwrap_or_default();
-        for key in keys {
-            let _: Result<(), _> = redis::cmd("DEL").arg(key).query(&mut connection);
-        }
     }
 }
 
@@ -167,7 +125,7 @@ async fn every_event_is_applied_once_through_consumer_kills() {
     let mut consumer = start(&db, &stream).await;
     assert_eq!(
         consumer.ready_line(),
-        format!("consuming {} as inventory", stream.key)
+        format!("consuming {} as inventory", stream.scratch.key())
     );
     let mut kills = 0;
     let mut left_unacknowledged = 0;
@@ -189,7 +147,7 @@ async fn every_event_is_applied_once_through_consumer_kills() {
         kills += 1;
         // Delivered to the dead consumer and never acknowledged: the restarted one gets them
         // again, some already applied (the inbox absorbs those).
-        left_unacknowledged += stream.pending("inventory");
+        left_unacknowledged += stream.scratch.pending("inventory");
         consumer = start(&db, &stream).await;
     }
     assert_eq!(published, total);
@@ -201,7 +159,7 @@ async fn every_event_is_applied_once_through_consumer_kills() {
     })
     .await;
     wait_for("every entry acknowledged", || async {
-        let n = stream.pending("inventory");
+        let n = stream.scratch.pending("inventory");
         (n == 0).then_some(()).ok_or(format!("{n} pending"))
     })
     .await;
