@@ -366,6 +366,17 @@ pub async fn oversize_is_rejected<D: Destination>() {
         D::NAME
     );
 
+    // The next event goes through once the transport is ready again (RabbitMQ closes the
+    // channel over the big one; the relay waits the same way after any failure).
+    let ready = bounded(
+        &destination,
+        "ready after the rejection",
+        destination
+            .transport()
+            .wait_until_ready(destination.publish_timeout()),
+    )
+    .await;
+    assert!(ready, "{}: not ready after a rejection", D::NAME);
     let small = factory::outbox_event("big-1", 2);
     publish_ok(&destination, &small).await;
     let received = destination.received(1).await;
@@ -450,7 +461,8 @@ pub async fn silence_is_a_timeout<D: Destination>() {
 }
 
 /// Each receipt names where the destination put that message (its stream sequence,
-/// partition and offset, routing key, recorded answer), as the destination reports it.
+/// partition and offset, routing key, recorded answer), as the destination reports it: the
+/// receipt [`Destination::expected_receipt`] makes of the message received.
 pub async fn receipts_name_the_message<D: Destination>() {
     let destination = D::start(Case::Receipts).await;
     let mut receipts = Vec::new();
@@ -476,9 +488,6 @@ pub async fn receipts_name_the_message<D: Destination>() {
             D::NAME
         );
     }
-    let mut details: Vec<_> = receipts.iter().map(|(_, r)| r.detail()).collect();
-    details.dedup();
-    assert_eq!(details.len(), receipts.len(), "{}: {details:?}", D::NAME);
 }
 
 /// The events of one aggregate, published one after the other, are received in that order
