@@ -170,6 +170,27 @@ impl<T: Transport> Faulty<T> {
         self
     }
 
+    /// Counts into `stats` (shared with the test, or with another [`Faulty`] whose publishes
+    /// should add up) instead of counters of its own.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn example(real: impl handoff_core::delivery::Transport) {
+    /// use std::sync::Arc;
+    /// use handoff_test::faults::{FaultStats, Faulty};
+    ///
+    /// let stats = Arc::new(FaultStats::default());
+    /// let transport = Faulty::new(real).with_stats(stats.clone());
+    /// // ... hand `transport` to a relay, then:
+    /// println!("{} acknowledged", stats.acknowledged());
+    /// # }
+    /// ```
+    pub fn with_stats(mut self, stats: Arc<FaultStats>) -> Faulty<T> {
+        self.stats = stats;
+        self
+    }
+
     /// The counters, shared: they go on counting after the transport is handed to a relay.
     pub fn stats(&self) -> Arc<FaultStats> {
         Arc::clone(&self.stats)
@@ -217,7 +238,7 @@ impl<T: Transport> Faulty<T> {
                 injected();
                 Err(PublishError::new(
                     kind,
-                    format!("injected: {}", kind.as_str()),
+                    format!("injected: {}", described(kind)),
                 ))
             }
             Some(Fault::AckLost) => {
@@ -259,6 +280,18 @@ impl<T: Transport> Transport for Faulty<T> {
 
     async fn wait_until_ready(&self, at_most: Duration) -> bool {
         self.inner.wait_until_ready(at_most).await
+    }
+}
+
+/// What an injected failure of `kind` says, as the destination would put it.
+fn described(kind: PublishErrorKind) -> &'static str {
+    match kind {
+        PublishErrorKind::Unavailable => "the destination is unreachable",
+        PublishErrorKind::Timeout => "no acknowledgement in time",
+        PublishErrorKind::Transient => "a passing failure (a leader election)",
+        PublishErrorKind::Throttled => "the destination asks to slow down",
+        PublishErrorKind::Rejected => "refused by the destination for good",
+        _ => kind.as_str(),
     }
 }
 
