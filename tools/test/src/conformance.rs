@@ -58,7 +58,7 @@
 //!
 //! The drivers of the existing destinations (`handoff-nats`, `handoff-kafka`, `handoff-amqp`,
 //! `handoff-http`, each in its `tests/conformance.rs`) are the examples to copy. They reach the
-//! broker through a [`FaultProxy`](crate::proxy::FaultProxy): dropping the proxy is a broker
+//! broker through a [`FaultProxy`]: dropping the proxy is a broker
 //! that is down (the port refuses connections, live ones are closed), and its black hole is a
 //! broker that takes the bytes and never answers.
 
@@ -610,4 +610,188 @@ macro_rules! conformance_suite {
             }
         )+
     };
+}
+
+#[cfg(test)]
+mod tests {
+    //! The suite on an in-memory destination: it passes as written, and each case fails on a
+    //! copy broken in the way that case is there to catch.
+
+    use std::panic::AssertUnwindSafe;
+    use std::sync::{Arc, Mutex};
+
+    use futures::FutureExt as _;
+    use handoff_core::delivery::PublishError;
+
+    use super::*;
+
+    /// Nothing broken.
+    const SOUND: u8 = 0;
+    /// Sends the wrong `ce-source`.
+    const WRONG_SOURCE: u8 = 1;
+    /// Claims to deduplicate but stores the copy.
+    const STORES_COPIES: u8 = 2;
+    /// Accepts events over its limit.
+    const NO_LIMIT: u8 = 3;
+    /// Reports a timeout while down.
+    const DOWN_TIMES_OUT: u8 = 4;
+    /// Reports unavailable while silent.
+    const SILENT_UNAVAILABLE: u8 = 5;
+    /// Returns the same receipt for every message.
+    const ONE_RECEIPT: u8 = 6;
+    /// Stores each event at the front.
+    const REVERSED: u8 = 7;
+
+    const LIMIT: usize = 1024;
+    const TIMEOUT: Duration = Duration::from_millis(100);
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum State {
+        Up,
+        Down,
+        Silent,
+    }
+
+    struct MemoryTransport {
+        broken: u8,
+        /// std Mutex: never held across `.await`.
+        stored: Arc<Mutex<Vec<Received>>>,
+        state: Arc<Mutex<State>>,
+    }
+
+    impl Transport for MemoryTransport {
+        async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
+            let state = *self.state.lock().unwrap();
+            let fail = |kind| Err(PublishError::new(kind, "in memory"));
+            match (state, self.broken) {
+                (State::Down, DOWN_TIMES_OUT) => return fail(PublishErrorKind::Timeout),
+                (State::Down, _) => return fail(PublishErrorKind::Unavailable),
+                (State::Silent, SILENT_UNAVAILABLE) => return fail(PublishErrorKind::Unavailable),
+                (State::Silent, _) => {
+                    tokio::time::sleep(TIMEOUT).await;
+                    return fail(PublishErrorKind::Timeout);
+                }
+                (State::Up, _) => {}
+            }
+            if event.payload.len() > LIMIT && self.broken != NO_LIMIT {
+                return fail(PublishErrorKind::Rejected);
+            }
+            let source = if self.broken == WRONG_SOURCE {
+                "other"
+            } else {
+                CE_SOURCE
+            };
+            let headers = contract::headers(event, source)?;
+            let mut stored = self.stored.lock().unwrap();
+            let id = event.event_id.hyphenated().to_string();
+            if let Some(at) = stored
+                .iter()
+                .position(|m| m.header(header::CE_ID) == Some(id.as_str()))
+            {
+                if self.broken != STORES_COPIES {
+                    return Ok(Receipt::new(format!("memory {}", at + 1)));
+                }
+            }
+            let position = if self.broken == ONE_RECEIPT {
+                "1".to_owned()
+            } else {
+                (stored.len() + 1).to_string()
+            };
+            let message = Received {
+                position: position.clone(),
+                headers,
+                body: event.payload.clone().into_bytes(),
+            };
+            if self.broken == REVERSED {
+                stored.insert(0, message);
+            } else {
+                stored.push(message);
+            }
+            Ok(Receipt::new(format!("memory {}", stored.len())))
+        }
+
+        async fn wait_until_ready(&self, _at_most: Duration) -> bool {
+            *self.state.lock().unwrap() == State::Up
+        }
+    }
+
+    struct Memory<const BROKEN: u8> {
+        transport: MemoryTransport,
+    }
+
+    impl<const BROKEN: u8> Destination for Memory<BROKEN> {
+        type Transport = MemoryTransport;
+        const NAME: &'static str = "memory";
+        const DEDUP: Dedup = Dedup::ByEventId;
+
+        async fn start(_case: Case) -> Self {
+            Memory {
+                transport: MemoryTransport {
+                    broken: BROKEN,
+                    stored: Arc::default(),
+                    state: Arc::new(Mutex::new(State::Up)),
+                },
+            }
+        }
+
+        fn transport(&self) -> &MemoryTransport {
+            &self.transport
+        }
+
+        async fn received(&self, at_least: usize) -> Vec<Received> {
+            let stored = self.transport.stored.lock().unwrap().clone();
+            assert!(stored.len() >= at_least);
+            stored
+        }
+
+        fn expected_receipt(&self, message: &Received) -> Option<String> {
+            Some(format!("memory {}", message.position))
+        }
+
+        fn oversize(&self) -> Option<usize> {
+            Some(LIMIT)
+        }
+
+        async fn take_down(&mut self) -> bool {
+            *self.transport.state.lock().unwrap() = State::Down;
+            true
+        }
+
+        async fn go_silent(&mut self) -> bool {
+            *self.transport.state.lock().unwrap() = State::Silent;
+            true
+        }
+
+        fn publish_timeout(&self) -> Duration {
+            TIMEOUT
+        }
+    }
+
+    /// Whether `case` passes.
+    async fn passes(case: impl Future<Output = ()>) -> bool {
+        AssertUnwindSafe(case).catch_unwind().await.is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_sound_destination_passes_every_case() {
+        type D = Memory<SOUND>;
+        contract_headers::<D>().await;
+        repeated_event_id::<D>().await;
+        oversize_is_rejected::<D>().await;
+        down_is_unavailable::<D>().await;
+        silence_is_a_timeout::<D>().await;
+        receipts_name_the_message::<D>().await;
+        order_of_one_aggregate::<D>().await;
+    }
+
+    #[tokio::test]
+    async fn each_case_fails_on_the_breakage_it_is_there_to_catch() {
+        assert!(!passes(contract_headers::<Memory<WRONG_SOURCE>>()).await);
+        assert!(!passes(repeated_event_id::<Memory<STORES_COPIES>>()).await);
+        assert!(!passes(oversize_is_rejected::<Memory<NO_LIMIT>>()).await);
+        assert!(!passes(down_is_unavailable::<Memory<DOWN_TIMES_OUT>>()).await);
+        assert!(!passes(silence_is_a_timeout::<Memory<SILENT_UNAVAILABLE>>()).await);
+        assert!(!passes(receipts_name_the_message::<Memory<ONE_RECEIPT>>()).await);
+        assert!(!passes(order_of_one_aggregate::<Memory<REVERSED>>()).await);
+    }
 }
