@@ -4,6 +4,8 @@
 //!   (default `postgres://postgres@127.0.0.1:5432/test`), so tests run in parallel without
 //!   sharing rows; dropped (with everything in it) when the test ends.
 //! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
+//! - [`conformance`]: the transport conformance suite every destination runs.
+//! - [`faults`]: [`faults::Faulty`], the fault-injecting decorator around a real transport.
 //! - [`inbox`]: a consumer under test on any intake, recording each application of an effect.
 //! - [`nats`]: the shared NATS server's URL, a private `nats-server` to stop and kill, and
 //!   reading a stream back.
@@ -24,7 +26,9 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 pub mod cluster;
+pub mod conformance;
 pub mod factory;
+pub mod faults;
 pub mod inbox;
 pub mod nats;
 pub mod pgbouncer;
