@@ -9,14 +9,14 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{
-    check_delivered, logs, migrated, pending, wait_drained, Delivered, RelayProcess, Writers,
+    check_delivered, kill_in_rounds, logs, migrated, pending, wait_drained, Delivered,
+    RelayProcess, Writers,
 };
 use handoff_redis::redis;
 use handoff_test::redis::ScratchStream;
-use sqlx::PgPool;
 use uuid::Uuid;
 
 /// A relay into `stream`, the URL from the environment as a deployment would set it.
@@ -33,13 +33,6 @@ fn redis_relay(database_url: &str, stream: &str, id: &str, env: &[(&str, &str)])
     let mut env = env.to_vec();
     env.push(("REDIS_URL", url.as_str()));
     RelayProcess::spawn(database_url, id, &flags, &env)
-}
-
-async fn published(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
-        .fetch_one(pool)
-        .await
-        .unwrap()
 }
 
 /// Every entry of the stream, in stream order, through the read-back seam.
@@ -98,24 +91,12 @@ async fn every_committed_event_reaches_redis_once_in_order_through_relay_sigkill
     let mut relays: Vec<RelayProcess> = (0..2)
         .map(|n| redis_relay(&url, stream.key(), &format!("r-{n}"), &[]))
         .collect();
-    // Three rounds: once the relays have published more, SIGKILL one (leaving whatever it had
-    // appended but not marked) and start a fresh one in its place.
-    for round in 0..3usize {
-        let target = 100 * (round as i64 + 1);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while published(&db.pool).await < target {
-            assert!(
-                Instant::now() < deadline,
-                "the relays did not publish {target} events:\n{}",
-                logs(&relays)
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let victim = round % relays.len();
-        relays[victim].kill();
-        let id = format!("r-{}", round + 2);
-        relays[victim] = redis_relay(&url, stream.key(), &id, &[]);
-    }
+    // Three rounds: once the relays have published 100 more, SIGKILL one (leaving whatever it
+    // had appended but not marked) and start a fresh one in its place.
+    kill_in_rounds(&db.pool, &mut relays, 3, 100, |round| {
+        redis_relay(&url, stream.key(), &format!("r-{}", round + 2), &[])
+    })
+    .await;
     let rolled_back = writer.await.unwrap();
     assert!(!rolled_back.is_empty());
     wait_drained(&db.pool, Duration::from_secs(45), || logs(&relays)).await;
