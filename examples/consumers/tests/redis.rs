@@ -4,17 +4,11 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-
-use common::{cancelled, created, line, order_event, wait_for, Process, INVENTORY};
+use common::{orders, processed, stock, wait_for, Process, INVENTORY};
 use handoff_core::delivery::{OutboxEvent, Transport};
 use handoff_redis::RedisTransport;
 use handoff_test::redis::ScratchStream;
 use handoff_test::TestDb;
-use sqlx::PgPool;
-use uuid::Uuid;
-
-const SKUS: [&str; 4] = ["apple", "pear", "plum", "fig"];
 
 /// A stream of the test's own, fed by the relay's transport; deleted (with its dedup keys and
 /// groups) on drop.
@@ -62,64 +56,13 @@ async fn start(db: &TestDb, stream: &Stream) -> Process {
     Process::start(INVENTORY, &args, &[("DATABASE_URL", db.url())], "consuming").await
 }
 
-async fn processed(pool: &PgPool) -> usize {
-    sqlx::query_scalar::<_, i64>(
-        "SELECT count(*) FROM processed_events WHERE consumer_name = 'inventory'",
-    )
-    .fetch_one(pool)
-    .await
-    .map(|n| usize::try_from(n).unwrap())
-    .expect("count processed_events")
-}
-
-async fn stock(pool: &PgPool) -> BTreeMap<String, i64> {
-    sqlx::query_as::<_, (String, i64)>("SELECT sku, reserved FROM stock")
-        .fetch_all(pool)
-        .await
-        .expect("read stock")
-        .into_iter()
-        .collect()
-}
-
-/// 240 orders in three batches of 80: each created with 1 or 2 lines, every third cancelled.
-fn batches() -> (Vec<Vec<OutboxEvent>>, BTreeMap<String, i64>) {
-    let mut expected = BTreeMap::new();
-    let mut batches = Vec::new();
-    for b in 0..3usize {
-        let mut batch = Vec::new();
-        for i in 0..80usize {
-            let n = b * 80 + i;
-            let order_id = Uuid::now_v7();
-            let lines: Vec<_> = (0..=n % 2)
-                .map(|j| {
-                    let quantity = i32::try_from(1 + (n + j) % 4).unwrap();
-                    line(SKUS[(n + j) % SKUS.len()], quantity, 100)
-                })
-                .collect();
-            batch.push(order_event(order_id, 1, &created(order_id, lines.clone())));
-            let cancel = n % 3 == 0;
-            if cancel {
-                batch.push(order_event(
-                    order_id,
-                    2,
-                    &cancelled(order_id, lines.clone()),
-                ));
-            }
-            for l in &lines {
-                *expected.entry(l.sku.clone()).or_insert(0) +=
-                    if cancel { 0 } else { i64::from(l.quantity) };
-            }
-        }
-        batches.push(batch);
-    }
-    (batches, expected)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_event_is_applied_once_through_consumer_kills() {
     let db = TestDb::new("inventory_redis_kills").await;
     let stream = Stream::new("inventory-redis-kills").await;
-    let (batches, expected) = batches();
+    // Three batches of 80 orders.
+    let (orders, expected) = orders(240);
+    let batches: Vec<Vec<OutboxEvent>> = orders.chunks(80).map(|c| c.concat()).collect();
     let total: usize = batches.iter().map(Vec::len).sum();
 
     let mut consumer = start(&db, &stream).await;
@@ -131,7 +74,7 @@ async fn every_event_is_applied_once_through_consumer_kills() {
     let mut left_unacknowledged = 0;
     let mut published = 0;
     for batch in &batches {
-        let before = processed(&db.pool).await;
+        let before = processed(&db.pool).await.len();
         for event in batch {
             stream.publish(event).await;
         }
@@ -139,7 +82,7 @@ async fn every_event_is_applied_once_through_consumer_kills() {
         // Killed once it is busy with this batch: some of it applied, the rest delivered,
         // in flight or not read yet.
         wait_for("some of the batch applied", || async {
-            let n = processed(&db.pool).await;
+            let n = processed(&db.pool).await.len();
             (n > before).then_some(()).ok_or(format!("{n} processed"))
         })
         .await;
@@ -152,7 +95,7 @@ async fn every_event_is_applied_once_through_consumer_kills() {
     }
     assert_eq!(published, total);
     wait_for("every event applied", || async {
-        let n = processed(&db.pool).await;
+        let n = processed(&db.pool).await.len();
         (n == total)
             .then_some(())
             .ok_or(format!("{n} of {total} processed"))
