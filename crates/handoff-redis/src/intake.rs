@@ -286,13 +286,33 @@ impl RedisIntake {
             None => (&*self.commands, config.command_timeout),
         };
         command.arg("STREAMS").arg(&config.stream).arg(cursor);
-        let reply: Value = link
+        let reply = link
             .call(timeout, |mut connection| async move {
-                command.query_async(&mut connection).await
+                command.query_async::<Value>(&mut connection).await
             })
-            .await
-            .map_err(|e| self.error("while reading the group", e))?;
+            .await;
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(error) => return self.regroup(error, "while reading the group").await,
+        };
         stream_entries(reply).map_err(|e| IntakeError::new("while reading the group", e))
+    }
+
+    /// After a failed read: when the group is gone (the stream was deleted, and its groups with
+    /// it; the relay's next append creates the stream again) it is created again, from where
+    /// `from_start` says, and the read returns nothing; any other failure is returned.
+    async fn regroup(&self, error: CallError, what: &str) -> Result<Vec<Entry>, IntakeError> {
+        match error {
+            CallError::Redis(error) if error.code() == Some("NOGROUP") => {
+                tracing::warn!(stream = %self.config.stream, group = %self.config.group,
+                    "the consumer group is gone (stream deleted?); creating it again");
+                create_group(&self.commands, &self.config)
+                    .await
+                    .map_err(|e| IntakeError::new("while creating the group again", e))?;
+                Ok(Vec::new())
+            }
+            error => Err(self.error(what, error)),
+        }
     }
 
     /// Takes over entries pending longer than `claim_idle`, a page at a time; after a full
@@ -300,7 +320,7 @@ impl RedisIntake {
     async fn auto_claim(&mut self) -> Result<Vec<Entry>, IntakeError> {
         let config = &self.config;
         let cursor = self.claim_cursor.clone();
-        let reply: Value = self
+        let reply = self
             .commands
             .call(config.command_timeout, |mut connection| async move {
                 redis::cmd("XAUTOCLAIM")
@@ -311,11 +331,18 @@ impl RedisIntake {
                     .arg(cursor)
                     .arg("COUNT")
                     .arg(config.batch)
-                    .query_async(&mut connection)
+                    .query_async::<Value>(&mut connection)
                     .await
             })
-            .await
-            .map_err(|e| self.error("while taking over abandoned entries", e))?;
+            .await;
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(error) => {
+                return self
+                    .regroup(error, "while taking over abandoned entries")
+                    .await
+            }
+        };
         let Value::Array(parts) = reply else {
             return Err(IntakeError::message(format!(
                 "unexpected XAUTOCLAIM reply: {reply:?}"

@@ -167,3 +167,24 @@ async fn an_entry_without_the_contract_is_delivered_as_malformed() {
         malformed.location
     );
 }
+
+#[tokio::test]
+async fn a_group_deleted_with_its_stream_is_created_again() {
+    let scratch = Scratch::new("intake-recreate");
+    let transport = RedisTransport::connect(scratch.config()).await.unwrap();
+    let mut intake = RedisIntake::connect(quick(intake_config(&scratch, "svc", "a")))
+        .await
+        .unwrap();
+    let first = outbox_event("o-1", 1);
+    transport.publish(&first).await.unwrap();
+    next(&mut intake).await.settle.ack().await.unwrap();
+
+    let _: i64 = redis::cmd("DEL")
+        .arg(scratch.key())
+        .query(&mut connection())
+        .unwrap();
+    let second = outbox_event("o-1", 2);
+    transport.publish(&second).await.unwrap();
+    let again = next(&mut intake).await;
+    assert_eq!(again.event.unwrap().event_id, second.event_id);
+}
