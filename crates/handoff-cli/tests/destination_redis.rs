@@ -298,3 +298,41 @@ async fn reconcile_republishes_entries_deleted_behind_handoffs_back_in_order() {
         (&0.into(), &5.into())
     );
 }
+
+#[tokio::test]
+async fn a_dedup_window_within_the_lease_or_without_redis_is_refused() {
+    let (db, _outbox) = migrated("destination_redis_refusals").await;
+    let short = common::handoff(
+        &db,
+        &[
+            "relay",
+            "--destination",
+            "redis",
+            "--lease",
+            "30s",
+            "--redis-dedup-window",
+            "10s",
+        ],
+    );
+    common::assert_refused(&short, "must be longer than the lease");
+    let stray = common::handoff(&db, &["relay", "--redis-dedup-window", "5m"]);
+    common::assert_refused(&stray, "--redis-dedup-window needs --destination redis");
+    let unknown = common::handoff(
+        &db,
+        &[
+            "reconcile",
+            "--since",
+            "10m",
+            "--destination",
+            "redis",
+            "--redis-stream",
+            "handoff-test:none",
+        ],
+    );
+    assert_ne!(unknown.status.code(), Some(0));
+    assert!(
+        common::stderr(&unknown).contains("does not exist (check --redis-stream)"),
+        "{}",
+        common::stderr(&unknown)
+    );
+}
