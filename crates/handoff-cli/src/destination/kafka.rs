@@ -19,7 +19,8 @@ pub struct KafkaFlags {
     /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (required with --destination kafka).
     #[arg(long, env = "HANDOFF_BROKERS")]
     pub brokers: Option<String>,
-    /// Kafka topic to publish into; created when missing [default: outbox].
+    /// The relay's Kafka topic; the relay creates it when missing (replay and reconcile never
+    /// do) [default: outbox].
     #[arg(long, env = "HANDOFF_TOPIC")]
     pub topic: Option<String>,
     /// Partitions of a Kafka topic this relay creates [default: 12].

@@ -17,7 +17,8 @@ pub struct NatsFlags {
     /// NATS URL [default: nats://127.0.0.1:4222].
     #[arg(long, env = "NATS_URL", hide_env_values = true)]
     pub nats_url: Option<String>,
-    /// JetStream stream to publish into; created when missing [default: OUTBOX].
+    /// The relay's JetStream stream; the relay creates it when missing (replay and reconcile
+    /// never do) [default: OUTBOX].
     #[arg(long, env = "HANDOFF_STREAM")]
     pub stream: Option<String>,
     /// First subject tokens: events go to <prefix>.<aggregate_type>.<aggregate_id>

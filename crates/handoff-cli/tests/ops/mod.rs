@@ -102,3 +102,40 @@ pub async fn db_now(pool: &PgPool) -> String {
         .unwrap();
     now.to_rfc3339()
 }
+
+/// The events the reconcile tests have the destination lose (of `enqueue_spread`'s 24 over four
+/// aggregates): sequences 2, 3 and 5 of agg-1, so the republish order within one aggregate
+/// shows, 1 of agg-2 and 4 of agg-3.
+pub fn is_lost(aggregate: &str, sequence: &str) -> bool {
+    match aggregate {
+        "agg-1" => ["2", "3", "5"].contains(&sequence),
+        "agg-2" => sequence == "1",
+        "agg-3" => sequence == "4",
+        _ => false,
+    }
+}
+
+/// The event ids of a reconcile summary's `missing_events`.
+pub fn missing_ids(summary: &serde_json::Value) -> std::collections::HashSet<uuid::Uuid> {
+    summary["missing_events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event_id"].as_str().unwrap().parse().unwrap())
+        .collect()
+}
+
+/// Asserts that republished copies, given as `(aggregate, sequence)` in stored order, come in
+/// sequence order per aggregate, and that the last of agg-1 is its 5th (see [`is_lost`]).
+pub fn assert_in_order_per_aggregate<'a>(copies: impl IntoIterator<Item = (&'a str, &'a str)>) {
+    let mut last: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+    for (aggregate, sequence) in copies {
+        let sequence: i64 = sequence.parse().unwrap();
+        let previous = last.insert(aggregate, sequence).unwrap_or(0);
+        assert!(
+            sequence > previous,
+            "{aggregate}: {sequence} republished after {previous}"
+        );
+    }
+    assert_eq!(last["agg-1"], 5);
+}
