@@ -629,6 +629,18 @@ impl Link {
     }
 }
 
+/// A [`FaultProxy`] in front of the server `url` names, and `url` through it: [`Link::to`] for
+/// a driver that keeps the proxy itself.
+///
+/// # Panics
+///
+/// As [`Link::to`].
+pub async fn proxied(url: &str) -> (FaultProxy, String) {
+    let mut link = Link::to(url).await;
+    let proxy = link.proxy.take().expect("a link starts with its proxy");
+    (proxy, link.url)
+}
+
 /// Runs `check` every 20 ms until it holds; panics naming `what` when `deadline` passes first.
 /// For the drivers' hooks ([`Destination::take_down`] waits for its client to see the
 /// connection go). The same shape as the crate's one waiting helper, which replaces it.
