@@ -5,7 +5,6 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
-use handoff_nats::{JetStreamConfig, NatsSecurityArgs};
 use handoff_postgres::{Migrator, Pooling, Schema};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection};
@@ -95,41 +94,6 @@ pub fn postgres_refused(options: &PgConnectOptions, error: sqlx::Error) -> anyho
         _ => anyhow::Error::new(error).context(format!(
             "PostgreSQL at {host}:{port} refused the connection"
         )),
-    }
-}
-
-/// The relay's broker settings, for the commands that publish or read the stream.
-#[derive(clap::Args, Clone)]
-pub struct BrokerArgs {
-    /// NATS URL.
-    #[arg(
-        long,
-        env = "NATS_URL",
-        hide_env_values = true,
-        default_value = "nats://127.0.0.1:4222"
-    )]
-    pub nats_url: String,
-    /// The relay's JetStream stream.
-    #[arg(long, env = "HANDOFF_STREAM", default_value = "OUTBOX")]
-    pub stream: String,
-    /// The relay's subject prefix: events are on <prefix>.<aggregate_type>.<aggregate_id>.
-    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX", default_value = "outbox")]
-    pub subject_prefix: String,
-    /// NATS credentials and TLS files (--nats-creds, --nats-nkey, --nats-tls-*).
-    #[command(flatten)]
-    pub nats_security: NatsSecurityArgs,
-}
-
-impl BrokerArgs {
-    /// The relay's JetStream settings with the stream, prefix and connection security
-    /// replaced.
-    pub fn jetstream(&self) -> JetStreamConfig {
-        JetStreamConfig {
-            stream: self.stream.clone(),
-            subject_prefix: self.subject_prefix.clone(),
-            security: self.nats_security.security(),
-            ..JetStreamConfig::default()
-        }
     }
 }
 

@@ -1,17 +1,19 @@
 //! The `handoff` command: operate a handoff outbox.
 //!
 //! `handoff migrate` applies the embedded schema migrations; `handoff relay` publishes committed
-//! outbox events to NATS JetStream; `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
+//! outbox events to a destination (NATS JetStream, Kafka, RabbitMQ, HTTP: one file each in
+//! [`destination`]); `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
 //! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. `roles --print` prints the least-privilege roles' SQL. Each lives in its own module.
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Subcommand};
 use handoff_postgres::{Migrator, Schema};
 
 mod args;
 mod cdc;
 mod cleanup;
 mod consumer;
+mod destination;
 mod format;
 mod quarantine;
 mod reconcile;
@@ -22,7 +24,7 @@ mod roles;
 mod saga;
 mod status;
 
-#[derive(Parser)]
+#[derive(clap::Parser)]
 #[command(
     name = "handoff",
     version,
@@ -40,7 +42,7 @@ struct Cli {
 enum Command {
     /// Apply pending schema migrations (idempotent; safe to run from several processes at once).
     Migrate(MigrateArgs),
-    /// Publish committed outbox events to NATS JetStream until SIGTERM/SIGINT.
+    /// Publish committed outbox events to the destination until SIGTERM/SIGINT.
     Relay(Box<relay::RelayArgs>),
     /// The outbox at a glance: backlog, quarantine, stuck aggregates, table sizes, last cleanup.
     /// Exits 2 when an alert condition holds.
@@ -94,9 +96,14 @@ async fn async_main() -> std::process::ExitCode {
     // Test builds only: reads FAILPOINTS (see handoff_relay::failpoints).
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    // The matches are kept: the relay lays its flags over its config file with them.
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|matches| Ok((Cli::from_arg_matches(&matches)?, matches)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(error) => {
+            let error = error.format(&mut Cli::command());
             // Usage errors exit 1, not clap's 2: status 2 is what `status` and `reconcile`
             // report to scripts as an alert, and a typo must not read as one.
             let _ = error.print();
@@ -108,7 +115,7 @@ async fn async_main() -> std::process::ExitCode {
         }
     };
     // One line per cause, never a backtrace: this is an operator's tool.
-    match run(cli).await {
+    match run(cli, &matches).await {
         Ok(code) => code,
         Err(error) => {
             eprintln!("error: {error:#}");
@@ -117,7 +124,7 @@ async fn async_main() -> std::process::ExitCode {
     }
 }
 
-async fn run(cli: Cli) -> Result<std::process::ExitCode> {
+async fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<std::process::ExitCode> {
     // Kept until the command ends: dropping it sends the spans still buffered.
     let _telemetry = handoff_telemetry::Telemetry::builder("handoff")
         .default_filter("info,sqlx=warn,async_nats=warn")
@@ -126,7 +133,10 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
     let success = |()| std::process::ExitCode::SUCCESS;
     match cli.command {
         Command::Migrate(args) => migrate(args).await.map(success),
-        Command::Relay(args) => relay::run(*args).await.map(success),
+        Command::Relay(_) => match matches.subcommand_matches("relay") {
+            Some(relay) => relay::run(relay).await.map(success),
+            None => unreachable!("the relay command was parsed from its matches"),
+        },
         // These two tell a script by their exit code whether something needs a person.
         Command::Status(args) => status::run(args).await,
         Command::Reconcile(args) => reconcile::run(args).await,

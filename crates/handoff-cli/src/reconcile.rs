@@ -1,4 +1,8 @@
-//! `handoff reconcile`: find published events the stream does not hold, and republish them.
+//! `handoff reconcile`: find published events the destination does not hold, and republish
+//! them.
+//!
+//! It works on any destination that can be read back (`--destination nats` or `kafka`, through
+//! the read-back seam `handoff_core::readback`); amqp and http are refused on one line.
 //!
 //! JetStream acknowledges a publish before its write reaches the disk (by default it syncs
 //! every two minutes), so a power loss can lose events the outbox already marks published. The
@@ -17,12 +21,14 @@ use std::time::{Duration, Instant as Clock, SystemTime};
 
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
+use handoff_core::readback::{MessageScan, ReadBack, ReadFrom};
 use handoff_core::EventId;
 use handoff_postgres::{RetainedCursor, RetainedEvents, RetainedFilter};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::args::{duration, BrokerArgs, DatabaseArgs, Instant};
+use crate::args::{duration, DatabaseArgs, Instant};
+use crate::destination::{cannot_read_back, Common, Destination, DestinationArgs, Store, Visit};
 use crate::republish::{self, Republisher};
 
 /// Rows read per query.
@@ -43,8 +49,9 @@ const EXIT_MISSING: u8 = 2;
 pub struct ReconcileArgs {
     #[command(flatten)]
     database: DatabaseArgs,
+    /// `--destination` (default nats) and its flags, as the relay's.
     #[command(flatten)]
-    broker: BrokerArgs,
+    destination: DestinationArgs,
     /// Check events marked published at or after this instant (RFC 3339 or a duration back
     /// from now, such as 2h).
     #[arg(long)]
@@ -78,10 +85,31 @@ struct Expected {
 }
 
 pub async fn run(args: ReconcileArgs) -> Result<ExitCode> {
+    let destination = args.destination.clone();
+    destination.dispatch(Reconcile(args)).await
+}
+
+/// The check (and repair) of the chosen destination.
+struct Reconcile(ReconcileArgs);
+
+impl Visit for Reconcile {
+    type Output = ExitCode;
+
+    async fn visit<D: Destination>(self, destination: &D) -> Result<ExitCode> {
+        if !D::Store::READABLE {
+            return Err(cannot_read_back(D::NAME));
+        }
+        let config = destination.resolve(&Common::operator("handoff-reconcile"))?;
+        reconcile::<D>(self.0, config).await
+    }
+}
+
+async fn reconcile<D: Destination>(args: ReconcileArgs, config: D::Config) -> Result<ExitCode> {
     let schema = args.database.schema()?;
     let mut conn = args.database.connect_migrated("handoff-reconcile").await?;
     let retained = RetainedEvents::new(&schema);
-    let transport = republish::connect(&args.broker).await?;
+    let (names, place) = (D::names(&config), D::place(&config));
+    let transport = D::open_store(config).await?;
     let run_id = Uuid::now_v7();
     let started = Clock::now();
 
@@ -111,7 +139,7 @@ pub async fn run(args: ReconcileArgs) -> Result<ExitCode> {
             expected.insert(
                 event.event_id,
                 Expected {
-                    subject: transport.subject(&event),
+                    subject: transport.location(&event),
                     aggregate_type: event.aggregate_type,
                     aggregate_id: event.aggregate_id,
                     aggregate_sequence: event.aggregate_sequence,
@@ -134,11 +162,15 @@ pub async fn run(args: ReconcileArgs) -> Result<ExitCode> {
             .unwrap_or(SystemTime::UNIX_EPOCH);
         scan_from = Some(DateTime::<Utc>::from(from));
         let mut scan = transport
-            .scan(from)
+            .read_back(ReadFrom::Time(from))
             .await
-            .context("while reading the stream")?;
+            .with_context(|| format!("while reading {place}"))?;
         let progress = republish::progress("stream messages read");
-        while let Some(message) = scan.next().await.context("while reading the stream")? {
+        while let Some(message) = scan
+            .next()
+            .await
+            .with_context(|| format!("while reading {place}"))?
+        {
             scanned += 1;
             progress.inc(1);
             let Some(event_id) = message.event_id else {
@@ -215,8 +247,7 @@ pub async fn run(args: ReconcileArgs) -> Result<ExitCode> {
             "run_id": run_id,
             "since": args.since.0,
             "until": until,
-            "stream": args.broker.stream,
-            "subject_prefix": args.broker.subject_prefix,
+            "destination": D::NAME,
             "checked": checked,
             "present": checked - missing.len(),
             "present_as_replayed_copy": replayed_copies,
@@ -228,6 +259,10 @@ pub async fn run(args: ReconcileArgs) -> Result<ExitCode> {
             "stream_read_from": scan_from,
             "elapsed_seconds": elapsed,
         });
+        let mut summary = summary;
+        if let Some(object) = summary.as_object_mut() {
+            object.extend(names);
+        }
         println!("{summary}");
     } else {
         for (id, e) in &missing {
@@ -241,11 +276,10 @@ pub async fn run(args: ReconcileArgs) -> Result<ExitCode> {
         }
         println!(
             "reconcile {run_id}: {checked} published event(s) checked from {} to {}, {} \
-             missing from stream {}, {republished} republished{}",
+             missing from {place}, {republished} republished{}",
             args.since.0.to_rfc3339(),
             until.to_rfc3339(),
             missing.len(),
-            args.broker.stream,
             if republished > 0 {
                 format!(" (Handoff-Replay: {marker})")
             } else {

@@ -1,19 +1,15 @@
-//! `handoff relay`: a source (polling or logical), a destination (`--destination`) and the relay
-//! loop, wired together from flags, environment and a config file.
+//! `handoff relay`: a source (polling or logical), a destination (`--destination`, see
+//! [`crate::destination`]) and the relay loop, wired together from flags, environment and a
+//! config file.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use handoff_amqp::{AmqpConfig, AmqpTransport};
+use clap::FromArgMatches;
 use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
-use handoff_http::{HttpConfig, HttpMode, HttpTransport, SigningSecret};
-use handoff_kafka::{KafkaConfig, KafkaOption, KafkaOptionParser, KafkaOptions, KafkaTransport};
-use handoff_nats::{
-    ConnectErrorKind, ConnectSecurity, JetStreamConfig, JetStreamTransport, NatsSecurityArgs,
-};
 use handoff_postgres::{Migrator, OrderMode, PollingConfig, PollingSource, Pooling, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
 use serde::Deserialize;
@@ -22,27 +18,20 @@ use sqlx::{Connection, PgPool};
 use tracing::{info, warn};
 
 use crate::args::redact;
+use crate::destination::{Common, Destination, DestinationArgs, Visit};
 
-/// Flags of `handoff relay`. Each also comes from its environment variable, then from the
-/// config file, then from the default; a flag wins over the variable, which wins over the file.
-#[derive(clap::Args, Default)]
+/// Flags of `handoff relay`, and the keys of its config file: each flag also comes from its
+/// environment variable, then from the config file (its key is the flag's name with `_` for
+/// `-`), then from the default; a flag wins over the variable, which wins over the file.
+#[derive(clap::Args, Deserialize, Default, Clone)]
 pub struct RelayArgs {
     /// TOML file with any of the settings below (keys as the flags, with `_` for `-`).
     #[arg(long, env = "HANDOFF_CONFIG")]
+    #[serde(skip)]
     config: Option<PathBuf>,
     /// PostgreSQL URL. The password, if any, is never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
-    /// NATS URL [default: nats://127.0.0.1:4222].
-    #[arg(long, env = "NATS_URL", hide_env_values = true)]
-    nats_url: Option<String>,
-    /// JetStream stream to publish into; created when missing [default: OUTBOX].
-    #[arg(long, env = "HANDOFF_STREAM")]
-    stream: Option<String>,
-    /// First subject tokens: events go to <prefix>.<aggregate_type>.<aggregate_id>
-    /// [default: outbox].
-    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX")]
-    subject_prefix: Option<String>,
     /// This relay's name in claimed_by; unique per live relay [default: <host>-<pid>-<random>].
     #[arg(long, env = "HANDOFF_RELAY_ID")]
     relay_id: Option<String>,
@@ -61,16 +50,16 @@ pub struct RelayArgs {
     max_in_flight: Option<usize>,
     /// Lease length, e.g. 30s [default: 30s].
     #[arg(long, env = "HANDOFF_LEASE", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "humantime_serde")]
     lease: Option<Duration>,
     /// Idle poll interval, e.g. 1s [default: 1s].
     #[arg(long, env = "HANDOFF_POLL_INTERVAL", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "humantime_serde")]
     poll_interval: Option<Duration>,
     /// Time to wait for the broker's acknowledgement [default: 5s].
     #[arg(long, env = "HANDOFF_PUBLISH_TIMEOUT", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "humantime_serde")]
     publish_timeout: Option<Duration>,
-    /// JetStream duplicate window for a stream this relay creates [default: 2m].
-    #[arg(long, env = "HANDOFF_DUPLICATE_WINDOW", value_parser = humantime::parse_duration)]
-    duplicate_window: Option<Duration>,
     /// Failed attempts before an event is held for an operator [default: 20]. Only failures
     /// that concern the event are charged: a refusal, or an error while the destination
     /// accepts other events; an outage or throttling pauses the destination instead.
@@ -86,16 +75,13 @@ pub struct RelayArgs {
     /// An aggregate whose oldest pending event is older than this counts in
     /// handoff_outbox_stuck_aggregates [default: 60s].
     #[arg(long, env = "HANDOFF_STUCK_AFTER", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "humantime_serde")]
     stuck_after: Option<Duration>,
     /// Longest a database operation may take; past it the operation is retried on a new
     /// connection (a silent, dead connection never fails by itself) [default: 10s].
     #[arg(long, env = "HANDOFF_QUERY_TIMEOUT", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "humantime_serde")]
     query_timeout: Option<Duration>,
-    /// How often the relay pings NATS; a connection without an answer to two pings in a row
-    /// is dropped and reconnected, so a silent one is found within about three intervals
-    /// [default: 5s].
-    #[arg(long, env = "HANDOFF_NATS_PING_INTERVAL", value_parser = humantime::parse_duration)]
-    nats_ping_interval: Option<Duration>,
     /// Where committed events come from: `polling` queries the outbox; `logical` follows a
     /// logical replication slot (create it first with `handoff cdc setup`) [default: polling].
     #[arg(long, env = "HANDOFF_SOURCE", value_enum)]
@@ -106,60 +92,14 @@ pub struct RelayArgs {
     /// Publication of the logical source [default: handoff_outbox].
     #[arg(long, env = "HANDOFF_PUBLICATION")]
     publication: Option<String>,
-    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix), `kafka`
-    /// (--brokers, --topic), `amqp` (RabbitMQ; --url, --exchange) or `http` (POST to
-    /// --endpoint) [default: nats].
-    #[arg(long, env = "HANDOFF_DESTINATION", value_enum)]
-    destination: Option<DestinationKind>,
-    /// AMQP broker URL of `--destination amqp`, amqp[s]://user:password@host:port/vhost. The
-    /// password, if any, is never logged [default: amqp://127.0.0.1:5672/%2f].
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    url: Option<String>,
-    /// Exchange of `--destination amqp`; declared as a durable topic exchange when missing.
-    /// Routing key: <aggregate_type>.<aggregate_id> [default: outbox].
-    #[arg(long, env = "HANDOFF_EXCHANGE")]
-    exchange: Option<String>,
-    /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (required with --destination kafka).
-    #[arg(long, env = "HANDOFF_BROKERS")]
-    brokers: Option<String>,
-    /// Kafka topic to publish into; created when missing [default: outbox].
-    #[arg(long, env = "HANDOFF_TOPIC")]
-    topic: Option<String>,
-    /// Partitions of a Kafka topic this relay creates [default: 12].
-    #[arg(long, env = "HANDOFF_PARTITIONS")]
-    partitions: Option<i32>,
-    /// With --destination http: the URL every event is POSTed to (redirects are not followed).
-    /// The signing secret comes from HANDOFF_HTTP_SECRET only.
-    #[arg(long, env = "HANDOFF_ENDPOINT", hide_env_values = true)]
-    endpoint: Option<String>,
-    /// With --destination http: CloudEvents mode, `binary` (payload as body, attributes as
-    /// headers) or `structured` (application/cloudevents+json) [default: binary].
-    #[arg(long, env = "HANDOFF_HTTP_MODE")]
-    http_mode: Option<HttpMode>,
-    /// With --destination http: longest a publish may take, slot wait and response body
-    /// included [default: the --publish-timeout, 5s].
-    #[arg(long, env = "HANDOFF_HTTP_TIMEOUT", value_parser = humantime::parse_duration)]
-    http_timeout: Option<Duration>,
-    /// With --destination http: most requests in flight at once, over all aggregates
-    /// [default: 64].
-    #[arg(long, env = "HANDOFF_HTTP_CONCURRENCY")]
-    http_concurrency: Option<usize>,
     /// `aggregate`: order per aggregate, aggregates in parallel; events with a global sequence
     /// are left alone. `global`: only the global lane (events written in global order mode),
     /// strictly in global sequence order, one publish at a time, through one subject
     /// `<prefix>.global` (Kafka key and AMQP routing key `global`); needs migration 0006 and
     /// the polling source [default: aggregate].
     #[arg(long, env = "HANDOFF_ORDER")]
+    #[serde(default, deserialize_with = "from_name")]
     order: Option<OrderMode>,
-    // NATS credentials, TLS and replicas (issue 23).
-    /// NATS credentials and TLS files (--nats-creds, --nats-nkey, --nats-tls-ca,
-    /// --nats-tls-cert, --nats-tls-key; env NATS_CREDS, ...; TOML nats_creds, ...).
-    #[command(flatten)]
-    nats_security: NatsSecurityArgs,
-    /// Replicas of a JetStream stream this relay creates; at most the cluster's servers. An
-    /// existing stream with fewer is kept, with a warning [default: 1].
-    #[arg(long, env = "HANDOFF_STREAM_REPLICAS")]
-    stream_replicas: Option<usize>,
     // Transaction poolers (docs/poolers.md).
     /// A direct PostgreSQL URL (not through a transaction pooler) for the relay's LISTEN only,
     /// when --database-url goes through PgBouncer in transaction mode: idle relays then wake on
@@ -167,32 +107,25 @@ pub struct RelayArgs {
     /// --database-url when it is direct; polling behind a pooler].
     #[arg(long, env = "HANDOFF_LISTEN_DATABASE_URL", hide_env_values = true)]
     listen_database_url: Option<String>,
-    // Kafka options and AMQP over TLS (issue 23).
-    /// With --destination kafka: a librdkafka setting, KEY=VALUE (repeatable), such as
-    /// security.protocol=SASL_SSL or sasl.mechanism=SCRAM-SHA-512; wins over the same key in
-    /// the config file's [kafka] table. Flags show in process listings: put secrets
-    /// (sasl.password) in the file. Secret values are never logged.
-    #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = KafkaOptionParser)]
-    kafka_option: Vec<KafkaOption>,
-    /// With an amqps:// --url: a CA certificate file (PEM) trusted besides the public roots,
-    /// for a broker whose certificate a private CA signed.
-    #[arg(long, env = "AMQP_TLS_CA", value_name = "FILE")]
-    amqp_tls_ca: Option<PathBuf>,
+    /// `--destination` and each destination's flags (crate::destination).
+    #[command(flatten)]
+    #[serde(flatten)]
+    destination: DestinationArgs,
 }
 
-/// Where `handoff relay` publishes.
-#[derive(clap::ValueEnum, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum DestinationKind {
-    /// A NATS JetStream stream.
-    #[default]
-    Nats,
-    /// A Kafka topic.
-    Kafka,
-    /// A RabbitMQ (AMQP 0-9-1) exchange, with publisher confirms.
-    Amqp,
-    /// An HTTP endpoint (webhook), one POST per event with Idempotency-Key.
-    Http,
+/// A value the config file spells as its name (`order = "global"`), parsed as the flag is.
+fn from_name<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    let Some(name) = Option::<String>::deserialize(deserializer)? else {
+        return Ok(None);
+    };
+    name.parse()
+        .map(Some)
+        .map_err(|e| serde::de::Error::custom(format!("{name:?}: {e}")))
 }
 
 /// Where `handoff relay` reads committed events from.
@@ -206,110 +139,18 @@ pub enum SourceKind {
     Logical,
 }
 
-/// The config file: the same settings as the flags.
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RelayFile {
-    database_url: Option<String>,
-    nats_url: Option<String>,
-    stream: Option<String>,
-    subject_prefix: Option<String>,
-    relay_id: Option<String>,
-    metrics_addr: Option<SocketAddr>,
-    schema: Option<String>,
-    batch_size: Option<usize>,
-    max_in_flight: Option<usize>,
-    #[serde(default, with = "humantime_serde")]
-    lease: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    poll_interval: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    publish_timeout: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    duplicate_window: Option<Duration>,
-    max_attempts: Option<i32>,
-    max_takeovers: Option<i32>,
-    ce_source: Option<String>,
-    #[serde(default, with = "humantime_serde")]
-    stuck_after: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    query_timeout: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    nats_ping_interval: Option<Duration>,
-    source: Option<SourceKind>,
-    slot: Option<String>,
-    publication: Option<String>,
-    destination: Option<DestinationKind>,
-    url: Option<String>,
-    exchange: Option<String>,
-    brokers: Option<String>,
-    topic: Option<String>,
-    partitions: Option<i32>,
-    endpoint: Option<String>,
-    http_mode: Option<HttpMode>,
-    #[serde(default, with = "humantime_serde")]
-    http_timeout: Option<Duration>,
-    http_concurrency: Option<usize>,
-    order: Option<String>,
-    // NATS credentials, TLS and replicas (issue 23).
-    nats_creds: Option<PathBuf>,
-    nats_nkey: Option<PathBuf>,
-    nats_tls_ca: Option<PathBuf>,
-    nats_tls_cert: Option<PathBuf>,
-    nats_tls_key: Option<PathBuf>,
-    stream_replicas: Option<usize>,
-    // Transaction poolers.
-    listen_database_url: Option<String>,
-    // Kafka options and AMQP over TLS (issue 23).
-    /// `[kafka]`: librdkafka settings; dotted keys may be written bare (`security.protocol =
-    /// "SASL_SSL"`, a nested table to TOML) or quoted.
-    kafka: Option<toml::Table>,
-    amqp_tls_ca: Option<PathBuf>,
-}
-
-/// The destination's settings, checked. Its `Debug` hides every URL's password.
-enum Destination {
-    Nats {
-        url: String,
-        config: JetStreamConfig,
-    },
-    Kafka {
-        config: KafkaConfig,
-    },
-    /// Its `Debug` hides the URL's password.
-    Amqp {
-        config: AmqpConfig,
-    },
-    Http {
-        config: HttpConfig,
-    },
-}
-
-impl std::fmt::Debug for Destination {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Destination::Nats { url, config } => f
-                .debug_struct("Nats")
-                .field("url", &handoff_core::redact::url(url))
-                .field("config", config)
-                .finish(),
-            Destination::Kafka { config } => {
-                f.debug_struct("Kafka").field("config", config).finish()
-            }
-            Destination::Amqp { config } => f.debug_struct("Amqp").field("config", config).finish(),
-            Destination::Http { config } => f.debug_struct("Http").field("config", config).finish(),
-        }
-    }
-}
-
-/// Everything the relay runs with, checked. Its `Debug` hides the database password.
+/// Everything the relay runs with, checked, but for the destination's own settings (resolved
+/// with [`Settings::destination`]). Its `Debug` hides the database password.
 struct Settings {
     database: PgConnectOptions,
     /// The URL as given, for the replication connection (which libpq opens, not sqlx).
     database_url: String,
     /// The slot and publication, when the source is logical.
     logical: Option<CdcNames>,
-    destination: Destination,
+    destination: DestinationArgs,
+    /// Time to wait for the destination's acknowledgement, unless it has a flag of its own.
+    publish_timeout: Duration,
+    ce_source: Option<String>,
     metrics_addr: Option<SocketAddr>,
     polling: PollingConfig,
     relay: RelayConfig,
@@ -327,7 +168,7 @@ impl std::fmt::Debug for Settings {
                 &handoff_core::redact::url(&self.database_url),
             )
             .field("logical", &self.logical)
-            .field("destination", &self.destination)
+            .field("destination", &self.destination.kind())
             .field("metrics_addr", &self.metrics_addr)
             .field("polling", &self.polling)
             .field("relay", &self.relay)
@@ -337,20 +178,27 @@ impl std::fmt::Debug for Settings {
 }
 
 impl Settings {
-    fn resolve(mut args: RelayArgs) -> Result<Settings> {
-        let mut file = match &args.config {
-            Some(path) => read_file(path)?,
-            None => RelayFile::default(),
+    /// The flags (and their variables) in `matches` over the config file they name, over the
+    /// defaults.
+    fn from_matches(matches: &clap::ArgMatches) -> Result<Settings> {
+        let flags = RelayArgs::from_arg_matches(matches)?;
+        let args = match &flags.config {
+            Some(path) => {
+                let mut args = read_file(path)?;
+                args.update_from_arg_matches(matches)?;
+                args
+            }
+            None => flags,
         };
-        let Some(database_url) = args.database_url.or(file.database_url) else {
+        Settings::resolve(args)
+    }
+
+    fn resolve(args: RelayArgs) -> Result<Settings> {
+        let Some(database_url) = args.database_url else {
             bail!("no database: set --database-url, DATABASE_URL or database_url in the config");
         };
-        let order = match (args.order, &file.order) {
-            (Some(order), _) => order,
-            (None, Some(name)) => name.parse().context("order in the config file")?,
-            (None, None) => OrderMode::default(),
-        };
-        let source_kind = args.source.or(file.source).unwrap_or_default();
+        let order = args.order.unwrap_or_default();
+        let source_kind = args.source.unwrap_or_default();
         if order == OrderMode::Global && source_kind == SourceKind::Logical {
             bail!(
                 "--order global needs --source polling: the logical source does not read the \
@@ -360,220 +208,40 @@ impl Settings {
         let logical = match source_kind {
             SourceKind::Polling => None,
             SourceKind::Logical => Some(CdcNames::new(
-                args.slot.or(file.slot).unwrap_or_else(|| "handoff".into()),
-                args.publication
-                    .or(file.publication)
-                    .unwrap_or_else(|| "handoff_outbox".into()),
+                args.slot.unwrap_or_else(|| "handoff".into()),
+                args.publication.unwrap_or_else(|| "handoff_outbox".into()),
             )?),
         };
         let database = handoff_postgres::connect_options(&database_url)
             .map_err(|e| anyhow::anyhow!("invalid database url: {}", redact(&e.to_string())))?
             .application_name("handoff-relay");
-        let schema = match args.schema.or(file.schema) {
+        let schema = match args.schema {
             Some(name) => Schema::named(name)?,
             None => Schema::default(),
         };
-        let relay_id = args
-            .relay_id
-            .or(file.relay_id)
-            .unwrap_or_else(default_relay_id);
-        let lease = args.lease.or(file.lease).unwrap_or(Duration::from_secs(30));
-        let kind = args.destination.or(file.destination).unwrap_or_default();
-        let defaults = JetStreamConfig::default();
-        // The time to wait for any destination's acknowledgement.
-        let publish_timeout = args
-            .publish_timeout
-            .or(file.publish_timeout)
-            .unwrap_or(defaults.publish_timeout);
-        let publish_timeout = match kind {
-            DestinationKind::Http => args
-                .http_timeout
-                .or(file.http_timeout)
-                .unwrap_or(publish_timeout),
-            DestinationKind::Nats | DestinationKind::Kafka | DestinationKind::Amqp => {
-                publish_timeout
-            }
-        };
-        let jetstream = JetStreamConfig {
-            stream: args.stream.or(file.stream).unwrap_or(defaults.stream),
-            subject_prefix: args
-                .subject_prefix
-                .or(file.subject_prefix)
-                .unwrap_or(defaults.subject_prefix),
-            duplicate_window: args
-                .duplicate_window
-                .or(file.duplicate_window)
-                .unwrap_or(defaults.duplicate_window),
-            publish_timeout,
-            source: args
-                .ce_source
-                .clone()
-                .or(file.ce_source.clone())
-                .unwrap_or(defaults.source),
-            ping_interval: args
-                .nats_ping_interval
-                .or(file.nats_ping_interval)
-                .unwrap_or(defaults.ping_interval),
-            replicas: args
-                .stream_replicas
-                .or(file.stream_replicas)
-                .unwrap_or(defaults.replicas),
-            security: nats_security(
-                &args.nats_security,
-                NatsSecurityArgs {
-                    nats_creds: file.nats_creds,
-                    nats_nkey: file.nats_nkey,
-                    nats_tls_ca: file.nats_tls_ca,
-                    nats_tls_cert: file.nats_tls_cert,
-                    nats_tls_key: file.nats_tls_key,
-                },
-            ),
-        };
         let base = RelayConfig::default();
         let relay = RelayConfig {
-            batch_size: args
-                .batch_size
-                .or(file.batch_size)
-                .unwrap_or(base.batch_size),
-            max_in_flight: args
-                .max_in_flight
-                .or(file.max_in_flight)
-                .unwrap_or(base.max_in_flight),
-            poll_interval: args
-                .poll_interval
-                .or(file.poll_interval)
-                .unwrap_or(base.poll_interval),
-            max_attempts: args
-                .max_attempts
-                .or(file.max_attempts)
-                .unwrap_or(base.max_attempts),
-            // A publish must be able to time out and be recorded before the lease ends.
-            lease_margin: publish_timeout * 2,
+            batch_size: args.batch_size.unwrap_or(base.batch_size),
+            max_in_flight: args.max_in_flight.unwrap_or(base.max_in_flight),
+            poll_interval: args.poll_interval.unwrap_or(base.poll_interval),
+            max_attempts: args.max_attempts.unwrap_or(base.max_attempts),
             order,
             ..base
         };
-        relay.validate()?;
-        if lease <= relay.lease_margin + Duration::from_secs(1) {
-            bail!(
-                "lease of {} is too short for a publish timeout of {}: it must exceed twice \
-                 the timeout plus 1s",
-                humantime::format_duration(lease),
-                humantime::format_duration(publish_timeout)
-            );
-        }
-        let kafka_options =
-            kafka_options(file.kafka.take(), std::mem::take(&mut args.kafka_option))?;
-        if !kafka_options.is_empty() && kind != DestinationKind::Kafka {
-            bail!(
-                "kafka options (--kafka-option or [kafka] in the config) need --destination kafka"
-            );
-        }
-        let amqp_tls_ca = args.amqp_tls_ca.take().or(file.amqp_tls_ca.take());
-        if amqp_tls_ca.is_some() && kind != DestinationKind::Amqp {
-            bail!("--amqp-tls-ca needs --destination amqp");
-        }
-        let destination = match kind {
-            DestinationKind::Nats => {
-                jetstream.validate()?;
-                if jetstream.duplicate_window <= lease {
-                    bail!(
-                        "duplicate window of {} must be longer than the lease of {}: a \
-                         republish after a lease expiry would not be deduplicated",
-                        humantime::format_duration(jetstream.duplicate_window),
-                        humantime::format_duration(lease)
-                    );
-                }
-                Destination::Nats {
-                    url: args
-                        .nats_url
-                        .or(file.nats_url)
-                        .unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
-                    config: jetstream,
-                }
-            }
-            DestinationKind::Kafka => {
-                let Some(brokers) = args.brokers.or(file.brokers) else {
-                    bail!(
-                        "no kafka brokers: set --brokers, HANDOFF_BROKERS or brokers in the config"
-                    );
-                };
-                let defaults = KafkaConfig::default();
-                let config = KafkaConfig {
-                    brokers,
-                    topic: args.topic.or(file.topic).unwrap_or(defaults.topic),
-                    partitions: args
-                        .partitions
-                        .or(file.partitions)
-                        .unwrap_or(defaults.partitions),
-                    publish_timeout,
-                    ce_source: args
-                        .ce_source
-                        .or(file.ce_source)
-                        .unwrap_or(defaults.ce_source),
-                    client_id: "handoff-relay".into(),
-                    options: kafka_options,
-                };
-                config.validate()?;
-                Destination::Kafka { config }
-            }
-            DestinationKind::Amqp => {
-                let defaults = AmqpConfig::default();
-                let config = AmqpConfig {
-                    url: args.url.or(file.url).unwrap_or(defaults.url),
-                    exchange: args.exchange.or(file.exchange).unwrap_or(defaults.exchange),
-                    publish_timeout,
-                    ce_source: jetstream.source,
-                    // Shown by `rabbitmqctl list_connections`: which relay holds it.
-                    connection_name: format!("handoff relay {relay_id}"),
-                    tls_ca: amqp_tls_ca,
-                    ..defaults
-                };
-                config.validate()?;
-                Destination::Amqp { config }
-            }
-            DestinationKind::Http => {
-                let Some(endpoint) = args.endpoint.or(file.endpoint) else {
-                    bail!("--destination http needs --endpoint, HANDOFF_ENDPOINT or endpoint in the config");
-                };
-                let defaults = HttpConfig::default();
-                let config = HttpConfig {
-                    endpoint,
-                    mode: args.http_mode.or(file.http_mode).unwrap_or_default(),
-                    request_timeout: publish_timeout,
-                    concurrency: args
-                        .http_concurrency
-                        .or(file.http_concurrency)
-                        .unwrap_or(defaults.concurrency),
-                    ce_source: jetstream.source,
-                    signing_secret: http_secret()?,
-                };
-                config.validate()?;
-                Destination::Http { config }
-            }
-        };
+        let defaults = PollingConfig::default();
         let polling = PollingConfig {
             schema,
-            relay_id,
-            lease,
-            stuck_after: args
-                .stuck_after
-                .or(file.stuck_after)
-                .unwrap_or(Duration::from_secs(60)),
-            query_timeout: args
-                .query_timeout
-                .or(file.query_timeout)
-                .unwrap_or(Duration::from_secs(10)),
+            relay_id: args.relay_id.unwrap_or_else(default_relay_id),
+            lease: args.lease.unwrap_or(Duration::from_secs(30)),
+            stuck_after: args.stuck_after.unwrap_or(Duration::from_secs(60)),
+            query_timeout: args.query_timeout.unwrap_or(Duration::from_secs(10)),
             order,
-            max_takeovers: args
-                .max_takeovers
-                .or(file.max_takeovers)
-                .unwrap_or(PollingConfig::default().max_takeovers),
-            ..PollingConfig::default()
+            max_takeovers: args.max_takeovers.unwrap_or(defaults.max_takeovers),
+            ..defaults
         };
         polling.validate()?;
         let listen_database = args
             .listen_database_url
-            .or(file.listen_database_url)
             .map(|url| {
                 handoff_postgres::connect_options(&url)
                     .map(|options| options.application_name("handoff-relay-listen"))
@@ -586,33 +254,52 @@ impl Settings {
             database,
             database_url,
             logical,
-            destination,
-            metrics_addr: args.metrics_addr.or(file.metrics_addr),
+            destination: args.destination,
+            publish_timeout: args
+                .publish_timeout
+                .unwrap_or(handoff_nats::JetStreamConfig::default().publish_timeout),
+            ce_source: args.ce_source,
+            metrics_addr: args.metrics_addr,
             polling,
             relay,
             listen_database,
         })
     }
-}
 
-/// The NATS files: each flag (or its variable) wins over the config file's key.
-fn nats_security(args: &NatsSecurityArgs, file: NatsSecurityArgs) -> ConnectSecurity {
-    let pick = |flag: &Option<PathBuf>, key: Option<PathBuf>| flag.clone().or(key);
-    ConnectSecurity {
-        creds: pick(&args.nats_creds, file.nats_creds),
-        nkey: pick(&args.nats_nkey, file.nats_nkey),
-        tls_ca: pick(&args.nats_tls_ca, file.nats_tls_ca),
-        tls_cert: pick(&args.nats_tls_cert, file.nats_tls_cert),
-        tls_key: pick(&args.nats_tls_key, file.nats_tls_key),
+    /// The chosen destination's settings, checked, and the relay's timing checked against the
+    /// destination's publish timeout.
+    fn destination<D: Destination>(&mut self, destination: &D) -> Result<D::Config> {
+        let publish_timeout = destination.publish_timeout(self.publish_timeout);
+        // A publish must be able to time out and be recorded before the lease ends.
+        self.relay.lease_margin = publish_timeout * 2;
+        self.relay.validate()?;
+        let lease = self.polling.lease;
+        if lease <= self.relay.lease_margin + Duration::from_secs(1) {
+            bail!(
+                "lease of {} is too short for a publish timeout of {}: it must exceed twice \
+                 the timeout plus 1s",
+                humantime::format_duration(lease),
+                humantime::format_duration(publish_timeout)
+            );
+        }
+        destination.resolve(&Common {
+            client_id: "handoff-relay".into(),
+            connection_name: format!("handoff relay {}", self.polling.relay_id),
+            publish_timeout,
+            ce_source: self.ce_source.clone(),
+            lease: Some(lease),
+        })
     }
 }
 
-fn read_file(path: &Path) -> Result<RelayFile> {
+/// The config file's settings. Unknown keys are refused (a misspelt key must not be ignored):
+/// the keys are the relay's flags' ids, which are their names with `_` for `-`.
+fn read_file(path: &Path) -> Result<RelayArgs> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("while reading the config file {}", path.display()))?;
     // toml's own message quotes the offending line, which may hold a password: name the line
     // and the problem only.
-    toml::from_str(&text).map_err(|error| {
+    let refused = |error: toml::de::Error| {
         let line = error
             .span()
             .and_then(|span| text.get(..span.start))
@@ -623,147 +310,85 @@ fn read_file(path: &Path) -> Result<RelayFile> {
             path.display(),
             error.message()
         )
-    })
+    };
+    let table: toml::Table = toml::from_str(&text).map_err(refused)?;
+    let command = <RelayArgs as clap::Args>::augment_args(clap::Command::new("relay"));
+    let known: Vec<&str> = command
+        .get_arguments()
+        .map(|arg| arg.get_id().as_str())
+        .filter(|id| *id != "config")
+        .collect();
+    if let Some(key) = table.keys().find(|key| !known.contains(&key.as_str())) {
+        let line = text
+            .lines()
+            .position(|l| {
+                let l = l.trim_start().trim_start_matches(['[', '"']);
+                l.starts_with(key.as_str())
+            })
+            .map(|n| format!(", line {}", n + 1))
+            .unwrap_or_default();
+        bail!(
+            "in the config file {}{line}: unknown key `{key}` (the keys are the flags' names \
+             with `_` for `-`)",
+            path.display()
+        );
+    }
+    toml::from_str(&text).map_err(refused)
 }
 
-/// The librdkafka options: the file's `[kafka]` table, then the flags (a flag wins over the
-/// file's value of the same key).
-fn kafka_options(file: Option<toml::Table>, flags: Vec<KafkaOption>) -> Result<KafkaOptions> {
-    let mut options = KafkaOptions::default();
-    if let Some(table) = file {
-        let mut flat = Vec::new();
-        flatten_kafka_table("", table, &mut flat)?;
-        for (key, value) in flat {
-            options
-                .set(key, value)
-                .context("in the [kafka] table of the config file")?;
-        }
-    }
-    for option in flags {
-        options.insert(option);
-    }
-    options.validate()?;
-    Ok(options)
-}
-
-/// `[kafka]`'s entries as `(dotted.key, value)`: TOML reads a bare `security.protocol = ...`
-/// as a nested table, which is joined back into librdkafka's key.
-fn flatten_kafka_table(
-    prefix: &str,
-    table: toml::Table,
-    out: &mut Vec<(String, String)>,
-) -> Result<()> {
-    for (key, value) in table {
-        let key = if prefix.is_empty() {
-            key
-        } else {
-            format!("{prefix}.{key}")
-        };
-        let value = match value {
-            toml::Value::String(text) => text,
-            toml::Value::Integer(n) => n.to_string(),
-            toml::Value::Float(x) => x.to_string(),
-            toml::Value::Boolean(b) => b.to_string(),
-            toml::Value::Table(inner) => {
-                flatten_kafka_table(&key, inner, out)?;
-                continue;
-            }
-            toml::Value::Array(_) | toml::Value::Datetime(_) => bail!(
-                "in the [kafka] table of the config file: {key:?} must be a string, a number                  or a boolean"
-            ),
-        };
-        out.push((key, value));
-    }
-    Ok(())
-}
-
-/// `<host>-<pid>`: unique per live process on a host, and readable in `claimed_by`.
 /// `<host>-<pid>-<random>`: unique per process start even where every container's process is
-/// pid 1 and hosts share a name.
+/// pid 1 and hosts share a name, and readable in `claimed_by`.
 fn default_relay_id() -> String {
     let host = gethostname::gethostname().to_string_lossy().into_owned();
     let random = uuid::Uuid::now_v7().as_u128() as u32;
     format!("{host}-{}-{random:08x}", std::process::id())
 }
 
-pub async fn run(args: RelayArgs) -> Result<()> {
+/// Runs the relay configured by `matches` (the relay subcommand's flags) until SIGTERM/SIGINT.
+pub async fn run(matches: &clap::ArgMatches) -> Result<()> {
     // First of all: from here on SIGTERM/SIGINT stop the relay cleanly, also during start-up
     // (connecting, waiting for a broker), instead of killing it by their default action.
     let shutdown = shutdown_signal();
-    tokio::pin!(shutdown);
-    let settings = Settings::resolve(args)?;
-
-    // Kept for the whole run: dropping it stops the endpoint.
-    let _endpoint = match settings.metrics_addr {
-        Some(addr) => Some(install_metrics(addr, &settings).await?),
-        None => None,
-    };
-
-    // The destination first: a malformed broker URL must end the command before anything waits.
-    match &settings.destination {
-        Destination::Nats { url, config } => {
-            let transport = tokio::select! {
-                transport = connect_nats(url, config) => transport?,
-                () = &mut shutdown => return Ok(()),
-            };
-            let stream = transport
-                .ensure_stream()
-                .await
-                .context("while ensuring the stream")?;
-            info!(stream = ?stream, "destination ready");
-            serve(settings, transport, shutdown).await
-        }
-        Destination::Kafka { config } => {
-            // Keys only: values may be secrets.
-            info!(
-                librdkafka = %handoff_kafka::rdkafka::util::get_rdkafka_version().1,
-                options = ?config.options.keys().collect::<Vec<_>>(),
-                "connecting to kafka"
-            );
-            let transport = tokio::select! {
-                transport = connect_kafka(config) => transport?,
-                () = &mut shutdown => return Ok(()),
-            };
-            let topic = transport
-                .ensure_topic()
-                .await
-                .context("while ensuring the topic")?;
-            info!(topic = ?topic, "destination ready");
-            serve(settings, transport, shutdown).await
-        }
-        Destination::Amqp { config } => {
-            let transport = tokio::select! {
-                transport = connect_amqp(config) => transport?,
-                () = &mut shutdown => return Ok(()),
-            };
-            info!(server = transport.server(), exchange = %config.exchange, "destination ready");
-            serve(settings, transport, shutdown).await
-        }
-        Destination::Http { config } => {
-            let transport = HttpTransport::new(config.clone())?;
-            let ready = transport.wait_until_ready(Duration::from_secs(1)).await;
-            info!(
-                endpoint = transport.endpoint(),
-                mode = config.mode.as_str(),
-                signed = config.signing_secret.is_some(),
-                reachable = ready,
-                "destination ready"
-            );
-            serve(settings, transport, shutdown).await
-        }
-    }
+    let settings = Settings::from_matches(matches)?;
+    let destination = settings.destination.clone();
+    destination
+        .dispatch(Start {
+            settings,
+            shutdown: Box::pin(shutdown),
+        })
+        .await
 }
 
-/// The signing secret of the http destination: environment only, so it stays out of process
-/// listings, config files and logs.
-fn http_secret() -> Result<Option<SigningSecret>> {
-    match std::env::var("HANDOFF_HTTP_SECRET") {
-        Ok(text) if text.is_empty() => Ok(None),
-        Ok(text) => Ok(Some(
-            SigningSecret::parse(&text).context("in HANDOFF_HTTP_SECRET")?,
-        )),
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => bail!("HANDOFF_HTTP_SECRET is not UTF-8"),
+/// The relay's start with the chosen destination: its settings checked, the metrics endpoint
+/// up, the destination connected (a malformed broker URL ends the command before anything
+/// waits), then the relay served.
+struct Start<S> {
+    settings: Settings,
+    shutdown: S,
+}
+
+impl<S> Visit for Start<S>
+where
+    S: std::future::Future<Output = ()> + Send + Unpin,
+{
+    type Output = ();
+
+    async fn visit<D: Destination>(self, destination: &D) -> Result<()> {
+        let Start {
+            mut settings,
+            mut shutdown,
+        } = self;
+        let config = settings.destination(destination)?;
+        // Kept for the whole run: dropping it stops the endpoint.
+        let _endpoint = match settings.metrics_addr {
+            Some(addr) => Some(install_metrics(addr, &settings).await?),
+            None => None,
+        };
+        let transport = tokio::select! {
+            transport = D::connect(config) => transport?,
+            () = &mut shutdown => return Ok(()),
+        };
+        serve(settings, transport, shutdown).await
     }
 }
 
@@ -948,64 +573,6 @@ async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
         }
     }
     unreachable!("the retry loop only ends by returning")
-}
-
-/// Connects to the destination with `connect`, retrying with backoff (and saying what it waits
-/// for) while `unreachable` says the broker cannot be reached yet; any other error (a malformed
-/// URL, a bad configuration, refused credentials) ends the command at once.
-async fn connect_with_retry<T, E, F, Fut>(
-    broker: &str,
-    mut connect: F,
-    unreachable: impl Fn(&E) -> bool,
-) -> Result<T>
-where
-    E: std::error::Error + Send + Sync + 'static,
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, E>>,
-{
-    let backoff = Backoff {
-        initial: Duration::from_millis(200),
-        max: Duration::from_secs(10),
-    };
-    for attempt in 1u32.. {
-        match connect().await {
-            Ok(transport) => return Ok(transport),
-            Err(error) if unreachable(&error) => {
-                let delay = backoff.delay(attempt);
-                warn!(error = %error, retry_in = ?delay, "waiting for {broker}");
-                tokio::time::sleep(delay).await;
-            }
-            Err(error) => return Err(error.into()),
-        }
-    }
-    unreachable!("the retry loop only ends by returning")
-}
-
-async fn connect_nats(url: &str, config: &JetStreamConfig) -> Result<JetStreamTransport> {
-    connect_with_retry(
-        "NATS",
-        || JetStreamTransport::connect(url, config.clone()),
-        |e: &handoff_nats::ConnectError| e.kind() == ConnectErrorKind::Unreachable,
-    )
-    .await
-}
-
-async fn connect_kafka(config: &KafkaConfig) -> Result<KafkaTransport> {
-    connect_with_retry(
-        "Kafka",
-        || KafkaTransport::connect(config.clone()),
-        |e: &handoff_kafka::ConnectError| e.kind() == handoff_kafka::ConnectErrorKind::Unreachable,
-    )
-    .await
-}
-
-async fn connect_amqp(config: &AmqpConfig) -> Result<AmqpTransport> {
-    connect_with_retry(
-        "RabbitMQ",
-        || AmqpTransport::connect(config.clone()),
-        |e: &handoff_amqp::ConnectError| e.kind() == handoff_amqp::ConnectErrorKind::Unreachable,
-    )
-    .await
 }
 
 /// Installs the SIGTERM and SIGINT handlers now (not at the first poll: a signal that arrives
@@ -1200,7 +767,11 @@ async fn report_backlog(source: std::sync::Arc<PollingSource>) {
 
 #[cfg(test)]
 mod tests {
+    use clap::Args as _;
+
     use super::*;
+    use crate::destination::{amqp::AmqpFlags, http::HttpFlags, kafka::KafkaFlags};
+    use crate::destination::{nats::NatsConfig, nats::NatsFlags, DestinationKind};
 
     /// A relay config file holding `text`, in a directory that lives as long as the guard.
     fn config_file(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
@@ -1210,30 +781,77 @@ mod tests {
         (dir, path)
     }
 
-    fn args(database_url: &str) -> RelayArgs {
-        RelayArgs {
-            database_url: Some(database_url.into()),
-            ..RelayArgs::default()
+    /// The settings `handoff relay <flags>` runs with, over `file` (a config file's text) when
+    /// given: the command's own path from flags to settings.
+    fn settings(flags: &[&str], file: Option<&str>) -> Result<Settings> {
+        let (_dir, path) = config_file(file.unwrap_or_default());
+        let config = path.to_string_lossy().into_owned();
+        let mut argv = vec!["relay"];
+        if file.is_some() {
+            argv.extend(["--config", &config]);
+        }
+        argv.extend(flags);
+        let matches =
+            RelayArgs::augment_args(clap::Command::new("relay")).try_get_matches_from(argv)?;
+        Settings::from_matches(&matches)
+    }
+
+    /// The chosen destination's settings, as the relay resolves them at start (`Debug`).
+    struct Check<'a>(&'a mut Settings);
+
+    impl Visit for Check<'_> {
+        type Output = String;
+
+        async fn visit<D: Destination>(self, destination: &D) -> Result<String> {
+            Ok(format!("{:?}", self.0.destination(destination)?))
         }
     }
 
+    async fn check(settings: &mut Settings) -> Result<String> {
+        let destination = settings.destination.clone();
+        destination.dispatch(Check(settings)).await
+    }
+
+    fn nats(settings: &mut Settings) -> Result<NatsConfig> {
+        let flags: NatsFlags = settings.destination.nats.clone();
+        settings.destination(&flags)
+    }
+
+    fn kafka(settings: &mut Settings) -> Result<handoff_kafka::KafkaConfig> {
+        let flags: KafkaFlags = settings.destination.kafka.clone();
+        settings.destination(&flags)
+    }
+
+    fn amqp(settings: &mut Settings) -> Result<handoff_amqp::AmqpConfig> {
+        let flags: AmqpFlags = settings.destination.amqp.clone();
+        settings.destination(&flags)
+    }
+
+    const DB: [&str; 2] = ["--database-url", "postgres://localhost/db"];
+
     #[test]
     fn defaults_resolve() {
-        let settings = Settings::resolve(args("postgres://u:secret@localhost/db")).unwrap();
-        let Destination::Nats { config, .. } = &settings.destination else {
-            panic!("not nats: {:?}", settings.destination);
-        };
-        assert_eq!(config.stream, "OUTBOX");
+        let mut settings = settings(&DB, None).unwrap();
+        assert_eq!(settings.destination.kind(), DestinationKind::Nats);
+        assert_eq!(nats(&mut settings).unwrap().jetstream.stream, "OUTBOX");
         assert_eq!(settings.polling.lease, Duration::from_secs(30));
     }
 
     #[test]
     fn settings_debug_shows_no_password_and_relay_ids_differ() {
-        let mut with_secrets = args("postgres://u:pgs3cret@localhost/db");
-        with_secrets.nats_url = Some("nats://n:nats3cret@localhost:4222".into());
-        with_secrets.max_takeovers = Some(3);
-        let settings = Settings::resolve(with_secrets).unwrap();
-        let shown = format!("{settings:?}");
+        let mut settings = settings(
+            &[
+                "--database-url",
+                "postgres://u:pgs3cret@localhost/db",
+                "--nats-url",
+                "nats://n:nats3cret@localhost:4222",
+                "--max-takeovers",
+                "3",
+            ],
+            None,
+        )
+        .unwrap();
+        let shown = format!("{settings:?} {:?}", nats(&mut settings).unwrap());
         assert!(
             !shown.contains("pgs3cret") && !shown.contains("nats3cret"),
             "{shown}"
@@ -1245,27 +863,22 @@ mod tests {
 
     #[test]
     fn a_lease_inside_the_duplicate_window_is_required() {
-        let mut bad = args("postgres://localhost/db");
-        bad.lease = Some(Duration::from_secs(600));
-        let error = Settings::resolve(bad).unwrap_err().to_string();
+        let mut settings = settings(&[&DB[..], &["--lease", "10m"]].concat(), None).unwrap();
+        let error = nats(&mut settings).unwrap_err().to_string();
         assert!(error.contains("duplicate window"), "{error}");
     }
 
     #[test]
     fn the_file_fills_what_flags_leave_open_and_flags_win() {
-        let (_dir, path) = config_file(
-            "database_url = \"postgres://localhost/db\"\nstream = \"FROM_FILE\"\n\
-         subject_prefix = \"file\"\nlease = \"40s\"\n",
-        );
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path),
-            subject_prefix: Some("flag".into()),
-            ..RelayArgs::default()
-        })
+        let mut settings = settings(
+            &["--subject-prefix", "flag"],
+            Some(
+                "database_url = \"postgres://localhost/db\"\nstream = \"FROM_FILE\"\n\
+                 subject_prefix = \"file\"\nlease = \"40s\"\n",
+            ),
+        )
         .unwrap();
-        let Destination::Nats { config, .. } = &settings.destination else {
-            panic!("not nats: {:?}", settings.destination);
-        };
+        let config = nats(&mut settings).unwrap().jetstream;
         assert_eq!(config.stream, "FROM_FILE");
         assert_eq!(config.subject_prefix, "flag");
         assert_eq!(settings.polling.lease, Duration::from_secs(40));
@@ -1273,123 +886,98 @@ mod tests {
 
     #[test]
     fn kafka_takes_brokers_and_topic_from_flags_or_the_file() {
-        let mut kafka = args("postgres://localhost/db");
-        kafka.destination = Some(DestinationKind::Kafka);
-        let error = Settings::resolve(kafka).unwrap_err().to_string();
+        let mut no_brokers =
+            settings(&[&DB[..], &["--destination", "kafka"]].concat(), None).unwrap();
+        let error = kafka(&mut no_brokers).unwrap_err().to_string();
         assert!(error.contains("no kafka brokers"), "{error}");
 
-        let (_dir, path) = config_file(
-            "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
-         brokers = \"k1:9092,k2:9092\"\ntopic = \"from_file\"\npartitions = 3\n",
-        );
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path),
-            topic: Some("from_flag".into()),
-            ..RelayArgs::default()
-        })
+        let mut settings = settings(
+            &["--topic", "from_flag"],
+            Some(
+                "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
+                 brokers = \"k1:9092,k2:9092\"\ntopic = \"from_file\"\npartitions = 3\n",
+            ),
+        )
         .unwrap();
-        let Destination::Kafka { config } = &settings.destination else {
-            panic!("not kafka: {:?}", settings.destination);
-        };
+        assert_eq!(settings.destination.kind(), DestinationKind::Kafka);
+        let config = kafka(&mut settings).unwrap();
         assert_eq!(config.brokers, "k1:9092,k2:9092");
         assert_eq!(config.topic, "from_flag");
         assert_eq!(config.partitions, 3);
+        assert_eq!(config.client_id, "handoff-relay");
 
-        let mut bad = args("postgres://localhost/db");
-        bad.destination = Some(DestinationKind::Kafka);
-        bad.brokers = Some("no-port".into());
-        assert!(Settings::resolve(bad).is_err());
+        let flags = [&DB[..], &["--destination", "kafka", "--brokers", "no-port"]].concat();
+        assert!(kafka(&mut self::settings(&flags, None).unwrap()).is_err());
     }
 
     #[test]
     fn the_http_destination_needs_an_endpoint_and_takes_its_own_timeout() {
-        let mut http = args("postgres://localhost/db");
-        http.destination = Some(DestinationKind::Http);
-        let error = Settings::resolve(http).unwrap_err().to_string();
+        let mut http = settings(&[&DB[..], &["--destination", "http"]].concat(), None).unwrap();
+        let flags: HttpFlags = http.destination.http.clone();
+        let error = http.destination(&flags).unwrap_err().to_string();
         assert!(error.contains("--endpoint"), "{error}");
-        let mut http = args("postgres://localhost/db");
-        http.destination = Some(DestinationKind::Http);
-        http.endpoint = Some("https://hooks.example.com/in".into());
-        http.http_mode = Some(HttpMode::Structured);
-        http.http_timeout = Some(Duration::from_secs(2));
-        let settings = Settings::resolve(http).unwrap();
-        let Destination::Http { config } = &settings.destination else {
-            panic!("http was asked for");
-        };
-        assert_eq!(config.mode, HttpMode::Structured);
+        let mut http = settings(
+            &[
+                &DB[..],
+                &[
+                    "--destination",
+                    "http",
+                    "--endpoint",
+                    "https://hooks.example.com/in",
+                ],
+                &["--http-mode", "structured", "--http-timeout", "2s"],
+            ]
+            .concat(),
+            None,
+        )
+        .unwrap();
+        let flags: HttpFlags = http.destination.http.clone();
+        let config = http.destination(&flags).unwrap();
+        assert_eq!(config.mode, handoff_http::HttpMode::Structured);
         assert_eq!(config.request_timeout, Duration::from_secs(2));
         assert_eq!(config.concurrency, 64);
-        assert_eq!(settings.relay.lease_margin, Duration::from_secs(4));
+        assert_eq!(http.relay.lease_margin, Duration::from_secs(4));
     }
 
     #[test]
     fn the_amqp_destination_resolves_from_file_and_flags_and_hides_its_password() {
-        let (_dir, path) = config_file(
-            "database_url = \"postgres://localhost/db\"\ndestination = \"amqp\"\n\
-         url = \"amqp://relay:s3cret@rabbit:5672/%2f\"\nexchange = \"from_file\"\n",
-        );
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path.clone()),
-            relay_id: Some("r1".into()),
-            ..RelayArgs::default()
-        })
-        .unwrap();
-        let Destination::Amqp { config } = &settings.destination else {
-            panic!("the file asks for amqp");
-        };
+        let file = "database_url = \"postgres://localhost/db\"\ndestination = \"amqp\"\n\
+                    url = \"amqp://relay:s3cret@rabbit:5672/%2f\"\nexchange = \"from_file\"\n";
+        let mut settings = settings(&["--relay-id", "r1"], Some(file)).unwrap();
+        let config = amqp(&mut settings).unwrap();
         assert_eq!(config.exchange, "from_file");
         assert_eq!(config.url, "amqp://relay:s3cret@rabbit:5672/%2f");
         assert_eq!(config.connection_name, "handoff relay r1");
         assert_eq!(config.publish_timeout, Duration::from_secs(5));
-        assert!(!format!("{settings:?}").contains("s3cret"));
+        assert!(!format!("{settings:?} {config:?}").contains("s3cret"));
 
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path),
-            exchange: Some("flag".into()),
-            ..RelayArgs::default()
-        })
-        .unwrap();
-        let Destination::Amqp { config } = &settings.destination else {
-            panic!("the file asks for amqp");
-        };
-        assert_eq!(config.exchange, "flag");
+        let mut flag = self::settings(&["--exchange", "flag"], Some(file)).unwrap();
+        assert_eq!(amqp(&mut flag).unwrap().exchange, "flag");
 
-        let mut empty_exchange = args("postgres://localhost/db");
-        empty_exchange.destination = Some(DestinationKind::Amqp);
-        empty_exchange.exchange = Some(String::new());
-        let error = Settings::resolve(empty_exchange).unwrap_err().to_string();
+        let flags = [&DB[..], &["--destination", "amqp", "--exchange", ""]].concat();
+        let error = amqp(&mut self::settings(&flags, None).unwrap())
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("exchange"), "{error}");
     }
 
     #[test]
     fn the_order_mode_comes_from_flag_or_file_and_global_needs_the_polling_source() {
-        let settings = Settings::resolve(args("postgres://localhost/db")).unwrap();
+        let settings = self::settings(&DB, None).unwrap();
         assert_eq!(settings.relay.order, OrderMode::Aggregate);
         assert_eq!(settings.polling.order, OrderMode::Aggregate);
 
-        let (_dir, path) =
-            config_file("database_url = \"postgres://localhost/db\"\norder = \"global\"\n");
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path.clone()),
-            ..RelayArgs::default()
-        })
-        .unwrap();
+        let file = "database_url = \"postgres://localhost/db\"\norder = \"global\"\n";
+        let settings = self::settings(&[], Some(file)).unwrap();
         assert_eq!(
             (settings.relay.order, settings.polling.order),
             (OrderMode::Global, OrderMode::Global)
         );
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path),
-            order: Some(OrderMode::Aggregate),
-            ..RelayArgs::default()
-        })
-        .unwrap();
+        let settings = self::settings(&["--order", "aggregate"], Some(file)).unwrap();
         assert_eq!(settings.relay.order, OrderMode::Aggregate);
 
-        let mut logical = args("postgres://localhost/db");
-        logical.order = Some(OrderMode::Global);
-        logical.source = Some(SourceKind::Logical);
-        let error = Settings::resolve(logical).unwrap_err().to_string();
+        let flags = [&DB[..], &["--order", "global", "--source", "logical"]].concat();
+        let error = self::settings(&flags, None).unwrap_err().to_string();
         assert!(error.contains("--order global"), "{error}");
     }
 
@@ -1405,23 +993,12 @@ mod tests {
     // NATS credentials, TLS and replicas (issue 23).
     #[test]
     fn nats_files_and_replicas_come_from_the_file_and_flags_win() {
-        let (_dir, path) = config_file(
+        let file =
             "database_url = \"postgres://localhost/db\"\nnats_creds = \"/file/relay.creds\"\n\
-         nats_tls_ca = \"/file/ca.pem\"\nnats_tls_cert = \"/file/c.pem\"\n\
-         nats_tls_key = \"/file/c.key\"\nstream_replicas = 3\n",
-        );
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path.clone()),
-            nats_security: NatsSecurityArgs {
-                nats_tls_ca: Some("/flag/ca.pem".into()),
-                ..NatsSecurityArgs::default()
-            },
-            ..RelayArgs::default()
-        })
-        .unwrap();
-        let Destination::Nats { config, .. } = &settings.destination else {
-            panic!("not nats: {:?}", settings.destination);
-        };
+                    nats_tls_ca = \"/file/ca.pem\"\nnats_tls_cert = \"/file/c.pem\"\n\
+                    nats_tls_key = \"/file/c.key\"\nstream_replicas = 3\n";
+        let mut settings = settings(&["--nats-tls-ca", "/flag/ca.pem"], Some(file)).unwrap();
+        let config = nats(&mut settings).unwrap().jetstream;
         assert_eq!(config.replicas, 3);
         let security = &config.security;
         assert_eq!(
@@ -1432,73 +1009,54 @@ mod tests {
         assert_eq!(security.tls_key.as_deref(), Some(Path::new("/file/c.key")));
         assert_eq!(security.nkey, None);
 
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path),
-            stream_replicas: Some(7),
-            ..RelayArgs::default()
-        });
-        let error = settings.unwrap_err().to_string();
+        let mut seven = self::settings(&["--stream-replicas", "7"], Some(file)).unwrap();
+        let error = nats(&mut seven).unwrap_err().to_string();
         assert!(error.contains("replicas must be 1 to 5"), "{error}");
     }
 
-    #[test]
-    fn kafka_options_come_from_the_file_table_and_flags_win_per_key() {
-        let (_dir, path) = config_file(
-            "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
-         brokers = \"k1:9093\"\n\
-         [kafka]\n\
-         security.protocol = \"SASL_SSL\"\n\
-         sasl.mechanism = \"PLAIN\"\n\
-         \"sasl.username\" = \"relay\"\n\
-         sasl.password = \"fil3secret\"\n\
-         linger.ms = 5\n",
-        );
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path.clone()),
-            kafka_option: vec![
-                "sasl.mechanism=SCRAM-SHA-512".parse().unwrap(),
-                "sasl.password=fl4gsecret".parse().unwrap(),
-            ],
-            ..RelayArgs::default()
-        })
-        .unwrap();
-        let Destination::Kafka { config } = &settings.destination else {
-            panic!("not kafka: {:?}", settings.destination);
-        };
+    #[tokio::test]
+    async fn kafka_options_come_from_the_file_table_and_flags_win_per_key() {
+        let file = "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
+                    brokers = \"k1:9093\"\n\
+                    [kafka]\n\
+                    security.protocol = \"SASL_SSL\"\n\
+                    sasl.mechanism = \"PLAIN\"\n\
+                    \"sasl.username\" = \"relay\"\n\
+                    sasl.password = \"fil3secret\"\n\
+                    linger.ms = 5\n";
+        let flags = [
+            "--kafka-option",
+            "sasl.mechanism=SCRAM-SHA-512",
+            "--kafka-option",
+            "sasl.password=fl4gsecret",
+        ];
+        let mut settings = settings(&flags, Some(file)).unwrap();
+        let config = kafka(&mut settings).unwrap();
         let options = &config.options;
         assert_eq!(options.get("security.protocol"), Some("SASL_SSL"));
         assert_eq!(options.get("sasl.mechanism"), Some("SCRAM-SHA-512"));
         assert_eq!(options.get("sasl.username"), Some("relay"));
         assert_eq!(options.get("sasl.password"), Some("fl4gsecret"));
         assert_eq!(options.get("linger.ms"), Some("5"));
-        let shown = format!("{settings:?}");
+        let shown = format!("{settings:?} {config:?}");
         assert!(!shown.contains("secret"), "{shown}");
         assert!(shown.contains("SCRAM-SHA-512"), "{shown}");
 
         // librdkafka's own checks run at resolve time and name the key only.
-        let error = Settings::resolve(RelayArgs {
-            config: Some(path.clone()),
-            kafka_option: vec!["no.such.key=1".parse().unwrap()],
-            ..RelayArgs::default()
-        })
-        .unwrap_err();
-        let shown = format!("{error:#}");
+        let mut unknown = self::settings(&["--kafka-option", "no.such.key=1"], Some(file)).unwrap();
+        let shown = format!("{:#}", kafka(&mut unknown).unwrap_err());
         assert!(shown.contains("\"no.such.key\""), "{shown}");
-        let error = Settings::resolve(RelayArgs {
-            config: Some(path),
-            kafka_option: vec!["sasl.mechanism=NOPE".parse().unwrap()],
-            ..RelayArgs::default()
-        })
-        .unwrap_err();
-        assert!(
-            format!("{error:#}").contains("Unsupported SASL mechanism"),
-            "{error:#}"
-        );
+        let mut bad =
+            self::settings(&["--kafka-option", "sasl.mechanism=NOPE"], Some(file)).unwrap();
+        let shown = format!("{:#}", kafka(&mut bad).unwrap_err());
+        assert!(shown.contains("Unsupported SASL mechanism"), "{shown}");
 
         // Options for a destination that takes none are a mistake, not a no-op.
-        let mut nats = args("postgres://localhost/db");
-        nats.kafka_option = vec!["linger.ms=5".parse().unwrap()];
-        let error = Settings::resolve(nats).unwrap_err().to_string();
+        let flags = [&DB[..], &["--kafka-option", "linger.ms=5"]].concat();
+        let error = check(&mut self::settings(&flags, None).unwrap())
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("--destination kafka"), "{error}");
     }
 
@@ -1508,69 +1066,75 @@ mod tests {
             ("acks = \"1\"", "acks=all"),
             ("ssl.ca.location = [\"a\", \"b\"]", "must be a string"),
         ] {
-            let (_dir, path) = config_file(&format!(
+            let file = format!(
                 "database_url = \"postgres://localhost/db\"\ndestination = \"kafka\"\n\
                  brokers = \"k1:9093\"\n[kafka]\n{table}\n"
-            ));
-            let error = Settings::resolve(RelayArgs {
-                config: Some(path),
-                ..RelayArgs::default()
-            })
-            .unwrap_err();
+            );
+            let mut settings = settings(&[], Some(&file)).unwrap();
+            let error = kafka(&mut settings).unwrap_err();
             assert!(format!("{error:#}").contains(wanted), "{error:#}");
         }
     }
 
-    #[test]
-    fn the_amqp_tls_ca_comes_from_the_flag_or_the_file() {
-        let (_dir, path) = config_file(
-            "database_url = \"postgres://localhost/db\"\ndestination = \"amqp\"\n\
-         url = \"amqps://rabbit:5671/%2f\"\namqp_tls_ca = \"/etc/ca/file.pem\"\n",
-        );
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path.clone()),
-            ..RelayArgs::default()
-        })
-        .unwrap();
-        let Destination::Amqp { config } = &settings.destination else {
-            panic!("the file asks for amqp");
-        };
+    #[tokio::test]
+    async fn the_amqp_tls_ca_comes_from_the_flag_or_the_file() {
+        let file = "database_url = \"postgres://localhost/db\"\ndestination = \"amqp\"\n\
+                    url = \"amqps://rabbit:5671/%2f\"\namqp_tls_ca = \"/etc/ca/file.pem\"\n";
+        let mut settings = settings(&[], Some(file)).unwrap();
         assert_eq!(
-            config.tls_ca.as_deref(),
+            amqp(&mut settings).unwrap().tls_ca.as_deref(),
             Some(Path::new("/etc/ca/file.pem"))
         );
-        let settings = Settings::resolve(RelayArgs {
-            config: Some(path),
-            amqp_tls_ca: Some("/etc/ca/flag.pem".into()),
-            ..RelayArgs::default()
-        })
-        .unwrap();
-        let Destination::Amqp { config } = &settings.destination else {
-            panic!("the file asks for amqp");
-        };
+        let mut flag = self::settings(&["--amqp-tls-ca", "/etc/ca/flag.pem"], Some(file)).unwrap();
         assert_eq!(
-            config.tls_ca.as_deref(),
+            amqp(&mut flag).unwrap().tls_ca.as_deref(),
             Some(Path::new("/etc/ca/flag.pem"))
         );
 
-        let mut nats = args("postgres://localhost/db");
-        nats.amqp_tls_ca = Some("/etc/ca/flag.pem".into());
-        assert!(Settings::resolve(nats).is_err());
+        let flags = [&DB[..], &["--amqp-tls-ca", "/etc/ca/flag.pem"]].concat();
+        assert!(check(&mut self::settings(&flags, None).unwrap())
+            .await
+            .is_err());
     }
 
     #[test]
     fn a_malformed_config_file_is_reported_without_its_text() {
-        let (_dir, path) =
-            config_file("destination = \"kafka\"\n[kafka]\nsasl.password = hunter2\n");
-        let error = format!(
-            "{:#}",
-            Settings::resolve(RelayArgs {
-                config: Some(path),
-                ..RelayArgs::default()
-            })
-            .unwrap_err()
-        );
+        let file = "destination = \"kafka\"\n[kafka]\nsasl.password = hunter2\n";
+        let error = format!("{:#}", settings(&[], Some(file)).unwrap_err());
         assert!(!error.contains("hunter2"), "{error}");
         assert!(error.contains("line 3"), "{error}");
+    }
+
+    #[test]
+    fn an_unknown_key_in_the_config_file_is_refused_with_its_line() {
+        let file = "database_url = \"postgres://localhost/db\"\nstraem = \"OUTBOX\"\n";
+        let error = format!("{:#}", settings(&[], Some(file)).unwrap_err());
+        assert!(error.contains("unknown key `straem`"), "{error}");
+        assert!(error.contains("line 2"), "{error}");
+        // Flags that are not settings are not keys either.
+        let file = "database_url = \"postgres://localhost/db\"\nconfig = \"other.toml\"\n";
+        assert!(settings(&[], Some(file)).is_err());
+        let file = "database_url = \"postgres://localhost/db\"\nkafka_option = \"a=b\"\n";
+        assert!(settings(&[], Some(file)).is_err());
+    }
+
+    #[tokio::test]
+    async fn every_destination_is_dispatched_by_its_name() {
+        for (flags, wanted) in [
+            (&["--destination", "nats"][..], "Nats"),
+            (
+                &["--destination", "kafka", "--brokers", "k:9092"][..],
+                "KafkaConfig",
+            ),
+            (&["--destination", "amqp"][..], "AmqpConfig"),
+            (
+                &["--destination", "http", "--endpoint", "http://h/in"][..],
+                "HttpConfig",
+            ),
+        ] {
+            let mut settings = settings(&[&DB[..], flags].concat(), None).unwrap();
+            let shown = check(&mut settings).await.unwrap();
+            assert!(shown.starts_with(wanted), "{flags:?}: {shown}");
+        }
     }
 }

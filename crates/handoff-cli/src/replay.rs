@@ -1,9 +1,11 @@
 //! `handoff replay`: republish retained, published events (brief O3) with a replay marker.
 //!
 //! Rows are read page by page in per-aggregate order (`handoff_postgres::RetainedEvents`) and
-//! published through `republish::Republisher`: the relay's subject and headers, the header
-//! `Handoff-Replay: <replay id>`, and a `Nats-Msg-Id` of their own so the stream's duplicate
-//! window does not drop them. Consumers deduplicate them by `ce-id` in their inbox.
+//! published through `republish::Republisher` into the destination (`--destination`, as the
+//! relay's): the relay's subject or topic and headers, and the header `Handoff-Replay: <replay
+//! id>` (on JetStream also a `Nats-Msg-Id` of their own so the stream's duplicate window does
+//! not drop them). Consumers deduplicate them by `ce-id` in their inbox. A destination that
+//! cannot be read back (amqp, http) is refused.
 
 use std::time::Instant as Clock;
 
@@ -12,7 +14,8 @@ use handoff_postgres::{RetainedCursor, RetainedEvents, RetainedFilter};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::args::{BrokerArgs, DatabaseArgs, Instant};
+use crate::args::{DatabaseArgs, Instant};
+use crate::destination::{cannot_read_back, Common, Destination, DestinationArgs, Store, Visit};
 use crate::republish::{self, Republisher};
 
 /// Rows read per query.
@@ -31,8 +34,9 @@ const LIST_LIMIT: usize = 1000;
 pub struct ReplayArgs {
     #[command(flatten)]
     database: DatabaseArgs,
+    /// `--destination` (default nats) and its flags, as the relay's.
     #[command(flatten)]
-    broker: BrokerArgs,
+    destination: DestinationArgs,
     /// Only events of this aggregate type.
     #[arg(long)]
     aggregate_type: Option<String>,
@@ -76,6 +80,26 @@ impl ReplayArgs {
 }
 
 pub async fn run(args: ReplayArgs) -> Result<()> {
+    let destination = args.destination.clone();
+    destination.dispatch(Replay(args)).await
+}
+
+/// The replay, into the chosen destination.
+struct Replay(ReplayArgs);
+
+impl Visit for Replay {
+    type Output = ();
+
+    async fn visit<D: Destination>(self, destination: &D) -> Result<()> {
+        if !D::Store::READABLE {
+            return Err(cannot_read_back(D::NAME));
+        }
+        let config = destination.resolve(&Common::operator("handoff-replay"))?;
+        replay::<D>(self.0, config).await
+    }
+}
+
+async fn replay<D: Destination>(args: ReplayArgs, config: D::Config) -> Result<()> {
     let filter = args.filter();
     filter.validate()?;
     if filter.is_unfiltered() && !args.all {
@@ -88,12 +112,13 @@ pub async fn run(args: ReplayArgs) -> Result<()> {
     let mut conn = args.database.connect_migrated("handoff-replay").await?;
     let retained = RetainedEvents::new(&schema);
     let replay_id = Uuid::now_v7();
-    let transport = if args.dry_run {
+    let (names, place) = (D::names(&config), D::place(&config));
+    let store = if args.dry_run {
         None
     } else {
-        Some(republish::connect(&args.broker).await?)
+        Some(D::open_store(config).await?)
     };
-    let mut publisher = transport.as_ref().map(|t| {
+    let mut publisher = store.as_ref().map(|t| {
         Republisher::new(
             t,
             replay_id.to_string(),
@@ -155,8 +180,7 @@ pub async fn run(args: ReplayArgs) -> Result<()> {
             "dry_run": args.dry_run,
             "matched": matched,
             "published": published,
-            "stream": args.broker.stream,
-            "subject_prefix": args.broker.subject_prefix,
+            "destination": D::NAME,
             "rate": args.rate,
             "elapsed_seconds": elapsed,
             "filter": {
@@ -168,6 +192,9 @@ pub async fn run(args: ReplayArgs) -> Result<()> {
                 "all": args.all,
             },
         });
+        if let Some(object) = summary.as_object_mut() {
+            object.extend(names);
+        }
         if args.dry_run {
             summary["events"] = listed.into();
             summary["events_truncated"] = (matched > LIST_LIMIT as u64).into();
@@ -177,9 +204,8 @@ pub async fn run(args: ReplayArgs) -> Result<()> {
         println!("dry run: {matched} event(s) would be replayed; nothing published");
     } else {
         println!(
-            "replay {replay_id}: {matched} matched, {published} published to stream {} in \
-             {elapsed:.1}s",
-            args.broker.stream
+            "replay {replay_id}: {matched} matched, {published} published to {place} in \
+             {elapsed:.1}s"
         );
     }
     Ok(())

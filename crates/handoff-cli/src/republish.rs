@@ -1,35 +1,21 @@
 //! The publish path `replay` and `reconcile --republish` share: rate-limited, acknowledged
-//! replayed copies, with a progress bar on a terminal.
+//! replayed copies through any destination's [`Store`], with a progress bar on a terminal.
 
 use std::collections::VecDeque;
 use std::io::IsTerminal;
 use std::time::Duration;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use handoff_core::delivery::OutboxEvent;
 use handoff_core::EventId;
-use handoff_nats::{JetStreamTransport, ReplayAck};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::time::{Interval, MissedTickBehavior};
 
-use crate::args::BrokerArgs;
+use crate::destination::{ReplayAck, Store};
 
 /// Most publishes sent and not yet acknowledged. Enough to keep a remote broker busy at the
 /// default rate, small enough that a failure leaves little in doubt.
 const MAX_OUTSTANDING: usize = 64;
-
-/// Connects to the broker and checks that the relay's stream is there: a replay into a stream
-/// that does not exist would only fail event by event ("no responders").
-pub async fn connect(broker: &BrokerArgs) -> Result<JetStreamTransport> {
-    let transport = JetStreamTransport::connect(&broker.nats_url, broker.jetstream())
-        .await
-        .context("while connecting to NATS (check --nats-url / NATS_URL)")?;
-    handoff_nats::async_nats::jetstream::new(transport.client().clone())
-        .get_stream(&broker.stream)
-        .await
-        .with_context(|| format!("stream {:?} (check --stream)", broker.stream))?;
-    Ok(transport)
-}
 
 /// A progress bar on stderr when it is a terminal, hidden otherwise (logs and pipes stay clean).
 pub fn progress(what: &str) -> ProgressBar {
@@ -49,29 +35,24 @@ pub fn progress(what: &str) -> ProgressBar {
 /// Publishes replayed copies at a steady rate, waiting for every acknowledgement (at most
 /// [`MAX_OUTSTANDING`] outstanding) and stopping at the first failure, so that the copies of
 /// one aggregate reach the stream in the order they are given.
-pub struct Republisher<'a> {
-    transport: &'a JetStreamTransport,
+pub struct Republisher<'a, S> {
+    store: &'a S,
     marker: String,
     limiter: Interval,
-    outstanding: VecDeque<(EventId, ReplayAck)>,
+    outstanding: VecDeque<(EventId, ReplayAck<'a>)>,
     published: u64,
     progress: ProgressBar,
 }
 
-impl<'a> Republisher<'a> {
+impl<'a, S: Store> Republisher<'a, S> {
     /// `rate`: events per second (at least 1). `marker`: the `Handoff-Replay` value.
-    pub fn new(
-        transport: &'a JetStreamTransport,
-        marker: String,
-        rate: u32,
-        progress: ProgressBar,
-    ) -> Self {
+    pub fn new(store: &'a S, marker: String, rate: u32, progress: ProgressBar) -> Self {
         let mut limiter = tokio::time::interval(Duration::from_secs(1) / rate.max(1));
         // Catch up after a pause (a page read, a slow ack) so the average stays at the rate;
         // the pause is short, so the catch-up burst is too.
         limiter.set_missed_tick_behavior(MissedTickBehavior::Burst);
         Self {
-            transport,
+            store,
             marker,
             limiter,
             outstanding: VecDeque::new(),
@@ -87,7 +68,7 @@ impl<'a> Republisher<'a> {
             self.settle_one().await?;
         }
         let ack = self
-            .transport
+            .store
             .send_replay(event, &self.marker)
             .await
             .map_err(|e| {
@@ -117,10 +98,10 @@ impl<'a> Republisher<'a> {
         let Some((event_id, ack)) = self.outstanding.pop_front() else {
             return Ok(());
         };
-        ack.wait().await.map_err(|e| {
+        ack.await.map_err(|e| {
             anyhow!(
                 "no acknowledgement for the copy of event {event_id} ({} acknowledged before it; \
-                 it may or may not be in the stream): {e}",
+                 it may or may not be stored): {e}",
                 self.published
             )
         })?;

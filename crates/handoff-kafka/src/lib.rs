@@ -11,7 +11,11 @@
 //!   topic when it is missing (an existing one is never altered);
 //! - [`KafkaIntake`]: the consumers' side, a consumer group that hands deliveries to
 //!   `handoff-consumer` and commits offsets only up to what is settled;
-//! - [`read_topic`]: every message a topic holds, for checks and tests;
+//! - [`read_topic`]: every message a topic holds, for checks and tests, and [`KafkaReadBack`],
+//!   the same read through the [`handoff_core::readback::ReadBack`] seam (positions
+//!   `partition:offset`);
+//! - [`KafkaTransport::send_replay`]: a replayed copy (header `Handoff-Replay`), for `handoff
+//!   replay` and `handoff reconcile`;
 //! - [`KafkaOptions`]: librdkafka settings passed through for TLS, SASL (PLAIN, SCRAM,
 //!   OAUTHBEARER) and tuning, whose secret values never reach a log line.
 //!
@@ -49,6 +53,8 @@ mod config;
 mod error;
 mod intake;
 mod options;
+mod readback;
+mod replay;
 mod scan;
 mod transport;
 
@@ -61,5 +67,7 @@ pub use options::{is_secret_option, librdkafka_features, KafkaOption, KafkaOptio
 /// The Kafka client crate this one is built on, for callers that need its types at the same
 /// version.
 pub use rdkafka;
+pub use readback::{KafkaMessageScan, KafkaReadBack, DEFAULT_READ_TIMEOUT};
+pub use replay::KafkaReplayAck;
 pub use scan::{read_topic, read_topic_with, ScanError, StoredRecord};
 pub use transport::{Delivered, KafkaTransport, TopicSummary};

@@ -138,18 +138,48 @@ pub async fn read_topic_with(
     options: &KafkaOptions,
     timeout: Duration,
 ) -> Result<Vec<StoredRecord>, ScanError> {
+    let records = read_records(brokers, topic, options, timeout, StartAt::Beginning).await?;
+    Ok(records.into_iter().map(|(record, _time)| record).collect())
+}
+
+/// Where [`read_records`] starts, in stored order (partition, then offset).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StartAt {
+    /// Every partition from its beginning.
+    Beginning,
+    /// `partition` from `offset`, the later partitions from their beginning, none of the
+    /// earlier ones.
+    Position {
+        /// The first partition read.
+        partition: i32,
+        /// Its first offset read.
+        offset: i64,
+    },
+}
+
+/// As [`read_topic_with`], from `start`, each record with its timestamp (milliseconds since
+/// the epoch, `None` when the record has none).
+pub(crate) async fn read_records(
+    brokers: &str,
+    topic: &str,
+    options: &KafkaOptions,
+    timeout: Duration,
+    start: StartAt,
+) -> Result<Vec<(StoredRecord, Option<i64>)>, ScanError> {
     check_brokers(brokers)?;
     check_topic(topic)?;
     options.validate().map_err(ConfigError::from)?;
     let (brokers, topic_name, options) = (brokers.to_owned(), topic.to_owned(), options.clone());
-    tokio::task::spawn_blocking(move || read_blocking(&brokers, &topic_name, &options, timeout))
-        .await
-        .unwrap_or_else(|_| {
-            Err(ScanError::Kafka {
-                topic: topic.to_owned(),
-                source: KafkaError::MetadataFetch(rdkafka::types::RDKafkaErrorCode::Fail),
-            })
+    tokio::task::spawn_blocking(move || {
+        read_blocking(&brokers, &topic_name, &options, timeout, start)
+    })
+    .await
+    .unwrap_or_else(|_| {
+        Err(ScanError::Kafka {
+            topic: topic.to_owned(),
+            source: KafkaError::MetadataFetch(rdkafka::types::RDKafkaErrorCode::Fail),
         })
+    })
 }
 
 /// The scan's consumer context: reaching a partition's end is what the scan waits for, not an
@@ -173,7 +203,8 @@ fn read_blocking(
     topic: &str,
     options: &KafkaOptions,
     timeout: Duration,
-) -> Result<Vec<StoredRecord>, ScanError> {
+    start: StartAt,
+) -> Result<Vec<(StoredRecord, Option<i64>)>, ScanError> {
     let deadline = Instant::now() + timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
     let kafka = |source| ScanError::Kafka {
@@ -187,6 +218,8 @@ fn read_blocking(
         .set("group.id", "handoff-scan")
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
+        // A read from an offset the topic no longer holds starts at the oldest it does.
+        .set("auto.offset.reset", "earliest")
         // The end of each partition is where its fetch reaches the log's end. Not the
         // ListOffsets watermarks: tansu 0.6 answers those wrongly for all but one partition
         // of a topic (offset 1 for partitions holding dozens of messages).
@@ -203,12 +236,27 @@ fn read_blocking(
         .find(|t| t.name() == topic && t.error().is_none())
         .map(|t| t.partitions().iter().map(|p| p.id()).collect())
         .ok_or_else(|| ScanError::NoTopic(topic.to_owned()))?;
+    let partitions: Vec<(i32, Offset)> = partitions
+        .into_iter()
+        .filter_map(|partition| match start {
+            StartAt::Beginning => Some((partition, Offset::Beginning)),
+            StartAt::Position {
+                partition: first,
+                offset,
+            } => match partition.cmp(&first) {
+                std::cmp::Ordering::Less => None,
+                std::cmp::Ordering::Equal => Some((partition, Offset::Offset(offset))),
+                std::cmp::Ordering::Greater => Some((partition, Offset::Beginning)),
+            },
+        })
+        .collect();
     let mut assignment = TopicPartitionList::new();
-    for partition in &partitions {
+    for (partition, offset) in &partitions {
         assignment
-            .add_partition_offset(topic, *partition, Offset::Beginning)
+            .add_partition_offset(topic, *partition, *offset)
             .map_err(kafka)?;
     }
+    let partitions = partitions.into_iter().map(|(partition, _)| partition);
     let mut reading: HashSet<i32> = partitions.into_iter().collect();
     let mut records = Vec::new();
     consumer.assign(&assignment).map_err(kafka)?;
@@ -240,7 +288,7 @@ fn read_blocking(
                     .collect()
             })
             .unwrap_or_default();
-        records.push(StoredRecord {
+        let record = StoredRecord {
             partition: message.partition(),
             offset: message.offset(),
             key: message
@@ -248,8 +296,9 @@ fn read_blocking(
                 .map(|k| String::from_utf8_lossy(k).into_owned()),
             headers,
             payload: message.payload().unwrap_or_default().to_vec(),
-        });
+        };
+        records.push((record, message.timestamp().to_millis()));
     }
-    records.sort_by_key(|r| (r.partition, r.offset));
+    records.sort_by_key(|(r, _)| (r.partition, r.offset));
     Ok(records)
 }

@@ -11,7 +11,7 @@ use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 
 use crate::config::millis;
@@ -330,7 +330,7 @@ impl KafkaTransport {
     }
 
     /// The topic's partition count, or `None` when the cluster does not know the topic.
-    async fn partition_count(&self) -> Result<Option<i32>, TopicError> {
+    pub(crate) async fn partition_count(&self) -> Result<Option<i32>, TopicError> {
         let producer = self.producer();
         let topic = self.config.topic.clone();
         let metadata_error = |source| TopicError::Metadata {
@@ -429,9 +429,21 @@ impl KafkaTransport {
     /// # }
     /// ```
     pub async fn send(&self, event: &OutboxEvent) -> Result<Delivered, PublishError> {
-        let mut headers = OwnedHeaders::new();
-        for (name, value) in self.headers(event)? {
-            headers = headers.insert(Header {
+        let (producer, delivery) = self.enqueue(event, self.headers(event)?)?;
+        self.delivered(&producer, delivery).await
+    }
+
+    /// Hands `event` with `headers` to the producer: the first half of [`send`](Self::send),
+    /// whose second is [`delivered`](Self::delivered). Records enqueued one after another on
+    /// one partition are stored in that order (the producer is idempotent).
+    pub(crate) fn enqueue(
+        &self,
+        event: &OutboxEvent,
+        headers: Vec<(String, String)>,
+    ) -> Result<(FutureProducer<KafkaContext>, DeliveryFuture), PublishError> {
+        let mut owned = OwnedHeaders::new();
+        for (name, value) in headers {
+            owned = owned.insert(Header {
                 key: &name,
                 value: Some(value.as_bytes()),
             });
@@ -439,12 +451,21 @@ impl KafkaTransport {
         let record = FutureRecord::to(&self.config.topic)
             .key(kafka_key(event))
             .payload(event.payload.as_bytes())
-            .headers(headers);
+            .headers(owned);
         let producer = self.producer();
-        let delivery = match producer.send_result(record) {
-            Ok(delivery) => delivery,
-            Err((error, _record)) => return Err(self.publish_error(&producer, error)),
-        };
+        match producer.send_result(record) {
+            Ok(delivery) => Ok((producer, delivery)),
+            Err((error, _record)) => Err(self.publish_error(&producer, error)),
+        }
+    }
+
+    /// Waits for the delivery report of a record [`enqueue`](Self::enqueue) handed to
+    /// `producer`.
+    pub(crate) async fn delivered(
+        &self,
+        producer: &FutureProducer<KafkaContext>,
+        delivery: DeliveryFuture,
+    ) -> Result<Delivered, PublishError> {
         // librdkafka reports within message.timeout.ms (the publish timeout); the margin only
         // guards against a report that never comes.
         let wait = self.config.publish_timeout + Duration::from_secs(1);
@@ -457,7 +478,7 @@ impl KafkaTransport {
                     offset: delivered.offset,
                 })
             }
-            Ok(Ok(Err((error, _message)))) => Err(self.publish_error(&producer, error)),
+            Ok(Ok(Err((error, _message)))) => Err(self.publish_error(producer, error)),
             // The producer was closed under the future (only when it is being replaced).
             Ok(Err(_canceled)) => Err(PublishError::new(
                 PublishErrorKind::Transient,

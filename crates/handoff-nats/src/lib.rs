@@ -13,7 +13,9 @@
 //! - [`header`]: the names of the headers every event carries (the consumers' contract);
 //! - [`JetStreamTransport::send_replay`] and [`JetStreamTransport::scan`]: the operator's side,
 //!   republishing retained events with a replay marker and reading back what the stream holds
-//!   (`handoff replay`, `handoff reconcile`).
+//!   (`handoff replay`, `handoff reconcile`);
+//! - the [`handoff_core::readback::ReadBack`] seam over that scan ([`JetStreamMessageScan`]),
+//!   positions being stream sequences.
 //!
 //! Delivery is at least once: the event id travels as `Nats-Msg-Id`, so a republish inside the
 //! stream's duplicate window is dropped by JetStream, and consumers deduplicate the rest by the
@@ -41,6 +43,7 @@ mod config;
 mod error;
 pub mod header;
 mod intake;
+mod readback;
 mod replay;
 mod security;
 mod transport;
@@ -52,6 +55,7 @@ pub use async_nats;
 pub use config::{ConfigError, JetStreamConfig, MAX_REPLICAS};
 pub use error::{ConnectError, ConnectErrorKind, StreamError, StreamErrorKind};
 pub use intake::{IntakeConfig, IntakeConnectError, JetStreamIntake, JetStreamSettle, REPLAY};
+pub use readback::JetStreamMessageScan;
 pub use replay::{replay_msg_id, ReplayAck, ScanError, ScannedMessage, StreamScan};
 #[cfg(feature = "clap")]
 pub use security::NatsSecurityArgs;

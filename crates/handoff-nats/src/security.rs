@@ -213,7 +213,8 @@ impl ConnectSecurity {
 /// The `--nats-creds`, `--nats-nkey`, `--nats-tls-ca`, `--nats-tls-cert` and `--nats-tls-key`
 /// flags (env `NATS_CREDS`, `NATS_NKEY`, `NATS_TLS_CA`, `NATS_TLS_CERT`, `NATS_TLS_KEY`) every
 /// handoff binary that connects to NATS takes: flatten it into the binary's arguments and turn
-/// it into a [`ConnectSecurity`] with [`security`](Self::security).
+/// it into a [`ConnectSecurity`] with [`security`](Self::security). It also deserializes from
+/// the same keys (`nats_creds`, ...), so a config file takes them under the flags' names.
 ///
 /// # Examples
 ///
@@ -234,7 +235,7 @@ impl ConnectSecurity {
 /// ```
 #[cfg(feature = "clap")]
 #[cfg_attr(docsrs, doc(cfg(feature = "clap")))]
-#[derive(clap::Args, Debug, Clone, Default, PartialEq, Eq)]
+#[derive(clap::Args, serde::Deserialize, Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsSecurityArgs {
     /// NATS credentials file (user JWT and nkey seed, as `nsc` writes it). Excludes
     /// --nats-nkey.

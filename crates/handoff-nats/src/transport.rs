@@ -55,7 +55,7 @@ const CLIENT_NAME: &str = "handoff";
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct JetStreamTransport {
     client: async_nats::Client,
     /// Publishes; its timeout is the publish timeout, so its own ack wait never ends a publish

@@ -11,6 +11,8 @@
 //!   reading a stream back.
 //! - [`rabbitmq`]: a private RabbitMQ node, for tests that raise its memory alarm or change its
 //!   limits without touching the shared broker.
+//! - [`redis`]: the local Redis's URL, a stream key of the test's own, and reading a stream
+//!   back.
 //! - [`tansu`]: a private tansu broker (Kafka protocol) for the Kafka destination's tests.
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode, and a database of its own
 //!   for a test behind it.
@@ -32,6 +34,7 @@ pub mod nats;
 pub mod pgbouncer;
 pub mod proxy;
 pub mod rabbitmq;
+pub mod redis;
 pub mod tansu;
 pub mod tls;
 

@@ -1,0 +1,91 @@
+//! `--destination http`: one POST per event to an endpoint (a webhook), with Idempotency-Key.
+//! It cannot be read back (the receiver keeps what it was sent, not handoff).
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use handoff_core::delivery::Transport;
+use handoff_http::{HttpConfig, HttpMode, HttpTransport, SigningSecret};
+use serde::Deserialize;
+use tracing::info;
+
+use super::{Common, Destination, Unreadable};
+
+/// The HTTP flags (and config-file keys). The signing secret comes from HANDOFF_HTTP_SECRET
+/// only, so it stays out of process listings, config files and logs.
+#[derive(clap::Args, Deserialize, Default, Clone)]
+pub struct HttpFlags {
+    /// With --destination http: the URL every event is POSTed to (redirects are not followed).
+    /// The signing secret comes from HANDOFF_HTTP_SECRET only.
+    #[arg(long, env = "HANDOFF_ENDPOINT", hide_env_values = true)]
+    pub endpoint: Option<String>,
+    /// With --destination http: CloudEvents mode, `binary` (payload as body, attributes as
+    /// headers) or `structured` (application/cloudevents+json) [default: binary].
+    #[arg(long, env = "HANDOFF_HTTP_MODE")]
+    pub http_mode: Option<HttpMode>,
+    /// With --destination http: longest a publish may take, slot wait and response body
+    /// included [default: the --publish-timeout, 5s].
+    #[arg(long, env = "HANDOFF_HTTP_TIMEOUT", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "humantime_serde")]
+    pub http_timeout: Option<Duration>,
+    /// With --destination http: most requests in flight at once, over all aggregates
+    /// [default: 64].
+    #[arg(long, env = "HANDOFF_HTTP_CONCURRENCY")]
+    pub http_concurrency: Option<usize>,
+}
+
+impl Destination for HttpFlags {
+    const NAME: &'static str = "http";
+    type Config = HttpConfig;
+    type Transport = HttpTransport;
+    type Store = Unreadable;
+
+    fn resolve(&self, common: &Common) -> Result<HttpConfig> {
+        let Some(endpoint) = self.endpoint.clone() else {
+            bail!(
+                "--destination http needs --endpoint, HANDOFF_ENDPOINT or endpoint in the config"
+            );
+        };
+        let defaults = HttpConfig::default();
+        let config = HttpConfig {
+            endpoint,
+            mode: self.http_mode.unwrap_or_default(),
+            request_timeout: common.publish_timeout,
+            concurrency: self.http_concurrency.unwrap_or(defaults.concurrency),
+            ce_source: common.ce_source.clone().unwrap_or(defaults.ce_source),
+            signing_secret: http_secret()?,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn publish_timeout(&self, general: Duration) -> Duration {
+        self.http_timeout.unwrap_or(general)
+    }
+
+    async fn connect(config: HttpConfig) -> Result<HttpTransport> {
+        let transport = HttpTransport::new(config.clone())?;
+        let ready = transport.wait_until_ready(Duration::from_secs(1)).await;
+        info!(
+            endpoint = transport.endpoint(),
+            mode = config.mode.as_str(),
+            signed = config.signing_secret.is_some(),
+            reachable = ready,
+            "destination ready"
+        );
+        Ok(transport)
+    }
+}
+
+/// The signing secret of the http destination: environment only, so it stays out of process
+/// listings, config files and logs.
+fn http_secret() -> Result<Option<SigningSecret>> {
+    match std::env::var("HANDOFF_HTTP_SECRET") {
+        Ok(text) if text.is_empty() => Ok(None),
+        Ok(text) => Ok(Some(
+            SigningSecret::parse(&text).context("in HANDOFF_HTTP_SECRET")?,
+        )),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => bail!("HANDOFF_HTTP_SECRET is not UTF-8"),
+    }
+}

@@ -1,0 +1,324 @@
+//! Where events go: `--destination` and one file per destination.
+//!
+//! `handoff relay`, `handoff replay` and `handoff reconcile` take the same [`DestinationArgs`]:
+//! the `--destination` choice and every destination's flags, each flag written once in its
+//! destination's file, in a struct that derives both the clap arguments and the serde settings
+//! of the relay's config file (a flag or its variable wins over the file's key). The relay
+//! connects the chosen destination through [`DestinationArgs::dispatch`] and runs over its
+//! transport; `replay` and `reconcile` open its [`Store`] (read-back and replayed copies), and
+//! refuse, on one line, a destination that cannot be read back.
+//!
+//! # Adding a destination
+//!
+//! A destination is its own crate (transport, intake, read-back) plus one file here:
+//!
+//! 1. `destination/<name>.rs`, shaped like [`kafka`]: a `<Name>Flags` struct deriving
+//!    `clap::Args`, `serde::Deserialize`, `Default` and `Clone`, every field an `Option` (the
+//!    default is applied in `resolve` and named in the flag's doc as `[default: ...]`), flag
+//!    names that say whose they are (`--redis-url`, not `--url`: every destination's flags share
+//!    one command line and one config file), durations with
+//!    `value_parser = humantime::parse_duration` and `#[serde(default, with =
+//!    "humantime_serde")]`. Then `impl Destination for <Name>Flags`: [`Destination::resolve`]
+//!    (flags and [`Common`] into the library's config, checked), [`Destination::connect`] (the
+//!    relay's transport, retried while the broker is unreachable, with
+//!    [`connect_with_retry`]) and, when its messages can be read back,
+//!    [`Destination::open_store`] with a [`Store`] (its crate's `ReadBack` plus
+//!    [`Store::location`] and [`Store::send_replay`]; see `nats.rs`, where the transport is
+//!    the store, and `kafka.rs`, where a transport and a reader make one) and
+//!    [`Destination::names`] / [`Destination::place`] for the commands' output; otherwise
+//!    `type Store = Unreadable;` and the commands refuse it on one line.
+//! 2. In this file: `pub mod <name>;`, a variant of [`DestinationKind`] (its doc line is the
+//!    value's help; the serde name is the lowercase variant), a `#[command(flatten)]
+//!    #[serde(flatten)]` field of [`DestinationArgs`] (and the destination in its
+//!    `--destination` doc line), and one line in each of [`DestinationArgs::dispatch`] and
+//!    [`DestinationArgs::refuse_strays`].
+//! 3. Its crate in `crates/handoff-cli/Cargo.toml`.
+//!
+//! Nothing else changes: `relay.rs`, `replay.rs` and `reconcile.rs` only see [`Visit`]. The
+//! config file takes every new flag under its name with `_` for `-` by itself (its known keys
+//! are the relay's clap argument ids); a flag whose TOML form differs (such as Kafka's
+//! `--kafka-option` and `[kafka]` table) gives the flag the key's id (`#[arg(id = "kafka")]`)
+//! and the file-only field `#[arg(skip)]`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use handoff_core::delivery::{OutboxEvent, PublishError, Transport};
+use handoff_core::readback::{MessageScan, ReadBack, ReadBackError, ReadFrom, StoredMessage};
+use handoff_relay::Backoff;
+use serde::Deserialize;
+use tracing::warn;
+
+pub mod amqp;
+pub mod http;
+pub mod kafka;
+pub mod nats;
+pub mod redis;
+
+/// Where events go.
+#[derive(clap::ValueEnum, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DestinationKind {
+    /// A NATS JetStream stream.
+    #[default]
+    Nats,
+    /// A Kafka topic.
+    Kafka,
+    /// A RabbitMQ (AMQP 0-9-1) exchange, with publisher confirms.
+    Amqp,
+    /// An HTTP endpoint (webhook), one POST per event with Idempotency-Key.
+    Http,
+    /// A Redis stream (Redis Streams), each event appended once per dedup window.
+    Redis,
+}
+
+/// `--destination` and every destination's flags: flattened into a command's arguments and
+/// into the relay's config file.
+#[derive(clap::Args, Deserialize, Default, Clone)]
+pub struct DestinationArgs {
+    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix), `kafka`
+    /// (--brokers, --topic), `amqp` (RabbitMQ; --url, --exchange), `http` (POST to
+    /// --endpoint) or `redis` (Redis Streams; --redis-url, --redis-stream) [default: nats].
+    #[arg(long, env = "HANDOFF_DESTINATION", value_enum)]
+    pub destination: Option<DestinationKind>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub nats: nats::NatsFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub kafka: kafka::KafkaFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub amqp: amqp::AmqpFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub http: http::HttpFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub redis: redis::RedisFlags,
+}
+
+impl DestinationArgs {
+    /// The chosen destination.
+    pub fn kind(&self) -> DestinationKind {
+        self.destination.unwrap_or_default()
+    }
+
+    /// Runs `visit` with the chosen destination's flags, after refusing flags only another
+    /// destination takes.
+    pub async fn dispatch<V: Visit>(&self, visit: V) -> Result<V::Output> {
+        self.refuse_strays()?;
+        match self.kind() {
+            DestinationKind::Nats => visit.visit(&self.nats).await,
+            DestinationKind::Kafka => visit.visit(&self.kafka).await,
+            DestinationKind::Amqp => visit.visit(&self.amqp).await,
+            DestinationKind::Http => visit.visit(&self.http).await,
+            DestinationKind::Redis => visit.visit(&self.redis).await,
+        }
+    }
+
+    /// A flag only one destination takes, given with another, is a mistake, not a no-op.
+    fn refuse_strays(&self) -> Result<()> {
+        let kind = self.kind();
+        let strays = [
+            (DestinationKind::Nats, self.nats.stray()),
+            (DestinationKind::Kafka, self.kafka.stray()),
+            (DestinationKind::Amqp, self.amqp.stray()),
+            (DestinationKind::Http, self.http.stray()),
+            (DestinationKind::Redis, self.redis.stray()),
+        ];
+        for (owner, stray) in strays {
+            if let (true, Some(stray)) = (owner != kind, stray) {
+                bail!("{stray}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a command does with the chosen destination, for any destination.
+pub trait Visit {
+    /// What the command returns.
+    type Output;
+
+    /// Runs the command with the chosen destination's flags.
+    async fn visit<D: Destination>(self, destination: &D) -> Result<Self::Output>;
+}
+
+/// What a destination's flags need from the command around them.
+#[derive(Debug, Clone)]
+pub struct Common {
+    /// The client id where the broker keeps one (Kafka): `handoff-relay`, `handoff-replay`.
+    pub client_id: String,
+    /// The connection's name where the broker shows one (RabbitMQ's `rabbitmqctl
+    /// list_connections`): which relay holds it.
+    pub connection_name: String,
+    /// Longest wait for the destination's acknowledgement.
+    pub publish_timeout: Duration,
+    /// CloudEvents `ce-source` of the published events [default: each library's, `handoff`].
+    pub ce_source: Option<String>,
+    /// The relay's lease, when a relay runs: a deduplication window must outlast it.
+    pub lease: Option<Duration>,
+}
+
+impl Common {
+    /// What `replay` and `reconcile` (`application`, such as `handoff-replay`) connect with:
+    /// the relay's default publish timeout, no lease.
+    pub fn operator(application: &str) -> Common {
+        Common {
+            client_id: application.to_owned(),
+            connection_name: application.replace('-', " "),
+            publish_timeout: handoff_nats::JetStreamConfig::default().publish_timeout,
+            ce_source: None,
+            lease: None,
+        }
+    }
+}
+
+/// One destination: its flags, resolved into its library's settings, connected.
+pub trait Destination {
+    /// Its `--destination` name.
+    const NAME: &'static str;
+    /// Its library's settings, checked; their `Debug` shows no password.
+    type Config: std::fmt::Debug + Send;
+    /// What the relay publishes through.
+    type Transport: Transport;
+    /// What `replay` and `reconcile` read and republish through ([`Unreadable`] for a
+    /// destination that cannot be read back).
+    type Store: Store;
+
+    /// The settings these flags and `common` give, checked.
+    fn resolve(&self, common: &Common) -> Result<Self::Config>;
+
+    /// The time to wait for an acknowledgement, when this destination has a flag of its own
+    /// for it.
+    fn publish_timeout(&self, general: Duration) -> Duration {
+        general
+    }
+
+    /// A message naming a flag of this destination that was given, for when another
+    /// destination is chosen: a flag no other destination reads is refused then.
+    fn stray(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// The relay's transport: connected (retrying, and saying so, while the broker cannot be
+    /// reached), its stream or topic ensured, ready logged.
+    async fn connect(config: Self::Config) -> Result<Self::Transport>;
+
+    /// The destination's names for a command's JSON summary (`stream`, `topic`, ...).
+    fn names(config: &Self::Config) -> serde_json::Map<String, serde_json::Value> {
+        let _ = config;
+        serde_json::Map::new()
+    }
+
+    /// Where the messages are, for a person: `stream OUTBOX`, `topic outbox`.
+    fn place(config: &Self::Config) -> String {
+        let _ = config;
+        format!("the {} destination", Self::NAME)
+    }
+
+    /// The store `replay` and `reconcile` work on, connected once (no retry: an operator is
+    /// waiting) and checked to exist.
+    async fn open_store(config: Self::Config) -> Result<Self::Store> {
+        let _ = config;
+        Err(cannot_read_back(Self::NAME))
+    }
+}
+
+/// The pending acknowledgement of one replayed copy.
+pub type ReplayAck<'a> = Pin<Box<dyn Future<Output = Result<(), PublishError>> + Send + 'a>>;
+
+/// A destination as `replay` and `reconcile` see it: read back through the read-back seam, and
+/// sent replayed copies (the relay's message plus `Handoff-Replay: <marker>`).
+pub trait Store: ReadBack {
+    /// Whether this destination can be read back at all.
+    const READABLE: bool = true;
+
+    /// Where the relay stores `event`, as [`StoredMessage::subject`] reports it.
+    fn location(&self, event: &OutboxEvent) -> String;
+
+    /// Sends a replayed copy of `event`; the returned acknowledgement resolves once the
+    /// destination stored it. Copies sent one after another are stored in that order.
+    async fn send_replay(
+        &self,
+        event: &OutboxEvent,
+        marker: &str,
+    ) -> Result<ReplayAck<'_>, PublishError>;
+}
+
+/// The store of a destination that cannot be read back: it has no values.
+pub enum Unreadable {}
+
+impl ReadBack for Unreadable {
+    type Scan = Unreadable;
+
+    async fn read_back(&self, _from: ReadFrom) -> Result<Unreadable, ReadBackError> {
+        match *self {}
+    }
+}
+
+impl MessageScan for Unreadable {
+    async fn next(&mut self) -> Result<Option<StoredMessage>, ReadBackError> {
+        match *self {}
+    }
+}
+
+impl Store for Unreadable {
+    const READABLE: bool = false;
+
+    fn location(&self, _event: &OutboxEvent) -> String {
+        match *self {}
+    }
+
+    async fn send_replay(
+        &self,
+        _event: &OutboxEvent,
+        _marker: &str,
+    ) -> Result<ReplayAck<'_>, PublishError> {
+        match *self {}
+    }
+}
+
+/// The refusal of `replay` and `reconcile` for a destination that keeps no copy of what it
+/// was sent.
+pub fn cannot_read_back(name: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "--destination {name} cannot be read back: it keeps no copy of what it was sent, so \
+         there is nothing to compare or replay into; use the relay's delivery receipts instead \
+         (docs/operations.md, \"Destinations that cannot be read back\")"
+    )
+}
+
+/// Connects with `connect`, retrying with backoff (and saying what it waits for) while
+/// `unreachable` says the broker cannot be reached yet; any other error (a malformed URL, a bad
+/// configuration, refused credentials) ends the command at once.
+pub async fn connect_with_retry<T, E, F, Fut>(
+    broker: &str,
+    mut connect: F,
+    unreachable: impl Fn(&E) -> bool,
+) -> Result<T>
+where
+    E: std::error::Error + Send + Sync + 'static,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let backoff = Backoff {
+        initial: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+    };
+    for attempt in 1u32.. {
+        match connect().await {
+            Ok(transport) => return Ok(transport),
+            Err(error) if unreachable(&error) => {
+                let delay = backoff.delay(attempt);
+                warn!(error = %error, retry_in = ?delay, "waiting for {broker}");
+                tokio::time::sleep(delay).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    unreachable!("the retry loop only ends by returning")
+}
