@@ -10,7 +10,7 @@
 //!
 //! | test | invariant |
 //! |---|---|
-//! | `conformance_contract_headers` | every contract header with its value, the body byte for byte |
+//! | `conformance_contract_headers` | every contract header with its value (the global sequence only on a global event), the body byte for byte |
 //! | `conformance_repeated_event_id` | a second publish of one event id is dropped where the destination deduplicates ([`Dedup::ByEventId`]), stored again where it does not ([`Dedup::None`]) |
 //! | `conformance_oversize_is_rejected` | an event over the destination's limit fails with [`PublishErrorKind::Rejected`] and nothing is stored |
 //! | `conformance_down_is_unavailable` | with the destination unreachable a publish fails with [`PublishErrorKind::Unavailable`], in bounded time, and the transport is not ready |
@@ -240,15 +240,32 @@ async fn publish_ok<D: Destination>(destination: &D, event: &OutboxEvent) -> Rec
 
 /// Contract headers: an event published carries every contract header with its value (the
 /// names of [`handoff_core::contract::header`]; the aggregate id encoded; `traceparent` as the
-/// writer set it) and its body byte for byte.
+/// writer set it; `Handoff-Global-Sequence` only on an event of the global lane) and its body
+/// byte for byte.
 pub async fn contract_headers<D: Destination>() {
     let destination = D::start(Case::ContractHeaders).await;
     let event = contract_event("eu.west 42/ü", 7);
     publish_ok(&destination, &event).await;
+    // An event of the global lane carries its place in it as well.
+    let mut global = factory::outbox_event("g-1", 1);
+    global.global_sequence = Some(4321);
+    publish_ok(&destination, &global).await;
 
-    let received = destination.received(1).await;
-    assert_eq!(received.len(), 1, "{}: {received:?}", D::NAME);
-    let message = &received[0];
+    let received = destination.received(2).await;
+    assert_eq!(received.len(), 2, "{}: {received:?}", D::NAME);
+    let global_id = global.event_id.hyphenated().to_string();
+    let (globals, plain): (Vec<_>, Vec<_>) = received
+        .iter()
+        .partition(|m| m.header(header::CE_ID) == Some(global_id.as_str()));
+    assert_eq!((globals.len(), plain.len()), (1, 1), "{}", D::NAME);
+    assert_eq!(
+        globals[0].header(header::GLOBAL_SEQUENCE),
+        Some("4321"),
+        "{}: {:?}",
+        D::NAME,
+        globals[0].headers
+    );
+    let message = plain[0];
     assert_eq!(
         message.body,
         event.payload.as_bytes(),
