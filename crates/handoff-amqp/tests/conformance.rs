@@ -14,9 +14,7 @@ use std::time::Duration;
 use common::{config_at, url, Broker};
 use handoff_amqp::lapin::types::AMQPValue;
 use handoff_amqp::{AmqpConfig, AmqpTransport};
-use handoff_core::delivery::Transport;
-use handoff_test::conformance::{self, Case, Dedup, Destination, Received, CE_SOURCE};
-use handoff_test::proxy::FaultProxy;
+use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
 use handoff_test::rabbitmq::RabbitMqNode;
 use tokio::task::block_in_place;
 
@@ -33,8 +31,7 @@ struct Rabbit {
     /// Reads the queue straight from the broker, not through the proxy; dropped before the
     /// node.
     broker: Broker,
-    /// `None` once the case took the broker down.
-    proxy: Option<FaultProxy>,
+    link: Link,
     /// The private node of the oversize case.
     node: Option<RabbitMqNode>,
 }
@@ -56,11 +53,11 @@ impl Destination for Rabbit {
         });
         let server = node.as_ref().map_or_else(url, RabbitMqNode::url);
         let exchange = common::unique_name(&format!("conformance_{}", case.name()));
-        let (proxy, proxied) = conformance::proxied(&server).await;
+        let link = Link::to(&server).await;
         let transport = AmqpTransport::connect(AmqpConfig {
             ce_source: CE_SOURCE.to_owned(),
             publish_timeout: PUBLISH_TIMEOUT,
-            ..config_at(&proxied, &exchange)
+            ..config_at(link.url(), &exchange)
         })
         .await
         .unwrap_or_else(|e| panic!("connect through the proxy: {e}"));
@@ -71,7 +68,7 @@ impl Destination for Rabbit {
             transport,
             exchange,
             broker,
-            proxy: Some(proxy),
+            link,
             node,
         }
     }
@@ -110,20 +107,11 @@ impl Destination for Rabbit {
     }
 
     async fn take_down(&mut self) -> bool {
-        self.proxy = None;
-        let transport = &self.transport;
-        conformance::eventually(
-            "the transport sees the broker go",
-            Duration::from_secs(5),
-            async || !transport.wait_until_ready(Duration::from_millis(100)).await,
-        )
-        .await;
-        true
+        self.link.take_down(&self.transport).await
     }
 
     async fn go_silent(&mut self) -> bool {
-        self.proxy.as_ref().expect("the proxy runs").black_hole();
-        true
+        self.link.go_silent()
     }
 
     fn publish_timeout(&self) -> Duration {

@@ -15,10 +15,8 @@ use std::time::Duration;
 
 use axum::http::HeaderMap;
 use common::{Endpoint, Reply};
-use handoff_core::delivery::Transport;
 use handoff_http::{HttpConfig, HttpTransport, RecordedResponse};
-use handoff_test::conformance::{self, Case, Dedup, Destination, Received, CE_SOURCE};
-use handoff_test::proxy::FaultProxy;
+use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
 use sha2::Digest as _;
 
 /// Short, so the silent case times out quickly.
@@ -31,8 +29,7 @@ struct Receiver {
     transport: HttpTransport,
     /// What the receiver accepted, in arrival order. std Mutex: never held across `.await`.
     accepted: Arc<Mutex<Vec<Received>>>,
-    /// `None` once the case took the receiver down.
-    proxy: Option<FaultProxy>,
+    link: Link,
     _endpoint: Endpoint,
 }
 
@@ -59,9 +56,9 @@ impl Destination for Receiver {
             Reply::Status(200, Vec::new(), position)
         })
         .await;
-        let (proxy, url) = conformance::proxied(&endpoint.url).await;
+        let link = Link::to(&endpoint.url).await;
         let transport = HttpTransport::new(HttpConfig {
-            endpoint: url,
+            endpoint: link.url().to_owned(),
             request_timeout: PUBLISH_TIMEOUT,
             ce_source: CE_SOURCE.to_owned(),
             ..HttpConfig::default()
@@ -70,7 +67,7 @@ impl Destination for Receiver {
         Receiver {
             transport,
             accepted,
-            proxy: Some(proxy),
+            link,
             _endpoint: endpoint,
         }
     }
@@ -110,20 +107,11 @@ impl Destination for Receiver {
     }
 
     async fn take_down(&mut self) -> bool {
-        self.proxy = None;
-        let transport = &self.transport;
-        conformance::eventually(
-            "the port refuses connections",
-            Duration::from_secs(5),
-            async || !transport.wait_until_ready(Duration::from_millis(100)).await,
-        )
-        .await;
-        true
+        self.link.take_down(&self.transport).await
     }
 
     async fn go_silent(&mut self) -> bool {
-        self.proxy.as_ref().expect("the proxy runs").black_hole();
-        true
+        self.link.go_silent()
     }
 
     fn publish_timeout(&self) -> Duration {

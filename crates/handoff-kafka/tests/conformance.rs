@@ -9,10 +9,8 @@
 
 use std::time::Duration;
 
-use handoff_core::delivery::Transport;
 use handoff_kafka::{read_topic, KafkaConfig, KafkaTransport};
-use handoff_test::conformance::{self, Case, Dedup, Destination, Received, CE_SOURCE};
-use handoff_test::proxy::FaultProxy;
+use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
 use handoff_test::tansu::{free_port, unique_topic, Tansu};
 use tokio::task::block_in_place;
 
@@ -29,10 +27,8 @@ const MAX_MESSAGE: usize = 1_000_000;
 struct Kafka {
     transport: KafkaTransport,
     topic: String,
-    /// The bootstrap address: the proxy's.
-    brokers: String,
-    /// `None` once the case took the broker down.
-    proxy: Option<FaultProxy>,
+    /// The bootstrap address is the link's.
+    link: Link,
     _broker: Tansu,
 }
 
@@ -43,15 +39,12 @@ impl Destination for Kafka {
 
     async fn start(case: Case) -> Self {
         let port = free_port().expect("a free port");
-        let proxy = FaultProxy::start(([127, 0, 0, 1], port).into())
-            .await
-            .expect("a proxy in front of the broker");
-        let broker = block_in_place(|| Tansu::start_advertising(port, proxy.addr()))
+        let link = Link::in_front_of(([127, 0, 0, 1], port).into()).await;
+        let broker = block_in_place(|| Tansu::start_advertising(port, link.addr()))
             .unwrap_or_else(|e| panic!("start tansu: {e}"));
-        let brokers = proxy.addr().to_string();
         let topic = unique_topic(&format!("conformance_{}", case.name()));
         let transport = KafkaTransport::connect(KafkaConfig {
-            brokers: brokers.clone(),
+            brokers: link.url().to_owned(),
             topic: topic.clone(),
             partitions: 1,
             ce_source: CE_SOURCE.to_owned(),
@@ -64,8 +57,7 @@ impl Destination for Kafka {
         Kafka {
             transport,
             topic,
-            brokers,
-            proxy: Some(proxy),
+            link,
             _broker: broker,
         }
     }
@@ -76,7 +68,7 @@ impl Destination for Kafka {
 
     async fn received(&self, at_least: usize) -> Vec<Received> {
         // The broker appended each record before its delivery report: nothing to wait for.
-        let records = read_topic(&self.brokers, &self.topic, READ_TIMEOUT)
+        let records = read_topic(self.link.url(), &self.topic, READ_TIMEOUT)
             .await
             .unwrap_or_else(|e| panic!("read topic {}: {e}", self.topic));
         assert!(records.len() >= at_least, "{records:?}");
@@ -99,20 +91,11 @@ impl Destination for Kafka {
     }
 
     async fn take_down(&mut self) -> bool {
-        self.proxy = None;
-        let transport = &self.transport;
-        conformance::eventually(
-            "the producer sees the broker go",
-            Duration::from_secs(10),
-            async || !transport.wait_until_ready(Duration::from_millis(200)).await,
-        )
-        .await;
-        true
+        self.link.take_down(&self.transport).await
     }
 
     async fn go_silent(&mut self) -> bool {
-        self.proxy.as_ref().expect("the proxy runs").black_hole();
-        true
+        self.link.go_silent()
     }
 
     fn publish_timeout(&self) -> Duration {

@@ -9,11 +9,10 @@ use std::time::Duration;
 
 use async_nats::connection::State;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
-use handoff_test::conformance::{self, Case, Dedup, Destination, Received, CE_SOURCE};
+use handoff_test::conformance::{self, Case, Dedup, Destination, Link, Received, CE_SOURCE};
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
-use handoff_test::proxy::FaultProxy;
 
 /// Short, so the silent case times out quickly (the client's pings, every two minutes by
 /// default, do not notice the black hole meanwhile).
@@ -24,8 +23,7 @@ struct JetStream {
     /// Reads the stream straight from the server, not through the proxy.
     reader: async_nats::Client,
     stream: String,
-    /// `None` once the case took the server down.
-    proxy: Option<FaultProxy>,
+    link: Link,
     _cleanup: DeleteStreamOnDrop,
 }
 
@@ -38,7 +36,7 @@ impl Destination for JetStream {
         let reader = prepare_shared_server().await;
         let stream = unique_name(&format!("conformance_{}", case.name()));
         let cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
-        let (proxy, url) = conformance::proxied(&shared_url()).await;
+        let link = Link::to(&shared_url()).await;
         let config = JetStreamConfig {
             stream: stream.clone(),
             subject_prefix: stream.clone(),
@@ -46,7 +44,7 @@ impl Destination for JetStream {
             publish_timeout: PUBLISH_TIMEOUT,
             ..JetStreamConfig::default()
         };
-        let transport = JetStreamTransport::connect(&url, config)
+        let transport = JetStreamTransport::connect(link.url(), config)
             .await
             .unwrap_or_else(|e| panic!("connect through the proxy: {e}"));
         transport.ensure_stream().await.expect("ensure stream");
@@ -54,7 +52,7 @@ impl Destination for JetStream {
             transport,
             reader,
             stream,
-            proxy: Some(proxy),
+            link,
             _cleanup: cleanup,
         }
     }
@@ -86,7 +84,9 @@ impl Destination for JetStream {
     }
 
     async fn take_down(&mut self) -> bool {
-        self.proxy = None;
+        // Not the transport's readiness: a flush through the dropped proxy fails before the
+        // client has noticed, while a publish would still be sent.
+        self.link.cut();
         let client = self.transport.client();
         conformance::eventually(
             "the client sees the server go",
@@ -98,8 +98,7 @@ impl Destination for JetStream {
     }
 
     async fn go_silent(&mut self) -> bool {
-        self.proxy.as_ref().expect("the proxy runs").black_hole();
-        true
+        self.link.go_silent()
     }
 
     fn publish_timeout(&self) -> Duration {

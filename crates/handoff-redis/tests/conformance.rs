@@ -7,10 +7,8 @@
 
 use std::time::Duration;
 
-use handoff_core::delivery::Transport;
 use handoff_redis::{RedisConfig, RedisTransport};
-use handoff_test::conformance::{self, Case, Dedup, Destination, Received, CE_SOURCE};
-use handoff_test::proxy::FaultProxy;
+use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
 use handoff_test::redis::{read_all, url, ScratchStream};
 
 /// Short, so the silent case times out quickly.
@@ -24,8 +22,7 @@ struct Redis {
     /// Reads the stream straight from the server, not through the proxy.
     reader: RedisTransport,
     stream: ScratchStream,
-    /// `None` once the case took the server down.
-    proxy: Option<FaultProxy>,
+    link: Link,
     oversize: Option<usize>,
 }
 
@@ -37,9 +34,9 @@ impl Destination for Redis {
     async fn start(case: Case) -> Self {
         let stream = ScratchStream::new(&format!("conformance-{}", case.name()));
         let oversize = (case == Case::Oversize).then_some(MAX_EVENT_BYTES);
-        let (proxy, proxied) = conformance::proxied(&url()).await;
+        let link = Link::to(&url()).await;
         let transport = RedisTransport::connect(RedisConfig {
-            url: proxied,
+            url: link.url().to_owned(),
             ce_source: CE_SOURCE.to_owned(),
             publish_timeout: PUBLISH_TIMEOUT,
             connect_timeout: PUBLISH_TIMEOUT,
@@ -55,7 +52,7 @@ impl Destination for Redis {
             transport,
             reader,
             stream,
-            proxy: Some(proxy),
+            link,
             oversize,
         }
     }
@@ -91,20 +88,11 @@ impl Destination for Redis {
     }
 
     async fn take_down(&mut self) -> bool {
-        self.proxy = None;
-        let transport = &self.transport;
-        conformance::eventually(
-            "the transport sees the server go",
-            Duration::from_secs(5),
-            async || !transport.wait_until_ready(Duration::from_millis(100)).await,
-        )
-        .await;
-        true
+        self.link.take_down(&self.transport).await
     }
 
     async fn go_silent(&mut self) -> bool {
-        self.proxy.as_ref().expect("the proxy runs").black_hole();
-        true
+        self.link.go_silent()
     }
 
     fn publish_timeout(&self) -> Duration {

@@ -10,7 +10,7 @@
 //!
 //! | test | invariant |
 //! |---|---|
-//! | `conformance_contract_headers` | every contract header with its value, the body byte for byte |
+//! | `conformance_contract_headers` | every contract header with its value (the global sequence only on a global event), the body byte for byte |
 //! | `conformance_repeated_event_id` | a second publish of one event id is dropped where the destination deduplicates ([`Dedup::ByEventId`]), stored again where it does not ([`Dedup::None`]) |
 //! | `conformance_oversize_is_rejected` | an event over the destination's limit fails with [`PublishErrorKind::Rejected`] and nothing is stored |
 //! | `conformance_down_is_unavailable` | with the destination unreachable a publish fails with [`PublishErrorKind::Unavailable`], in bounded time, and the transport is not ready |
@@ -39,8 +39,8 @@
 //!
 //!     async fn start(case: Case) -> Self {
 //!         // a fresh stream key named from `case.name()`, the transport's `ce_source` set
-//!         // to `handoff_test::conformance::CE_SOURCE`, behind a `FaultProxy` so it can be
-//!         // taken down and silenced
+//!         // to `handoff_test::conformance::CE_SOURCE`, connected through a `Link` so it
+//!         // can be taken down and silenced
 //!     }
 //!     fn transport(&self) -> &RedisTransport { &self.transport }
 //!     async fn received(&self, at_least: usize) -> Vec<Received> { /* XRANGE the key */ }
@@ -58,11 +58,12 @@
 //!
 //! The drivers of the existing destinations (`handoff-nats`, `handoff-kafka`, `handoff-amqp`,
 //! `handoff-http`, each in its `tests/conformance.rs`) are the examples to copy. They reach the
-//! broker through a [`FaultProxy`]: dropping the proxy is a broker
-//! that is down (the port refuses connections, live ones are closed), and its black hole is a
-//! broker that takes the bytes and never answers.
+//! broker through a [`Link`] (a [`FaultProxy`]): dropping the proxy is a broker that is down
+//! (the port refuses connections, live ones are closed), and its black hole is a broker that
+//! takes the bytes and never answers.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use handoff_core::contract::{self, header};
@@ -239,15 +240,32 @@ async fn publish_ok<D: Destination>(destination: &D, event: &OutboxEvent) -> Rec
 
 /// Contract headers: an event published carries every contract header with its value (the
 /// names of [`handoff_core::contract::header`]; the aggregate id encoded; `traceparent` as the
-/// writer set it) and its body byte for byte.
+/// writer set it; `Handoff-Global-Sequence` only on an event of the global lane) and its body
+/// byte for byte.
 pub async fn contract_headers<D: Destination>() {
     let destination = D::start(Case::ContractHeaders).await;
     let event = contract_event("eu.west 42/ü", 7);
     publish_ok(&destination, &event).await;
+    // An event of the global lane carries its place in it as well.
+    let mut global = factory::outbox_event("g-1", 1);
+    global.global_sequence = Some(4321);
+    publish_ok(&destination, &global).await;
 
-    let received = destination.received(1).await;
-    assert_eq!(received.len(), 1, "{}: {received:?}", D::NAME);
-    let message = &received[0];
+    let received = destination.received(2).await;
+    assert_eq!(received.len(), 2, "{}: {received:?}", D::NAME);
+    let global_id = global.event_id.hyphenated().to_string();
+    let (globals, plain): (Vec<_>, Vec<_>) = received
+        .iter()
+        .partition(|m| m.header(header::CE_ID) == Some(global_id.as_str()));
+    assert_eq!((globals.len(), plain.len()), (1, 1), "{}", D::NAME);
+    assert_eq!(
+        globals[0].header(header::GLOBAL_SEQUENCE),
+        Some("4321"),
+        "{}: {:?}",
+        D::NAME,
+        globals[0].headers
+    );
+    let message = plain[0];
     assert_eq!(
         message.body,
         event.payload.as_bytes(),
@@ -352,19 +370,13 @@ pub async fn oversize_is_rejected<D: Destination>() {
     let filler = limit.saturating_sub(big.payload.len()).max(1);
     big.payload = format!(r#"{{"blob":"{}"}}"#, "x".repeat(filler));
     assert!(big.payload.len() > limit);
-    let error = bounded(
+    publish_fails(
         &destination,
-        "the oversize publish",
-        destination.transport().publish(&big),
-    )
-    .await
-    .expect_err("an oversize event was accepted");
-    assert_eq!(
-        error.kind(),
+        &big,
         PublishErrorKind::Rejected,
-        "{}: {error}",
-        D::NAME
-    );
+        "an oversize event",
+    )
+    .await;
 
     // The next event goes through once the transport is ready again (RabbitMQ closes the
     // channel over the big one; the relay waits the same way after any failure).
@@ -401,19 +413,8 @@ pub async fn down_is_unavailable<D: Destination>() {
     }
     for sequence in [2, 3] {
         let event = factory::outbox_event("down-1", sequence);
-        let error = bounded(
-            &destination,
-            "a publish",
-            destination.transport().publish(&event),
-        )
-        .await
-        .expect_err("a publish succeeded with the destination down");
-        assert_eq!(
-            error.kind(),
-            PublishErrorKind::Unavailable,
-            "{}: publish {sequence}: {error}",
-            D::NAME
-        );
+        let what = format!("publish {sequence} with the destination down");
+        publish_fails(&destination, &event, PublishErrorKind::Unavailable, &what).await;
     }
     let ready = bounded(
         &destination,
@@ -438,19 +439,8 @@ pub async fn silence_is_a_timeout<D: Destination>() {
     }
     let event = factory::outbox_event("silent-1", 2);
     let started = Instant::now();
-    let error = bounded(
-        &destination,
-        "a silent publish",
-        destination.transport().publish(&event),
-    )
-    .await
-    .expect_err("a publish succeeded with the destination silent");
-    assert_eq!(
-        error.kind(),
-        PublishErrorKind::Timeout,
-        "{}: {error}",
-        D::NAME
-    );
+    let what = "a publish with the destination silent";
+    publish_fails(&destination, &event, PublishErrorKind::Timeout, what).await;
     // It waited for the answer rather than giving up at once.
     assert!(
         started.elapsed() >= destination.publish_timeout() / 2,
@@ -512,6 +502,21 @@ pub async fn order_of_one_aggregate<D: Destination>() {
     assert_eq!(sequences, expected, "{}", D::NAME);
 }
 
+/// Publishes `event` (`what`, for the failure message) and asserts that it fails with `kind`
+/// within the publish timeout and [`GRACE`].
+async fn publish_fails<D: Destination>(
+    destination: &D,
+    event: &OutboxEvent,
+    kind: PublishErrorKind,
+    what: &str,
+) {
+    let outcome = bounded(destination, what, destination.transport().publish(event)).await;
+    match outcome {
+        Err(error) => assert_eq!(error.kind(), kind, "{}: {what}: {error}", D::NAME),
+        Ok(receipt) => panic!("{}: {what} was accepted: {receipt:?}", D::NAME),
+    }
+}
+
 /// `work`, failing the case if it takes longer than the destination's publish timeout and
 /// [`GRACE`]: a failure must come in bounded time, never as a hang.
 async fn bounded<D: Destination, T>(
@@ -527,43 +532,130 @@ async fn bounded<D: Destination, T>(
     }
 }
 
-/// A [`FaultProxy`] in front of the server `url` names, and `url` with the proxy's address in
-/// place of the server's (scheme, credentials, path and query kept): a transport connected
-/// through it sees the server go down when the proxy is dropped, and go silent in its black
-/// hole.
-///
-/// # Panics
-///
-/// When `url` has no `scheme://host:port`, the host does not resolve, or no port is free.
+/// A driver's way to its broker: a [`FaultProxy`] in front of it, which takes the broker down
+/// when dropped (its port then refuses connections and live ones are closed) and makes it
+/// silent with its black hole. The drivers connect their transport to [`url`](Self::url).
 ///
 /// # Examples
 ///
 /// ```no_run
 /// # async fn example() {
-/// let (proxy, url) = handoff_test::conformance::proxied("amqp://guest:guest@127.0.0.1:5672/%2f").await;
-/// assert_eq!(url, format!("amqp://guest:guest@{}/%2f", proxy.addr()));
+/// use handoff_test::conformance::Link;
+///
+/// let link = Link::to("amqp://guest:guest@127.0.0.1:5672/%2f").await;
+/// assert_eq!(link.url(), format!("amqp://guest:guest@{}/%2f", link.addr()));
 /// # }
 /// ```
+#[derive(Debug)]
+pub struct Link {
+    /// `None` once the broker was taken down.
+    proxy: Option<FaultProxy>,
+    addr: SocketAddr,
+    url: String,
+}
+
+impl Link {
+    /// A proxy in front of the server `url` names; [`url`](Self::url) is `url` with the proxy's
+    /// address in place of the server's (scheme, credentials, path and query kept).
+    ///
+    /// # Panics
+    ///
+    /// When `url` has no `scheme://host:port`, the host does not resolve, or no port is free.
+    pub async fn to(url: &str) -> Link {
+        let (scheme, rest) = url
+            .split_once("://")
+            .unwrap_or_else(|| panic!("{url:?} has no scheme"));
+        let end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        let (credentials, host_port) = match authority.rsplit_once('@') {
+            Some((credentials, host_port)) => (format!("{credentials}@"), host_port),
+            None => (String::new(), authority),
+        };
+        let upstream = tokio::net::lookup_host(host_port)
+            .await
+            .ok()
+            .and_then(|mut addrs| addrs.next())
+            .unwrap_or_else(|| panic!("{host_port:?} (from {url:?}) does not resolve"));
+        let mut link = Link::in_front_of(upstream).await;
+        link.url = format!("{scheme}://{credentials}{}{tail}", link.addr);
+        link
+    }
+
+    /// A proxy in front of `upstream`; [`url`](Self::url) is the proxy's `host:port`.
+    ///
+    /// # Panics
+    ///
+    /// When no port is free.
+    pub async fn in_front_of(upstream: SocketAddr) -> Link {
+        let proxy = FaultProxy::start(upstream)
+            .await
+            .unwrap_or_else(|e| panic!("start a proxy in front of {upstream}: {e}"));
+        let addr = proxy.addr();
+        Link {
+            proxy: Some(proxy),
+            addr,
+            url: addr.to_string(),
+        }
+    }
+
+    /// Where the transport connects.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The proxy's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Takes the broker down (the proxy goes: its port refuses connections and live ones are
+    /// closed), without waiting for anyone to notice.
+    pub fn cut(&mut self) {
+        self.proxy = None;
+    }
+
+    /// [`cut`](Self::cut)s, then waits until `transport` says it is not ready; `true`, for
+    /// [`Destination::take_down`].
+    ///
+    /// # Panics
+    ///
+    /// When the transport still says it is ready after five seconds.
+    pub async fn take_down(&mut self, transport: &impl Transport) -> bool {
+        self.cut();
+        eventually(
+            "the transport sees the broker go",
+            Duration::from_secs(5),
+            async || !transport.wait_until_ready(Duration::from_millis(100)).await,
+        )
+        .await;
+        true
+    }
+
+    /// Makes the broker silent: what is sent on live and new connections is swallowed and
+    /// nothing comes back. `true`, for [`Destination::go_silent`].
+    ///
+    /// # Panics
+    ///
+    /// When the broker was taken down before.
+    pub fn go_silent(&self) -> bool {
+        self.proxy
+            .as_ref()
+            .expect("the broker is up before it goes silent")
+            .black_hole();
+        true
+    }
+}
+
+/// A [`FaultProxy`] in front of the server `url` names, and `url` through it: [`Link::to`] for
+/// a driver that keeps the proxy itself.
+///
+/// # Panics
+///
+/// As [`Link::to`].
 pub async fn proxied(url: &str) -> (FaultProxy, String) {
-    let (scheme, rest) = url
-        .split_once("://")
-        .unwrap_or_else(|| panic!("{url:?} has no scheme"));
-    let end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    let (credentials, host_port) = match authority.rsplit_once('@') {
-        Some((credentials, host_port)) => (format!("{credentials}@"), host_port),
-        None => (String::new(), authority),
-    };
-    let upstream = tokio::net::lookup_host(host_port)
-        .await
-        .ok()
-        .and_then(|mut addrs| addrs.next())
-        .unwrap_or_else(|| panic!("{host_port:?} (from {url:?}) does not resolve"));
-    let proxy = FaultProxy::start(upstream)
-        .await
-        .unwrap_or_else(|e| panic!("start a proxy in front of {upstream}: {e}"));
-    let url = format!("{scheme}://{credentials}{}{tail}", proxy.addr());
-    (proxy, url)
+    let mut link = Link::to(url).await;
+    let proxy = link.proxy.take().expect("a link starts with its proxy");
+    (proxy, link.url)
 }
 
 /// Runs `check` every 20 ms until it holds; panics naming `what` when `deadline` passes first.
