@@ -19,8 +19,8 @@ pub struct RedisFlags {
     /// password, if any, is never logged [default: redis://127.0.0.1:6379].
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
-    /// Redis stream key of `--destination redis`; created by the first append
-    /// [default: handoff:outbox].
+    /// The relay's Redis stream key; the relay's first append creates it (replay and reconcile
+    /// never do) [default: handoff:outbox].
     #[arg(long, env = "REDIS_STREAM")]
     pub redis_stream: Option<String>,
     /// How long `--destination redis` remembers an event id: a republish inside this window
