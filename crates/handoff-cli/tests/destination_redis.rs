@@ -3,7 +3,7 @@
 //! restarted; the stream then holds every committed event, nothing rolled back, per aggregate
 //! in sequence order, and none twice (every republish fell inside the dedup window).
 //! `handoff reconcile --destination redis` finds entries deleted behind handoff's back and
-//! republishes them, in order.
+//! republishes them, in order; `handoff replay --destination redis` adds marked copies.
 
 mod common;
 
@@ -335,4 +335,56 @@ async fn a_dedup_window_within_the_lease_or_without_redis_is_refused() {
         "{}",
         common::stderr(&unknown)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_into_redis_adds_marked_copies_of_one_aggregate_in_order() {
+    let (db, outbox) = migrated("replay_redis").await;
+    let stream = ScratchStream::new("replay-redis");
+    common::enqueue_spread(&db.pool, &outbox, 0, 12, 3).await;
+    let relays = [redis_relay(&db.url(), stream.key(), "r-replay", &[])];
+    wait_drained(&db.pool, Duration::from_secs(30), || logs(&relays)).await;
+    drop(relays);
+    let before = handoff_test::redis::read_stream(stream.key()).await;
+    assert_eq!(before.len(), 12);
+
+    let replay = [
+        "replay",
+        "--aggregate-type",
+        handoff_test::factory::AGGREGATE_TYPE,
+        "--aggregate-id",
+        "agg-1",
+        "--destination",
+        "redis",
+        "--redis-url",
+        &handoff_test::redis::url(),
+        "--redis-stream",
+        stream.key(),
+        "--json",
+    ];
+    let run = common::handoff(&db, &replay);
+    assert_eq!(run.status.code(), Some(0), "{}", common::stderr(&run));
+    let summary = common::stdout_json(&run);
+    assert_eq!(
+        (&summary["matched"], &summary["published"]),
+        (&4.into(), &4.into())
+    );
+    assert_eq!(summary["destination"], "redis");
+    assert_eq!(summary["stream"], stream.key());
+    let replay_id = summary["replay_id"].as_str().unwrap();
+
+    let after = handoff_test::redis::read_stream(stream.key()).await;
+    assert_eq!(after.len(), 16);
+    let copies = &after[12..];
+    for copy in copies {
+        assert_eq!(copy.replay.as_deref(), Some(replay_id));
+        assert_eq!(copy.header("Handoff-Aggregate-Id"), Some("agg-1"));
+        let original = before.iter().find(|m| m.event_id == copy.event_id).unwrap();
+        assert_eq!(copy.payload, original.payload);
+    }
+    let sequences: Vec<_> = copies
+        .iter()
+        .map(|m| m.header("Handoff-Sequence").unwrap())
+        .collect();
+    assert_eq!(sequences, ["1", "2", "3", "4"]);
 }
