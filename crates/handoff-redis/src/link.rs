@@ -86,15 +86,27 @@ impl Link {
         Ok((serial, connection))
     }
 
-    /// Runs `call` on the open connection within `timeout`; a failure of the connection itself
-    /// (dropped, silent, unreachable) forgets it so the next call opens a new one.
+    /// Runs `call` on the open connection (opening one when there is none), all within
+    /// `timeout`; a failure of the connection itself (dropped, silent, unreachable) forgets it so
+    /// the next call opens a new one.
     pub(crate) async fn call<T, F, Fut>(&self, timeout: Duration, call: F) -> Result<T, CallError>
     where
         F: FnOnce(MultiplexedConnection) -> Fut,
         Fut: Future<Output = Result<T, RedisError>>,
     {
-        let (serial, connection) = self.connection().await.map_err(CallError::Connect)?;
-        let result = match tokio::time::timeout(timeout, call(connection)).await {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let (serial, connection) = match tokio::time::timeout_at(deadline, self.connection()).await
+        {
+            Ok(opened) => opened.map_err(CallError::Connect)?,
+            // Nothing was sent: the server is as good as unreachable.
+            Err(_elapsed) => {
+                return Err(CallError::Connect(ConnectError::TimedOut {
+                    server: self.server.clone(),
+                    timeout,
+                }))
+            }
+        };
+        let result = match tokio::time::timeout_at(deadline, call(connection)).await {
             Ok(Ok(value)) => return Ok(value),
             Ok(Err(error)) => CallError::Redis(error),
             Err(_elapsed) => CallError::TimedOut(timeout),

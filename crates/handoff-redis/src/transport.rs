@@ -310,9 +310,22 @@ pub(crate) async fn check_stream(
         .await
         .map_err(|error| match error {
             crate::error::CallError::Connect(error) => error,
-            crate::error::CallError::Redis(source) => ConnectError::Unreachable {
+            crate::error::CallError::Redis(source) if source.is_io_error() => {
+                ConnectError::Unreachable {
+                    server: link.server.clone(),
+                    source,
+                }
+            }
+            crate::error::CallError::Redis(source) if source.code() == Some("NOPERM") => {
+                ConnectError::Unauthorized {
+                    server: link.server.clone(),
+                    source,
+                }
+            }
+            crate::error::CallError::Redis(source) => ConnectError::Stream {
                 server: link.server.clone(),
-                source,
+                stream: stream.to_owned(),
+                reason: format!("the key's type could not be read: {source}"),
             },
             crate::error::CallError::TimedOut(timeout) => ConnectError::TimedOut {
                 server: link.server.clone(),
