@@ -6,17 +6,17 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{config_at, unique_name, Broker, Message};
 use handoff_amqp::AmqpTransport;
-use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
+use handoff_core::delivery::PublishErrorKind;
 use handoff_core::NewEvent;
 use handoff_postgres::{Outbox, OutboxConfig, PollingConfig, PollingSource};
 use handoff_relay::{Backoff, Relay, RelayConfig, RelayReport};
 use handoff_test::factory;
+use handoff_test::faults::{FaultStats, Faulty};
 use handoff_test::rabbitmq::RabbitMqNode;
 use handoff_test::TestDb;
 use tokio::sync::watch;
@@ -26,44 +26,6 @@ use uuid::Uuid;
 /// The relay's attempt cap in these tests: an outage charged to its events would hold them
 /// after three tries.
 const MAX_ATTEMPTS: i32 = 3;
-
-/// The AMQP transport, counting what each publish came to.
-struct Watched {
-    inner: AmqpTransport,
-    accepted: AtomicU64,
-    throttled: AtomicU64,
-    rejected: AtomicU64,
-}
-
-impl Watched {
-    fn accepted(&self) -> u64 {
-        self.accepted.load(Ordering::SeqCst)
-    }
-
-    fn throttled(&self) -> u64 {
-        self.throttled.load(Ordering::SeqCst)
-    }
-}
-
-impl Transport for Watched {
-    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
-        let outcome = self.inner.publish(event).await;
-        let counter = match &outcome {
-            Ok(_) => Some(&self.accepted),
-            Err(error) if error.kind() == PublishErrorKind::Throttled => Some(&self.throttled),
-            Err(error) if error.kind() == PublishErrorKind::Rejected => Some(&self.rejected),
-            Err(_) => None,
-        };
-        if let Some(counter) = counter {
-            counter.fetch_add(1, Ordering::SeqCst);
-        }
-        outcome
-    }
-
-    async fn wait_until_ready(&self, at_most: Duration) -> bool {
-        self.inner.wait_until_ready(at_most).await
-    }
-}
 
 struct Setup {
     db: TestDb,
@@ -127,19 +89,16 @@ impl Setup {
         ids
     }
 
-    async fn start(&self, publish_timeout: Duration) -> (RunningRelay, Arc<Watched>) {
+    /// Starts a relay on the node; the counters say what each publish came to.
+    async fn start(&self, publish_timeout: Duration) -> (RunningRelay, Arc<FaultStats>) {
         let inner = AmqpTransport::connect(handoff_amqp::AmqpConfig {
             publish_timeout,
             ..config_at(&self.node.url(), &self.exchange)
         })
         .await
         .unwrap();
-        let transport = Arc::new(Watched {
-            inner,
-            accepted: AtomicU64::new(0),
-            throttled: AtomicU64::new(0),
-            rejected: AtomicU64::new(0),
-        });
+        let transport = Arc::new(Faulty::new(inner));
+        let stats = transport.stats();
         let source = PollingSource::new(
             self.db.pool.clone(),
             PollingConfig {
@@ -170,7 +129,7 @@ impl Setup {
         let task = tokio::spawn(relay.run(async move {
             let _ = stopped.wait_for(|s| *s).await;
         }));
-        (RunningRelay { stop, task }, transport)
+        (RunningRelay { stop, task }, stats)
     }
 
     async fn count(&self, query: &str) -> i64 {
@@ -261,10 +220,10 @@ async fn a_blocked_connection_pauses_the_destination_and_charges_no_event() {
     .unwrap();
     committed.extend(setup.commit(vec![factory::event("agg-0", 2)]).await);
     eventually("the blocked publish to come back throttled", || {
-        watched.throttled() >= 1
+        watched.failed(PublishErrorKind::Throttled) >= 1
     })
     .await;
-    let accepted_when_blocked = watched.accepted();
+    let accepted_when_blocked = watched.acknowledged();
     // More writes during the alarm, on every aggregate.
     for n in 3..6 {
         let events = aggregates.iter().map(|a| factory::event(a, n)).collect();
@@ -282,12 +241,12 @@ async fn a_blocked_connection_pauses_the_destination_and_charges_no_event() {
     // Paused, the relay waits for the transport to see the block lifted instead of sending
     // probe after probe into a connection the broker does not read.
     assert!(
-        watched.throttled() <= aggregates.len() as u64 + 2,
+        watched.failed(PublishErrorKind::Throttled) <= aggregates.len() as u64 + 2,
         "{} publishes tried against the blocked connection",
-        watched.throttled()
+        watched.failed(PublishErrorKind::Throttled)
     );
     assert_eq!(
-        watched.accepted(),
+        watched.acknowledged(),
         accepted_when_blocked,
         "nothing is confirmed while the connection is blocked"
     );
@@ -362,7 +321,7 @@ async fn a_message_over_the_brokers_size_limit_is_held_while_others_flow() {
     setup.wait_count(PUBLISHED, delivered.len() as i64).await;
     let report = relay.stop().await;
     assert_eq!(report.held, 1);
-    assert_eq!(watched.rejected.load(Ordering::SeqCst), 1);
+    assert_eq!(watched.failed(PublishErrorKind::Rejected), 1);
 
     let (event_id, attempts, reason, error): (Uuid, i32, String, String) = sqlx::query_as(
         "SELECT event_id, attempt_count, hold_reason, last_error FROM outbox \

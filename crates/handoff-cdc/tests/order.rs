@@ -6,14 +6,15 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::{eventually, Faulty, Fixture, Ledger, Seeded};
+use common::{eventually, Fixture, Ledger, Seeded};
 use handoff_cdc::RowMode;
+use handoff_core::delivery::PublishErrorKind;
 use handoff_core::NewEvent;
 use handoff_test::factory;
+use handoff_test::faults::{Fault, FaultStats, Faulty};
 
 const WRITERS: u64 = 8;
 const TRANSACTIONS_PER_WRITER: u64 = 50;
@@ -134,23 +135,23 @@ async fn concurrent_writers_interleaving_on_shared_aggregates_keep_each_aggregat
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn order_survives_transient_publish_errors_and_lost_acks() {
     let fx = Fixture::start("cdc_order_faults", RowMode::Keep, &[]).await;
-    let injected = Arc::new(AtomicU64::new(0));
+    let stats = Arc::new(FaultStats::default());
     let relay = fx
-        .relay_over(|inner| Faulty {
-            inner,
-            rng: Mutex::new(Seeded::new(7)),
-            transient: 10,
-            lost_ack: 10,
-            injected: injected.clone(),
+        .relay_over(|inner| {
+            Faulty::new(inner)
+                .seeded(7)
+                .sometimes(10, Fault::Fail(PublishErrorKind::Transient))
+                .sometimes(10, Fault::AckLost)
+                .with_stats(stats.clone())
         })
         .await;
     let written = write_concurrently(&fx, 2).await;
     assert_caught_up(&fx, &written).await;
     let report = relay.stop().await;
     assert!(
-        injected.load(Ordering::Relaxed) > 50,
+        stats.injected() > 50,
         "faults were injected: {}",
-        injected.load(Ordering::Relaxed)
+        stats.injected()
     );
     assert!(report.retried > 0, "and retried");
     assert_eq!(report.held, 0, "transient faults never hold an event");

@@ -7,16 +7,16 @@
 mod common;
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::{eventually, Fixture, Ledger, Rejecting};
+use common::{eventually, Fixture, Ledger};
 use handoff_cdc::RowMode;
+use handoff_core::delivery::PublishErrorKind;
 use handoff_core::{EventId, NewEvent};
 use handoff_postgres::Quarantine;
 use handoff_test::factory;
-
-type Poison = Arc<Mutex<HashSet<EventId>>>;
+use handoff_test::faults::{Fault, Faulty, Poison};
 
 /// Commits `events` (aggregate id, count) in one transaction and records them; the event at
 /// index `poisoned`, if any, is made poison before the commit, so the relay never sees it
@@ -60,9 +60,8 @@ async fn poison_is_parked_others_flow_and_retry_resumes_in_order(name: &str, row
     let fx = Fixture::start(name, rows, &[]).await;
     let poison: Poison = Arc::default();
     let relay = fx
-        .relay_over(|inner| Rejecting {
-            inner,
-            poison: poison.clone(),
+        .relay_over(|inner| {
+            Faulty::new(inner).for_ids(poison.clone(), Fault::Fail(PublishErrorKind::Rejected))
         })
         .await;
 

@@ -6,15 +6,15 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{eventually, Counting, Fixture, Ledger, Stalling};
+use common::{eventually, Fixture, Ledger};
 use handoff_cdc::RowMode;
 use handoff_core::NewEvent;
 use handoff_relay::Backoff;
 use handoff_test::factory;
+use handoff_test::faults::{Fault, FaultStats, Faulty};
 
 const AGGREGATES: u64 = 30;
 
@@ -87,21 +87,21 @@ async fn a_relay_stopped_gracefully_resumes_and_publishes_what_was_committed_mea
 async fn killed_mid_stream_then_restarted(name: &str, rows: RowMode) {
     let fx = Fixture::start(name, rows, &[]).await;
     let mut ledger = Ledger::default();
-    let stalled = Arc::new(AtomicU64::new(0));
+    let stats = Arc::new(FaultStats::default());
     // After 150 acknowledged publishes, every publish reaches the broker and never returns:
     // the relay dies with events accepted but neither marked nor settled.
     let first = fx
-        .relay_over(|inner| Stalling {
-            inner,
-            allowance: AtomicU64::new(150),
-            stalled: stalled.clone(),
+        .relay_over(|inner| {
+            Faulty::new(inner)
+                .after(150, Fault::Stall)
+                .with_stats(stats.clone())
         })
         .await;
     write_rounds(&fx, &mut ledger, 0..10).await;
     eventually(
         Duration::from_secs(15),
         "the first relay stuck mid-stream",
-        || async { stalled.load(Ordering::Relaxed) >= 10 },
+        || async { stats.stalled() >= 10 },
     )
     .await;
     let in_stream = fx.delivered().await.ids.len();
@@ -143,13 +143,10 @@ async fn a_relay_killed_mid_stream_with_deleted_rows_loses_nothing_and_keeps_ord
 async fn a_second_relay_on_the_same_slot_stands_by_and_takes_over_when_the_first_stops() {
     let fx = Fixture::start("cdc_restart_standby", RowMode::Keep, &[]).await;
     let mut ledger = Ledger::default();
-    let by_first = Arc::new(AtomicU64::new(0));
-    let by_second = Arc::new(AtomicU64::new(0));
+    let by_first = Arc::new(FaultStats::default());
+    let by_second = Arc::new(FaultStats::default());
     let first = fx
-        .relay_over(|inner| Counting {
-            inner,
-            published: by_first.clone(),
-        })
+        .relay_over(|inner| Faulty::new(inner).with_stats(by_first.clone()))
         .await;
     eventually(
         Duration::from_secs(10),
@@ -165,9 +162,8 @@ async fn a_second_relay_on_the_same_slot_stands_by_and_takes_over_when_the_first
         max: Duration::from_millis(300),
     };
     let second = fx
-        .relay_with(config, |inner| Counting {
-            inner,
-            published: by_second.clone(),
+        .relay_with(config, |inner| {
+            Faulty::new(inner).with_stats(by_second.clone())
         })
         .await;
 
@@ -184,17 +180,17 @@ async fn a_second_relay_on_the_same_slot_stands_by_and_takes_over_when_the_first
         "the slot stayed with the first relay"
     );
     assert_eq!(
-        by_second.load(Ordering::Relaxed),
+        by_second.acknowledged(),
         0,
         "the standby published nothing while the first streamed"
     );
-    assert!(by_first.load(Ordering::Relaxed) as usize >= ledger.len());
+    assert!(by_first.acknowledged() as usize >= ledger.len());
 
     first.stop().await;
     write_rounds(&fx, &mut ledger, 3..6).await;
     assert_all_delivered_once(&fx, &ledger, RowMode::Keep).await;
     assert!(
-        by_second.load(Ordering::Relaxed) >= 3 * 2 * AGGREGATES,
+        by_second.acknowledged() >= 3 * 2 * AGGREGATES,
         "the standby published the second batch"
     );
     let now = fx.slot().await.active_pid;

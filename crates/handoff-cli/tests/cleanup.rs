@@ -8,13 +8,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, PublishError, Published, Receipt, Source, SourceError, Transport,
-};
+use handoff_core::delivery::{Claim, Failure, Published, Source, SourceError};
 use handoff_core::EventId;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Cleanup, CleanupConfig, PollingConfig, PollingSource};
 use handoff_relay::{Relay, RelayConfig};
+use handoff_test::faults::Faulty;
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::{factory, TestDb};
 use sqlx::postgres::PgPoolOptions;
@@ -242,26 +241,6 @@ impl Source for CountingSource {
     }
 }
 
-/// A transport that counts failed publishes.
-struct CountingTransport {
-    inner: JetStreamTransport,
-    failures: AtomicU64,
-}
-
-impl Transport for CountingTransport {
-    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
-        let result = self.inner.publish(event).await;
-        if let Err(error) = &result {
-            eprintln!("publish failure: {error}");
-            self.failures.fetch_add(1, Ordering::Relaxed);
-        }
-        result
-    }
-    async fn wait_until_ready(&self, at_most: Duration) -> bool {
-        self.inner.wait_until_ready(at_most).await
-    }
-}
-
 /// Published rows in the bulk load.
 const BULK: i64 = 1_000_000;
 
@@ -310,10 +289,9 @@ async fn a_million_published_rows_go_in_short_batches_beside_a_loaded_relay() {
         .unwrap(),
         errors: AtomicU64::new(0),
     });
-    let transport = Arc::new(CountingTransport {
-        inner: transport,
-        failures: AtomicU64::new(0),
-    });
+    // Counts failed publishes.
+    let transport = Arc::new(Faulty::new(transport));
+    let publishes = transport.stats();
     let relay =
         Relay::from_shared(source.clone(), transport.clone(), RelayConfig::default()).unwrap();
     let (relay_stop, mut relay_stop_rx) = watch::channel(false);
@@ -435,7 +413,7 @@ async fn a_million_published_rows_go_in_short_batches_beside_a_loaded_relay() {
         fresh.len(),
         relay_report.retried,
         source.errors.load(Ordering::Relaxed),
-        transport.failures.load(Ordering::Relaxed),
+        publishes.failed_total(),
     );
 
     assert_eq!(report.outbox_deleted, BULK as u64);
@@ -457,7 +435,7 @@ async fn a_million_published_rows_go_in_short_batches_beside_a_loaded_relay() {
         "fresh published rows are young: they stay"
     );
     assert_eq!(source.errors.load(Ordering::Relaxed), 0);
-    assert_eq!(transport.failures.load(Ordering::Relaxed), 0);
+    assert_eq!(publishes.failed_total(), 0);
     assert_eq!((relay_report.retried, relay_report.held), (0, 0));
     assert!(relay_report.published >= fresh.len() as u64);
     assert!(samples > 10, "the sampler ran only {samples} times");

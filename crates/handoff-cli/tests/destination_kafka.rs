@@ -9,13 +9,13 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use common::{
-    check_delivered, logs, migrated, pending, wait_drained, Delivered, RelayProcess, Writers,
+    check_delivered, kill_in_rounds, logs, migrated, pending, published, wait_drained, Delivered,
+    RelayProcess, Writers,
 };
 use handoff_kafka::rdkafka::config::ClientConfig;
 use handoff_kafka::rdkafka::consumer::{Consumer, StreamConsumer};
 use handoff_kafka::rdkafka::message::{Headers, Message};
 use handoff_test::tansu::{unique_topic, Tansu};
-use sqlx::PgPool;
 use uuid::Uuid;
 
 /// A relay into `topic` (4 partitions, so keyed order is checked across partitions).
@@ -39,13 +39,6 @@ fn kafka_relay(
         "100ms",
     ];
     RelayProcess::spawn(database_url, id, &flags, env)
-}
-
-async fn published(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
-        .fetch_one(pool)
-        .await
-        .unwrap()
 }
 
 /// Every message of the topic through a consumer group (the way a consumer reads it), until
@@ -128,24 +121,13 @@ async fn every_committed_event_reaches_kafka_in_order_through_relay_sigkills() {
     let mut relays: Vec<RelayProcess> = (0..2)
         .map(|n| kafka_relay(&url, &broker.brokers(), &topic, &format!("k-{n}"), &[]))
         .collect();
-    // Three rounds: once the relays have published more, SIGKILL one (leaving whatever it had
-    // published but not marked) and start a fresh one in its place.
-    for round in 0..3usize {
-        let target = 100 * (round as i64 + 1);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while published(&db.pool).await < target {
-            assert!(
-                Instant::now() < deadline,
-                "the relays did not publish {target} events:\n{}",
-                logs(&relays)
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let victim = round % relays.len();
-        relays[victim].kill();
+    // Three rounds: once the relays have published 100 more, SIGKILL one and start a fresh
+    // one in its place.
+    kill_in_rounds(&db.pool, &mut relays, 3, 100, |round| {
         let id = format!("k-{}", round + 2);
-        relays[victim] = kafka_relay(&url, &broker.brokers(), &topic, &id, &[]);
-    }
+        kafka_relay(&url, &broker.brokers(), &topic, &id, &[])
+    })
+    .await;
     let rolled_back = writer.await.unwrap();
     assert!(!rolled_back.is_empty());
     wait_drained(&db.pool, Duration::from_secs(45), || logs(&relays)).await;

@@ -3,13 +3,14 @@
 //! including the ambiguous kind: the broker stored the event but the relay saw a timeout.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
+use handoff_core::delivery::PublishErrorKind;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
+use handoff_test::faults::{Fault, Faulty};
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
@@ -18,37 +19,6 @@ use handoff_test::{factory, TestDb};
 /// An unpublished row, for the failure message: aggregate, sequence, lease holder, attempts,
 /// last error, time until available.
 type Stuck = (String, i64, Option<String>, i32, Option<String>, String);
-
-/// The real transport, with seeded faults: some publishes fail before reaching the broker,
-/// some reach it and are then reported as timed out.
-struct Faulty {
-    inner: JetStreamTransport,
-    rng: Mutex<fastrand::Rng>,
-}
-
-impl Transport for Faulty {
-    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
-        let roll = self.rng.lock().unwrap().u32(0..100);
-        match roll {
-            0..10 => Err(PublishError::new(
-                PublishErrorKind::Transient,
-                "injected: leader election",
-            )),
-            10..20 => {
-                self.inner.publish(event).await?;
-                Err(PublishError::new(
-                    PublishErrorKind::Timeout,
-                    "injected: ack lost",
-                ))
-            }
-            _ => self.inner.publish(event).await,
-        }
-    }
-
-    async fn wait_until_ready(&self, at_most: Duration) -> bool {
-        self.inner.wait_until_ready(at_most).await
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn order_per_aggregate_survives_transient_errors_and_lost_acks_with_two_relays() {
@@ -103,10 +73,12 @@ async fn order_per_aggregate_survives_transient_errors_and_lost_acks_with_two_re
             .await
             .unwrap();
         inner.ensure_stream().await.unwrap();
-        let transport = Faulty {
-            inner,
-            rng: Mutex::new(fastrand::Rng::with_seed(n as u64 + 1)),
-        };
+        // Some publishes fail before reaching the broker, some reach it and are then reported
+        // as timed out.
+        let transport = Faulty::new(inner)
+            .seeded(n as u64 + 1)
+            .sometimes(10, Fault::Fail(PublishErrorKind::Transient))
+            .sometimes(10, Fault::AckLost);
         let polling = PollingConfig {
             relay_id: id.into(),
             ..PollingConfig::default()

@@ -12,6 +12,8 @@
 //! - `kafka` (`handoff-kafka`, feature `kafka`), `amqp` (`handoff-amqp`, feature `amqp`) and
 //!   `http` (`handoff-http`, feature `http`): the other destinations (docs/destinations.md),
 //!   Kafka and RabbitMQ with an intake for consumers too;
+//! - `redis` (`handoff-redis`, feature `redis`): the Redis Streams destination, its read-back
+//!   and a consumer-group intake;
 //! - `consumer` (`handoff-consumer`, feature `consumer`): the consumer loop with its inbox, gap
 //!   policy, quarantine and idempotent outside calls;
 //! - `saga` (`handoff-saga`, feature `saga`): orchestrated sagas across services, with
@@ -63,6 +65,9 @@ pub use handoff_kafka as kafka;
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use handoff_nats as nats;
 pub use handoff_postgres as postgres;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use handoff_redis as redis;
 #[cfg(feature = "relay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "relay")))]
 pub use handoff_relay as relay;

@@ -62,9 +62,12 @@ pub struct CommonArgs {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// The broker the relay publishes to: `nats` (--nats-url, --stream, --subject-prefix),
-    /// `kafka` (--brokers, --topic; the consumer name is the group) or `amqp` (--amqp-url,
-    /// --exchange; --queue, by default the consumer name, declared bound to `order.*`).
-    #[arg(long, env = "HANDOFF_BROKER", value_enum, default_value_t = BrokerArg::Nats)]
+    /// `kafka` (--brokers, --topic; the consumer name is the group), `amqp` (--amqp-url,
+    /// --exchange; --queue, by default the consumer name, declared bound to `order.*`) or
+    /// `redis` (--redis-url, --redis-stream; the consumer name is the consumer group).
+    /// `--destination` is the same flag, named as the relay's.
+    #[arg(long, alias = "destination", env = "HANDOFF_BROKER", value_enum,
+        default_value_t = BrokerArg::Nats)]
     pub broker: BrokerArg,
     /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (with --broker kafka).
     #[arg(long, env = "HANDOFF_BROKERS", default_value = "127.0.0.1:9092")]
@@ -88,6 +91,18 @@ pub struct CommonArgs {
     /// broker (such as a demo run next to a real consumer) keep their queues apart.
     #[arg(long, env = "HANDOFF_QUEUE")]
     pub queue: Option<String>,
+    /// Redis URL (with --broker redis); the password is never logged.
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        hide_env_values = true
+    )]
+    pub redis_url: String,
+    /// The Redis stream the relay appends to (with --broker redis); the consumer reads it
+    /// through a consumer group named after the consumer, created when missing.
+    #[arg(long, env = "REDIS_STREAM", default_value = handoff_redis::DEFAULT_STREAM)]
+    pub redis_stream: String,
     /// NATS URL.
     #[arg(
         long,
@@ -179,6 +194,9 @@ pub enum BrokerArg {
     /// A RabbitMQ queue bound to the relay's exchange: a quorum queue with a single active
     /// consumer, so running instances keep per-order order (docs/destinations.md).
     Amqp,
+    /// A consumer group on the relay's Redis stream; entries left unacknowledged longer than
+    /// --ack-wait (a consumer that died) are taken over.
+    Redis,
 }
 
 /// The `--gap-policy` values.
@@ -619,6 +637,23 @@ where
             info!(exchange = %args.exchange, %queue, "consuming");
             consume(&consumer, intake, queue, &args.consumer_name).await
         }
+        BrokerArg::Redis => {
+            let intake_config = handoff_redis::IntakeConfig {
+                url: args.redis_url.clone(),
+                stream: args.redis_stream.clone(),
+                group: args.consumer_name.clone(),
+                consumer: args.consumer_name.clone(),
+                claim_idle: args.ack_wait,
+                ..handoff_redis::IntakeConfig::default()
+            };
+            let intake = handoff_redis::RedisIntake::connect(intake_config)
+                .await
+                .map_err(|e| RunError::Broker(e.to_string()))?;
+            let address = redis_address(&args.redis_url);
+            offer_broker_probe(move || tcp_ready(address.clone()));
+            info!(stream = %args.redis_stream, group = %args.consumer_name, "consuming");
+            consume(&consumer, intake, &args.redis_stream, &args.consumer_name).await
+        }
     }
 }
 
@@ -772,7 +807,7 @@ async fn nats_ready(client: &async_nats::Client) -> Result<(), NotReady> {
     }
 }
 
-/// Kafka and RabbitMQ: ready when one of `addresses` (`HOST:PORT[,HOST:PORT...]`) accepts a
+/// Kafka, RabbitMQ and Redis: ready when one of `addresses` (`HOST:PORT[,HOST:PORT...]`) accepts a
 /// TCP connection. Their clients reconnect by themselves and expose no connection state to
 /// ask, so reachability is what can be checked cheaply.
 async fn tcp_ready(addresses: String) -> Result<(), NotReady> {
@@ -802,6 +837,18 @@ fn amqp_address(url: &str) -> String {
             });
             format!("{}:{port}", parsed.host_str().unwrap_or("127.0.0.1"))
         }
+        Err(_) => String::new(),
+    }
+}
+
+/// `HOST:PORT` of a Redis URL (6379 by default), without its credentials.
+fn redis_address(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(parsed) => format!(
+            "{}:{}",
+            parsed.host_str().unwrap_or("127.0.0.1"),
+            parsed.port().unwrap_or(6379)
+        ),
         Err(_) => String::new(),
     }
 }

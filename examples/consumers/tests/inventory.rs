@@ -7,16 +7,13 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 
 use common::{
-    cancelled, created, free_addr, line, line_added, metric, order_event, run_to_exit, wait_for,
-    Bus, Process, INVENTORY,
+    cancelled, created, free_addr, line, metric, order_event, orders, processed, run_to_exit,
+    stock, wait_for, Bus, Process, INVENTORY,
 };
 use handoff_core::delivery::OutboxEvent;
 use handoff_test::TestDb;
-use order_service::model::Line;
 use sqlx::PgPool;
 use uuid::Uuid;
-
-const SKUS: [&str; 5] = ["apple", "pear", "plum", "fig", "kiwi"];
 
 async fn start(db: &TestDb, bus: &Bus, extra: &[&str], envs: &[(&str, String)]) -> Process {
     let mut args = bus.args();
@@ -26,70 +23,11 @@ async fn start(db: &TestDb, bus: &Bus, extra: &[&str], envs: &[(&str, String)]) 
     Process::start(INVENTORY, &args, &all_envs, "consuming").await
 }
 
-async fn stock(pool: &PgPool) -> BTreeMap<String, i64> {
-    sqlx::query_as::<_, (String, i64)>("SELECT sku, reserved FROM stock")
-        .fetch_all(pool)
-        .await
-        .expect("read stock")
-        .into_iter()
-        .collect()
-}
-
-async fn processed(pool: &PgPool) -> Vec<Uuid> {
-    sqlx::query_scalar("SELECT event_id FROM processed_events WHERE consumer_name = 'inventory'")
-        .fetch_all(pool)
-        .await
-        .expect("read processed_events")
-}
-
 async fn count(pool: &PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql)
         .fetch_one(pool)
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
-}
-
-/// 20 orders: 1 to 3 lines each, every third with a line added, every fourth cancelled. Returns
-/// each order's events in sequence order, and the stock they must leave.
-fn orders() -> (Vec<Vec<OutboxEvent>>, BTreeMap<String, i64>) {
-    let mut orders = Vec::new();
-    let mut expected = BTreeMap::new();
-    for i in 0..20usize {
-        let order_id = Uuid::now_v7();
-        let mut lines: Vec<Line> = (0..=i % 3)
-            .map(|j| {
-                let quantity = i32::try_from(1 + (i * 7 + j) % 5).unwrap();
-                line(SKUS[(i + 2 * j) % SKUS.len()], quantity, 100 + i as i64)
-            })
-            .collect();
-        let mut events = vec![order_event(order_id, 1, &created(order_id, lines.clone()))];
-        if i % 3 == 0 {
-            let added = line(SKUS[(i + 1) % SKUS.len()], 2, 250);
-            lines.push(added.clone());
-            let line_no = i32::try_from(lines.len()).unwrap();
-            events.push(order_event(
-                order_id,
-                2,
-                &line_added(order_id, line_no, added, &lines),
-            ));
-        }
-        let cancel = i % 4 == 1;
-        if cancel {
-            let sequence = i64::try_from(events.len()).unwrap() + 1;
-            events.push(order_event(
-                order_id,
-                sequence,
-                &cancelled(order_id, lines.clone()),
-            ));
-        }
-        for l in &lines {
-            // A cancelled order leaves its SKUs at a net 0: the row exists, the count is back.
-            *expected.entry(l.sku.clone()).or_insert(0) +=
-                if cancel { 0 } else { i64::from(l.quantity) };
-        }
-        orders.push(events);
-    }
-    (orders, expected)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -104,7 +42,7 @@ async fn stock_counts_each_event_once_even_when_it_is_published_again() {
         format!("consuming {} as inventory", bus.stream)
     );
 
-    let (orders, expected) = orders();
+    let (orders, expected) = orders(20);
     let events: Vec<&OutboxEvent> = orders.iter().flatten().collect();
     let total = i64::try_from(events.len()).unwrap();
     // Sequence by sequence across orders, so different orders are applied concurrently.

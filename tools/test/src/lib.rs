@@ -4,11 +4,15 @@
 //!   (default `postgres://postgres@127.0.0.1:5432/test`), so tests run in parallel without
 //!   sharing rows; dropped (with everything in it) when the test ends.
 //! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
+//! - [`conformance`]: the transport conformance suite every destination runs.
+//! - [`faults`]: [`faults::Faulty`], the fault-injecting decorator around a real transport.
 //! - [`inbox`]: a consumer under test on any intake, recording each application of an effect.
 //! - [`nats`]: the shared NATS server's URL, a private `nats-server` to stop and kill, and
 //!   reading a stream back.
 //! - [`rabbitmq`]: a private RabbitMQ node, for tests that raise its memory alarm or change its
 //!   limits without touching the shared broker.
+//! - [`redis`]: the local Redis's URL, a stream key of the test's own, and reading a stream
+//!   back.
 //! - [`tansu`]: a private tansu broker (Kafka protocol) for the Kafka destination's tests.
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode, and a database of its own
 //!   for a test behind it.
@@ -22,12 +26,15 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 pub mod cluster;
+pub mod conformance;
 pub mod factory;
+pub mod faults;
 pub mod inbox;
 pub mod nats;
 pub mod pgbouncer;
 pub mod proxy;
 pub mod rabbitmq;
+pub mod redis;
 pub mod tansu;
 pub mod tls;
 

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::io::{self, BufRead, BufReader, Read};
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -83,10 +83,37 @@ impl Tansu {
         Self::start_with(true)
     }
 
+    /// As [`start`](Self::start), on `port`, telling clients to connect to `advertised`
+    /// instead (a [`FaultProxy`](crate::proxy::FaultProxy) in front of `port`), so that every
+    /// connection a client makes after the bootstrap goes through it too. `port` comes from
+    /// [`free_port`]; there is no second try when another process takes it meanwhile.
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use handoff_test::proxy::FaultProxy;
+    /// use handoff_test::tansu::{free_port, Tansu};
+    ///
+    /// # async fn example() -> std::io::Result<()> {
+    /// let port = free_port()?;
+    /// let proxy = FaultProxy::start(([127, 0, 0, 1], port).into()).await?;
+    /// let broker = Tansu::start_advertising(port, proxy.addr())?;
+    /// let bootstrap = proxy.addr().to_string(); // clients use this, never `broker.brokers()`
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn start_advertising(port: u16, advertised: SocketAddr) -> io::Result<Self> {
+        Self::spawn(port, Some(advertised), false)
+    }
+
     fn start_with(authentication: bool) -> io::Result<Self> {
         let mut attempt = 1;
         loop {
-            match Self::spawn(free_port()?, authentication) {
+            match Self::spawn(free_port()?, None, authentication) {
                 Ok(broker) => return Ok(broker),
                 // Another process took the port between our probe and the broker's bind.
                 Err(error)
@@ -132,9 +159,10 @@ impl Tansu {
         Ok(())
     }
 
-    fn spawn(port: u16, authentication: bool) -> io::Result<Self> {
+    fn spawn(port: u16, advertised: Option<SocketAddr>, authentication: bool) -> io::Result<Self> {
         let bin = binary();
         let url = format!("tcp://127.0.0.1:{port}");
+        let advertised = advertised.map_or_else(|| url.clone(), |addr| format!("tcp://{addr}"));
         let mut command = Command::new(&bin);
         command
             .args([
@@ -142,7 +170,7 @@ impl Tansu {
                 "--listener-url",
                 &url,
                 "--advertised-listener-url",
-                &url,
+                &advertised,
             ])
             .args(["--storage-engine", "memory://tansu/"])
             .args(authentication.then_some("--authentication"))
@@ -251,7 +279,12 @@ fn binary() -> PathBuf {
     }
 }
 
-fn free_port() -> io::Result<u16> {
+/// A loopback port free now (bound, then released), for [`Tansu::start_advertising`].
+///
+/// # Errors
+///
+/// When no port can be bound.
+pub fn free_port() -> io::Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     Ok(listener.local_addr()?.port())
 }

@@ -4,12 +4,10 @@
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_cdc::{setup, CdcNames, LogicalConfig, LogicalSource, RowMode};
-use handoff_core::delivery::{OutboxEvent, PublishError, PublishErrorKind, Receipt, Transport};
 use handoff_core::{EventId, NewEvent};
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Enqueued, Migrator, Outbox, OutboxConfig, Schema};
@@ -439,113 +437,6 @@ impl Seeded {
     /// A number in `0..n`.
     pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n
-    }
-}
-
-/// The real transport with seeded faults: `transient`% of publishes fail before reaching the
-/// broker, `lost_ack`% reach it and are then reported as timed out (the ambiguous kind).
-pub struct Faulty<T> {
-    pub inner: T,
-    pub rng: Mutex<Seeded>,
-    pub transient: u64,
-    pub lost_ack: u64,
-    /// Faults injected so far.
-    pub injected: Arc<AtomicU64>,
-}
-
-impl<T: Transport> Transport for Faulty<T> {
-    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
-        let roll = self.rng.lock().unwrap().below(100);
-        if roll < self.transient {
-            self.injected.fetch_add(1, Ordering::Relaxed);
-            return Err(PublishError::new(
-                PublishErrorKind::Transient,
-                "injected: leader election",
-            ));
-        }
-        let receipt = self.inner.publish(event).await?;
-        if roll < self.transient + self.lost_ack {
-            self.injected.fetch_add(1, Ordering::Relaxed);
-            return Err(PublishError::new(
-                PublishErrorKind::Timeout,
-                "injected: ack lost",
-            ));
-        }
-        Ok(receipt)
-    }
-
-    async fn wait_until_ready(&self, at_most: Duration) -> bool {
-        self.inner.wait_until_ready(at_most).await
-    }
-}
-
-/// The real transport refusing for good (a poison event) every event whose id is in `poison`
-/// at the time of the publish; emptying the set removes the cause.
-pub struct Rejecting<T> {
-    pub inner: T,
-    pub poison: Arc<Mutex<HashSet<EventId>>>,
-}
-
-impl<T: Transport> Transport for Rejecting<T> {
-    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
-        if self.poison.lock().unwrap().contains(&event.event_id) {
-            return Err(PublishError::new(
-                PublishErrorKind::Rejected,
-                "injected: refused by the broker",
-            ));
-        }
-        self.inner.publish(event).await
-    }
-
-    async fn wait_until_ready(&self, at_most: Duration) -> bool {
-        self.inner.wait_until_ready(at_most).await
-    }
-}
-
-/// The real transport, counting acknowledged publishes (which relay did the work).
-pub struct Counting<T> {
-    pub inner: T,
-    pub published: Arc<AtomicU64>,
-}
-
-impl<T: Transport> Transport for Counting<T> {
-    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
-        let receipt = self.inner.publish(event).await?;
-        self.published.fetch_add(1, Ordering::Relaxed);
-        Ok(receipt)
-    }
-
-    async fn wait_until_ready(&self, at_most: Duration) -> bool {
-        self.inner.wait_until_ready(at_most).await
-    }
-}
-
-/// The real transport that, after `allowance` acknowledged publishes, still hands events to the
-/// broker but never returns: the relay is stuck between the broker's accept and its own
-/// bookkeeping, the window a crash hits hardest.
-pub struct Stalling<T> {
-    pub inner: T,
-    pub allowance: AtomicU64,
-    /// Publishes that reached the broker and never returned.
-    pub stalled: Arc<AtomicU64>,
-}
-
-impl<T: Transport> Transport for Stalling<T> {
-    async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
-        let allowed = self
-            .allowance
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-            .is_ok();
-        let receipt = self.inner.publish(event).await?;
-        if !allowed {
-            self.stalled.fetch_add(1, Ordering::Relaxed);
-            std::future::pending::<()>().await;
-        }
-        Ok(receipt)
-    }
-
-    async fn wait_until_ready(&self, at_most: Duration) -> bool {
-        self.inner.wait_until_ready(at_most).await
     }
 }
 

@@ -55,6 +55,7 @@ pub mod amqp;
 pub mod http;
 pub mod kafka;
 pub mod nats;
+pub mod redis;
 
 /// Where events go.
 #[derive(clap::ValueEnum, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -69,6 +70,8 @@ pub enum DestinationKind {
     Amqp,
     /// An HTTP endpoint (webhook), one POST per event with Idempotency-Key.
     Http,
+    /// A Redis stream (Redis Streams), each event appended once per dedup window.
+    Redis,
 }
 
 /// `--destination` and every destination's flags: flattened into a command's arguments and
@@ -76,8 +79,8 @@ pub enum DestinationKind {
 #[derive(clap::Args, Deserialize, Default, Clone)]
 pub struct DestinationArgs {
     /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix), `kafka`
-    /// (--brokers, --topic), `amqp` (RabbitMQ; --url, --exchange) or `http` (POST to
-    /// --endpoint) [default: nats].
+    /// (--brokers, --topic), `amqp` (RabbitMQ; --url, --exchange), `http` (POST to
+    /// --endpoint) or `redis` (Redis Streams; --redis-url, --redis-stream) [default: nats].
     #[arg(long, env = "HANDOFF_DESTINATION", value_enum)]
     pub destination: Option<DestinationKind>,
     #[command(flatten)]
@@ -92,6 +95,9 @@ pub struct DestinationArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub http: http::HttpFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub redis: redis::RedisFlags,
 }
 
 impl DestinationArgs {
@@ -109,6 +115,7 @@ impl DestinationArgs {
             DestinationKind::Kafka => visit.visit(&self.kafka).await,
             DestinationKind::Amqp => visit.visit(&self.amqp).await,
             DestinationKind::Http => visit.visit(&self.http).await,
+            DestinationKind::Redis => visit.visit(&self.redis).await,
         }
     }
 
@@ -120,6 +127,7 @@ impl DestinationArgs {
             (DestinationKind::Kafka, self.kafka.stray()),
             (DestinationKind::Amqp, self.amqp.stray()),
             (DestinationKind::Http, self.http.stray()),
+            (DestinationKind::Redis, self.redis.stray()),
         ];
         for (owner, stray) in strays {
             if let (true, Some(stray)) = (owner != kind, stray) {

@@ -391,3 +391,38 @@ pub fn logs(relays: &[RelayProcess]) -> String {
         .map(|r| format!("--- {}\n{}", r.id, r.log()))
         .collect()
 }
+
+/// Published outbox rows.
+pub async fn published(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// `rounds` rounds of: wait until the relays have published `every` more events (at most 30 s,
+/// then fail with their logs), SIGKILL one of them in turn (leaving whatever it had published but
+/// not marked) and put `respawn(round)` in its place.
+pub async fn kill_in_rounds(
+    pool: &PgPool,
+    relays: &mut [RelayProcess],
+    rounds: usize,
+    every: i64,
+    mut respawn: impl FnMut(usize) -> RelayProcess,
+) {
+    for round in 0..rounds {
+        let target = every * (round as i64 + 1);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while published(pool).await < target {
+            assert!(
+                Instant::now() < deadline,
+                "the relays did not publish {target} events:\n{}",
+                logs(relays)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let victim = round % relays.len();
+        relays[victim].kill();
+        relays[victim] = respawn(round);
+    }
+}

@@ -8,6 +8,7 @@
 // Each test file uses a part of this module.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener};
@@ -22,6 +23,7 @@ use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteS
 use order_service::events::{OrderCancelled, OrderCreated, OrderLineAdded};
 use order_service::model::Line;
 use serde::Serialize;
+use sqlx::PgPool;
 use tempfile::NamedTempFile;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
@@ -382,4 +384,68 @@ pub fn cancelled(order_id: Uuid, lines: Vec<Line>) -> OrderCancelled {
         reason: Some("changed my mind".to_owned()),
         lines,
     }
+}
+
+/// The SKUs [`orders`] reserves.
+const SKUS: [&str; 5] = ["apple", "pear", "plum", "fig", "kiwi"];
+
+/// `count` orders: 1 to 3 lines each, every third with a line added, every fourth cancelled.
+/// Returns each order's events in sequence order, and the stock they must leave.
+pub fn orders(count: usize) -> (Vec<Vec<OutboxEvent>>, BTreeMap<String, i64>) {
+    let mut orders = Vec::new();
+    let mut expected = BTreeMap::new();
+    for i in 0..count {
+        let order_id = Uuid::now_v7();
+        let mut lines: Vec<Line> = (0..=i % 3)
+            .map(|j| {
+                let quantity = i32::try_from(1 + (i * 7 + j) % 5).unwrap();
+                line(SKUS[(i + 2 * j) % SKUS.len()], quantity, 100 + i as i64)
+            })
+            .collect();
+        let mut events = vec![order_event(order_id, 1, &created(order_id, lines.clone()))];
+        if i % 3 == 0 {
+            let added = line(SKUS[(i + 1) % SKUS.len()], 2, 250);
+            lines.push(added.clone());
+            let line_no = i32::try_from(lines.len()).unwrap();
+            events.push(order_event(
+                order_id,
+                2,
+                &line_added(order_id, line_no, added, &lines),
+            ));
+        }
+        let cancel = i % 4 == 1;
+        if cancel {
+            let sequence = i64::try_from(events.len()).unwrap() + 1;
+            events.push(order_event(
+                order_id,
+                sequence,
+                &cancelled(order_id, lines.clone()),
+            ));
+        }
+        for l in &lines {
+            // A cancelled order leaves its SKUs at a net 0: the row exists, the count is back.
+            *expected.entry(l.sku.clone()).or_insert(0) +=
+                if cancel { 0 } else { i64::from(l.quantity) };
+        }
+        orders.push(events);
+    }
+    (orders, expected)
+}
+
+/// The inventory consumer's reserved stock by SKU.
+pub async fn stock(pool: &PgPool) -> BTreeMap<String, i64> {
+    sqlx::query_as::<_, (String, i64)>("SELECT sku, reserved FROM stock")
+        .fetch_all(pool)
+        .await
+        .expect("read stock")
+        .into_iter()
+        .collect()
+}
+
+/// The events the inventory consumer recorded as processed.
+pub async fn processed(pool: &PgPool) -> Vec<Uuid> {
+    sqlx::query_scalar("SELECT event_id FROM processed_events WHERE consumer_name = 'inventory'")
+        .fetch_all(pool)
+        .await
+        .expect("read processed_events")
 }

@@ -1,0 +1,103 @@
+//! The transport conformance suite (`handoff_test::conformance`) on Redis Streams: the local
+//! Redis (`REDIS_URL`), each case with a stream key of its own, reached through a fault proxy
+//! so the case can take the server down (the proxy dropped) or make it silent (the proxy's
+//! black hole). The oversize case uses the transport's own limit, set to 4 KiB.
+//!
+//! Redis deduplicates by event id through the transport's dedup window.
+
+use std::time::Duration;
+
+use handoff_redis::{RedisConfig, RedisTransport};
+use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
+use handoff_test::redis::{read_all, url, ScratchStream};
+
+/// Short, so the silent case times out quickly.
+const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The transport's limit in the oversize case.
+const MAX_EVENT_BYTES: usize = 4096;
+
+struct Redis {
+    transport: RedisTransport,
+    /// Reads the stream straight from the server, not through the proxy.
+    reader: RedisTransport,
+    stream: ScratchStream,
+    link: Link,
+    oversize: Option<usize>,
+}
+
+impl Destination for Redis {
+    type Transport = RedisTransport;
+    const NAME: &'static str = "redis";
+    const DEDUP: Dedup = Dedup::ByEventId;
+
+    async fn start(case: Case) -> Self {
+        let stream = ScratchStream::new(&format!("conformance-{}", case.name()));
+        let oversize = (case == Case::Oversize).then_some(MAX_EVENT_BYTES);
+        let link = Link::to(&url()).await;
+        let transport = RedisTransport::connect(RedisConfig {
+            url: link.url().to_owned(),
+            ce_source: CE_SOURCE.to_owned(),
+            publish_timeout: PUBLISH_TIMEOUT,
+            connect_timeout: PUBLISH_TIMEOUT,
+            max_event_bytes: oversize.unwrap_or(RedisConfig::default().max_event_bytes),
+            ..stream.config()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("connect through the proxy: {e}"));
+        let reader = RedisTransport::connect(stream.config())
+            .await
+            .unwrap_or_else(|e| panic!("connect: {e}"));
+        Redis {
+            transport,
+            reader,
+            stream,
+            link,
+            oversize,
+        }
+    }
+
+    fn transport(&self) -> &RedisTransport {
+        &self.transport
+    }
+
+    /// The append was answered after it was in the stream: no waiting beyond the read.
+    async fn received(&self, at_least: usize) -> Vec<Received> {
+        let messages = read_all(&self.reader).await;
+        assert!(
+            messages.len() >= at_least,
+            "{} of {at_least} entries",
+            messages.len()
+        );
+        messages
+            .into_iter()
+            .map(|m| Received {
+                position: m.position,
+                headers: m.headers,
+                body: m.payload.unwrap_or_default(),
+            })
+            .collect()
+    }
+
+    fn expected_receipt(&self, message: &Received) -> Option<String> {
+        Some(format!("redis {} {}", self.stream.key(), message.position))
+    }
+
+    fn oversize(&self) -> Option<usize> {
+        self.oversize
+    }
+
+    async fn take_down(&mut self) -> bool {
+        self.link.take_down(&self.transport).await
+    }
+
+    async fn go_silent(&mut self) -> bool {
+        self.link.go_silent()
+    }
+
+    fn publish_timeout(&self) -> Duration {
+        PUBLISH_TIMEOUT
+    }
+}
+
+handoff_test::conformance_suite!(Redis);
