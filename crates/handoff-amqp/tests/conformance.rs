@@ -14,13 +14,11 @@ use std::time::Duration;
 use common::{config_at, url, Broker};
 use handoff_amqp::lapin::types::AMQPValue;
 use handoff_amqp::{AmqpConfig, AmqpTransport};
-use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
+use handoff_test::conformance::{
+    Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+};
 use handoff_test::rabbitmq::RabbitMqNode;
 use tokio::task::block_in_place;
-
-/// Short, so the silent case times out quickly (well inside the 10 s heartbeat, which would
-/// notice the black hole).
-const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The private node's message size limit, for the oversize case.
 const MAX_MESSAGE_SIZE: usize = 4096;
@@ -112,10 +110,6 @@ impl Destination for Rabbit {
 
     async fn go_silent(&mut self) -> bool {
         self.link.go_silent()
-    }
-
-    fn publish_timeout(&self) -> Duration {
-        PUBLISH_TIMEOUT
     }
 }
 

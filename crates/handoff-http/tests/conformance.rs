@@ -11,16 +11,14 @@
 mod common;
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::http::HeaderMap;
 use common::{Endpoint, Reply};
 use handoff_http::{HttpConfig, HttpTransport, RecordedResponse};
-use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
+use handoff_test::conformance::{
+    Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+};
 use sha2::Digest as _;
-
-/// Short, so the silent case times out quickly.
-const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The receiver's body limit.
 const MAX_BODY: usize = 64 * 1024;
@@ -112,10 +110,6 @@ impl Destination for Receiver {
 
     async fn go_silent(&mut self) -> bool {
         self.link.go_silent()
-    }
-
-    fn publish_timeout(&self) -> Duration {
-        PUBLISH_TIMEOUT
     }
 }
 

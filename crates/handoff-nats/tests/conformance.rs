@@ -9,14 +9,12 @@ use std::time::Duration;
 
 use async_nats::connection::State;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
-use handoff_test::conformance::{self, Case, Dedup, Destination, Link, Received, CE_SOURCE};
+use handoff_test::conformance::{
+    self, Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+};
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
-
-/// Short, so the silent case times out quickly (the client's pings, every two minutes by
-/// default, do not notice the black hole meanwhile).
-const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
 
 struct JetStream {
     transport: JetStreamTransport,
@@ -99,10 +97,6 @@ impl Destination for JetStream {
 
     async fn go_silent(&mut self) -> bool {
         self.link.go_silent()
-    }
-
-    fn publish_timeout(&self) -> Duration {
-        PUBLISH_TIMEOUT
     }
 }
 

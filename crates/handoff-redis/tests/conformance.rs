@@ -8,11 +8,10 @@
 use std::time::Duration;
 
 use handoff_redis::{RedisConfig, RedisTransport};
-use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
+use handoff_test::conformance::{
+    Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+};
 use handoff_test::redis::{read_all, url, ScratchStream};
-
-/// Short, so the silent case times out quickly.
-const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The transport's limit in the oversize case.
 const MAX_EVENT_BYTES: usize = 4096;
@@ -93,10 +92,6 @@ impl Destination for Redis {
 
     async fn go_silent(&mut self) -> bool {
         self.link.go_silent()
-    }
-
-    fn publish_timeout(&self) -> Duration {
-        PUBLISH_TIMEOUT
     }
 }
 

@@ -79,6 +79,11 @@ pub const CE_SOURCE: &str = "handoff-conformance";
 /// The `traceparent` the contract case's event carries (a caller header, sent as given).
 pub const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
+/// The publish timeout drivers configure unless their destination needs longer: short, so the
+/// down and silent cases end quickly, and well inside the heartbeats and pings that would
+/// notice a silent connection.
+pub const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
+
 /// How many events the order case publishes.
 pub const ORDER_EVENTS: u64 = 20;
 
@@ -216,7 +221,10 @@ pub trait Destination: Sized {
     fn go_silent(&mut self) -> impl Future<Output = bool>;
 
     /// The transport's publish timeout: a failing publish ends within it (plus [`GRACE`]).
-    fn publish_timeout(&self) -> Duration;
+    /// [`PUBLISH_TIMEOUT`] unless the driver configures another.
+    fn publish_timeout(&self) -> Duration {
+        PUBLISH_TIMEOUT
+    }
 }
 
 /// A contract event for aggregate `aggregate_id` at `sequence`, with schema version 2 and a
