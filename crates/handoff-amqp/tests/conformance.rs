@@ -9,8 +9,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{config_at, url, Broker};
 use handoff_amqp::lapin::types::AMQPValue;
 use handoff_amqp::{AmqpConfig, AmqpTransport};

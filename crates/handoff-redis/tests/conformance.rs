@@ -5,8 +5,6 @@
 //!
 //! Redis deduplicates by event id through the transport's dedup window.
 
-use std::time::Duration;
-
 use handoff_redis::{RedisConfig, RedisTransport};
 use handoff_test::conformance::{
     Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
