@@ -108,6 +108,10 @@ impl Destination for Receiver {
         self.link.take_down(&self.transport).await
     }
 
+    async fn bring_back(&mut self) -> bool {
+        self.link.bring_back().await
+    }
+
     async fn go_silent(&mut self) -> bool {
         self.link.go_silent()
     }

@@ -95,6 +95,10 @@ impl Destination for JetStream {
         true
     }
 
+    async fn bring_back(&mut self) -> bool {
+        self.link.bring_back().await
+    }
+
     async fn go_silent(&mut self) -> bool {
         self.link.go_silent()
     }

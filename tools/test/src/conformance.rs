@@ -14,6 +14,7 @@
 //! | `conformance_repeated_event_id` | a second publish of one event id is dropped where the destination deduplicates ([`Dedup::ByEventId`]), stored again where it does not ([`Dedup::None`]) |
 //! | `conformance_oversize_is_rejected` | an event over the destination's limit fails with [`PublishErrorKind::Rejected`] and nothing is stored |
 //! | `conformance_down_is_unavailable` | with the destination unreachable a publish fails with [`PublishErrorKind::Unavailable`], in bounded time, and the transport is not ready |
+//! | `conformance_publishes_resume_once_back` | once the destination is back the transport is ready again by itself and publishes go through |
 //! | `conformance_silence_is_a_timeout` | a destination that takes the publish and never answers gives [`PublishErrorKind::Timeout`] (ambiguous), in bounded time |
 //! | `conformance_receipts_name_the_message` | each [`Receipt`] names where the destination put that message |
 //! | `conformance_order_of_one_aggregate` | the events of one aggregate published in sequence are received in that order |
@@ -84,6 +85,10 @@ pub const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba90
 /// notice a silent connection.
 pub const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
 
+/// How long a transport may take to be ready again once its destination is back (clients
+/// reconnect with backoff).
+pub const READY_AFTER_OUTAGE: Duration = Duration::from_secs(10);
+
 /// How many events the order case publishes.
 pub const ORDER_EVENTS: u64 = 20;
 
@@ -105,6 +110,8 @@ pub enum Case {
     Oversize,
     /// [`down_is_unavailable`].
     Down,
+    /// [`publishes_resume_once_back`].
+    Back,
     /// [`silence_is_a_timeout`].
     Silence,
     /// [`receipts_name_the_message`].
@@ -121,6 +128,7 @@ impl Case {
             Case::RepeatedEventId => "dedup",
             Case::Oversize => "oversize",
             Case::Down => "down",
+            Case::Back => "back",
             Case::Silence => "silence",
             Case::Receipts => "receipts",
             Case::Order => "order",
@@ -215,6 +223,12 @@ pub trait Destination: Sized {
     /// the transport can tell (its client has seen the connection go); `false` when this
     /// destination cannot be taken down in a test.
     fn take_down(&mut self) -> impl Future<Output = bool>;
+
+    /// Makes the destination reachable again after [`take_down`](Self::take_down); `false`
+    /// (the default) when it cannot come back in a test.
+    fn bring_back(&mut self) -> impl Future<Output = bool> {
+        std::future::ready(false)
+    }
 
     /// Makes the destination take what is sent and never answer (a black-holed connection, an
     /// endpoint that never responds); `false` when it cannot.
@@ -435,6 +449,39 @@ pub async fn down_is_unavailable<D: Destination>() {
     assert!(!ready, "{}: ready with the destination down", D::NAME);
 }
 
+/// Once the destination is back after being down, the transport becomes ready again by
+/// itself (it reconnects) and the next publish goes through.
+pub async fn publishes_resume_once_back<D: Destination>() {
+    let mut destination = D::start(Case::Back).await;
+    let before = factory::outbox_event("back-1", 1);
+    publish_ok(&destination, &before).await;
+    if !destination.take_down().await || !destination.bring_back().await {
+        eprintln!(
+            "{}: skipped, cannot be taken down and back in a test",
+            D::NAME
+        );
+        return;
+    }
+    let ready = destination
+        .transport()
+        .wait_until_ready(READY_AFTER_OUTAGE)
+        .await;
+    assert!(
+        ready,
+        "{}: not ready {READY_AFTER_OUTAGE:?} after the destination came back",
+        D::NAME
+    );
+    let after = factory::outbox_event("back-1", 2);
+    publish_ok(&destination, &after).await;
+    let received = destination.received(2).await;
+    let ids: Vec<_> = received
+        .iter()
+        .filter_map(|m| m.header(header::CE_ID))
+        .collect();
+    let expected = [before.event_id, after.event_id].map(|id| id.hyphenated().to_string());
+    assert_eq!(ids, expected, "{}", D::NAME);
+}
+
 /// A destination that takes the publish and never answers gives [`PublishErrorKind::Timeout`]
 /// (ambiguous: it may hold the event, so the relay republishes under the same id) within the
 /// publish timeout.
@@ -556,9 +603,10 @@ async fn bounded<D: Destination, T>(
 /// ```
 #[derive(Debug)]
 pub struct Link {
-    /// `None` once the broker was taken down.
+    /// `None` while the broker is taken down.
     proxy: Option<FaultProxy>,
     addr: SocketAddr,
+    upstream: SocketAddr,
     url: String,
 }
 
@@ -602,6 +650,7 @@ impl Link {
         Link {
             proxy: Some(proxy),
             addr,
+            upstream,
             url: addr.to_string(),
         }
     }
@@ -636,6 +685,20 @@ impl Link {
             async || !transport.wait_until_ready(Duration::from_millis(100)).await,
         )
         .await;
+        true
+    }
+
+    /// Brings the broker back after [`take_down`](Self::take_down): a new proxy on the same
+    /// address. `true`, for [`Destination::bring_back`].
+    ///
+    /// # Panics
+    ///
+    /// When the address cannot be bound again.
+    pub async fn bring_back(&mut self) -> bool {
+        let proxy = FaultProxy::start_on(self.addr, self.upstream)
+            .await
+            .unwrap_or_else(|e| panic!("listen on {} again: {e}", self.addr));
+        self.proxy = Some(proxy);
         true
     }
 
@@ -697,6 +760,7 @@ macro_rules! conformance_suite {
             conformance_repeated_event_id => repeated_event_id,
             conformance_oversize_is_rejected => oversize_is_rejected,
             conformance_down_is_unavailable => down_is_unavailable,
+            conformance_publishes_resume_once_back => publishes_resume_once_back,
             conformance_silence_is_a_timeout => silence_is_a_timeout,
             conformance_receipts_name_the_message => receipts_name_the_message,
             conformance_order_of_one_aggregate => order_of_one_aggregate
@@ -741,6 +805,8 @@ mod tests {
     const ONE_RECEIPT: u8 = 6;
     /// Stores each event at the front.
     const REVERSED: u8 = 7;
+    /// Stays unavailable once it was down.
+    const NEVER_BACK: u8 = 8;
 
     const LIMIT: usize = 1024;
     const TIMEOUT: Duration = Duration::from_millis(100);
@@ -862,6 +928,13 @@ mod tests {
             true
         }
 
+        async fn bring_back(&mut self) -> bool {
+            if BROKEN != NEVER_BACK {
+                *self.transport.state.lock().unwrap() = State::Up;
+            }
+            true
+        }
+
         fn publish_timeout(&self) -> Duration {
             TIMEOUT
         }
@@ -879,6 +952,7 @@ mod tests {
         repeated_event_id::<D>().await;
         oversize_is_rejected::<D>().await;
         down_is_unavailable::<D>().await;
+        publishes_resume_once_back::<D>().await;
         silence_is_a_timeout::<D>().await;
         receipts_name_the_message::<D>().await;
         order_of_one_aggregate::<D>().await;
@@ -890,6 +964,7 @@ mod tests {
         assert!(!passes(repeated_event_id::<Memory<STORES_COPIES>>()).await);
         assert!(!passes(oversize_is_rejected::<Memory<NO_LIMIT>>()).await);
         assert!(!passes(down_is_unavailable::<Memory<DOWN_TIMES_OUT>>()).await);
+        assert!(!passes(publishes_resume_once_back::<Memory<NEVER_BACK>>()).await);
         assert!(!passes(silence_is_a_timeout::<Memory<SILENT_UNAVAILABLE>>()).await);
         assert!(!passes(receipts_name_the_message::<Memory<ONE_RECEIPT>>()).await);
         assert!(!passes(order_of_one_aggregate::<Memory<REVERSED>>()).await);
