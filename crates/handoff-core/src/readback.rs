@@ -123,7 +123,8 @@ pub trait MessageScan: Send {
     ///
     /// Nothing is lost on the destination; a message being received may be skipped by this
     /// scan.
-    fn next(&mut self) -> impl Future<Output = Result<Option<StoredMessage>, ReadBackError>> + Send;
+    fn next(&mut self)
+        -> impl Future<Output = Result<Option<StoredMessage>, ReadBackError>> + Send;
 }
 
 /// What went wrong reading a destination back.
