@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_nats::connection::State;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
 use handoff_test::conformance::{
-    self, Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+    Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
 };
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
@@ -86,7 +86,7 @@ impl Destination for JetStream {
         // client has noticed, while a publish would still be sent.
         self.link.cut();
         let client = self.transport.client();
-        conformance::eventually(
+        handoff_test::eventually(
             "the client sees the server go",
             Duration::from_secs(5),
             async || client.connection_state() != State::Connected,

@@ -71,8 +71,8 @@ use handoff_core::contract::{self, header};
 use handoff_core::delivery::{OutboxEvent, PublishErrorKind, Receipt, Transport};
 use handoff_core::subject::encode_token;
 
-use crate::factory;
 use crate::proxy::FaultProxy;
+use crate::{eventually, factory};
 
 /// The `ce-source` every driver configures its transport with; the contract case checks it.
 pub const CE_SOURCE: &str = "handoff-conformance";
@@ -727,20 +727,6 @@ pub async fn proxied(url: &str) -> (FaultProxy, String) {
     let mut link = Link::to(url).await;
     let proxy = link.proxy.take().expect("a link starts with its proxy");
     (proxy, link.url)
-}
-
-/// Runs `check` every 20 ms until it holds; panics naming `what` when `deadline` passes first.
-/// For the drivers' hooks ([`Destination::take_down`] waits for its client to see the
-/// connection go). The same shape as the crate's one waiting helper, which replaces it.
-pub async fn eventually(what: &str, deadline: Duration, mut check: impl AsyncFnMut() -> bool) {
-    let until = tokio::time::Instant::now() + deadline;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < until,
-            "{what}: not within {deadline:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Writes one `#[tokio::test]` per case of the suite for a [`Destination`]:
