@@ -69,6 +69,10 @@ impl Destination for Rabbit {
         }
     }
 
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
     fn transport(&self) -> &AmqpTransport {
         &self.transport
     }
@@ -100,18 +104,6 @@ impl Destination for Rabbit {
 
     fn oversize(&self) -> Option<usize> {
         self.node.as_ref().map(|_| MAX_MESSAGE_SIZE)
-    }
-
-    async fn take_down(&mut self) -> bool {
-        self.link.take_down(&self.transport).await
-    }
-
-    async fn bring_back(&mut self) -> bool {
-        self.link.bring_back().await
-    }
-
-    async fn go_silent(&mut self) -> bool {
-        self.link.go_silent()
     }
 }
 

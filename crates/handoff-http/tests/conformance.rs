@@ -70,6 +70,10 @@ impl Destination for Receiver {
         }
     }
 
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
     fn transport(&self) -> &HttpTransport {
         &self.transport
     }
@@ -102,18 +106,6 @@ impl Destination for Receiver {
 
     fn oversize(&self) -> Option<usize> {
         Some(MAX_BODY)
-    }
-
-    async fn take_down(&mut self) -> bool {
-        self.link.take_down(&self.transport).await
-    }
-
-    async fn bring_back(&mut self) -> bool {
-        self.link.bring_back().await
-    }
-
-    async fn go_silent(&mut self) -> bool {
-        self.link.go_silent()
     }
 }
 

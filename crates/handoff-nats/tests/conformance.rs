@@ -5,8 +5,6 @@
 //! JetStream deduplicates: a republish of an event id inside the stream's duplicate window
 //! (`Nats-Msg-Id`) is acknowledged and dropped.
 
-use std::time::Duration;
-
 use async_nats::connection::State;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
 use handoff_test::conformance::{
@@ -55,6 +53,10 @@ impl Destination for JetStream {
         }
     }
 
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
     fn transport(&self) -> &JetStreamTransport {
         &self.transport
     }
@@ -81,26 +83,10 @@ impl Destination for JetStream {
         Some(self.transport.client().server_info().max_payload)
     }
 
-    async fn take_down(&mut self) -> bool {
-        // Not the transport's readiness: a flush through the dropped proxy fails before the
-        // client has noticed, while a publish would still be sent.
-        self.link.cut();
-        let client = self.transport.client();
-        handoff_test::eventually(
-            "the client sees the server go",
-            Duration::from_secs(5),
-            async || client.connection_state() != State::Connected,
-        )
-        .await;
-        true
-    }
-
-    async fn bring_back(&mut self) -> bool {
-        self.link.bring_back().await
-    }
-
-    async fn go_silent(&mut self) -> bool {
-        self.link.go_silent()
+    /// Not the transport's readiness: a flush through the dropped proxy fails before the
+    /// client has noticed, while a publish would still be sent.
+    async fn sees_down(&self) -> bool {
+        self.transport.client().connection_state() != State::Connected
     }
 }
 

@@ -54,6 +54,10 @@ impl Destination for Redis {
         }
     }
 
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
     fn transport(&self) -> &RedisTransport {
         &self.transport
     }
@@ -82,18 +86,6 @@ impl Destination for Redis {
 
     fn oversize(&self) -> Option<usize> {
         self.oversize
-    }
-
-    async fn take_down(&mut self) -> bool {
-        self.link.take_down(&self.transport).await
-    }
-
-    async fn bring_back(&mut self) -> bool {
-        self.link.bring_back().await
-    }
-
-    async fn go_silent(&mut self) -> bool {
-        self.link.go_silent()
     }
 }
 

@@ -29,9 +29,9 @@
 //! dev-dependencies):
 //!
 //! ```ignore
-//! use handoff_test::conformance::{Case, Dedup, Destination, Received};
+//! use handoff_test::conformance::{Case, Dedup, Destination, Link, Received};
 //!
-//! struct Redis { transport: RedisTransport, stream: String, /* ... */ }
+//! struct Redis { transport: RedisTransport, stream: String, link: Link, /* ... */ }
 //!
 //! impl Destination for Redis {
 //!     type Transport = RedisTransport;
@@ -39,16 +39,18 @@
 //!     const DEDUP: Dedup = Dedup::ByEventId; // its duplicate window
 //!
 //!     async fn start(case: Case) -> Self {
-//!         // a fresh stream key named from `case.name()`, the transport's `ce_source` set
-//!         // to `handoff_test::conformance::CE_SOURCE`, connected through a `Link` so it
-//!         // can be taken down and silenced
+//!         // a fresh stream key named from `case.name()`; the transport's `ce_source`
+//!         // `CE_SOURCE` and publish timeout `PUBLISH_TIMEOUT`; connected to
+//!         // `Link::to(&redis_url).await.url()`
 //!     }
 //!     fn transport(&self) -> &RedisTransport { &self.transport }
+//!     // Through the link the suite takes the destination down, back up, and silent.
+//!     fn link(&mut self) -> Option<&mut Link> { Some(&mut self.link) }
 //!     async fn received(&self, at_least: usize) -> Vec<Received> { /* XRANGE the key */ }
 //!     fn expected_receipt(&self, message: &Received) -> Option<String> {
 //!         Some(format!("redis {} {}", self.stream, message.position))
 //!     }
-//!     // oversize, take_down, go_silent, publish_timeout: see the trait
+//!     fn oversize(&self) -> Option<usize> { Some(4096) } // the configured limit
 //! }
 //!
 //! handoff_test::conformance_suite!(Redis);
@@ -58,7 +60,8 @@
 //! its own [`Destination`], so the cases run in parallel; each takes a second or two.
 //!
 //! The drivers of the existing destinations (`handoff-nats`, `handoff-kafka`, `handoff-amqp`,
-//! `handoff-http`, each in its `tests/conformance.rs`) are the examples to copy. They reach the
+//! `handoff-http`, `handoff-redis`, each in its `tests/conformance.rs`) are the examples to
+//! copy. They reach the
 //! broker through a [`Link`] (a [`FaultProxy`]): dropping the proxy is a broker that is down
 //! (the port refuses connections, live ones are closed), and its black hole is a broker that
 //! takes the bytes and never answers.
@@ -219,20 +222,54 @@ pub trait Destination: Sized {
     /// limit is in reach of a test.
     fn oversize(&self) -> Option<usize>;
 
-    /// Makes the destination unreachable (its server stopped, its port closed) and returns once
-    /// the transport can tell (its client has seen the connection go); `false` when this
-    /// destination cannot be taken down in a test.
-    fn take_down(&mut self) -> impl Future<Output = bool>;
+    /// The [`Link`] (fault proxy) between the transport and the destination, when the driver
+    /// connects through one: the default [`take_down`](Self::take_down),
+    /// [`bring_back`](Self::bring_back) and [`go_silent`](Self::go_silent) work through it.
+    /// `None` (the default) without one.
+    fn link(&mut self) -> Option<&mut Link> {
+        None
+    }
+
+    /// Makes the destination unreachable (its server stopped, its port closed); `false` when
+    /// this destination cannot be taken down in a test. The default drops the
+    /// [`link`](Self::link)'s proxy. The suite then waits until [`sees_down`](Self::sees_down).
+    fn take_down(&mut self) -> impl Future<Output = bool> {
+        std::future::ready(self.link().map(Link::cut).is_some())
+    }
+
+    /// Whether the transport can tell the destination is down (its client has seen the
+    /// connection go), so that a publish now fails at once rather than being sent. The default
+    /// asks the transport: not ready within 100 ms.
+    fn sees_down(&self) -> impl Future<Output = bool> {
+        async {
+            !self
+                .transport()
+                .wait_until_ready(Duration::from_millis(100))
+                .await
+        }
+    }
 
     /// Makes the destination reachable again after [`take_down`](Self::take_down); `false`
-    /// (the default) when it cannot come back in a test.
+    /// when it cannot come back in a test. The default starts the [`link`](Self::link)'s proxy
+    /// again on its address.
     fn bring_back(&mut self) -> impl Future<Output = bool> {
-        std::future::ready(false)
+        async {
+            match self.link() {
+                Some(link) => {
+                    link.bring_back().await;
+                    true
+                }
+                None => false,
+            }
+        }
     }
 
     /// Makes the destination take what is sent and never answer (a black-holed connection, an
-    /// endpoint that never responds); `false` when it cannot.
-    fn go_silent(&mut self) -> impl Future<Output = bool>;
+    /// endpoint that never responds); `false` when it cannot. The default black-holes the
+    /// [`link`](Self::link).
+    fn go_silent(&mut self) -> impl Future<Output = bool> {
+        std::future::ready(self.link().map(|link| link.go_silent()).is_some())
+    }
 
     /// The transport's publish timeout: a failing publish ends within it (plus [`GRACE`]).
     /// [`PUBLISH_TIMEOUT`] unless the driver configures another.
@@ -433,6 +470,7 @@ pub async fn down_is_unavailable<D: Destination>() {
         eprintln!("{}: skipped, cannot be taken down in a test", D::NAME);
         return;
     }
+    wait_until_seen_down(&destination).await;
     for sequence in [2, 3] {
         let event = factory::outbox_event("down-1", sequence);
         let what = format!("publish {sequence} with the destination down");
@@ -455,11 +493,13 @@ pub async fn publishes_resume_once_back<D: Destination>() {
     let mut destination = D::start(Case::Back).await;
     let before = factory::outbox_event("back-1", 1);
     publish_ok(&destination, &before).await;
-    if !destination.take_down().await || !destination.bring_back().await {
-        eprintln!(
-            "{}: skipped, cannot be taken down and back in a test",
-            D::NAME
-        );
+    if !destination.take_down().await {
+        eprintln!("{}: skipped, cannot be taken down in a test", D::NAME);
+        return;
+    }
+    wait_until_seen_down(&destination).await;
+    if !destination.bring_back().await {
+        eprintln!("{}: skipped, cannot be brought back in a test", D::NAME);
         return;
     }
     let ready = destination
@@ -555,6 +595,15 @@ pub async fn order_of_one_aggregate<D: Destination>() {
         .collect();
     let expected: Vec<i64> = (1..=ORDER_EVENTS as i64).collect();
     assert_eq!(sequences, expected, "{}", D::NAME);
+}
+
+/// Waits until the transport can tell the destination is down ([`Destination::sees_down`]).
+async fn wait_until_seen_down<D: Destination>(destination: &D) {
+    let what = format!("{}: the transport sees the destination go", D::NAME);
+    eventually(&what, Duration::from_secs(10), async || {
+        destination.sees_down().await
+    })
+    .await;
 }
 
 /// Publishes `event` (`what`, for the failure message) and asserts that it fails with `kind`
@@ -671,49 +720,29 @@ impl Link {
         self.proxy = None;
     }
 
-    /// [`cut`](Self::cut)s, then waits until `transport` says it is not ready; `true`, for
-    /// [`Destination::take_down`].
-    ///
-    /// # Panics
-    ///
-    /// When the transport still says it is ready after five seconds.
-    pub async fn take_down(&mut self, transport: &impl Transport) -> bool {
-        self.cut();
-        eventually(
-            "the transport sees the broker go",
-            Duration::from_secs(5),
-            async || !transport.wait_until_ready(Duration::from_millis(100)).await,
-        )
-        .await;
-        true
-    }
-
-    /// Brings the broker back after [`take_down`](Self::take_down): a new proxy on the same
-    /// address. `true`, for [`Destination::bring_back`].
+    /// Brings the broker back after [`cut`](Self::cut): a new proxy on the same address.
     ///
     /// # Panics
     ///
     /// When the address cannot be bound again.
-    pub async fn bring_back(&mut self) -> bool {
+    pub async fn bring_back(&mut self) {
         let proxy = FaultProxy::start_on(self.addr, self.upstream)
             .await
             .unwrap_or_else(|e| panic!("listen on {} again: {e}", self.addr));
         self.proxy = Some(proxy);
-        true
     }
 
     /// Makes the broker silent: what is sent on live and new connections is swallowed and
-    /// nothing comes back. `true`, for [`Destination::go_silent`].
+    /// nothing comes back.
     ///
     /// # Panics
     ///
-    /// When the broker was taken down before.
-    pub fn go_silent(&self) -> bool {
+    /// When the broker was cut before.
+    pub fn go_silent(&self) {
         self.proxy
             .as_ref()
             .expect("the broker is up before it goes silent")
             .black_hole();
-        true
     }
 }
 
