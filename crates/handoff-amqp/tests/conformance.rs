@@ -9,18 +9,14 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{config_at, url, Broker};
 use handoff_amqp::lapin::types::AMQPValue;
 use handoff_amqp::{AmqpConfig, AmqpTransport};
-use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
+use handoff_test::conformance::{
+    Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+};
 use handoff_test::rabbitmq::RabbitMqNode;
 use tokio::task::block_in_place;
-
-/// Short, so the silent case times out quickly (well inside the 10 s heartbeat, which would
-/// notice the black hole).
-const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The private node's message size limit, for the oversize case.
 const MAX_MESSAGE_SIZE: usize = 4096;
@@ -73,6 +69,10 @@ impl Destination for Rabbit {
         }
     }
 
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
     fn transport(&self) -> &AmqpTransport {
         &self.transport
     }
@@ -104,18 +104,6 @@ impl Destination for Rabbit {
 
     fn oversize(&self) -> Option<usize> {
         self.node.as_ref().map(|_| MAX_MESSAGE_SIZE)
-    }
-
-    async fn take_down(&mut self) -> bool {
-        self.link.take_down(&self.transport).await
-    }
-
-    async fn go_silent(&mut self) -> bool {
-        self.link.go_silent()
-    }
-
-    fn publish_timeout(&self) -> Duration {
-        PUBLISH_TIMEOUT
     }
 }
 

@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{config_at, unique_name, Broker, Message};
 use handoff_amqp::AmqpTransport;
@@ -18,7 +18,7 @@ use handoff_relay::{Backoff, Relay, RelayConfig, RelayReport};
 use handoff_test::factory;
 use handoff_test::faults::{FaultStats, Faulty};
 use handoff_test::rabbitmq::RabbitMqNode;
-use handoff_test::TestDb;
+use handoff_test::{eventually, TestDb};
 use tokio::sync::watch;
 use tokio::task::{block_in_place, JoinHandle};
 use uuid::Uuid;
@@ -157,15 +157,6 @@ impl RunningRelay {
     }
 }
 
-/// Waits until `check` holds, or panics after 40 s naming `what`.
-async fn eventually(what: &str, check: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Checks the queue's messages against `expected`: every id at least once, nothing else, and
 /// per aggregate (first copies only) sequences 1, 2, 3 ... Returns the duplicates.
 fn check_delivery(messages: &[Message], expected: &[Uuid]) -> usize {
@@ -219,9 +210,11 @@ async fn a_blocked_connection_pauses_the_destination_and_charges_no_event() {
     })
     .unwrap();
     committed.extend(setup.commit(vec![factory::event("agg-0", 2)]).await);
-    eventually("the blocked publish to come back throttled", || {
-        watched.failed(PublishErrorKind::Throttled) >= 1
-    })
+    eventually(
+        "the blocked publish to come back throttled",
+        Duration::from_secs(40),
+        async || watched.failed(PublishErrorKind::Throttled) >= 1,
+    )
     .await;
     let accepted_when_blocked = watched.acknowledged();
     // More writes during the alarm, on every aggregate.

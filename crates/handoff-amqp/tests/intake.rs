@@ -4,14 +4,14 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{close_connections_named, config, event, unique_name, url, Broker};
 use handoff_amqp::{AmqpIntake, AmqpTransport, IntakeConfig, QueueDeclaration};
 use handoff_consumer::{Consumer, ConsumerConfig, HandlerError};
 use handoff_core::delivery::Transport;
 use handoff_test::inbox::{self, Recorder, Running};
-use handoff_test::TestDb;
+use handoff_test::{eventually, TestDb};
 use uuid::Uuid;
 
 /// A migrated schema with an `applied` table, an exchange and a queue of the test's own, the
@@ -116,11 +116,15 @@ async fn a_duplicated_publish_is_applied_once_and_in_order() {
         .await;
     // Both copies of every event have been settled once the queue is empty and nothing is
     // unacknowledged.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while setup.broker.depth(&setup.exchange).await > 0 {
-        assert!(Instant::now() < deadline, "the queue did not drain");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        "the queue drained",
+        Duration::from_secs(30),
+        async || match setup.broker.depth(&setup.exchange).await {
+            0 => Ok(()),
+            depth => Err(depth),
+        },
+    )
+    .await;
     running.stop().await;
 
     inbox::assert_applied_once_in_order(&setup.applied().await, 20);

@@ -5,8 +5,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
-use handoff_core::delivery::{Claim, Failure, OutboxEvent, Published, Source, SourceError};
+use handoff_core::delivery::{
+    Claim, Failure, OutboxEvent, Published, Source, SourceError, SourceErrorKind,
+};
 use handoff_core::{Backoff, EventId};
+use handoff_postgres::source_error;
 use handoff_postgres::Schema;
 use pg_walstream::{
     CancellationToken, EventType, LogicalReplicationStream, ReplicationError,
@@ -290,8 +293,9 @@ impl Inner {
     ) -> Result<T, SourceError> {
         match tokio::time::timeout(self.config.query_timeout, work).await {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(SourceError::new(what, e)),
-            Err(_) => Err(SourceError::new(
+            Ok(Err(e)) => Err(source_error(what, e)),
+            Err(_) => Err(SourceError::with_kind(
+                SourceErrorKind::Timeout,
                 what,
                 std::io::Error::new(std::io::ErrorKind::TimedOut, "query timed out"),
             )),
@@ -313,7 +317,7 @@ impl Inner {
             .iter()
             .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
             .collect::<Result<_, sqlx::Error>>()
-            .map_err(|e| SourceError::new("while reading the unpublished backlog", e))?;
+            .map_err(|e| source_error("while reading the unpublished backlog", e))?;
         if !keys.is_empty() {
             info!(
                 aggregates = keys.len(),
@@ -895,12 +899,13 @@ async fn sweep_once(inner: &Inner) -> Result<usize, SourceError> {
         let mut by_key: HashMap<Key, Vec<SweptRow>> = HashMap::new();
         for row in &rows {
             let event = handoff_postgres::read_outbox_event(row)
-                .map_err(|e| SourceError::new("while reading a swept row", e))?;
+                .map_err(|e| source_error("while reading a swept row", e))?;
             let (held, read_lsn): (bool, String) =
                 (|| Ok((row.try_get("held")?, row.try_get("read_lsn")?)))()
-                    .map_err(|e: sqlx::Error| SourceError::new("while reading a swept row", e))?;
-            let read_lsn = pg_walstream::parse_lsn(&read_lsn)
-                .map_err(|e| SourceError::new("while reading a swept row", e))?;
+                    .map_err(|e: sqlx::Error| source_error("while reading a swept row", e))?;
+            let read_lsn = pg_walstream::parse_lsn(&read_lsn).map_err(|e| {
+                SourceError::with_kind(SourceErrorKind::Schema, "while reading a swept row", e)
+            })?;
             by_key
                 .entry((event.aggregate_type.clone(), event.aggregate_id.clone()))
                 .or_default()
@@ -950,7 +955,7 @@ async fn visible_sequences(
                 row.try_get::<Option<i64>, _>(2)?,
             ))
         })()
-        .map_err(|e| SourceError::new("while reading visible sequences", e))?;
+        .map_err(|e| source_error("while reading visible sequences", e))?;
         if let (key, Some(max)) = read {
             visible.insert(key, max);
         }

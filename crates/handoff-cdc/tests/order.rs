@@ -94,8 +94,8 @@ async fn assert_caught_up(fx: &Fixture, written: &Written) {
         "some transactions rolled back"
     );
     eventually(
-        Duration::from_secs(25),
         "every committed event in the stream",
+        Duration::from_secs(25),
         || async { fx.delivered().await.ids.len() >= expected },
     )
     .await;
@@ -108,14 +108,14 @@ async fn assert_caught_up(fx: &Fixture, written: &Written) {
     }
     delivered.assert_exactly(&written.committed);
 
-    eventually(Duration::from_secs(10), "rows marked published", || async {
+    eventually("rows marked published", Duration::from_secs(10), || async {
         fx.unpublished().await == 0
     })
     .await;
     // The position moves past everything written: not stuck before some transaction.
     eventually(
-        Duration::from_secs(10),
         "the slot confirmed past the last commit",
+        Duration::from_secs(10),
         || async { fx.slot().await.confirmed_flush_lsn >= written.wal_after },
     )
     .await;

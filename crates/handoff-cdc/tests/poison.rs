@@ -86,16 +86,16 @@ async fn poison_is_parked_others_flow_and_retry_resumes_in_order(name: &str, row
 
     // Every other aggregate, and `a` before the poison, is published.
     eventually(
-        Duration::from_secs(15),
         "every event but a's from the poison on published",
+        Duration::from_secs(15),
         || async { fx.delivered().await.ids.is_superset(&flowing) },
     )
     .await;
     // The position moves past the poison's transaction and every later one: parked events
     // settle once durable in the table.
     eventually(
-        Duration::from_secs(10),
         "the slot confirmed past the poison's commit and everything after",
+        Duration::from_secs(10),
         || async { fx.slot().await.confirmed_flush_lsn >= wal_after },
     )
     .await;
@@ -168,8 +168,8 @@ async fn poison_is_parked_others_flow_and_retry_resumes_in_order(name: &str, row
         .await
         .unwrap();
     eventually(
-        Duration::from_secs(15),
         "a's held and waiting events published",
+        Duration::from_secs(15),
         || async {
             let delivered = fx.delivered().await;
             waiting.iter().all(|id| delivered.contains(id))
@@ -178,14 +178,14 @@ async fn poison_is_parked_others_flow_and_retry_resumes_in_order(name: &str, row
     .await;
     // And a later event of `a` follows them.
     commit(&fx, &mut ledger, &[("a", 1)], None).await;
-    eventually(Duration::from_secs(15), "every event published", || async {
+    eventually("every event published", Duration::from_secs(15), || async {
         fx.delivered().await.ids.len() >= ledger.len()
     })
     .await;
     fx.delivered().await.assert_exactly(&ledger);
     eventually(
-        Duration::from_secs(10),
         "no row left unpublished",
+        Duration::from_secs(10),
         || async { fx.unpublished().await == 0 },
     )
     .await;

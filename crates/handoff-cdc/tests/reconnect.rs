@@ -178,8 +178,8 @@ async fn walsender_terminated_repeatedly_never_has_two_events_of_an_aggregate_in
         // Streaming again (a new walsender) and publishing since the last termination.
         let acked_before = seen.lock().unwrap().acked;
         eventually(
-            Duration::from_secs(30),
             "the relay streams again and publishes",
+            Duration::from_secs(30),
             || async {
                 let pid = walsender(&fx).await;
                 pid.is_some() && pid != last_pid && seen.lock().unwrap().acked >= acked_before + 50
@@ -207,15 +207,15 @@ async fn walsender_terminated_repeatedly_never_has_two_events_of_an_aggregate_in
     );
 
     eventually(
-        Duration::from_secs(60),
         "every committed event in the stream",
+        Duration::from_secs(60),
         || async { fx.delivered().await.ids.len() >= ledger.len() },
     )
     .await;
     fx.delivered().await.assert_exactly(&ledger);
     eventually(
-        Duration::from_secs(15),
         "the slot confirmed past the last commit",
+        Duration::from_secs(15),
         || async { fx.slot().await.confirmed_flush_lsn >= wal_after },
     )
     .await;

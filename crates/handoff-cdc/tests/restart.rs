@@ -36,15 +36,15 @@ async fn write_rounds(fx: &Fixture, ledger: &mut Ledger, rounds: std::ops::Range
 async fn assert_all_delivered_once(fx: &Fixture, ledger: &Ledger, rows: RowMode) {
     let wal_after = fx.current_wal_lsn().await;
     eventually(
-        Duration::from_secs(20),
         "every committed event in the stream",
+        Duration::from_secs(20),
         || async { fx.delivered().await.ids.len() >= ledger.len() },
     )
     .await;
     fx.delivered().await.assert_exactly(ledger);
     eventually(
-        Duration::from_secs(10),
         "no row left unpublished",
+        Duration::from_secs(10),
         || async { fx.unpublished().await == 0 },
     )
     .await;
@@ -52,8 +52,8 @@ async fn assert_all_delivered_once(fx: &Fixture, ledger: &Ledger, rows: RowMode)
         assert_eq!(fx.db.count("outbox").await, ledger.len() as i64);
     }
     eventually(
-        Duration::from_secs(10),
         "the slot confirmed past every commit",
+        Duration::from_secs(10),
         || async { fx.slot().await.confirmed_flush_lsn >= wal_after },
     )
     .await;
@@ -66,13 +66,13 @@ async fn a_relay_stopped_gracefully_resumes_and_publishes_what_was_committed_mea
     let first = fx.relay().await;
     write_rounds(&fx, &mut ledger, 0..3).await;
     eventually(
-        Duration::from_secs(15),
         "the first batch published",
+        Duration::from_secs(15),
         || async { fx.delivered().await.ids.len() >= ledger.len() },
     )
     .await;
     first.stop().await;
-    eventually(Duration::from_secs(10), "the slot released", || async {
+    eventually("the slot released", Duration::from_secs(10), || async {
         fx.slot().await.active_pid.is_none()
     })
     .await;
@@ -99,8 +99,8 @@ async fn killed_mid_stream_then_restarted(name: &str, rows: RowMode) {
         .await;
     write_rounds(&fx, &mut ledger, 0..10).await;
     eventually(
-        Duration::from_secs(15),
         "the first relay stuck mid-stream",
+        Duration::from_secs(15),
         || async { stats.stalled() >= 10 },
     )
     .await;
@@ -149,8 +149,8 @@ async fn a_second_relay_on_the_same_slot_stands_by_and_takes_over_when_the_first
         .relay_over(|inner| Faulty::new(inner).with_stats(by_first.clone()))
         .await;
     eventually(
-        Duration::from_secs(10),
         "the first relay streaming",
+        Duration::from_secs(10),
         || async { fx.slot().await.active_pid.is_some() },
     )
     .await;
@@ -169,8 +169,8 @@ async fn a_second_relay_on_the_same_slot_stands_by_and_takes_over_when_the_first
 
     write_rounds(&fx, &mut ledger, 0..3).await;
     eventually(
-        Duration::from_secs(15),
         "the first batch published",
+        Duration::from_secs(15),
         || async { fx.delivered().await.ids.len() >= ledger.len() },
     )
     .await;

@@ -34,8 +34,8 @@ async fn every_committed_event_is_published_and_a_rolled_back_one_never_is() {
     fx.enqueue("last", 1, 1).await;
 
     eventually(
-        Duration::from_secs(30),
         "all 101 events published",
+        Duration::from_secs(30),
         || async { read_stream(&fx.client, &fx.stream).await.len() >= 101 },
     )
     .await;
@@ -55,12 +55,8 @@ async fn every_committed_event_is_published_and_a_rolled_back_one_never_is() {
         *expected += 1;
     }
     // Kept rows are marked published, and the slot confirms past them.
-    eventually(Duration::from_secs(10), "rows marked published", || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-            .fetch_one(&fx.db.pool)
-            .await
-            .unwrap()
-            == 0
+    eventually("rows marked published", Duration::from_secs(10), || async {
+        fx.db.pending_rows().await == 0
     })
     .await;
     let source = relay.source.clone();

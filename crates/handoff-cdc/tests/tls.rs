@@ -24,7 +24,7 @@ async fn the_logical_source_streams_over_verify_full() {
     );
     let relay = fx.relay().await;
     fx.enqueue("tls-order", 1, 10).await;
-    eventually(Duration::from_secs(30), "10 events published", || async {
+    eventually("10 events published", Duration::from_secs(30), || async {
         read_stream(&fx.client, &fx.stream).await.len() >= 10
     })
     .await;

@@ -68,8 +68,8 @@ async fn an_idle_outbox_in_a_busy_database_does_not_pin_wal_and_a_stopped_relay_
     // The confirmed position follows the keepalives past everything written (on PostgreSQL
     // 15 within one confirm interval, no checkpoint needed)...
     eventually(
-        Duration::from_secs(10),
         "the slot confirmed past the ballast",
+        Duration::from_secs(10),
         || async { fx.slot().await.confirmed_flush_lsn >= after_writes },
     )
     .await;
@@ -78,8 +78,8 @@ async fn an_idle_outbox_in_a_busy_database_does_not_pin_wal_and_a_stopped_relay_
     // one now.
     checkpoint(&fx).await;
     eventually(
-        Duration::from_secs(10),
         "the retained WAL shrank below the bound",
+        Duration::from_secs(10),
         || async {
             let slot = fx.slot().await;
             slot.retained() < BOUND && slot.confirmed_lag() < BOUND
@@ -97,8 +97,8 @@ async fn an_idle_outbox_in_a_busy_database_does_not_pin_wal_and_a_stopped_relay_
 
     // The negative control: nobody reads the slot, the same writes stay retained.
     eventually(
-        Duration::from_secs(10),
         "the stopped relay's walsender is gone",
+        Duration::from_secs(10),
         || async { fx.slot().await.active_pid.is_none() },
     )
     .await;

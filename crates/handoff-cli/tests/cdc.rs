@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 use common::{check_stream, pending, wait_drained, RelayProcess, Target};
 use handoff_postgres::{Outbox, OutboxConfig};
 use handoff_test::cluster::PrivatePostgres;
-use handoff_test::factory;
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
+use handoff_test::{eventually, factory};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -287,23 +287,6 @@ async fn scrape_until(
     }
 }
 
-/// Polls `check` every 50 ms until it holds, or panics with `what` and `log()` after `limit`.
-async fn eventually<F, Fut>(limit: Duration, what: &str, log: impl Fn() -> String, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while !check().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out: {what}\nrelay log:\n{}",
-            log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// V1's "after broker accept but before the commit of the position", for the CDC source: the
 /// relay is frozen right after the broker acknowledged an event and SIGKILLed there. The slot
 /// must not have been confirmed past that transaction, even though a later transaction was
@@ -333,10 +316,9 @@ async fn a_relay_killed_between_the_ack_and_the_confirmation_gets_the_transactio
         .await
         .unwrap();
     eventually(
-        Duration::from_secs(20),
         "relay A confirms an idle position",
-        || a.log(),
-        || async { drill.confirmed().await >= lsn(&written) },
+        Duration::from_secs(20),
+        async || a.log_unless(drill.confirmed().await >= lsn(&written)),
     )
     .await;
     sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
@@ -360,10 +342,9 @@ async fn a_relay_killed_between_the_ack_and_the_confirmation_gets_the_transactio
     // Transaction 2, another aggregate: acknowledged and marked published by relay A.
     let (second, second_xid) = drill.commit("b", 2).await;
     eventually(
-        Duration::from_secs(20),
         "relay A marks the second event published",
-        || a.log(),
-        || drill.published(second),
+        Duration::from_secs(20),
+        async || a.log_unless(drill.published(second).await),
     )
     .await;
     let first_end = drill.commit_end(&first_xid).await;

@@ -15,9 +15,10 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{check_stream, RelayProcess, Target};
+use common::{check_stream, pending, RelayProcess, Target};
+use handoff_test::eventually;
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
@@ -92,22 +93,6 @@ impl Drop for Service {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-/// Polls `check` every 20 ms until it gives `Some`, at most [`DEADLINE`].
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "{what}: not within {DEADLINE:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -233,7 +218,7 @@ async fn wake_latencies(direct: &PgPool, writer: &PgPool, count: usize, tag: &st
         let event = handoff_test::factory::event(&format!("{tag}-{n}"), n as u64);
         let id = outbox.enqueue(&mut tx, &[event]).await.unwrap()[0].event_id;
         tx.commit().await.unwrap();
-        let ms: f64 = eventually("the event published", || async {
+        let ms: f64 = eventually("the event published", DEADLINE, || async {
             sqlx::query_scalar::<_, Option<f64>>(
                 "SELECT extract(epoch FROM published_at - occurred_at)::float8 * 1000 \
                  FROM outbox WHERE event_id = $1",
@@ -375,14 +360,8 @@ async fn order_service_relay_and_inventory_run_through_a_transaction_pooler() {
     );
 
     // Every event published once and in order per aggregate.
-    eventually("the outbox drained", || async {
-        (scalar(
-            &direct,
-            "SELECT count(*) FROM outbox WHERE published_at IS NULL",
-        )
-        .await
-            == 0)
-            .then_some(())
+    eventually("the outbox drained", DEADLINE, async || {
+        pending(&direct).await == 0
     })
     .await;
     let client = async_nats::connect(&nats).await.unwrap();
@@ -398,7 +377,7 @@ async fn order_service_relay_and_inventory_run_through_a_transaction_pooler() {
     );
 
     // Applied once: every event has its dedup row, and the stock is the sum of the orders.
-    eventually("the inventory applied every event", || async {
+    eventually("the inventory applied every event", DEADLINE, || async {
         let applied = scalar(
             &direct,
             "SELECT count(*) FROM processed_events WHERE consumer_name = 'inventory'",

@@ -7,7 +7,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use common::{handoff, migrated, stderr, stdout_json, RelayProcess, Target};
@@ -16,7 +16,7 @@ use handoff_postgres::{Outbox, OutboxConfig};
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop, StoredMessage,
 };
-use handoff_test::{factory, TestDb};
+use handoff_test::{eventually, factory, TestDb};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -50,20 +50,12 @@ async fn unpublished(db: &TestDb) -> HashMap<String, Vec<i64>> {
     by_aggregate
 }
 
-async fn wait_until<F, Fut>(what: &str, relay: &RelayProcess, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !condition().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting until {what}; relay log:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+/// Waits (at most 30 s) until `condition` holds, showing the relay's log on a timeout.
+async fn wait_until(what: &str, relay: &RelayProcess, mut condition: impl AsyncFnMut() -> bool) {
+    eventually(what, Duration::from_secs(30), async || {
+        relay.log_unless(condition().await)
+    })
+    .await;
 }
 
 /// The stream's messages of one aggregate, in stream order.

@@ -7,12 +7,13 @@ mod ops;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{enqueue_spread, migrated, wait_drained, RelayProcess};
 use handoff_consumer::{Consumer, ConsumerConfig, Handler, HandlerError};
 use handoff_core::intake::{Delivery, Intake, IntakeError, ReceivedEvent};
 use handoff_nats::{IntakeConfig, JetStreamIntake, JetStreamSettle, REPLAY};
+use handoff_test::eventually;
 use handoff_test::nats::read_stream;
 use ops::{db_now, handoff, Broker};
 use sqlx::PgConnection;
@@ -56,14 +57,6 @@ impl Handler for Apply {
             .execute(&mut *tx)
             .await?;
         Ok(())
-    }
-}
-
-async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -132,15 +125,18 @@ async fn a_replayed_time_range_reaches_the_consumer_again_and_applies_nothing_tw
             })
             .await;
     });
-    wait_until("the first 21 deliveries", || {
-        seen.lock().unwrap().len() >= 21
-    })
+    eventually(
+        "the first 21 deliveries",
+        Duration::from_secs(30),
+        async || seen.lock().unwrap().len() >= 21,
+    )
     .await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while db.count("applied").await < 21 {
-        assert!(Instant::now() < deadline, "the 21 events were not applied");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        "the 21 events applied",
+        Duration::from_secs(30),
+        async || db.count("applied").await >= 21,
+    )
+    .await;
 
     let run = handoff(
         &broker.target,
@@ -155,9 +151,11 @@ async fn a_replayed_time_range_reaches_the_consumer_again_and_applies_nothing_tw
     let replay_id = summary["replay_id"].as_str().unwrap().to_owned();
     assert!(Uuid::parse_str(&replay_id).is_ok_and(|id| id.get_version_num() == 7));
 
-    wait_until("the 9 replayed deliveries", || {
-        seen.lock().unwrap().len() >= 30
-    })
+    eventually(
+        "the 9 replayed deliveries",
+        Duration::from_secs(30),
+        async || seen.lock().unwrap().len() >= 30,
+    )
     .await;
     // Stopping lets the deliveries in hand settle; whatever the inbox did with the copies,
     // the effect must still be one row per event.

@@ -10,9 +10,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{event, wait_for, Recorder, Setup};
+use common::{event, Recorder, Setup, WAIT};
 use handoff_consumer::{BatchConfig, ConsumerConfig, GapPolicy, Handler, HandlerError};
 use handoff_core::intake::ReceivedEvent;
+use handoff_test::eventually;
 use handoff_test::inbox::{assert_applied_once_in_order, record};
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -143,7 +144,10 @@ async fn batch_mode_applies_every_event_once_in_order_and_acks_redelivered_dupli
     for e in &events {
         setup.publish_again_with_new_msg_id(e).await;
     }
-    wait_for("every copy acknowledged", || drained(&setup, "batch_order")).await;
+    eventually("every copy acknowledged", WAIT, || {
+        drained(&setup, "batch_order")
+    })
+    .await;
     running.stop().await;
 
     let applied = setup.applied().await;
@@ -258,7 +262,10 @@ async fn a_poison_event_is_quarantined_while_its_batch_neighbours_apply_once() {
     setup
         .wait_count("SELECT count(*) FROM processed_events", 9)
         .await;
-    wait_for("every delivery settled", || drained(&setup, "batch_poison")).await;
+    eventually("every delivery settled", WAIT, || {
+        drained(&setup, "batch_poison")
+    })
+    .await;
     running.stop().await;
 
     let rows = quarantined(&setup).await;
@@ -345,7 +352,10 @@ async fn events_out_of_their_aggregates_line_follow_the_gap_policy_in_batch_mode
     setup
         .wait_count("SELECT count(*) FROM processed_events", 10)
         .await;
-    wait_for("every delivery settled", || drained(&setup, "batch_gaps")).await;
+    eventually("every delivery settled", WAIT, || {
+        drained(&setup, "batch_gaps")
+    })
+    .await;
     running.stop().await;
 
     let applied = setup.applied().await;
@@ -434,25 +444,29 @@ async fn a_crash_before_the_batch_commit_leaves_nothing_half_applied() {
         intake(Duration::from_secs(2)),
     );
     // Every handler of the batch ran; then its transaction waits, open, at the failpoint.
-    wait_for("the batch's handlers ran", || {
+    eventually("the batch's handlers ran", WAIT, || {
         let handler = handler.clone();
         async move { handler.total_calls() as usize == AGGREGATES }
     })
     .await;
     let frozen = "SELECT count(*) FROM pg_stat_activity \
                   WHERE application_name = $1 AND state = 'idle in transaction'";
-    wait_for("the batch's transaction open at the failpoint", || {
-        let pool = setup.db.pool.clone();
-        let application = application.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(frozen)
-                .bind(application)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                == 1
-        }
-    })
+    eventually(
+        "the batch's transaction open at the failpoint",
+        WAIT,
+        || {
+            let pool = setup.db.pool.clone();
+            let application = application.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(frozen)
+                    .bind(application)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+                    == 1
+            }
+        },
+    )
     .await;
     for table in [
         "applied",

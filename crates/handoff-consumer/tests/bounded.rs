@@ -8,11 +8,12 @@ mod common;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use common::{event, wait_for, Setup};
+use common::{event, Setup, WAIT};
 use handoff_consumer::{ConsumerConfig, Handler, HandlerError};
 use handoff_core::contract::{self, header};
 use handoff_core::delivery::{OutboxEvent, Transport};
 use handoff_core::intake::{broker_backstop, ReceivedEvent};
+use handoff_test::eventually;
 use handoff_test::inbox;
 use sqlx::PgConnection;
 
@@ -167,7 +168,7 @@ async fn every_hostile_message_is_quarantined_within_the_cap_while_others_flow()
     let stream = context.get_stream(&setup.stream).await.unwrap();
     let durable: async_nats::jetstream::consumer::PullConsumer =
         stream.get_consumer("hostile").await.unwrap();
-    wait_for("the durable to hold nothing", || {
+    eventually("the durable to hold nothing", WAIT, || {
         let mut durable = durable.clone();
         async move {
             let info = durable.info().await.unwrap();

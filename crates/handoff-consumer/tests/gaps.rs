@@ -5,9 +5,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{event, Recorder, Setup};
+use common::{event, Recorder, Setup, WAIT};
 use handoff_consumer::{Gap, GapDecision, GapPolicy};
 use handoff_core::delivery::OutboxEvent;
+use handoff_test::eventually;
 
 /// Publishes 1, 3, 2 of aggregate `o-1` in that stream order; returns them by sequence.
 async fn out_of_order(setup: &Setup) -> [OutboxEvent; 3] {
@@ -203,7 +204,7 @@ async fn stale_is_a_duplicate_under(policy: GapPolicy, name: &str) {
     setup
         .wait_count("SELECT count(*) FROM processed_events", 3)
         .await;
-    common::wait_for("the replay to be settled", || async {
+    eventually("the replay to be settled", WAIT, || async {
         deliveries(&setup, name).await >= 5
     })
     .await;
@@ -264,7 +265,7 @@ async fn a_hook_skipping_an_event_ahead_moves_the_aggregate_past_it_and_leaves_n
     setup
         .wait_count("SELECT count(*) FROM processed_events", 4)
         .await;
-    common::wait_for("every delivery settled", || async {
+    eventually("every delivery settled", WAIT, || async {
         deliveries(&setup, "skip_ahead").await >= 4
     })
     .await;

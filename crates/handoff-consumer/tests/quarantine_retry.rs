@@ -9,9 +9,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{event, wait_for, Recorder, Setup};
+use common::{event, Recorder, Setup, WAIT};
 use handoff_consumer::{serve_retries, ConsumerConfig, GapPolicy, HandlerError};
 use handoff_postgres::{ConsumerQuarantine, Schema};
+use handoff_test::eventually;
 
 #[tokio::test]
 async fn a_retried_row_is_applied_exactly_once_in_order_by_a_running_consumer() {
@@ -84,7 +85,7 @@ async fn a_retried_row_is_applied_exactly_once_in_order_by_a_running_consumer() 
     // The aggregate flows again: its next event applies on delivery.
     let third = event("poison", 3);
     setup.publish(&third).await;
-    wait_for("poison #3 applied", || async {
+    eventually("poison #3 applied", WAIT, || async {
         setup
             .applied()
             .await

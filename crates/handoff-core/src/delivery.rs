@@ -85,25 +85,101 @@ pub struct Failure {
     pub hold_reason: Option<&'static str>,
 }
 
-/// Why a [`Source`] call failed.
+/// The kind of a [`SourceError`], which decides whether the relay tries again.
+///
+/// # Examples
+///
+/// ```
+/// use handoff_core::delivery::{SourceError, SourceErrorKind};
+///
+/// let missing = std::io::Error::new(std::io::ErrorKind::NotFound, "relation outbox does not exist");
+/// let error = SourceError::with_kind(SourceErrorKind::Schema, "while claiming", missing);
+/// assert!(!error.kind().is_retryable());
+/// assert_eq!(error.to_string(), "while claiming: relation outbox does not exist");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum SourceErrorKind {
+    /// The store cannot be reached or cannot serve us for now: the connection dropped, the
+    /// server is restarting or out of connection slots, a deadlock or serialization failure.
+    /// Retried with backoff.
+    Unavailable,
+    /// The store did not answer in time (a statement or query timeout). Retried with backoff.
+    Timeout,
+    /// The store answered and refuses for good: a login or a permission refused, invalid
+    /// connection settings, a certificate that does not verify. Retrying cannot help; the relay
+    /// stops.
+    Permanent,
+    /// The store's tables are not what this code expects: a missing table, column or function
+    /// (migrations not run, or a newer schema), a row that does not decode. Retrying cannot
+    /// help until an operator migrates; the relay stops.
+    Schema,
+}
+
+impl SourceErrorKind {
+    /// Whether trying the same call again can succeed.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            SourceErrorKind::Unavailable | SourceErrorKind::Timeout
+        )
+    }
+
+    /// The kind as a metric label and log field: `unavailable`, `timeout`, `permanent`,
+    /// `schema`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceErrorKind::Unavailable => "unavailable",
+            SourceErrorKind::Timeout => "timeout",
+            SourceErrorKind::Permanent => "permanent",
+            SourceErrorKind::Schema => "schema",
+        }
+    }
+}
+
+impl std::fmt::Display for SourceErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a [`Source`] call failed, with its [kind](SourceErrorKind): retryable or not.
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
 pub struct SourceError {
     message: String,
+    kind: SourceErrorKind,
     #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
 }
 
 impl SourceError {
-    /// Wraps a driver error with what the source was doing: `"while claiming"`.
+    /// Wraps a driver error with what the source was doing: `"while claiming"`. Its kind is
+    /// [`SourceErrorKind::Unavailable`] (retried); use [`with_kind`](Self::with_kind) when the
+    /// error says more.
     pub fn new(
+        context: &str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> SourceError {
+        SourceError::with_kind(SourceErrorKind::Unavailable, context, source)
+    }
+
+    /// Wraps a driver error of a known kind with what the source was doing.
+    pub fn with_kind(
+        kind: SourceErrorKind,
         context: &str,
         source: impl std::error::Error + Send + Sync + 'static,
     ) -> SourceError {
         SourceError {
             message: format!("{context}: {source}"),
+            kind,
             source: Some(Box::new(source)),
         }
+    }
+
+    /// Whether the relay may try again ([`SourceErrorKind::is_retryable`]).
+    pub fn kind(&self) -> SourceErrorKind {
+        self.kind
     }
 }
 

@@ -11,16 +11,14 @@
 mod common;
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::http::HeaderMap;
 use common::{Endpoint, Reply};
 use handoff_http::{HttpConfig, HttpTransport, RecordedResponse};
-use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
+use handoff_test::conformance::{
+    Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+};
 use sha2::Digest as _;
-
-/// Short, so the silent case times out quickly.
-const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The receiver's body limit.
 const MAX_BODY: usize = 64 * 1024;
@@ -72,6 +70,10 @@ impl Destination for Receiver {
         }
     }
 
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
     fn transport(&self) -> &HttpTransport {
         &self.transport
     }
@@ -104,18 +106,6 @@ impl Destination for Receiver {
 
     fn oversize(&self) -> Option<usize> {
         Some(MAX_BODY)
-    }
-
-    async fn take_down(&mut self) -> bool {
-        self.link.take_down(&self.transport).await
-    }
-
-    async fn go_silent(&mut self) -> bool {
-        self.link.go_silent()
-    }
-
-    fn publish_timeout(&self) -> Duration {
-        PUBLISH_TIMEOUT
     }
 }
 

@@ -11,7 +11,7 @@ use common::{Endpoint, Reply, Seen};
 use handoff_http::{HttpConfig, HttpTransport, RecordedResponse};
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
-use handoff_test::{factory, TestDb};
+use handoff_test::{eventually, factory, TestDb};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -80,18 +80,16 @@ impl Setup {
 
     /// Waits (at most 30 s) until the row satisfies `done`.
     async fn until(&self, aggregate: &str, sequence: i64, done: impl Fn(&RowState) -> bool) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
+        let what = format!("{aggregate}/{sequence} reaches its state");
+        eventually(&what, Duration::from_secs(30), async || {
             let row = self.row(aggregate, sequence).await;
             if done(&row) {
-                return;
+                Ok(())
+            } else {
+                Err(row)
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{aggregate}/{sequence}: {row:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
     }
 
     async fn receipt(&self, aggregate: &str, sequence: i64) -> Option<String> {

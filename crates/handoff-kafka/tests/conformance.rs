@@ -62,6 +62,10 @@ impl Destination for Kafka {
         }
     }
 
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
     fn transport(&self) -> &KafkaTransport {
         &self.transport
     }
@@ -88,14 +92,6 @@ impl Destination for Kafka {
 
     fn oversize(&self) -> Option<usize> {
         Some(MAX_MESSAGE)
-    }
-
-    async fn take_down(&mut self) -> bool {
-        self.link.take_down(&self.transport).await
-    }
-
-    async fn go_silent(&mut self) -> bool {
-        self.link.go_silent()
     }
 
     fn publish_timeout(&self) -> Duration {

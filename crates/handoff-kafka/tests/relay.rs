@@ -10,7 +10,7 @@ use handoff_kafka::{read_topic, KafkaConfig, KafkaTransport};
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
 use handoff_test::tansu::{unique_topic, Tansu};
-use handoff_test::{factory, TestDb};
+use handoff_test::{eventually, factory, TestDb};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_committed_event_lands_in_its_aggregates_partition_in_order() {
@@ -72,22 +72,15 @@ async fn every_committed_event_lands_in_its_aggregates_partition_in_order() {
         let _ = stopped.wait_for(|s| *s).await;
     }));
 
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let pending: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-                .fetch_one(&db.pool)
-                .await
-                .unwrap();
-        if pending == 0 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{pending} events still unpublished"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        "no pending rows",
+        Duration::from_secs(30),
+        async || match db.pending_rows().await {
+            0 => Ok(()),
+            pending => Err(pending),
+        },
+    )
+    .await;
     stop.send(true).unwrap();
     run.await.unwrap();
 

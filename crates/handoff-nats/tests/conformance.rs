@@ -5,18 +5,14 @@
 //! JetStream deduplicates: a republish of an event id inside the stream's duplicate window
 //! (`Nats-Msg-Id`) is acknowledged and dropped.
 
-use std::time::Duration;
-
 use async_nats::connection::State;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
-use handoff_test::conformance::{self, Case, Dedup, Destination, Link, Received, CE_SOURCE};
+use handoff_test::conformance::{
+    Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+};
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
-
-/// Short, so the silent case times out quickly (the client's pings, every two minutes by
-/// default, do not notice the black hole meanwhile).
-const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
 
 struct JetStream {
     transport: JetStreamTransport,
@@ -57,6 +53,10 @@ impl Destination for JetStream {
         }
     }
 
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
     fn transport(&self) -> &JetStreamTransport {
         &self.transport
     }
@@ -83,26 +83,10 @@ impl Destination for JetStream {
         Some(self.transport.client().server_info().max_payload)
     }
 
-    async fn take_down(&mut self) -> bool {
-        // Not the transport's readiness: a flush through the dropped proxy fails before the
-        // client has noticed, while a publish would still be sent.
-        self.link.cut();
-        let client = self.transport.client();
-        conformance::eventually(
-            "the client sees the server go",
-            Duration::from_secs(5),
-            async || client.connection_state() != State::Connected,
-        )
-        .await;
-        true
-    }
-
-    async fn go_silent(&mut self) -> bool {
-        self.link.go_silent()
-    }
-
-    fn publish_timeout(&self) -> Duration {
-        PUBLISH_TIMEOUT
+    /// Not the transport's readiness: a flush through the dropped proxy fails before the
+    /// client has noticed, while a publish would still be sent.
+    async fn sees_down(&self) -> bool {
+        self.transport.client().connection_state() != State::Connected
     }
 }
 

@@ -1,24 +1,6 @@
 //! [`Cleanup`]: deletes (or archives) published outbox rows and consumer dedup rows past their
 //! retention, in short bounded batches (brief O2, C5). `handoff cleanup` is a thin shell around
 //! it; every statement lives in `queries/cleanup/`.
-//!
-//! # How the rows are found
-//!
-//! There is no index on `published_at`: the relay's publish `UPDATE` would have to maintain it
-//! on the write path. Instead each batch walks the primary key with a keyset cursor: it reads
-//! the next `batch_size` keys after the cursor and deletes those of them that are past the
-//! horizon, in one statement that also returns the new cursor. A run therefore reads the whole
-//! table once, young rows included, and never stops early on id order (event ids are UUIDv7 and
-//! roughly time-ordered, but callers may supply their own).
-//!
-//! # Why it is safe beside running relays
-//!
-//! Only rows with `published_at` set and older than the horizon are deleted; pending rows
-//! (`published_at IS NULL`, quarantined ones included) never match. Relays update only pending
-//! rows and read an event's predecessor without locking it, so they never wait on a batch. Each
-//! batch is its own transaction with a `lock_timeout`: should some other session hold a lock on
-//! a row (an operator's manual `UPDATE`), the batch gives up, backs off and is retried, instead
-//! of queueing behind it and making others queue behind the batch.
 
 use std::time::{Duration, Instant};
 
@@ -324,7 +306,25 @@ struct Batch {
     done: bool,
 }
 
-/// Deletes or archives rows past their retention; see the [module docs](self).
+/// Deletes or archives rows past their retention.
+///
+/// # How the rows are found
+///
+/// There is no index on `published_at`: the relay's publish `UPDATE` would have to maintain it
+/// on the write path. Instead each batch walks the primary key with a keyset cursor: it reads
+/// the next `batch_size` keys after the cursor and deletes those of them that are past the
+/// horizon, in one statement that also returns the new cursor. A run therefore reads the whole
+/// table once, young rows included, and never stops early on id order (event ids are UUIDv7 and
+/// roughly time-ordered, but callers may supply their own).
+///
+/// # Why it is safe beside running relays
+///
+/// Only rows with `published_at` set and older than the horizon are deleted; pending rows
+/// (`published_at IS NULL`, quarantined ones included) never match. Relays update only pending
+/// rows and read an event's predecessor without locking it, so they never wait on a batch. Each
+/// batch is its own transaction with a `lock_timeout`: should some other session hold a lock on
+/// a row (an operator's manual `UPDATE`), the batch gives up, backs off and is retried, instead
+/// of queueing behind it and making others queue behind the batch.
 ///
 /// # Examples
 ///

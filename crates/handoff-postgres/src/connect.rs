@@ -94,7 +94,7 @@ pub fn connect_error_kind(error: &sqlx::Error) -> ConnectErrorKind {
 }
 
 /// Whether an I/O error is rustls's (the handshake failed), as sqlx wraps it.
-fn is_rustls(error: &std::io::Error) -> bool {
+pub(crate) fn is_rustls(error: &std::io::Error) -> bool {
     // `io::Error::source` skips the wrapped error itself (it returns that error's source), so
     // look at the wrapped error directly.
     error

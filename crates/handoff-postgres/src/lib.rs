@@ -72,6 +72,7 @@ mod retained;
 mod roles;
 mod schema;
 mod source;
+mod source_error;
 mod status;
 mod trace;
 
@@ -116,4 +117,5 @@ pub use source::{
     header_pairs, read_outbox_event, Backlog, OtherLane, PollingConfig, PollingConfigError,
     PollingSource, WAKE_CHANNEL,
 };
+pub use source_error::{source_error, source_error_kind};
 pub use status::{CleanupRun, Status, StatusReport, StuckAggregate, TableSize};

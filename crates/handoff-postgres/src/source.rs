@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use chrono::{DateTime, Utc};
-use handoff_core::delivery::{Claim, Failure, OutboxEvent, Published, Source, SourceError};
+use handoff_core::delivery::{
+    Claim, Failure, OutboxEvent, Published, Source, SourceError, SourceErrorKind,
+};
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgListener, PgPool, PgRow};
@@ -13,6 +15,7 @@ use tokio::sync::Mutex;
 use tokio::time::error::Elapsed;
 
 use crate::pooler::{Pooling, Scoped};
+use crate::source_error::source_error;
 use crate::Schema;
 use handoff_core::OrderMode;
 
@@ -376,7 +379,7 @@ impl PollingSource {
         };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         let row = self.bounded(&mut conn, outcome, what)?;
-        read_backlog(&row).map_err(|e| SourceError::new("while reading the backlog", e))
+        read_backlog(&row).map_err(|e| source_error("while reading the backlog", e))
     }
 
     /// What the other order mode left pending: in global mode the per-aggregate events, in
@@ -412,7 +415,7 @@ impl PollingSource {
                 global_front: row.try_get("global_front")?,
             })
         };
-        read(&row).map_err(|e| SourceError::new(what, e))
+        read(&row).map_err(|e| source_error(what, e))
     }
 
     /// Stops the writers' notifications on this relay's account.
@@ -478,7 +481,7 @@ impl PollingSource {
     async fn connection(&self, what: &str) -> Result<PoolConnection<Postgres>, SourceError> {
         match tokio::time::timeout(self.config.query_timeout, self.pool.acquire()).await {
             Ok(Ok(conn)) => Ok(conn),
-            Ok(Err(e)) => Err(SourceError::new(what, e)),
+            Ok(Err(e)) => Err(source_error(what, e)),
             // sqlx drops a connection whose check was cut short, so a silent one goes too.
             Err(_) => Err(SourceError::new(
                 what,
@@ -497,12 +500,13 @@ impl PollingSource {
     ) -> Result<T, SourceError> {
         match outcome {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(SourceError::new(what, e)),
+            Ok(Err(e)) => Err(source_error(what, e)),
             Err(_elapsed) => {
                 // Its state is unknown (the answer may still come, or never): closing it is
                 // the only safe end, and a ping on release could hang like the query did.
                 conn.close_on_drop();
-                Err(SourceError::new(
+                Err(SourceError::with_kind(
+                    SourceErrorKind::Timeout,
                     what,
                     QueryTimedOut(self.config.query_timeout),
                 ))
@@ -637,7 +641,7 @@ impl Source for PollingSource {
                     Ok((event, held, taken_over, lease, isolate))
                 };
                 let (event, is_held, is_taken_over, lease, is_suspect) =
-                    read(row).map_err(|e| SourceError::new("while reading a claimed row", e))?;
+                    read(row).map_err(|e| source_error("while reading a claimed row", e))?;
                 if is_held {
                     held += 1;
                     tracing::error!(
@@ -783,9 +787,10 @@ impl Source for PollingSource {
             };
             let listener = match tokio::time::timeout(self.config.query_timeout, connect).await {
                 Ok(Ok(listener)) => listener,
-                Ok(Err(e)) => return Err(SourceError::new("while listening", e)),
+                Ok(Err(e)) => return Err(source_error("while listening", e)),
                 Err(_) => {
-                    return Err(SourceError::new(
+                    return Err(SourceError::with_kind(
+                        SourceErrorKind::Timeout,
                         "while listening",
                         QueryTimedOut(self.config.query_timeout),
                     ))
@@ -842,7 +847,7 @@ impl Source for PollingSource {
                 Ok(Ok(None)) => return Ok(()),
                 Ok(Err(e)) => {
                     wake.listener = None;
-                    return Err(SourceError::new("while waiting for notifications", e));
+                    return Err(source_error("while waiting for notifications", e));
                 }
             }
         }

@@ -5,14 +5,11 @@
 //!
 //! Redis deduplicates by event id through the transport's dedup window.
 
-use std::time::Duration;
-
 use handoff_redis::{RedisConfig, RedisTransport};
-use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
+use handoff_test::conformance::{
+    Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+};
 use handoff_test::redis::{read_all, url, ScratchStream};
-
-/// Short, so the silent case times out quickly.
-const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The transport's limit in the oversize case.
 const MAX_EVENT_BYTES: usize = 4096;
@@ -57,6 +54,10 @@ impl Destination for Redis {
         }
     }
 
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
     fn transport(&self) -> &RedisTransport {
         &self.transport
     }
@@ -85,18 +86,6 @@ impl Destination for Redis {
 
     fn oversize(&self) -> Option<usize> {
         self.oversize
-    }
-
-    async fn take_down(&mut self) -> bool {
-        self.link.take_down(&self.transport).await
-    }
-
-    async fn go_silent(&mut self) -> bool {
-        self.link.go_silent()
-    }
-
-    fn publish_timeout(&self) -> Duration {
-        PUBLISH_TIMEOUT
     }
 }
 

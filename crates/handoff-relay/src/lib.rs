@@ -31,4 +31,4 @@ mod relay;
 mod trace;
 
 pub use config::{Backoff, OrderMode, RelayConfig, RelayConfigError};
-pub use relay::{Relay, RelayReport};
+pub use relay::{Relay, RelayError, RelayErrorKind, RelayReport};

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, PublishError, Published, Source, SourceError, Transport,
+    Claim, Failure, OutboxEvent, PublishError, Published, Source, SourceError, SourceErrorKind,
+    Transport,
 };
 use handoff_core::EventId;
 use tokio::sync::{mpsc, watch, Notify, Semaphore};
@@ -69,6 +70,44 @@ pub struct RelayReport {
     pub held: u64,
     /// Leased events given back unpublished.
     pub released: u64,
+    /// The kind of the source failure that ended the run, when one did: a source error that
+    /// retrying cannot cure ([`SourceErrorKind::is_retryable`] false). `None` when the run
+    /// ended on its shutdown signal. [`Relay::try_run`] returns the error itself.
+    pub source_failure: Option<SourceErrorKind>,
+}
+
+/// The relay stopped on its own: its source failed in a way retrying cannot cure (a missing
+/// table or column, a refused permission or login). Leased events were released where the
+/// source still took writes, else their leases expire; nothing is lost.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the relay stopped: the source failed for good ({kind}) during {op}: {source}",
+    kind = .source.kind()
+)]
+#[non_exhaustive]
+pub struct RelayError {
+    /// The source call that failed: `claim`, `mark_published`, `record_failures`, `release`.
+    pub op: &'static str,
+    /// What the source said.
+    #[source]
+    pub source: SourceError,
+    /// What the relay did before it stopped.
+    pub report: RelayReport,
+}
+
+/// The kind of a [`RelayError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RelayErrorKind {
+    /// The source failed with an error of this kind, which is not retryable.
+    Source(SourceErrorKind),
+}
+
+impl RelayError {
+    /// What ended the run.
+    pub fn kind(&self) -> RelayErrorKind {
+        RelayErrorKind::Source(self.source.kind())
+    }
 }
 
 /// An event's fate, written back to the source by the bookkeeper.
@@ -97,9 +136,28 @@ struct Shared {
     retried: AtomicU64,
     held: AtomicU64,
     released: AtomicU64,
+    /// The first source error retrying cannot cure, and the call it came from: it ends the run.
+    fatal: Mutex<Option<(&'static str, SourceError)>>,
+    /// Woken once [`fatal`](Self::fatal) is set.
+    fatal_set: Notify,
 }
 
 impl Shared {
+    /// Records a source error retrying cannot cure and asks the run to end; the first one wins.
+    fn fail(&self, op: &'static str, error: SourceError) {
+        error!(
+            error = %error,
+            kind = error.kind().as_str(),
+            op,
+            "the source failed in a way retrying cannot cure: stopping the relay"
+        );
+        let mut fatal = self.fatal.lock().unwrap_or_else(|e| e.into_inner());
+        if fatal.is_none() {
+            *fatal = Some((op, error));
+            self.fatal_set.notify_one();
+        }
+    }
+
     fn finish(&self, event_id: &EventId) {
         self.in_flight
             .lock()
@@ -150,14 +208,54 @@ impl<S: Source, T: Transport> Relay<S, T> {
     /// (for at most [`RelayConfig::shutdown_grace`]), writes their outcomes, releases what is
     /// left and returns.
     ///
-    /// Errors of the source or the transport never end the run: they are logged, counted and
-    /// retried with backoff.
+    /// Errors of the transport and retryable errors of the source never end the run: they are
+    /// logged, counted and retried with backoff. A source error that retrying cannot cure
+    /// ([`SourceErrorKind::is_retryable`] false: a missing table, a refused permission) ends
+    /// it as a shutdown would, and [`RelayReport::source_failure`] says so;
+    /// [`try_run`](Self::try_run) returns that error instead.
     ///
     /// # Cancel safety
     ///
     /// Dropping the future abandons leased events to their lease expiry; they are published
     /// again then (at least once). Prefer completing `shutdown`.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> RelayReport {
+        match self.try_run(shutdown).await {
+            Ok(report) => report,
+            Err(error) => error.report,
+        }
+    }
+
+    /// As [`run`](Self::run), but a source failure that retrying cannot cure is returned as an
+    /// error, so the caller can exit with it.
+    ///
+    /// # Errors
+    ///
+    /// [`RelayError`]: the source failed with a kind that is not retryable; the relay stopped
+    /// claiming, let in-flight publishes finish and released what it could.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`run`](Self::run).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use handoff_relay::{Relay, RelayConfig};
+    /// # use handoff_core::delivery::{Source, Transport};
+    ///
+    /// # async fn example(source: impl Source, transport: impl Transport) -> Result<(), Box<dyn std::error::Error>> {
+    /// let relay = Relay::new(source, transport, RelayConfig::default())?;
+    /// match relay.try_run(async { tokio::signal::ctrl_c().await.ok(); }).await {
+    ///     Ok(report) => println!("published {}", report.published),
+    ///     Err(error) => eprintln!("{error}"), // e.g. the outbox table is missing
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn try_run(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<RelayReport, RelayError> {
         let shared = Arc::new(Shared {
             in_flight: Mutex::new(HashSet::new()),
             health: Health::new(self.config.health_window, self.config.outage_backoff),
@@ -167,6 +265,8 @@ impl<S: Source, T: Transport> Relay<S, T> {
             held: AtomicU64::new(0),
             released: AtomicU64::new(0),
             unsettled: AtomicUsize::new(0),
+            fatal: Mutex::new(None),
+            fatal_set: Notify::new(),
         });
         // Up until a publish says otherwise, so the gauge exists from the start rather than from
         // the first outage (a dashboard panel and `absent()` need the series).
@@ -207,6 +307,11 @@ impl<S: Source, T: Transport> Relay<S, T> {
             tokio::select! {
                 () = &mut shutdown, if stopping.is_none() => {
                     info!(in_flight = lanes.len(), "shutting down: no new claims");
+                    let _ = stop_tx.send(true);
+                    stopping = Some(tokio::time::Instant::now() + self.config.shutdown_grace);
+                }
+                () = shared.fatal_set.notified(), if stopping.is_none() => {
+                    info!(in_flight = lanes.len(), "stopping on a source failure: no new claims");
                     let _ = stop_tx.send(true);
                     stopping = Some(tokio::time::Instant::now() + self.config.shutdown_grace);
                 }
@@ -252,14 +357,23 @@ impl<S: Source, T: Transport> Relay<S, T> {
         }
         drop(outcome_tx);
         let _ = bookkeeper.await;
+        let fatal = shared
+            .fatal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let report = RelayReport {
             published: shared.published.load(Ordering::Relaxed),
             retried: shared.retried.load(Ordering::Relaxed),
             held: shared.held.load(Ordering::Relaxed),
             released: shared.released.load(Ordering::Relaxed),
+            source_failure: fatal.as_ref().map(|(_, error)| error.kind()),
         };
         info!(?report, "relay stopped");
-        report
+        match fatal {
+            None => Ok(report),
+            Some((op, source)) => Err(RelayError { op, source, report }),
+        }
     }
 
     /// Turns a lane's end into outcomes: the failure with its retry decision, and releases for
@@ -584,9 +698,13 @@ async fn claim_loop<S: Source, T: Transport>(
             Ok(claim) => claim,
             Err(error) => {
                 capacity.add_permits(batch);
+                metrics::counter!(m::SOURCE_ERRORS, "op" => "claim").increment(1);
+                if !error.kind().is_retryable() {
+                    shared.fail("claim", error);
+                    break;
+                }
                 source_failures += 1;
                 let delay = config.outage_backoff.delay(source_failures);
-                metrics::counter!(m::SOURCE_ERRORS, "op" => "claim").increment(1);
                 warn!(error = %error, retry_in = ?delay, "claim failed");
                 tokio::select! {
                     _ = stop.changed() => break,
@@ -709,13 +827,13 @@ async fn bookkeep<S: Source>(
             }
         }
         if !published.is_empty() {
-            persist("mark_published", &config, &stop, || {
+            persist("mark_published", &config, &stop, &shared, || {
                 source.mark_published(&published)
             })
             .await;
         }
         if !failures.is_empty() {
-            persist("record_failures", &config, &stop, || {
+            persist("record_failures", &config, &stop, &shared, || {
                 source.record_failures(&failures)
             })
             .await;
@@ -724,7 +842,10 @@ async fn bookkeep<S: Source>(
             shared
                 .released
                 .fetch_add(released.len() as u64, Ordering::Relaxed);
-            persist("release", &config, &stop, || source.release(&released)).await;
+            persist("release", &config, &stop, &shared, || {
+                source.release(&released)
+            })
+            .await;
         }
         shared
             .unsettled
@@ -738,11 +859,13 @@ async fn bookkeep<S: Source>(
 
 /// Retries one write with backoff: for as long as it takes while running (an unwritten mark
 /// only costs a duplicate publish later, but a bounded number of them is better), a few times
-/// once shutdown began.
+/// once shutdown began. A write that retrying cannot cure is not retried: it ends the run
+/// ([`Shared::fail`]) and the leases expire instead.
 async fn persist<F, Fut>(
     op: &'static str,
     config: &RelayConfig,
     stop: &watch::Receiver<bool>,
+    shared: &Shared,
     write: F,
 ) where
     F: Fn() -> Fut,
@@ -753,6 +876,10 @@ async fn persist<F, Fut>(
             Ok(()) => return,
             Err(error) => {
                 metrics::counter!(m::SOURCE_ERRORS, "op" => op).increment(1);
+                if !error.kind().is_retryable() {
+                    shared.fail(op, error);
+                    return;
+                }
                 if *stop.borrow() && attempt >= 3 {
                     error!(error = %error, op, "giving up at shutdown; the leases expire instead");
                     return;

@@ -14,7 +14,7 @@ use handoff_test::faults::{Fault, Faulty};
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
-use handoff_test::{factory, TestDb};
+use handoff_test::{eventually, factory, TestDb};
 
 /// An unpublished row, for the failure message: aggregate, sequence, lease holder, attempts,
 /// last error, time until available.
@@ -92,29 +92,22 @@ async fn order_per_aggregate_survives_transient_errors_and_lost_acks_with_two_re
         })));
     }
 
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let pending: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-                .fetch_one(&db.pool)
-                .await
-                .unwrap();
-        if pending == 0 {
-            break;
+    // The last state a timeout shows: the rows still pending, and why.
+    eventually("no pending rows", Duration::from_secs(60), async || {
+        if db.pending_rows().await == 0 {
+            return Ok(());
         }
-        if tokio::time::Instant::now() >= deadline {
-            let rows: Vec<Stuck> = sqlx::query_as(
-                "SELECT aggregate_id, aggregate_sequence, claimed_by, attempt_count, last_error, \
-                 (available_at - now())::text FROM outbox WHERE published_at IS NULL \
-                 ORDER BY aggregate_id, aggregate_sequence LIMIT 20",
-            )
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
-            panic!("{pending} events still unpublished: {rows:#?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        let rows: Vec<Stuck> = sqlx::query_as(
+            "SELECT aggregate_id, aggregate_sequence, claimed_by, attempt_count, last_error, \
+             (available_at - now())::text FROM outbox WHERE published_at IS NULL \
+             ORDER BY aggregate_id, aggregate_sequence LIMIT 20",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        Err(rows)
+    })
+    .await;
     stop_tx.send(true).unwrap();
     let mut retried = 0;
     for run in runs {

@@ -32,6 +32,7 @@
 #![warn(missing_docs)]
 
 mod definition;
+mod error;
 mod message;
 mod metrics;
 mod operator;
@@ -42,11 +43,12 @@ mod store;
 mod transition;
 
 pub use definition::{DefinitionError, RetryPolicy, SagaDefinition, Step};
+pub use error::{HookError, SagaError};
 pub use message::{
     command_aggregate_type, Command, Direction, MessageError, Outcome, Reply, UnknownName,
     REPLY_AGGREGATE_TYPE, REPLY_EVENT_TYPE, SAGA_ID_HEADER, SCHEMA_VERSION,
 };
-pub use operator::{SagaAdmin, SagaCount, SagaDetail};
-pub use orchestrator::{HookError, Orchestrator, OrchestratorConfig, SagaError, SagaHooks};
+pub use operator::{SagaAdmin, SagaDetail};
+pub use orchestrator::{Orchestrator, OrchestratorConfig, SagaHooks};
 pub use participant::{Participant, SagaParticipant, StepError};
-pub use state::{HistoryEntry, OperatorAction, SagaRecord, SagaState};
+pub use state::{HistoryEntry, OperatorAction, SagaCount, SagaRecord, SagaState};

@@ -7,8 +7,8 @@ use serde::Serialize;
 use sqlx::{Acquire, Postgres};
 use uuid::Uuid;
 
-use crate::orchestrator::SagaError;
-use crate::state::{HistoryEntry, OperatorAction, SagaRecord, SagaState, COLUMNS};
+use crate::error::SagaError;
+use crate::state::{HistoryEntry, OperatorAction, SagaCount, SagaRecord, SagaState, COLUMNS};
 use crate::store::Store;
 
 /// One saga with its history and the operator actions taken on it.
@@ -21,17 +21,6 @@ pub struct SagaDetail {
     pub history: Vec<HistoryEntry>,
     /// Operator actions, oldest first.
     pub actions: Vec<OperatorAction>,
-}
-
-/// How many sagas of a type are in a state.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
-pub struct SagaCount {
-    /// The saga type.
-    pub saga_type: String,
-    /// The state.
-    pub state: String,
-    /// How many.
-    pub count: i64,
 }
 
 /// The operators' view of the saga tables in one schema. Holds no connection: each call runs

@@ -174,6 +174,17 @@ pub(crate) const COLUMNS: &str = "saga_id, saga_type, state, step, data, version
      command_id, deadline_at, deadline_kind, failure, stuck_reason, created_at, updated_at, \
      ended_at, transition_failures, last_transition_error, resume_state, resume_deadline_kind";
 
+/// How many sagas of a type are in a state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct SagaCount {
+    /// The saga type.
+    pub saga_type: String,
+    /// The state.
+    pub state: String,
+    /// How many.
+    pub count: i64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

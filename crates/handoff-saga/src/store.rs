@@ -5,9 +5,8 @@ use handoff_postgres::{Pooling, Schema};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::operator::SagaCount;
-use crate::orchestrator::SagaError;
-use crate::state::{SagaRecord, SagaState, COLUMNS};
+use crate::error::SagaError;
+use crate::state::{SagaCount, SagaRecord, SagaState, COLUMNS};
 
 /// The statements on the saga tables of one schema, built once.
 #[derive(Debug, Clone)]

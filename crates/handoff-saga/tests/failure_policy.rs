@@ -13,7 +13,7 @@ use handoff_saga::{
     Direction, Orchestrator, OrchestratorConfig, Outcome, Reply, RetryPolicy, SagaAdmin,
     SagaDefinition, SagaRecord, SagaState, Step,
 };
-use handoff_test::TestDb;
+use handoff_test::{eventually, TestDb};
 use serde_json::json;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -314,16 +314,12 @@ async fn a_deadline_with_nothing_to_do_is_not_due_forever() {
     assert_eq!(saga(&db.pool, saga_id).await.step, 1);
 
     // Due in 200 ms: the first sweep after that fails it and moves the deadline 1 to 2 s on.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let first = loop {
+    let first = eventually("the deadline fired", Duration::from_secs(30), async || {
         short_sighted.sweep(&db.pool).await.unwrap();
         let saga = saga(&db.pool, saga_id).await;
-        if saga.transition_failures > 0 {
-            break saga;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never fired");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+        (saga.transition_failures > 0).then_some(saga)
+    })
+    .await;
     assert_eq!(first.state, SagaState::Running);
     assert_eq!(first.transition_failures, 1);
     assert_eq!(
@@ -342,15 +338,12 @@ async fn a_deadline_with_nothing_to_do_is_not_due_forever() {
     assert_eq!(saga(&db.pool, saga_id).await.transition_failures, 1);
 
     // The second failure reaches the bound: stuck, no deadline.
-    let parked = loop {
+    let parked = eventually("the saga parked", Duration::from_secs(30), async || {
         short_sighted.sweep(&db.pool).await.unwrap();
         let saga = saga(&db.pool, saga_id).await;
-        if saga.state != SagaState::Running {
-            break saga;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never parked");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+        (saga.state != SagaState::Running).then_some(saga)
+    })
+    .await;
     assert_eq!(parked.state, SagaState::Stuck);
     assert_eq!((parked.deadline_at, parked.deadline_kind), (None, None));
     assert_eq!(

@@ -5,7 +5,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use handoff_test::TestDb;
+use handoff_test::{eventually, TestDb};
 use reference_consumers::provider::{Charge, StatsSnapshot};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -114,18 +114,15 @@ impl Provider {
     /// transaction committed, so this is the signal that a request whose answer the client
     /// never got has applied. Polls an observable condition, never asserts after a fixed sleep.
     async fn stats_until(&self, done: impl Fn(&StatsSnapshot) -> bool) -> StatsSnapshot {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        loop {
+        eventually("the stats get there", Duration::from_secs(20), async || {
             let stats = self.stats().await;
             if done(&stats) {
-                return stats;
+                Ok(stats)
+            } else {
+                Err(stats)
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "stats never got there: {stats:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        })
+        .await
     }
 
     fn terminate(&self) {

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use handoff_saga::{Orchestrator, OrchestratorConfig};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
-use handoff_test::TestDb;
+use handoff_test::{eventually, TestDb};
 use saga_shop::orders::{self, OrderRequest};
 use saga_shop::{inventory, payments};
 use tokio::process::{Child, Command};
@@ -177,8 +177,7 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
     );
 
     // Every saga ends: nothing is left half-done.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    loop {
+    eventually("no saga open", Duration::from_secs(120), async || {
         let open: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM saga_instances WHERE state NOT IN ('completed', 'compensated')",
         )
@@ -186,14 +185,12 @@ async fn every_saga_ends_with_each_effect_once_through_sigkills_of_each_particip
         .await
         .unwrap();
         if open == 0 {
-            break;
+            Ok(())
+        } else {
+            Err(open)
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{open} saga(s) still open after 120 s"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
 
     let sagas: HashMap<Uuid, (String, i64, i64)> = sqlx::query_as::<_, (Uuid, String, i64, i64)>(
         "SELECT s.saga_id, s.state, s.version, (SELECT count(*) FROM saga_history h WHERE h.saga_id = s.saga_id) \

@@ -16,7 +16,7 @@ use handoff_postgres::Pooling;
 use handoff_saga::{Orchestrator, OrchestratorConfig};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::pgbouncer::{OwnDatabase, PgBouncer};
-use handoff_test::TestDb;
+use handoff_test::{eventually, TestDb};
 use saga_shop::orders::{self, OrderRequest};
 use saga_shop::{inventory, payments};
 use sqlx::postgres::PgPoolOptions;
@@ -260,22 +260,19 @@ async fn concurrent_sagas_complete_through_a_transaction_pooler_with_each_effect
     }
 
     // Every saga ends.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    loop {
+    eventually("no saga open", Duration::from_secs(90), async || {
         let open = scalar(
             &orders_direct,
             "SELECT count(*) FROM saga_instances WHERE state NOT IN ('completed', 'compensated')",
         )
         .await;
         if open == 0 {
-            break;
+            Ok(())
+        } else {
+            Err(open)
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{open} saga(s) still open after 90 s"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
 
     let sagas: HashMap<Uuid, (String, i64, i64)> = sqlx::query_as::<_, (Uuid, String, i64, i64)>(
         "SELECT s.saga_id, s.state, s.version, \

@@ -14,7 +14,6 @@
 //! aggregate the first copies in sequence order. Rounds alternate the order of the two.
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,11 +34,11 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection as _, PgConnection};
 use tokio::sync::watch;
 
+use crate::harness::{median, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine;
 use crate::relay::drain::polling_config;
 use crate::relay::probe::{Marked, ProbeSource};
 use crate::relay::workload::{self, Backlog, Workload};
-use crate::scratch::ScratchDatabase;
 
 /// Connections of the relay's pool, as `handoff relay` opens them.
 const POOL_CONNECTIONS: u32 = 4;
@@ -47,13 +46,8 @@ const POOL_CONNECTIONS: u32 = 4;
 /// Flags of `handoff-bench amqp`.
 #[derive(clap::Args)]
 pub struct AmqpArgs {
-    /// Server to benchmark on; a scratch database is created there and dropped afterwards.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    scratch: ScratchArgs,
     /// RabbitMQ; the bench declares and deletes its own exchange and queue.
     #[arg(
         long,
@@ -74,9 +68,8 @@ pub struct AmqpArgs {
     /// A variant that takes longer than this is reported incomplete.
     #[arg(long, default_value_t = 300)]
     timeout_seconds: u64,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// One variant's run.
@@ -114,7 +107,7 @@ pub async fn amqp(args: AmqpArgs) -> Result<()> {
     let workload = Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     let name = format!("handoff_bench_{}", std::process::id());
-    let result = ScratchDatabase::run_in(&args.database_url, async |scratch| {
+    let result = ScratchDatabase::run_in(&args.scratch.database_url, async |scratch| {
         run(&args, workload, scratch, &name).await
     })
     .await;
@@ -185,17 +178,15 @@ async fn run(
             runs.push(run);
         }
     }
-    let median = |variant: &str| {
-        let mut rates: Vec<f64> = runs
-            .iter()
-            .filter(|r| r.variant == variant)
-            .map(|r| r.rows_per_second)
-            .collect();
-        rates.sort_by(f64::total_cmp);
-        rates[rates.len() / 2]
+    let median_of = |variant: &str| {
+        median(
+            runs.iter()
+                .filter(|r| r.variant == variant)
+                .map(|r| r.rows_per_second),
+        )
     };
-    let raw_median = median("raw");
-    let relay_median = median("relay");
+    let raw_median = median_of("raw");
+    let relay_median = median_of("relay");
     println!(
         "median: raw bound {raw_median:.0} rows/s, relay {relay_median:.0} rows/s, relay/raw \
          {:.2}",
@@ -217,9 +208,7 @@ async fn run(
     };
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");
-    if let Some(path) = &args.json {
-        std::fs::write(path, &json).with_context(|| format!("while writing {path:?}"))?;
-    }
+    args.report.write(&report)?;
     Ok(())
 }
 

@@ -20,7 +20,6 @@
 //!   source's setup in place and its relay running: the polling relay (which may ask writers to
 //!   NOTIFY), the publication and slot streaming, or that plus the delete trigger.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,6 +34,7 @@ use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::harness::ReportArgs;
 use crate::machine::{self, commit_probe, nats_port};
 use crate::relay::cpu::{self, CpuShare};
 use crate::relay::drain::{check_stream, polling_config, ReportSummary, StreamCheck};
@@ -110,9 +110,8 @@ pub struct CdcArgs {
     /// `wal_level=logical` and `fsync=on`.
     #[arg(long = "pg-setting")]
     pg_settings: Vec<String>,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// Where the relay's events come from.
@@ -450,10 +449,7 @@ async fn run(
 
     results.ratios = ratios(&results);
     print_tables(&results);
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_vec_pretty(&results)?)
-            .with_context(|| format!("while writing {}", path.display()))?;
-    }
+    args.report.write(&results)?;
     Ok(())
 }
 

@@ -12,7 +12,6 @@
 //! committed while the cleanup ran; the cleanup's rows/s is reported beside it.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,8 +30,8 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 use tokio::sync::watch;
 
+use crate::harness::{median, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine;
-use crate::scratch::ScratchDatabase;
 
 /// The stream the benchmark owns: deleted and created again before every phase.
 const STREAM: &str = "BENCH_CLEANUP";
@@ -47,13 +46,8 @@ const LEAD_IN: Duration = Duration::from_secs(2);
 /// Flags of `handoff-bench cleanup`.
 #[derive(clap::Args)]
 pub struct CleanupArgs {
-    /// Server to benchmark on; a scratch database is created there and dropped afterwards.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own stream, BENCH_CLEANUP.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
@@ -78,9 +72,8 @@ pub struct CleanupArgs {
     /// The cleanup's pause between batches, e.g. 20ms (`handoff cleanup --pause`).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     pause: Duration,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// One phase of one round.
@@ -177,7 +170,7 @@ pub async fn cleanup(args: CleanupArgs) -> Result<()> {
         args.seconds > LEAD_IN.as_secs() + 1,
         "--seconds must leave room after the 2 s lead-in"
     );
-    ScratchDatabase::run_in(&args.database_url, async |scratch| {
+    ScratchDatabase::run_in(&args.scratch.database_url, async |scratch| {
         run(&args, scratch).await
     })
     .await
@@ -233,13 +226,7 @@ async fn run(args: &CleanupArgs, scratch: &ScratchDatabase) -> Result<()> {
         .await;
 
     let median_of = |with: bool, f: &dyn Fn(&Phase) -> f64| {
-        median(
-            phases
-                .iter()
-                .filter(|p| p.cleanup.is_some() == with)
-                .map(f)
-                .collect(),
-        )
+        median(phases.iter().filter(|p| p.cleanup.is_some() == with).map(f))
     };
     let p99_without = median_of(false, &|p| p.window_p99_ms);
     let p99_with = median_of(true, &|p| p.window_p99_ms);
@@ -285,10 +272,7 @@ async fn run(args: &CleanupArgs, scratch: &ScratchDatabase) -> Result<()> {
          {longest:.0} ms",
         results.p99_ratio
     );
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&results)?)
-            .with_context(|| format!("while writing {}", path.display()))?;
-    }
+    args.report.write(&results)?;
     Ok(())
 }
 
@@ -508,18 +492,4 @@ fn quantile_ms(hist: &Histogram<u64>, q: f64) -> f64 {
         return f64::NAN;
     }
     hist.value_at_quantile(q) as f64 / 1000.0
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.retain(|v| !v.is_nan());
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len().is_multiple_of(2) {
-        (values[mid - 1] + values[mid]) / 2.0
-    } else {
-        values[mid]
-    }
 }

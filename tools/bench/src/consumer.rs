@@ -22,7 +22,6 @@
 //! expected total, and with the inbox (either mode) every event has its dedup row and every
 //! aggregate stands at its last sequence; a mismatch fails the bench.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -40,12 +39,14 @@ use handoff_postgres::{Migrator, Schema};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
+use sqlx::{Connection, Executor, PgConnection};
 use tokio::sync::Notify;
 use uuid::Uuid;
 
+use crate::harness::{
+    self, median_run, server_options, write_json, ReportArgs, ScratchArgs, ScratchDatabase,
+};
 use crate::machine::{commit_probe, nats_port, Machine};
-use crate::scratch::ScratchDatabase;
 
 // The relay bench's CPU accounting: the two benches must report CPU the same way.
 use crate::relay::cpu;
@@ -73,13 +74,8 @@ const RESERVE_SQL: &str = "INSERT INTO bench_stock (sku, reserved) VALUES ($1, $
 /// Flags of `handoff-bench consumer`.
 #[derive(clap::Args)]
 pub struct ConsumerArgs {
-    /// Server to benchmark on; a scratch database is created there and dropped afterwards.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own stream, BENCH_CONSUMER.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
@@ -117,9 +113,8 @@ pub struct ConsumerArgs {
     /// A run that has not applied every event after this long fails the bench.
     #[arg(long, default_value_t = 300)]
     run_timeout_seconds: u64,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// Which consumer applied the stream.
@@ -309,9 +304,7 @@ pub async fn consumer(args: ConsumerArgs) -> Result<()> {
         args.concurrency > 0 && args.skus > 0,
         "--concurrency and --skus must be at least 1"
     );
-    let server = handoff_postgres::connect_options(&args.database_url)
-        .context("invalid --database-url")?
-        .disable_statement_logging();
+    let server = server_options(&args.scratch.database_url)?;
     let jetstream = JetStreamConfig {
         stream: STREAM.to_owned(),
         subject_prefix: SUBJECT_PREFIX.to_owned(),
@@ -458,7 +451,11 @@ async fn run(
 
     let median: Vec<Run> = Variant::ALL
         .into_iter()
-        .map(|variant| median(&runs, variant))
+        .map(|variant| {
+            median_run(runs.iter().filter(|r| r.variant == variant), |r| {
+                r.msgs_per_second
+            })
+        })
         .collect();
     let ratio = median[0].msgs_per_second / median[1].msgs_per_second;
     let ratio_batch = median[2].msgs_per_second / median[1].msgs_per_second;
@@ -475,15 +472,14 @@ async fn run(
             .collect()
     };
     let ratio_per_round = per_round(Variant::Inbox);
-    let ratio_median_of_rounds = median_of(ratio_per_round.clone());
+    let ratio_median_of_rounds = harness::median(ratio_per_round.clone());
     let ratio_batch_per_round = per_round(Variant::Batch);
-    let ratio_batch_median_of_rounds = median_of(ratio_batch_per_round.clone());
+    let ratio_batch_median_of_rounds = harness::median(ratio_batch_per_round.clone());
     let cpu_per_event = |variant| {
-        median_of(
+        harness::median(
             runs.iter()
                 .filter(|r| r.variant == variant)
-                .filter_map(|r| r.cpu_ms_per_event)
-                .collect(),
+                .filter_map(|r| r.cpu_ms_per_event),
         )
     };
     let cpu = CpuPerEvent {
@@ -527,7 +523,7 @@ async fn run(
         ],
         &cpu,
     );
-    if let Some(path) = &args.json {
+    if let Some(path) = &args.report.json {
         let results = Results {
             machine,
             workload,
@@ -546,8 +542,7 @@ async fn run(
             goal,
             goal_per_event,
         };
-        std::fs::write(path, serde_json::to_vec_pretty(&results)?)
-            .with_context(|| format!("while writing {}", path.display()))?;
+        write_json(path, &results)?;
     }
     Ok(())
 }
@@ -890,19 +885,6 @@ async fn wal_lsn(admin: &mut PgConnection) -> Result<String> {
 fn cpu_ms_per_event(cpu: &cpu::CpuShare, seconds: f64, events: usize) -> Option<f64> {
     let cores = cpu.bench? + cpu.nats_server? + cpu.postgres_backends;
     Some(cores * seconds * 1000.0 / events as f64)
-}
-
-/// The run of `variant` with the median rate.
-fn median(runs: &[Run], variant: Variant) -> Run {
-    let mut of: Vec<&Run> = runs.iter().filter(|r| r.variant == variant).collect();
-    of.sort_by(|a, b| a.msgs_per_second.total_cmp(&b.msgs_per_second));
-    of[of.len() / 2].clone()
-}
-
-/// The median of `values` (the upper one of an even count); NaN when empty.
-fn median_of(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn cores(value: Option<f64>) -> String {

@@ -20,23 +20,18 @@ use handoff_postgres::{Migrator, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Relay, RelayConfig};
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
+use sqlx::{Connection, Executor, PgConnection};
 
+use crate::harness::{median_run, write_json, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::relay::probe::{Marked, ProbeSource};
 use crate::relay::workload::{self, Workload};
-use crate::scratch::ScratchDatabase;
 use crate::write_path::{measure_with, median, Cell, Variant};
 
 /// Flags of `handoff-bench global-order`.
 #[derive(clap::Args)]
 pub struct GlobalOrderArgs {
-    /// Server to benchmark on; a scratch database is created there and dropped afterwards.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own streams.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
@@ -58,9 +53,8 @@ pub struct GlobalOrderArgs {
     /// A drain that takes longer than this is stopped and reported incomplete.
     #[arg(long, default_value_t = 300)]
     drain_timeout_seconds: u64,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// One write-path row: both modes at one client count.
@@ -104,14 +98,11 @@ struct Results {
 }
 
 pub async fn global_order(args: GlobalOrderArgs) -> Result<()> {
-    let server = handoff_postgres::connect_options(&args.database_url)
-        .context("invalid --database-url")?
-        .disable_statement_logging();
     let workload = Workload::new(args.events, args.aggregates)?;
-    let scratch = ScratchDatabase::create(&server).await?;
-    let result = run(&args, &scratch.options, workload).await;
-    let dropped = scratch.drop_database().await;
-    result.and(dropped)
+    ScratchDatabase::run_in(&args.scratch.database_url, async |scratch| {
+        run(&args, &scratch.options, workload).await
+    })
+    .await
 }
 
 async fn run(args: &GlobalOrderArgs, options: &PgConnectOptions, workload: Workload) -> Result<()> {
@@ -186,11 +177,7 @@ async fn run(args: &GlobalOrderArgs, options: &PgConnectOptions, workload: Workl
             drains[slot].push(drain);
         }
     }
-    let [aggregate, global] = drains.map(|mut runs| {
-        runs.sort_by(|a, b| a.events_per_second.total_cmp(&b.events_per_second));
-        let mid = runs.len() / 2;
-        runs.swap_remove(mid)
-    });
+    let [aggregate, global] = drains.map(|runs| median_run(&runs, |r| r.events_per_second));
     let drain = DrainRow {
         ratio: global.events_per_second / aggregate.events_per_second,
         aggregate,
@@ -222,7 +209,7 @@ async fn run(args: &GlobalOrderArgs, options: &PgConnectOptions, workload: Workl
         drain.global.events_per_second,
         drain.ratio
     );
-    if let Some(path) = &args.json {
+    if let Some(path) = &args.report.json {
         let results = Results {
             server: settings,
             cores: crate::machine::cores(),
@@ -232,8 +219,7 @@ async fn run(args: &GlobalOrderArgs, options: &PgConnectOptions, workload: Workl
             write_path: write_rows,
             drain,
         };
-        std::fs::write(path, serde_json::to_vec_pretty(&results)?)
-            .with_context(|| format!("while writing {}", path.display()))?;
+        write_json(path, &results)?;
     }
     Ok(())
 }

@@ -28,20 +28,15 @@ use sqlx::{Connection, PgConnection};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use crate::harness::{ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::relay::drain::polling_config;
 use crate::relay::workload::{self, Backlog, Workload};
-use crate::scratch::ScratchDatabase;
 
 /// Flags of `handoff-bench http`.
 #[derive(clap::Args)]
 pub struct HttpArgs {
-    /// Server to benchmark on; a scratch database is created there and dropped afterwards.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    scratch: ScratchArgs,
     /// The `webhook-receiver` binary; by default the one next to this binary (build both:
     /// `cargo build --release -p handoff-bench -p webhook-receiver`).
     #[arg(long)]
@@ -61,9 +56,8 @@ pub struct HttpArgs {
     /// A phase that takes longer than this fails the run.
     #[arg(long, default_value_t = 300)]
     timeout_seconds: u64,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// One phase's figures.
@@ -95,7 +89,7 @@ struct Report {
 pub async fn http(args: HttpArgs) -> Result<()> {
     let workload = Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
-    ScratchDatabase::run_in(&args.database_url, async |scratch| {
+    ScratchDatabase::run_in(&args.scratch.database_url, async |scratch| {
         run(&args, workload, scratch).await
     })
     .await
@@ -183,9 +177,7 @@ async fn run(args: &HttpArgs, workload: Workload, scratch: &ScratchDatabase) -> 
     };
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");
-    if let Some(path) = &args.json {
-        std::fs::write(path, &json).with_context(|| format!("while writing {path:?}"))?;
-    }
+    args.report.write(&report)?;
     Ok(())
 }
 

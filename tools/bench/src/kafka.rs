@@ -14,7 +14,6 @@
 //! alternate which variant goes first, so drift on the machine hits both alike.
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,9 +29,9 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 
+use crate::harness::{ReportArgs, ScratchDatabase};
 use crate::relay::drain::polling_config;
 use crate::relay::workload::{self, Workload};
-use crate::scratch::ScratchDatabase;
 
 /// Flags of `handoff-bench kafka`.
 #[derive(clap::Args)]
@@ -62,9 +61,8 @@ pub struct KafkaArgs {
     /// A drain that takes longer than this is stopped and reported incomplete.
     #[arg(long, default_value_t = 180)]
     drain_timeout_seconds: u64,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// One timed variant.
@@ -189,10 +187,7 @@ async fn run(args: &KafkaArgs, workload: Workload, scratch: &ScratchDatabase) ->
     };
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");
-    if let Some(path) = &args.json {
-        std::fs::write(path, format!("{json}\n"))
-            .with_context(|| format!("while writing {}", path.display()))?;
-    }
+    args.report.write(&report)?;
     Ok(())
 }
 

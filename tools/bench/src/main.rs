@@ -33,12 +33,12 @@ mod cdc;
 mod cleanup;
 mod consumer;
 mod global_order;
+mod harness;
 mod http;
 mod kafka;
 mod machine;
 mod relay;
 mod saga;
-mod scratch;
 mod write_path;
 
 #[derive(Parser)]
@@ -103,5 +103,19 @@ async fn main() -> std::process::ExitCode {
             eprintln!("error: {error:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    #[test]
+    fn every_subcommands_arguments_are_consistent() {
+        // Flattened shared arguments (harness::ScratchArgs, ReportArgs) must not clash with a
+        // benchmark's own.
+        Cli::command().debug_assert();
     }
 }

@@ -30,7 +30,6 @@
 //! row: sent to published (`published_at - occurred_at`) and published to applied
 //! (`processed_at - published_at`), which shows where a saga's extra latency queues.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -50,13 +49,13 @@ use handoff_saga::{
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, Executor, PgConnection, PgPool};
+use sqlx::{Connection, Executor, PgConnection, PgPool};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
+use crate::harness::{median_run, write_json, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine::{commit_probe, Machine};
-use crate::scratch::ScratchDatabase;
 
 /// Message hops per saga (and per chain): command, reply, command, reply.
 const HOPS: usize = 4;
@@ -73,13 +72,8 @@ const RELAY_POOL: u32 = 4;
 /// Flags of `handoff-bench saga`.
 #[derive(clap::Args)]
 pub struct SagaArgs {
-    /// Server to benchmark on; a scratch database is created there and dropped afterwards.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own streams.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
@@ -103,9 +97,8 @@ pub struct SagaArgs {
     /// A run that has not ended every saga or chain after this long fails the bench.
     #[arg(long, default_value_t = 600)]
     run_timeout_seconds: u64,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// Which workload a run measured.
@@ -238,13 +231,10 @@ pub async fn saga(args: SagaArgs) -> Result<()> {
         args.starters > 0 && args.concurrency > 0 && args.rounds > 0,
         "--starters, --concurrency and --rounds must be at least 1"
     );
-    let server = handoff_postgres::connect_options(&args.database_url)
-        .context("invalid --database-url")?
-        .disable_statement_logging();
-    let scratch = ScratchDatabase::create(&server).await?;
-    let result = run(&args, &scratch).await;
-    let dropped = scratch.drop_database().await;
-    result.and(dropped)
+    ScratchDatabase::run_in(&args.scratch.database_url, async |scratch| {
+        run(&args, scratch).await
+    })
+    .await
 }
 
 async fn run(args: &SagaArgs, scratch: &ScratchDatabase) -> Result<()> {
@@ -332,7 +322,11 @@ async fn run(args: &SagaArgs, scratch: &ScratchDatabase) -> Result<()> {
 
     let median: Vec<Run> = [Workload::Saga, Workload::PingPong]
         .into_iter()
-        .map(|workload| median(&runs, workload))
+        .map(|workload| {
+            median_run(runs.iter().filter(|r| r.workload == workload), |r| {
+                r.per_second
+            })
+        })
         .collect();
     let ratio = median[0].per_second / median[1].per_second;
     let latency_p50_ratio = median[0].latency_p50_ms / median[1].latency_p50_ms;
@@ -383,7 +377,7 @@ async fn run(args: &SagaArgs, scratch: &ScratchDatabase) -> Result<()> {
         "saga / ping-pong: {ratio:.2} of the rate; p50 latency x{latency_p50_ratio:.2} \
          (baseline: plain 4-hop ping-pong over the same 3 relays and 3 consumers)"
     );
-    if let Some(path) = &args.json {
+    if let Some(path) = &args.report.json {
         let results = Results {
             machine,
             settings,
@@ -393,17 +387,9 @@ async fn run(args: &SagaArgs, scratch: &ScratchDatabase) -> Result<()> {
             ratio,
             latency_p50_ratio,
         };
-        std::fs::write(path, serde_json::to_vec_pretty(&results)?)
-            .with_context(|| format!("while writing {}", path.display()))?;
+        write_json(path, &results)?;
     }
     Ok(())
-}
-
-/// The run of `workload` with the median rate.
-fn median(runs: &[Run], workload: Workload) -> Run {
-    let mut of: Vec<&Run> = runs.iter().filter(|r| r.workload == workload).collect();
-    of.sort_by(|a, b| a.per_second.total_cmp(&b.per_second));
-    of[of.len() / 2].clone()
 }
 
 /// One run: fresh schemas and stream, every service running, the starters, the wait until

@@ -7,27 +7,22 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use order_service::idempotency::{Fingerprint, IdempotencyKey};
 use order_service::model::{CreateOrder, Line};
 use order_service::store::{create_order_in_tx, insert_order_in_tx};
 use serde::Serialize;
 use sqlx::postgres::PgConnectOptions;
-use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
+use sqlx::{Connection, Executor, PgConnection};
 
+use crate::harness::{median_run, server_options, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::relay::probe::histogram;
-use crate::scratch::ScratchDatabase;
 
 /// Flags of `handoff-bench write-path`.
 #[derive(clap::Args)]
 pub struct WritePathArgs {
-    /// Server to benchmark on; a scratch database is created there and dropped afterwards.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    pub database_url: String,
+    #[command(flatten)]
+    scratch: ScratchArgs,
     /// Client counts to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     pub clients: Vec<usize>,
@@ -37,9 +32,8 @@ pub struct WritePathArgs {
     /// Rounds; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    pub json: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -80,7 +74,7 @@ const PAIRS: [(&str, Variant, Variant); 3] = [
 ];
 
 /// One (variant, clients) measurement.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub(crate) struct Cell {
     /// The write measured.
     pub variant: Variant,
@@ -104,9 +98,7 @@ struct Row {
 }
 
 pub async fn write_path(args: WritePathArgs) -> Result<()> {
-    let server = handoff_postgres::connect_options(&args.database_url)
-        .context("invalid --database-url")?
-        .disable_statement_logging();
+    let server = server_options(&args.scratch.database_url)?;
     let scratch = ScratchDatabase::create(&server).await?;
     let options = scratch.options.clone();
     let mut admin = PgConnection::connect_with(&options).await?;
@@ -186,10 +178,7 @@ pub async fn write_path(args: WritePathArgs) -> Result<()> {
             row.with_outbox.p99_ms
         );
     }
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_vec_pretty(&rows)?)
-            .with_context(|| format!("while writing {}", path.display()))?;
-    }
+    args.report.write(&rows)?;
     drop(admin);
     scratch.drop_database().await
 }
@@ -317,8 +306,7 @@ fn order_created(order: &order_service::model::Order) -> Result<handoff::NewEven
     Ok(order_service::events::OrderCreatedVersion::V2.event(order)?)
 }
 
-pub(crate) fn median(mut cells: Vec<Cell>) -> Cell {
-    cells.sort_by(|a, b| a.orders_per_second.total_cmp(&b.orders_per_second));
-    let mid = cells.len() / 2;
-    cells.swap_remove(mid)
+/// The cell with the median rate of `cells`.
+pub(crate) fn median(cells: Vec<Cell>) -> Cell {
+    median_run(&cells, |c| c.orders_per_second)
 }

@@ -5,7 +5,7 @@
 mod common;
 
 use async_nats::HeaderMap;
-use common::{count, drain_outbox, jetstream, poll};
+use common::{count, drain_outbox, eventually, jetstream, DEADLINE};
 use handoff_chaos::{check, CheckConfig, Report, ViolationKind};
 use handoff_consumer::{Consumer, ConsumerConfig};
 use handoff_nats::{IntakeConfig, JetStreamIntake, JetStreamTransport};
@@ -187,7 +187,7 @@ impl World {
         });
         let want = count(&self.orders.pool, "SELECT count(*) FROM outbox").await;
         let pool = self.inventory.pool.clone();
-        poll("the inventory applies every event", async || {
+        eventually("the inventory applies every event", DEADLINE, async || {
             count(&pool, "SELECT count(*) FROM processed_events").await == want
         })
         .await;

@@ -17,10 +17,11 @@ use std::net::TcpListener;
 use std::process::Output;
 
 use async_nats::jetstream::{self, stream};
-use common::{count, poll, Process, DEADLINE};
+use common::{count, eventually, Process, DEADLINE};
 use handoff_chaos::{check, CheckConfig, Report, ViolationKind};
+use handoff_postgres::Schema;
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
-use handoff_test::TestDb;
+use handoff_test::{pending_rows, OnTimeout, TestDb, Verbatim};
 use order_service::idempotency::{Fingerprint, IdempotencyKey};
 use order_service::model::{CancelOrder, CreateOrder, Line};
 use order_service::store::{Outcome, Store};
@@ -251,7 +252,7 @@ impl System {
             self.consumers.push((process, format!("http://{metrics}")));
         }
         for db in [&self.inventory, &self.payments] {
-            poll("a consumer migrates its database", async || {
+            eventually("a consumer migrates its database", DEADLINE, async || {
                 count_or_absent(&db.pool, "SELECT count(*) FROM consumer_sequences").await >= 0
             })
             .await;
@@ -309,13 +310,8 @@ impl System {
     /// and both consumers have recorded every published event (and still hold the dedup rows
     /// of the [`forgotten`](Self::forgotten) ones).
     async fn settle(&self, unpublished: i64) {
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        loop {
-            let left = count(
-                &self.orders.pool,
-                "SELECT count(*) FROM outbox WHERE published_at IS NULL",
-            )
-            .await;
+        eventually("settled", DEADLINE, async || {
+            let left = pending_rows(&self.orders.pool, &Schema::default()).await;
             let published = count(
                 &self.orders.pool,
                 "SELECT (SELECT count(*) FROM outbox WHERE published_at IS NOT NULL)
@@ -331,7 +327,7 @@ impl System {
                 count_or_absent(&self.payments.pool, "SELECT count(*) FROM processed_events").await;
             let recorded = published + self.forgotten;
             if left == unpublished && inventory == recorded && payments == recorded {
-                return;
+                return Ok(());
             }
             let processes = self
                 .relay
@@ -340,14 +336,13 @@ impl System {
             for process in processes.chain([&self.provider]) {
                 assert!(process.running(), "a process exited\n{}", self.logs());
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "not settled within {DEADLINE:?}: {left} unpublished (want {unpublished}), \
-                 {published} published, inventory {inventory}, payments {payments}\n{}",
-                self.logs()
+            let counts = format!(
+                "{left} unpublished (want {unpublished}), {published} published, \
+                 inventory {inventory}, payments {payments}"
             );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+            Err((Verbatim(counts), OnTimeout(move || self.logs())))
+        })
+        .await;
     }
 
     /// `handoff_consumer_duplicates_total` of each consumer, read from its metrics endpoint.
@@ -504,8 +499,9 @@ async fn drill_poison_event_is_held_its_order_waits_others_flow_then_retry_and_s
     .into_iter()
     .collect();
     assert_eq!(unpublished(&system.orders.pool).await, held);
-    poll(
+    eventually(
         "the relay holds exactly the two poison events",
+        DEADLINE,
         async || quarantined(&system.orders.pool).await == 2,
     )
     .await;
@@ -903,9 +899,11 @@ async fn drill_replay_of_old_events_is_absorbed_by_the_inboxes() {
 
     // Every copy reaches both consumers and is absorbed by the inbox: counted as a duplicate,
     // not applied again.
-    poll("both consumers absorb every replayed copy", async || {
-        system.duplicates().await == [replayed, replayed]
-    })
+    eventually(
+        "both consumers absorb every replayed copy",
+        DEADLINE,
+        async || system.duplicates().await == [replayed, replayed],
+    )
     .await;
     let report = system.check().await;
     assert_holds(&report, &system);
@@ -1109,12 +1107,16 @@ async fn cleanup_drill(name: &str, archive: bool) {
     let replay = stdout_json(succeeded(&system.handoff(&["replay", "--all", "--json"])));
     let replayed = replay["published"].as_u64().unwrap();
     assert_eq!(replayed, 3 + 5, "the edge and fresh orders' events");
-    poll("both consumers absorb every replayed copy", async || {
-        let now = system.duplicates().await;
-        now.iter()
-            .zip(&duplicates_before)
-            .all(|(n, b)| n - b == replayed)
-    })
+    eventually(
+        "both consumers absorb every replayed copy",
+        DEADLINE,
+        async || {
+            let now = system.duplicates().await;
+            now.iter()
+                .zip(&duplicates_before)
+                .all(|(n, b)| n - b == replayed)
+        },
+    )
     .await;
     assert_eq!(stock(&system.inventory.pool).await, stock_before);
     assert_eq!(payments(&system.payments.pool).await, payments_before);
@@ -1129,7 +1131,7 @@ async fn cleanup_drill(name: &str, archive: bool) {
         })
         .await
         .unwrap();
-    poll("the relay holds the poison event", async || {
+    eventually("the relay holds the poison event", DEADLINE, async || {
         quarantined(&system.orders.pool).await == 1
     })
     .await;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use handoff_chaos::{check, CheckConfig};
 use handoff_test::nats::{shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::proxy::FaultProxy;
-use handoff_test::{database_url, TestDb};
+use handoff_test::{database_url, eventually, OnTimeout, TestDb, Verbatim};
 use order_service::idempotency::{Fingerprint, IdempotencyKey};
 use order_service::model::{CreateOrder, Line};
 use order_service::store::Store;
@@ -238,21 +238,16 @@ impl System {
 
     /// Waits until the outbox is drained and the consumer applied every event.
     async fn settle(&self) {
-        let deadline = Instant::now() + SETTLE;
-        loop {
+        eventually("settled", SETTLE, async || {
             let (events, pending, applied) = self.progress().await;
             if pending == 0 && applied == events {
-                return;
+                Ok(())
+            } else {
+                let counts = format!("{events} events, {pending} unpublished, {applied} applied");
+                Err((Verbatim(counts), OnTimeout(move || self.logs())))
             }
-            if Instant::now() >= deadline {
-                panic!(
-                    "not settled within {SETTLE:?}: {events} events, {pending} unpublished, \
-                     {applied} applied\n{}",
-                    self.logs()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        })
+        .await;
     }
 
     /// Waits until `n` more events than `from` were applied, while load runs.
@@ -415,17 +410,16 @@ fn spawn(program: &Path, log: &Path, args: &[&str]) -> Child {
     command.spawn().unwrap()
 }
 
-/// Polls `done` every 50 ms until it holds, or fails after 30 s naming `what`.
+/// Waits (at most 30 s) until `done` holds, showing the system's logs on a timeout.
 async fn poll(what: &str, mut done: impl AsyncFnMut() -> bool, system: &System) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !done().await {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within 30s\n{}",
-            system.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(what, Duration::from_secs(30), async || {
+        if done().await {
+            Ok(())
+        } else {
+            Err(OnTimeout(move || system.logs()))
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

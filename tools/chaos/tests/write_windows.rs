@@ -9,7 +9,7 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
-use common::{count, drain_outbox, poll, sibling, DEADLINE};
+use common::{count, drain_outbox, eventually, sibling, DEADLINE};
 use handoff_chaos::{check, CheckConfig};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::TestDb;
@@ -60,7 +60,7 @@ impl Service {
 
     /// Waits until the log says a failpoint fired: the request is frozen in its window.
     async fn wait_in_window(&self) {
-        poll("a failpoint fires", async || {
+        eventually("a failpoint fires", DEADLINE, async || {
             self.log().contains("failpoint fired")
         })
         .await;

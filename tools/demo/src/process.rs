@@ -23,8 +23,13 @@ const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a child may take to exit after SIGTERM before it counts as hung.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The binary `name` next to our own executable: `cargo build --release --workspace` puts all
-/// of the workspace's binaries in `target/release`.
+/// The command that builds the demo and every binary it starts (the README's first command),
+/// and nothing else: no benchmarks, no chaos tooling.
+pub const BUILD_COMMAND: &str = "cargo build --release -p handoff-cli -p order-service \
+     -p reference-consumers -p saga-shop -p handoff-demo";
+
+/// The binary `name` next to our own executable: [`BUILD_COMMAND`] puts the demo's binaries in
+/// `target/release`.
 pub fn sibling_binary(name: &str, what: &str) -> Result<PathBuf> {
     let own = std::env::current_exe().context("while locating the demo's own executable")?;
     let dir = own
@@ -33,8 +38,7 @@ pub fn sibling_binary(name: &str, what: &str) -> Result<PathBuf> {
     let exe = dir.join(name);
     if !exe.is_file() {
         bail!(
-            "the {what} binary is missing at {}; build the whole workspace first: \
-             cargo build --release --workspace",
+            "the {what} binary is missing at {}; build the demo's binaries first: {BUILD_COMMAND}",
             exe.display()
         );
     }

@@ -14,6 +14,7 @@
 //! | `conformance_repeated_event_id` | a second publish of one event id is dropped where the destination deduplicates ([`Dedup::ByEventId`]), stored again where it does not ([`Dedup::None`]) |
 //! | `conformance_oversize_is_rejected` | an event over the destination's limit fails with [`PublishErrorKind::Rejected`] and nothing is stored |
 //! | `conformance_down_is_unavailable` | with the destination unreachable a publish fails with [`PublishErrorKind::Unavailable`], in bounded time, and the transport is not ready |
+//! | `conformance_publishes_resume_once_back` | once the destination is back the transport is ready again by itself and publishes go through |
 //! | `conformance_silence_is_a_timeout` | a destination that takes the publish and never answers gives [`PublishErrorKind::Timeout`] (ambiguous), in bounded time |
 //! | `conformance_receipts_name_the_message` | each [`Receipt`] names where the destination put that message |
 //! | `conformance_order_of_one_aggregate` | the events of one aggregate published in sequence are received in that order |
@@ -28,9 +29,9 @@
 //! dev-dependencies):
 //!
 //! ```ignore
-//! use handoff_test::conformance::{Case, Dedup, Destination, Received};
+//! use handoff_test::conformance::{Case, Dedup, Destination, Link, Received};
 //!
-//! struct Redis { transport: RedisTransport, stream: String, /* ... */ }
+//! struct Redis { transport: RedisTransport, stream: String, link: Link, /* ... */ }
 //!
 //! impl Destination for Redis {
 //!     type Transport = RedisTransport;
@@ -38,16 +39,18 @@
 //!     const DEDUP: Dedup = Dedup::ByEventId; // its duplicate window
 //!
 //!     async fn start(case: Case) -> Self {
-//!         // a fresh stream key named from `case.name()`, the transport's `ce_source` set
-//!         // to `handoff_test::conformance::CE_SOURCE`, connected through a `Link` so it
-//!         // can be taken down and silenced
+//!         // a fresh stream key named from `case.name()`; the transport's `ce_source`
+//!         // `CE_SOURCE` and publish timeout `PUBLISH_TIMEOUT`; connected to
+//!         // `Link::to(&redis_url).await.url()`
 //!     }
 //!     fn transport(&self) -> &RedisTransport { &self.transport }
+//!     // Through the link the suite takes the destination down, back up, and silent.
+//!     fn link(&mut self) -> Option<&mut Link> { Some(&mut self.link) }
 //!     async fn received(&self, at_least: usize) -> Vec<Received> { /* XRANGE the key */ }
 //!     fn expected_receipt(&self, message: &Received) -> Option<String> {
 //!         Some(format!("redis {} {}", self.stream, message.position))
 //!     }
-//!     // oversize, take_down, go_silent, publish_timeout: see the trait
+//!     fn oversize(&self) -> Option<usize> { Some(4096) } // the configured limit
 //! }
 //!
 //! handoff_test::conformance_suite!(Redis);
@@ -57,7 +60,8 @@
 //! its own [`Destination`], so the cases run in parallel; each takes a second or two.
 //!
 //! The drivers of the existing destinations (`handoff-nats`, `handoff-kafka`, `handoff-amqp`,
-//! `handoff-http`, each in its `tests/conformance.rs`) are the examples to copy. They reach the
+//! `handoff-http`, `handoff-redis`, each in its `tests/conformance.rs`) are the examples to
+//! copy. They reach the
 //! broker through a [`Link`] (a [`FaultProxy`]): dropping the proxy is a broker that is down
 //! (the port refuses connections, live ones are closed), and its black hole is a broker that
 //! takes the bytes and never answers.
@@ -70,14 +74,23 @@ use handoff_core::contract::{self, header};
 use handoff_core::delivery::{OutboxEvent, PublishErrorKind, Receipt, Transport};
 use handoff_core::subject::encode_token;
 
-use crate::factory;
 use crate::proxy::FaultProxy;
+use crate::{eventually, factory};
 
 /// The `ce-source` every driver configures its transport with; the contract case checks it.
 pub const CE_SOURCE: &str = "handoff-conformance";
 
 /// The `traceparent` the contract case's event carries (a caller header, sent as given).
 pub const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// The publish timeout drivers configure unless their destination needs longer: short, so the
+/// down and silent cases end quickly, and well inside the heartbeats and pings that would
+/// notice a silent connection.
+pub const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// How long a transport may take to be ready again once its destination is back (clients
+/// reconnect with backoff).
+pub const READY_AFTER_OUTAGE: Duration = Duration::from_secs(10);
 
 /// How many events the order case publishes.
 pub const ORDER_EVENTS: u64 = 20;
@@ -100,6 +113,8 @@ pub enum Case {
     Oversize,
     /// [`down_is_unavailable`].
     Down,
+    /// [`publishes_resume_once_back`].
+    Back,
     /// [`silence_is_a_timeout`].
     Silence,
     /// [`receipts_name_the_message`].
@@ -116,6 +131,7 @@ impl Case {
             Case::RepeatedEventId => "dedup",
             Case::Oversize => "oversize",
             Case::Down => "down",
+            Case::Back => "back",
             Case::Silence => "silence",
             Case::Receipts => "receipts",
             Case::Order => "order",
@@ -206,17 +222,60 @@ pub trait Destination: Sized {
     /// limit is in reach of a test.
     fn oversize(&self) -> Option<usize>;
 
-    /// Makes the destination unreachable (its server stopped, its port closed) and returns once
-    /// the transport can tell (its client has seen the connection go); `false` when this
-    /// destination cannot be taken down in a test.
-    fn take_down(&mut self) -> impl Future<Output = bool>;
+    /// The [`Link`] (fault proxy) between the transport and the destination, when the driver
+    /// connects through one: the default [`take_down`](Self::take_down),
+    /// [`bring_back`](Self::bring_back) and [`go_silent`](Self::go_silent) work through it.
+    /// `None` (the default) without one.
+    fn link(&mut self) -> Option<&mut Link> {
+        None
+    }
+
+    /// Makes the destination unreachable (its server stopped, its port closed); `false` when
+    /// this destination cannot be taken down in a test. The default drops the
+    /// [`link`](Self::link)'s proxy. The suite then waits until [`sees_down`](Self::sees_down).
+    fn take_down(&mut self) -> impl Future<Output = bool> {
+        std::future::ready(self.link().map(Link::cut).is_some())
+    }
+
+    /// Whether the transport can tell the destination is down (its client has seen the
+    /// connection go), so that a publish now fails at once rather than being sent. The default
+    /// asks the transport: not ready within 100 ms.
+    fn sees_down(&self) -> impl Future<Output = bool> {
+        async {
+            !self
+                .transport()
+                .wait_until_ready(Duration::from_millis(100))
+                .await
+        }
+    }
+
+    /// Makes the destination reachable again after [`take_down`](Self::take_down); `false`
+    /// when it cannot come back in a test. The default starts the [`link`](Self::link)'s proxy
+    /// again on its address.
+    fn bring_back(&mut self) -> impl Future<Output = bool> {
+        async {
+            match self.link() {
+                Some(link) => {
+                    link.bring_back().await;
+                    true
+                }
+                None => false,
+            }
+        }
+    }
 
     /// Makes the destination take what is sent and never answer (a black-holed connection, an
-    /// endpoint that never responds); `false` when it cannot.
-    fn go_silent(&mut self) -> impl Future<Output = bool>;
+    /// endpoint that never responds); `false` when it cannot. The default black-holes the
+    /// [`link`](Self::link).
+    fn go_silent(&mut self) -> impl Future<Output = bool> {
+        std::future::ready(self.link().map(|link| link.go_silent()).is_some())
+    }
 
     /// The transport's publish timeout: a failing publish ends within it (plus [`GRACE`]).
-    fn publish_timeout(&self) -> Duration;
+    /// [`PUBLISH_TIMEOUT`] unless the driver configures another.
+    fn publish_timeout(&self) -> Duration {
+        PUBLISH_TIMEOUT
+    }
 }
 
 /// A contract event for aggregate `aggregate_id` at `sequence`, with schema version 2 and a
@@ -411,6 +470,7 @@ pub async fn down_is_unavailable<D: Destination>() {
         eprintln!("{}: skipped, cannot be taken down in a test", D::NAME);
         return;
     }
+    wait_until_seen_down(&destination).await;
     for sequence in [2, 3] {
         let event = factory::outbox_event("down-1", sequence);
         let what = format!("publish {sequence} with the destination down");
@@ -425,6 +485,41 @@ pub async fn down_is_unavailable<D: Destination>() {
     )
     .await;
     assert!(!ready, "{}: ready with the destination down", D::NAME);
+}
+
+/// Once the destination is back after being down, the transport becomes ready again by
+/// itself (it reconnects) and the next publish goes through.
+pub async fn publishes_resume_once_back<D: Destination>() {
+    let mut destination = D::start(Case::Back).await;
+    let before = factory::outbox_event("back-1", 1);
+    publish_ok(&destination, &before).await;
+    if !destination.take_down().await {
+        eprintln!("{}: skipped, cannot be taken down in a test", D::NAME);
+        return;
+    }
+    wait_until_seen_down(&destination).await;
+    if !destination.bring_back().await {
+        eprintln!("{}: skipped, cannot be brought back in a test", D::NAME);
+        return;
+    }
+    let ready = destination
+        .transport()
+        .wait_until_ready(READY_AFTER_OUTAGE)
+        .await;
+    assert!(
+        ready,
+        "{}: not ready {READY_AFTER_OUTAGE:?} after the destination came back",
+        D::NAME
+    );
+    let after = factory::outbox_event("back-1", 2);
+    publish_ok(&destination, &after).await;
+    let received = destination.received(2).await;
+    let ids: Vec<_> = received
+        .iter()
+        .filter_map(|m| m.header(header::CE_ID))
+        .collect();
+    let expected = [before.event_id, after.event_id].map(|id| id.hyphenated().to_string());
+    assert_eq!(ids, expected, "{}", D::NAME);
 }
 
 /// A destination that takes the publish and never answers gives [`PublishErrorKind::Timeout`]
@@ -502,6 +597,15 @@ pub async fn order_of_one_aggregate<D: Destination>() {
     assert_eq!(sequences, expected, "{}", D::NAME);
 }
 
+/// Waits until the transport can tell the destination is down ([`Destination::sees_down`]).
+async fn wait_until_seen_down<D: Destination>(destination: &D) {
+    let what = format!("{}: the transport sees the destination go", D::NAME);
+    eventually(&what, Duration::from_secs(10), async || {
+        destination.sees_down().await
+    })
+    .await;
+}
+
 /// Publishes `event` (`what`, for the failure message) and asserts that it fails with `kind`
 /// within the publish timeout and [`GRACE`].
 async fn publish_fails<D: Destination>(
@@ -548,9 +652,10 @@ async fn bounded<D: Destination, T>(
 /// ```
 #[derive(Debug)]
 pub struct Link {
-    /// `None` once the broker was taken down.
+    /// `None` while the broker is taken down.
     proxy: Option<FaultProxy>,
     addr: SocketAddr,
+    upstream: SocketAddr,
     url: String,
 }
 
@@ -594,6 +699,7 @@ impl Link {
         Link {
             proxy: Some(proxy),
             addr,
+            upstream,
             url: addr.to_string(),
         }
     }
@@ -614,35 +720,29 @@ impl Link {
         self.proxy = None;
     }
 
-    /// [`cut`](Self::cut)s, then waits until `transport` says it is not ready; `true`, for
-    /// [`Destination::take_down`].
+    /// Brings the broker back after [`cut`](Self::cut): a new proxy on the same address.
     ///
     /// # Panics
     ///
-    /// When the transport still says it is ready after five seconds.
-    pub async fn take_down(&mut self, transport: &impl Transport) -> bool {
-        self.cut();
-        eventually(
-            "the transport sees the broker go",
-            Duration::from_secs(5),
-            async || !transport.wait_until_ready(Duration::from_millis(100)).await,
-        )
-        .await;
-        true
+    /// When the address cannot be bound again.
+    pub async fn bring_back(&mut self) {
+        let proxy = FaultProxy::start_on(self.addr, self.upstream)
+            .await
+            .unwrap_or_else(|e| panic!("listen on {} again: {e}", self.addr));
+        self.proxy = Some(proxy);
     }
 
     /// Makes the broker silent: what is sent on live and new connections is swallowed and
-    /// nothing comes back. `true`, for [`Destination::go_silent`].
+    /// nothing comes back.
     ///
     /// # Panics
     ///
-    /// When the broker was taken down before.
-    pub fn go_silent(&self) -> bool {
+    /// When the broker was cut before.
+    pub fn go_silent(&self) {
         self.proxy
             .as_ref()
             .expect("the broker is up before it goes silent")
             .black_hole();
-        true
     }
 }
 
@@ -656,20 +756,6 @@ pub async fn proxied(url: &str) -> (FaultProxy, String) {
     let mut link = Link::to(url).await;
     let proxy = link.proxy.take().expect("a link starts with its proxy");
     (proxy, link.url)
-}
-
-/// Runs `check` every 20 ms until it holds; panics naming `what` when `deadline` passes first.
-/// For the drivers' hooks ([`Destination::take_down`] waits for its client to see the
-/// connection go). The same shape as the crate's one waiting helper, which replaces it.
-pub async fn eventually(what: &str, deadline: Duration, mut check: impl AsyncFnMut() -> bool) {
-    let until = tokio::time::Instant::now() + deadline;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < until,
-            "{what}: not within {deadline:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Writes one `#[tokio::test]` per case of the suite for a [`Destination`]:
@@ -689,6 +775,7 @@ macro_rules! conformance_suite {
             conformance_repeated_event_id => repeated_event_id,
             conformance_oversize_is_rejected => oversize_is_rejected,
             conformance_down_is_unavailable => down_is_unavailable,
+            conformance_publishes_resume_once_back => publishes_resume_once_back,
             conformance_silence_is_a_timeout => silence_is_a_timeout,
             conformance_receipts_name_the_message => receipts_name_the_message,
             conformance_order_of_one_aggregate => order_of_one_aggregate
@@ -733,6 +820,8 @@ mod tests {
     const ONE_RECEIPT: u8 = 6;
     /// Stores each event at the front.
     const REVERSED: u8 = 7;
+    /// Stays unavailable once it was down.
+    const NEVER_BACK: u8 = 8;
 
     const LIMIT: usize = 1024;
     const TIMEOUT: Duration = Duration::from_millis(100);
@@ -854,6 +943,13 @@ mod tests {
             true
         }
 
+        async fn bring_back(&mut self) -> bool {
+            if BROKEN != NEVER_BACK {
+                *self.transport.state.lock().unwrap() = State::Up;
+            }
+            true
+        }
+
         fn publish_timeout(&self) -> Duration {
             TIMEOUT
         }
@@ -871,6 +967,7 @@ mod tests {
         repeated_event_id::<D>().await;
         oversize_is_rejected::<D>().await;
         down_is_unavailable::<D>().await;
+        publishes_resume_once_back::<D>().await;
         silence_is_a_timeout::<D>().await;
         receipts_name_the_message::<D>().await;
         order_of_one_aggregate::<D>().await;
@@ -882,6 +979,7 @@ mod tests {
         assert!(!passes(repeated_event_id::<Memory<STORES_COPIES>>()).await);
         assert!(!passes(oversize_is_rejected::<Memory<NO_LIMIT>>()).await);
         assert!(!passes(down_is_unavailable::<Memory<DOWN_TIMES_OUT>>()).await);
+        assert!(!passes(publishes_resume_once_back::<Memory<NEVER_BACK>>()).await);
         assert!(!passes(silence_is_a_timeout::<Memory<SILENT_UNAVAILABLE>>()).await);
         assert!(!passes(receipts_name_the_message::<Memory<ONE_RECEIPT>>()).await);
         assert!(!passes(order_of_one_aggregate::<Memory<REVERSED>>()).await);

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use handoff_consumer::{Consumer, Handler, HandlerError};
 use handoff_core::intake::{Intake, ReceivedEvent};
@@ -78,18 +78,15 @@ pub async fn count(pool: &PgPool, query: &str) -> i64 {
 
 /// Waits until the scalar count `query` returns at least `n`; panics after 40 s.
 pub async fn wait_count(pool: &PgPool, query: &str, n: i64) {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
+    crate::eventually(&format!("{query} reaches {n}"), PATIENCE, async || {
         let count = count(pool, query).await;
         if count >= n {
-            return;
+            Ok(())
+        } else {
+            Err(count)
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out: {query} = {count} < {n}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await;
 }
 
 /// What a [`Recorder`] answers for an event on its n-th call (1 the first time).

@@ -18,6 +18,8 @@
 //!   for a test behind it.
 //! - [`proxy`]: a loopback TCP proxy with network faults (delay, cut, black hole, refusal).
 //! - [`tls`]: a throwaway certificate authority with server and client certificates.
+//! - [`eventually`]: the one way a test waits for a condition (no sleeps, no home-made deadline
+//!   loops), and [`pending_rows`]: the one query for the outbox rows not yet published.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -37,6 +39,9 @@ pub mod rabbitmq;
 pub mod redis;
 pub mod tansu;
 pub mod tls;
+mod wait;
+
+pub use wait::{eventually, pending_rows, OnTimeout, Outcome, Verbatim, POLL_INTERVAL};
 
 /// The server tests run against when `DATABASE_URL` is not set.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -145,6 +150,13 @@ impl TestDb {
         let base = &self.url;
         let sep = if base.contains('?') { '&' } else { '?' };
         format!("{base}{sep}options=-c%20search_path%3D{}", self.schema)
+    }
+
+    /// The outbox rows of this schema not yet published: [`pending_rows`] on the pool.
+    pub async fn pending_rows(&self) -> i64 {
+        let schema = handoff_postgres::Schema::named(self.schema.as_str())
+            .expect("a test schema's name is a plain identifier");
+        pending_rows(&self.pool, &schema).await
     }
 
     /// `SELECT count(*)` of a table in this schema.

@@ -114,7 +114,21 @@ impl FaultProxy {
     ///
     /// Dropping the future before it completes leaves nothing behind.
     pub async fn start(upstream: SocketAddr) -> io::Result<FaultProxy> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        FaultProxy::start_on(([127, 0, 0, 1], 0).into(), upstream).await
+    }
+
+    /// As [`start`](Self::start), listening on `listen`: the address of a proxy dropped
+    /// before, to bring a destination back where its clients look for it.
+    ///
+    /// # Errors
+    ///
+    /// The listening socket could not be bound (another process took the port meanwhile).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`start`](Self::start).
+    pub async fn start_on(listen: SocketAddr, upstream: SocketAddr) -> io::Result<FaultProxy> {
+        let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let (state, watcher) = watch::channel(State {
             mode: Mode::Pass {

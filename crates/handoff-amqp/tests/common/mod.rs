@@ -6,7 +6,7 @@
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use handoff_amqp::lapin::options::{
     BasicGetOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
@@ -16,6 +16,7 @@ use handoff_amqp::lapin::types::{AMQPValue, FieldTable};
 use handoff_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use handoff_amqp::AmqpConfig;
 use handoff_core::delivery::OutboxEvent;
+use handoff_test::eventually;
 
 /// The broker the tests use.
 pub fn url() -> String {
@@ -173,20 +174,18 @@ impl Broker {
 
     /// Drains `queue` until it has yielded `n` messages in all, or panics after 30 s.
     pub async fn read(&self, queue: &str, n: usize) -> Vec<Message> {
-        let deadline = Instant::now() + Duration::from_secs(30);
         let mut messages = Vec::new();
-        loop {
+        let what = format!("{n} messages read from {queue}");
+        eventually(&what, Duration::from_secs(30), async || {
             messages.extend(self.drain(queue).await);
             if messages.len() >= n {
-                return messages;
+                Ok(())
+            } else {
+                Err(messages.len())
             }
-            assert!(
-                Instant::now() < deadline,
-                "timed out reading {n} messages from {queue}: got {}",
-                messages.len()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
+        messages
     }
 
     /// How many messages `queue` holds.

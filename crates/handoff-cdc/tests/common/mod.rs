@@ -21,6 +21,9 @@ use handoff_test::{factory, TestDb};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+/// The one waiting helper, for the tests that import it from here.
+pub use handoff_test::eventually;
+
 /// The slot and publication every fixture uses (each fixture has its own cluster).
 pub const SLOT: &str = "handoff_test";
 pub const PUBLICATION: &str = "handoff_test_outbox";
@@ -194,10 +197,7 @@ impl Fixture {
 
     /// Outbox rows not marked published.
     pub async fn unpublished(&self) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-            .fetch_one(&self.db.pool)
-            .await
-            .unwrap()
+        self.db.pending_rows().await
     }
 
     /// The stream's content, read back.
@@ -437,18 +437,5 @@ impl Seeded {
     /// A number in `0..n`.
     pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n
-    }
-}
-
-/// Waits until `check` holds, polling every 50 ms, or panics with `what` after `limit`.
-pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    while !check().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -10,9 +10,9 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use handoff_core::NewEvent;
-use handoff_postgres::{Outbox, OutboxConfig};
+use handoff_postgres::{Outbox, OutboxConfig, Schema};
 use handoff_test::nats::StoredMessage;
-use handoff_test::{factory, TestDb};
+use handoff_test::{eventually, factory, pending_rows, TestDb, Verbatim};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -179,25 +179,30 @@ impl RelayProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// `Ok` when `held`, else its log: the last state [`eventually`] shows on a timeout.
+    pub fn log_unless(&self, held: bool) -> Result<(), Verbatim> {
+        if held {
+            Ok(())
+        } else {
+            Err(Verbatim(format!("\nrelay log:\n{}", self.log())))
+        }
+    }
+
     /// Waits (at most `timeout`) until its log holds `needle`.
     pub async fn wait_for_log(&self, needle: &str, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        loop {
+        let what = format!("{needle:?} in the log of {}", self.id);
+        eventually(&what, timeout, async || {
             let file = std::fs::File::open(&self.log).unwrap();
-            if BufReader::new(file)
+            let found = BufReader::new(file)
                 .lines()
-                .any(|l| l.is_ok_and(|l| l.contains(needle)))
-            {
-                return;
+                .any(|l| l.is_ok_and(|l| l.contains(needle)));
+            if found {
+                Ok(())
+            } else {
+                Err(Verbatim(format!("\n{}", self.log())))
             }
-            assert!(
-                Instant::now() < deadline,
-                "no {needle:?} in the log of {}:\n{}",
-                self.id,
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
     }
 }
 
@@ -209,27 +214,21 @@ impl Drop for RelayProcess {
 
 /// Unpublished outbox rows.
 pub async fn pending(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    pending_rows(pool, &Schema::default()).await
 }
 
 /// Waits until every outbox row is published, or panics after `timeout` with `context()`.
 pub async fn wait_drained(pool: &PgPool, timeout: Duration, context: impl Fn() -> String) {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = pending(pool).await;
-        if left == 0 {
-            return;
+    eventually("no pending rows", timeout, async || {
+        match pending(pool).await {
+            0 => Ok(()),
+            left => Err(Verbatim(format!(
+                "{left} events still unpublished\n{}",
+                context()
+            ))),
         }
-        assert!(
-            Instant::now() < deadline,
-            "{left} events still unpublished\n{}",
-            context()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
 }
 
 /// What the stream holds, checked against the outbox: the report of a run.

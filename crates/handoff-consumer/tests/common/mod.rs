@@ -3,9 +3,8 @@
 
 #![allow(dead_code)] // each test binary uses a part
 
-use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use async_nats::HeaderMap;
 use handoff_consumer::{Consumer, ConsumerConfig, Gap, GapDecision, Handler, HandlerError};
@@ -134,18 +133,8 @@ impl Setup {
     }
 }
 
-/// Polls `condition` every 20 ms until it holds, or panics after 30 s naming `what`.
-pub async fn wait_for<F, Fut>(what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !condition().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+/// How long a test waits for a condition ([`handoff_test::eventually`]'s deadline).
+pub const WAIT: Duration = Duration::from_secs(30);
 
 /// An `order` event at `sequence` of `aggregate`.
 pub fn event(aggregate: &str, sequence: i64) -> OutboxEvent {

@@ -19,7 +19,7 @@ use handoff_saga::{
 };
 use handoff_test::inbox::Running;
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
-use handoff_test::TestDb;
+use handoff_test::{eventually, TestDb, Verbatim};
 use serde_json::{json, Map, Value};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::watch;
@@ -417,8 +417,8 @@ impl World {
         check: impl Fn(&SagaRecord) -> bool,
     ) -> SagaRecord {
         let admin = self.admin();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        loop {
+        let what = format!("saga {saga_id} {what}");
+        eventually(&what, Duration::from_secs(60), async || {
             let saga = admin
                 .show(self.pool(), saga_id)
                 .await
@@ -426,36 +426,23 @@ impl World {
                 .expect("the saga exists")
                 .saga;
             if check(&saga) {
-                return saga;
+                return Ok(saga);
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "saga {saga_id} is {} at step {} attempt {} ({:?}), not {what}, after 60 s",
-                saga.state,
-                saga.step,
-                saga.attempt,
-                saga.stuck_reason
-                    .or(saga.last_transition_error)
-                    .or(saga.failure)
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            let why = saga
+                .stuck_reason
+                .or(saga.last_transition_error)
+                .or(saga.failure);
+            Err(Verbatim(format!(
+                "{} at step {} attempt {} ({why:?})",
+                saga.state, saga.step, saga.attempt
+            )))
+        })
+        .await
     }
 
     /// Waits (at most 60 s) until `check` holds.
-    pub async fn wait_until<F, Fut>(&self, what: &str, check: F)
-    where
-        F: Fn() -> Fut,
-        Fut: std::future::Future<Output = bool>,
-    {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        while !check().await {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "not {what} after 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+    pub async fn wait_until(&self, what: &str, check: impl AsyncFnMut() -> bool) {
+        eventually(what, Duration::from_secs(60), check).await;
     }
 
     /// The recorded outcome of `saga_id` (the hook's row), if any.

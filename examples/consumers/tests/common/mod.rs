@@ -9,7 +9,6 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener};
 use std::process::{ExitStatus, Stdio};
@@ -20,6 +19,7 @@ use handoff_core::Event;
 use handoff_nats::async_nats::jetstream;
 use handoff_nats::{header, JetStreamConfig, JetStreamTransport, REPLAY};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
+use handoff_test::Verbatim;
 use order_service::events::{OrderCancelled, OrderCreated, OrderLineAdded};
 use order_service::model::Line;
 use serde::Serialize;
@@ -32,30 +32,14 @@ use uuid::Uuid;
 /// How long any awaited condition may take.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
-/// How often a condition is checked.
-const POLL: Duration = Duration::from_millis(50);
-
 pub const INVENTORY: &str = env!("CARGO_BIN_EXE_inventory");
 pub const PAYMENTS: &str = env!("CARGO_BIN_EXE_payments");
 pub const PROVIDER: &str = env!("CARGO_BIN_EXE_payment-provider");
 
-/// Waits until `check` returns `Ok`, polling every 50 ms; panics after [`DEADLINE`] with `what`
-/// and the last `Err` (what was seen instead).
-pub async fn wait_for<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, String>>,
-{
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    loop {
-        match check().await {
-            Ok(value) => return value,
-            Err(last) if tokio::time::Instant::now() >= deadline => {
-                panic!("{what}: not reached within {DEADLINE:?}; last seen: {last}")
-            }
-            Err(_) => tokio::time::sleep(POLL).await,
-        }
-    }
+/// Waits until `check` returns `Ok` ([`handoff_test::eventually`] within [`DEADLINE`]); the
+/// panic shows `what` and the last `Err` (what was seen instead) as is.
+pub async fn wait_for<T>(what: &str, mut check: impl AsyncFnMut() -> Result<T, String>) -> T {
+    handoff_test::eventually(what, DEADLINE, async || check().await.map_err(Verbatim)).await
 }
 
 /// A binary running as a child process; killed when dropped.

@@ -12,7 +12,6 @@
 //! The relay's source and transport are wrapped in pass-through probes ([`probe`]) that time
 //! every claim, mark and publish; they also give the exact instant the last event was marked.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -23,8 +22,8 @@ use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, PgConnection};
 
+use crate::harness::{median_run, write_json, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine::{commit_probe, nats_port, Machine};
-use crate::scratch::ScratchDatabase;
 use drain::{DrainRun, DrainVariant};
 use latency::LatencyRun;
 use workload::{Backlog, Workload};
@@ -59,13 +58,8 @@ const GOAL_P99_MS: f64 = 20.0;
 /// Flags of `handoff-bench relay`.
 #[derive(clap::Args)]
 pub struct RelayArgs {
-    /// Server to benchmark on; a scratch database is created there and dropped afterwards.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own stream, BENCH_RELAY.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
@@ -107,9 +101,8 @@ pub struct RelayArgs {
     /// Writer connections of the latency scenarios.
     #[arg(long, default_value_t = 8)]
     writers: usize,
-    /// Also write the results as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// What every variant shares: where to connect, the backlog and its in-memory copy.
@@ -243,7 +236,7 @@ pub async fn relay(args: RelayArgs) -> Result<()> {
     let workload = Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     anyhow::ensure!(args.writers > 0, "--writers must be at least 1");
-    ScratchDatabase::run_in(&args.database_url, async |scratch| {
+    ScratchDatabase::run_in(&args.scratch.database_url, async |scratch| {
         run(&args, workload, scratch).await
     })
     .await
@@ -422,7 +415,7 @@ async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) ->
         });
 
     print_tables(&drain, &rounds, &ratios, &latency, latency_goal.as_ref());
-    if let Some(path) = &args.json {
+    if let Some(path) = &args.report.json {
         let results = Results {
             machine,
             workload,
@@ -447,8 +440,7 @@ async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) ->
                 },
             ],
         };
-        std::fs::write(path, serde_json::to_vec_pretty(&results)?)
-            .with_context(|| format!("while writing {}", path.display()))?;
+        write_json(path, &results)?;
     }
     Ok(())
 }
@@ -468,10 +460,7 @@ fn medians(rounds: &[DrainRun]) -> Vec<DrainRun> {
     }
     let mut medians: Vec<DrainRun> = by_variant
         .into_iter()
-        .map(|(_, mut runs)| {
-            runs.sort_by(|a, b| a.rows_per_second.total_cmp(&b.rows_per_second));
-            runs[runs.len() / 2].clone()
-        })
+        .map(|(_, runs)| median_run(runs, |r| r.rows_per_second))
         .collect();
     medians.sort_by_key(|r| r.variant as u8);
     medians

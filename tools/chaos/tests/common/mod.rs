@@ -11,25 +11,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
-use handoff_postgres::{PollingConfig, PollingSource};
+use handoff_postgres::{PollingConfig, PollingSource, Schema};
 use handoff_relay::{Relay, RelayConfig};
 use handoff_test::nats::shared_url;
+use handoff_test::pending_rows;
 use sqlx::PgPool;
+
+/// The one waiting helper, for the tests that import it from here.
+pub use handoff_test::eventually;
 
 /// How long any awaited condition may take.
 pub const DEADLINE: Duration = Duration::from_secs(30);
-
-/// Polls `done` until it holds, or panics after [`DEADLINE`] naming `what`.
-pub async fn poll(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !done().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: not within {DEADLINE:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
 
 /// The scalar count `sql` returns.
 pub async fn count(pool: &PgPool, sql: &str) -> i64 {
@@ -69,13 +61,8 @@ pub async fn drain_outbox(pool: &PgPool, stream: &str) {
     let run = tokio::spawn(relay.run(async move {
         let _ = stopped.await;
     }));
-    poll("the relay drains the outbox", async || {
-        count(
-            pool,
-            "SELECT count(*) FROM outbox WHERE published_at IS NULL",
-        )
-        .await
-            == 0
+    eventually("the relay drains the outbox", DEADLINE, async || {
+        pending_rows(pool, &Schema::default()).await == 0
     })
     .await;
     let _ = stop.send(());
