@@ -14,6 +14,7 @@
 //! - [`OrderMode`], per-aggregate (default) or strict global order;
 //! - [`intake`], the consumer's seam: an [`intake::Intake`] of delivered events, each settled
 //!   through [`intake::Settle`];
+//! - [`destination`], the destinations by name ([`destination::DestinationKind`]);
 //! - [`readback`], reading back what a destination stores: [`readback::ReadBack`], for
 //!   replay, reconcile and the checkers;
 //! - [`trace`] (feature `otel`), the W3C trace context between `tracing` spans and event
@@ -52,6 +53,7 @@ mod backoff;
 mod catalog;
 pub mod contract;
 pub mod delivery;
+pub mod destination;
 mod error;
 mod event;
 pub mod intake;

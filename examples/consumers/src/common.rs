@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use handoff_consumer::{ConfigError, Consumer, ConsumerConfig, GapPolicy, Handler};
+use handoff_core::destination::DestinationKind;
 use handoff_core::intake::Intake;
 use handoff_nats::{IntakeConfig, IntakeConnectError, JetStreamIntake};
 use handoff_postgres::{
@@ -67,8 +68,8 @@ pub struct CommonArgs {
     /// `redis` (--redis-url, --redis-stream; the consumer name is the consumer group).
     /// `--destination` is the same flag, named as the relay's.
     #[arg(long, alias = "destination", env = "HANDOFF_BROKER", value_enum,
-        default_value_t = BrokerArg::Nats)]
-    pub broker: BrokerArg,
+        default_value_t = DestinationKind::Nats)]
+    pub broker: DestinationKind,
     /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (with --broker kafka).
     #[arg(long, env = "HANDOFF_BROKERS", default_value = "127.0.0.1:9092")]
     pub brokers: String,
@@ -182,21 +183,6 @@ pub struct CommonArgs {
     /// roots, for a broker whose certificate a private CA signed.
     #[arg(long, env = "AMQP_TLS_CA", value_name = "FILE")]
     pub amqp_tls_ca: Option<std::path::PathBuf>,
-}
-
-/// The `--broker` values.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BrokerArg {
-    /// A durable JetStream pull consumer on the relay's stream.
-    Nats,
-    /// A Kafka consumer group on the relay's topic.
-    Kafka,
-    /// A RabbitMQ queue bound to the relay's exchange: a quorum queue with a single active
-    /// consumer, so running instances keep per-order order (docs/destinations.md).
-    Amqp,
-    /// A consumer group on the relay's Redis stream; entries left unacknowledged longer than
-    /// --ack-wait (a consumer that died) are taken over.
-    Redis,
 }
 
 /// The `--gap-policy` values.
@@ -581,7 +567,7 @@ where
 
     tokio::spawn(purge_dedup_rows(pool, inbox, dedup_retention));
     match args.broker {
-        BrokerArg::Nats => {
+        DestinationKind::Nats => {
             let intake_config = args.intake_config();
             let filter = intake_config.filter();
             let intake = JetStreamIntake::connect(&args.nats_url, intake_config).await?;
@@ -593,7 +579,7 @@ where
             info!(stream = %args.stream, consumer = %args.consumer_name, %filter, "consuming");
             consume(&consumer, intake, &args.stream, &args.consumer_name).await
         }
-        BrokerArg::Kafka => {
+        DestinationKind::Kafka => {
             let intake_config = handoff_kafka::IntakeConfig {
                 brokers: args.brokers.clone(),
                 topic: args.topic.clone(),
@@ -611,7 +597,7 @@ where
             info!(topic = %args.topic, group = %args.consumer_name, ?options, "consuming");
             consume(&consumer, intake, &args.topic, &args.consumer_name).await
         }
-        BrokerArg::Amqp => {
+        DestinationKind::Amqp => {
             let queue = args.amqp_queue();
             let intake_config = handoff_amqp::IntakeConfig {
                 url: args.amqp_url.clone(),
@@ -637,7 +623,7 @@ where
             info!(exchange = %args.exchange, %queue, "consuming");
             consume(&consumer, intake, queue, &args.consumer_name).await
         }
-        BrokerArg::Redis => {
+        DestinationKind::Redis => {
             let intake_config = handoff_redis::IntakeConfig {
                 url: args.redis_url.clone(),
                 stream: args.redis_stream.clone(),
@@ -654,6 +640,11 @@ where
             info!(stream = %args.redis_stream, group = %args.consumer_name, "consuming");
             consume(&consumer, intake, &args.redis_stream, &args.consumer_name).await
         }
+        DestinationKind::Http => Err(RunError::Broker(
+            "an HTTP endpoint has no intake: it pushes each event to its receiver (see \
+             examples/webhook-receiver)"
+                .to_owned(),
+        )),
     }
 }
 

@@ -1,15 +1,17 @@
 //! Which broker the relay publishes to (`--destination`), and the words the demo uses for it:
 //! the output must be true for the broker chosen.
 
+use handoff_core::destination::DestinationKind;
+
 use crate::amqp::AmqpExchange;
 use crate::broker::Broker;
 use crate::kafka::KafkaTopic;
 
-/// The `--destination` values.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// The destinations the demo can run on: a subset of the library's [`DestinationKind`], which
+/// is what `--destination` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Destination {
     /// NATS JetStream: the server at NATS_URL, or a private one.
-    #[default]
     Nats,
     /// Kafka: a private tansu broker (a Kafka-protocol broker) on a loopback port.
     Kafka,
@@ -17,14 +19,27 @@ pub enum Destination {
     Amqp,
 }
 
+impl TryFrom<DestinationKind> for Destination {
+    type Error = anyhow::Error;
+
+    fn try_from(kind: DestinationKind) -> anyhow::Result<Destination> {
+        match kind {
+            DestinationKind::Nats => Ok(Destination::Nats),
+            DestinationKind::Kafka => Ok(Destination::Kafka),
+            DestinationKind::Amqp => Ok(Destination::Amqp),
+            other => anyhow::bail!(
+                "the demo runs on nats, kafka or amqp, not {other} ({}); `handoff relay \
+                 --destination {other}` publishes there",
+                other.title()
+            ),
+        }
+    }
+}
+
 impl Destination {
     /// The broker's name, for headings: `NATS JetStream`, `Kafka`, `RabbitMQ`.
     pub fn title(self) -> &'static str {
-        match self {
-            Self::Nats => "NATS JetStream",
-            Self::Kafka => "Kafka",
-            Self::Amqp => "RabbitMQ",
-        }
+        DestinationKind::from(self).title()
     }
 
     /// The broker's short name, in sentences: `JetStream`, `Kafka`, `RabbitMQ`.
@@ -33,6 +48,16 @@ impl Destination {
             Self::Nats => "JetStream",
             Self::Kafka => "Kafka",
             Self::Amqp => "RabbitMQ",
+        }
+    }
+}
+
+impl From<Destination> for DestinationKind {
+    fn from(destination: Destination) -> DestinationKind {
+        match destination {
+            Destination::Nats => DestinationKind::Nats,
+            Destination::Kafka => DestinationKind::Kafka,
+            Destination::Amqp => DestinationKind::Amqp,
         }
     }
 }

@@ -53,6 +53,8 @@ use crate::amqp::DemoAmqp;
 use crate::broker::DemoNats;
 use crate::consumers::Databases;
 use crate::database::DemoDatabase;
+use handoff_core::destination::DestinationKind;
+
 use crate::destination::{Destination, Target};
 use crate::kafka::DemoKafka;
 use crate::reconcile::{Ledger, Sources};
@@ -66,8 +68,8 @@ struct Args {
     /// Where the relay publishes: `nats` (the JetStream server at NATS_URL, or a private one),
     /// `kafka` (a private tansu broker; tansu on PATH or in ~/.cargo/bin) or `amqp` (the
     /// RabbitMQ server at AMQP_URL, default amqp://guest:guest@127.0.0.1:5672/%2f).
-    #[arg(long, value_enum, default_value_t = Destination::Nats)]
-    destination: Destination,
+    #[arg(long, value_enum, default_value_t = DestinationKind::Nats)]
+    destination: DestinationKind,
     /// Run the place-order saga instead: orders, inventory and payments as three services,
     /// with a declined card, an ambiguous payment provider, the inventory down, and a release
     /// that keeps failing (NATS JetStream only).
@@ -164,7 +166,7 @@ async fn main() -> ExitCode {
             if args.saga {
                 saga::run(&mut resources).await
             } else {
-                run(args.destination, &mut resources).await
+                run(Destination::try_from(args.destination)?, &mut resources).await
             }
         } => outcome,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted by Ctrl-C")),

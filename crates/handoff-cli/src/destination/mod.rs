@@ -57,22 +57,7 @@ pub mod kafka;
 pub mod nats;
 pub mod redis;
 
-/// Where events go.
-#[derive(clap::ValueEnum, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum DestinationKind {
-    /// A NATS JetStream stream.
-    #[default]
-    Nats,
-    /// A Kafka topic.
-    Kafka,
-    /// A RabbitMQ (AMQP 0-9-1) exchange, with publisher confirms.
-    Amqp,
-    /// An HTTP endpoint (webhook), one POST per event with Idempotency-Key.
-    Http,
-    /// A Redis stream (Redis Streams), each event appended once per dedup window.
-    Redis,
-}
+pub use handoff_core::destination::DestinationKind;
 
 /// `--destination` and every destination's flags: flattened into a command's arguments and
 /// into the relay's config file.
