@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use handoff_core::delivery::SourceErrorKind;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
-use handoff_postgres::{Migrator, Outbox, OutboxConfig, PollingConfig, PollingSource, Schema};
+use handoff_postgres::{Outbox, OutboxConfig, PollingConfig, PollingSource};
 use handoff_relay::{Backoff, Relay, RelayConfig, RelayErrorKind};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::{eventually, factory, TestDb};
@@ -74,11 +74,7 @@ async fn a_missing_outbox_table_ends_the_relay_with_a_schema_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outbox_table_gone_mid_run_stops_the_relay_and_keeps_what_was_published() {
-    let db = TestDb::new("relay_source_gone").await;
-    Migrator::handoff(Schema::default())
-        .run(&mut db.pool.acquire().await.unwrap())
-        .await
-        .unwrap();
+    let db = TestDb::migrated("relay_source_gone").await;
     let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     let events: Vec<_> = (1..=10).map(|n| factory::event("order-1", n)).collect();
