@@ -449,13 +449,12 @@ async fn serve<T: Transport>(
     }
     let watch_lanes = tokio::spawn(report_other_lane(source.clone()));
     let relay = Relay::from_shared(source.clone(), transport, settings.relay)?;
-    let report = relay.run(shutdown).await;
+    let outcome = relay.try_run(shutdown).await;
     watch_lanes.abort();
     if let Err(error) = source.unregister().await {
         warn!(error = %error, "could not unregister the wait; it expires by itself");
     }
-    log_exit(&report);
-    Ok(())
+    log_exit(outcome)
 }
 
 /// Finds out whether `--database-url` goes through a connection pooler and sets the polling
@@ -519,14 +518,19 @@ async fn run_logical<T: Transport>(
         .context("while starting the logical replication source")?;
     let source = std::sync::Arc::new(source);
     let relay = Relay::from_shared(source.clone(), transport, settings.relay)?;
-    let report = relay.run(shutdown).await;
+    let outcome = relay.try_run(shutdown).await;
     // What the run settled is confirmed now rather than redelivered after a restart.
     source.close(Duration::from_secs(5)).await;
-    log_exit(&report);
-    Ok(())
+    log_exit(outcome)
 }
 
-fn log_exit(report: &handoff_relay::RelayReport) {
+/// Logs what the run did; a run the source stopped (a permanent database failure, such as a
+/// missing table) ends the command with that error, so the exit status says so.
+fn log_exit(outcome: Result<handoff_relay::RelayReport, handoff_relay::RelayError>) -> Result<()> {
+    let (report, failure) = match outcome {
+        Ok(report) => (report, None),
+        Err(error) => (error.report, Some(error)),
+    };
     info!(
         published = report.published,
         retried = report.retried,
@@ -534,6 +538,10 @@ fn log_exit(report: &handoff_relay::RelayReport) {
         released = report.released,
         "relay exited"
     );
+    match failure {
+        None => Ok(()),
+        Some(error) => Err(anyhow::Error::new(error).context("the relay stopped")),
+    }
 }
 
 /// Connects, retrying with backoff (and saying what it waits for) while PostgreSQL cannot be

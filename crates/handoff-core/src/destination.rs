@@ -124,7 +124,10 @@ mod tests {
             assert_eq!(kind.as_str().parse::<DestinationKind>(), Ok(kind));
             let json = serde_json::to_string(&kind).unwrap();
             assert_eq!(json, format!("\"{kind}\""));
-            assert_eq!(serde_json::from_str::<DestinationKind>(&json).unwrap(), kind);
+            assert_eq!(
+                serde_json::from_str::<DestinationKind>(&json).unwrap(),
+                kind
+            );
         }
         assert!("NATS".parse::<DestinationKind>().is_err());
     }

@@ -14,6 +14,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use handoff_chaos::run::{Destination, RelaySource, RunConfig, RunReport};
 use handoff_chaos::{check, CheckConfig};
+use handoff_core::destination::DestinationKind;
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -65,28 +66,10 @@ struct RunArgs {
     /// or `amqp` (the RabbitMQ at AMQP_URL, with an exchange and queues of the run's own; not
     /// killed: a shared server).
     #[arg(long, value_enum, default_value = "nats")]
-    destination: DestinationArg,
+    destination: DestinationKind,
     /// Print the whole report as JSON.
     #[arg(long)]
     json: bool,
-}
-
-/// `--destination`.
-#[derive(clap::ValueEnum, Clone, Copy, Debug)]
-enum DestinationArg {
-    Nats,
-    Kafka,
-    Amqp,
-}
-
-impl From<DestinationArg> for Destination {
-    fn from(destination: DestinationArg) -> Destination {
-        match destination {
-            DestinationArg::Nats => Destination::Nats,
-            DestinationArg::Kafka => Destination::Kafka,
-            DestinationArg::Amqp => Destination::Amqp,
-        }
-    }
 }
 
 /// `--relay-source`.
@@ -131,7 +114,7 @@ struct SoakArgs {
     relay_source: Source,
     /// Where the relays publish and the consumers read (as for `run`).
     #[arg(long, value_enum, default_value = "nats")]
-    destination: DestinationArg,
+    destination: DestinationKind,
     /// Print the whole report as JSON.
     #[arg(long)]
     json: bool,
@@ -213,7 +196,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 log_dir: args.log_dir,
                 settle_timeout: args.settle_timeout,
                 relay_source: args.relay_source.into(),
-                destination: args.destination.into(),
+                destination: Destination::try_from(args.destination)?,
             };
             return chaos(&runtime, config, output);
         }
@@ -230,7 +213,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 log_dir: args.log_dir,
                 settle_timeout: args.settle_timeout,
                 relay_source: args.relay_source.into(),
-                destination: args.destination.into(),
+                destination: Destination::try_from(args.destination)?,
             };
             return chaos(&runtime, config, output);
         }

@@ -1,6 +1,8 @@
 //! What a run is asked to do: its settings, the destination its relays publish to and the
 //! source they read.
 
+use handoff_core::destination::DestinationKind;
+
 use super::*;
 
 /// What to run, for how long, with which seed.
@@ -44,6 +46,20 @@ pub enum Destination {
     /// queue with a single active consumer, and an audit queue bound to every routing key
     /// holds what the checker reads. A shared server, so not a fault target.
     Amqp,
+}
+
+impl TryFrom<DestinationKind> for Destination {
+    type Error = anyhow::Error;
+
+    /// The library's destination, when the run knows how to set one up and break it.
+    fn try_from(kind: DestinationKind) -> anyhow::Result<Destination> {
+        match kind {
+            DestinationKind::Nats => Ok(Destination::Nats),
+            DestinationKind::Kafka => Ok(Destination::Kafka),
+            DestinationKind::Amqp => Ok(Destination::Amqp),
+            other => anyhow::bail!("the chaos run runs on nats, kafka or amqp, not {other}"),
+        }
+    }
 }
 
 impl Destination {
