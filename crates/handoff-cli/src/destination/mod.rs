@@ -27,11 +27,12 @@
 //!    the store, and `kafka.rs`, where a transport and a reader make one) and
 //!    [`Destination::names`] / [`Destination::place`] for the commands' output; otherwise
 //!    `type Store = Unreadable;` and the commands refuse it on one line.
-//! 2. In this file: `pub mod <name>;`, a variant of [`DestinationKind`] (its doc line is the
-//!    value's help; the serde name is the lowercase variant), a `#[command(flatten)]
-//!    #[serde(flatten)]` field of [`DestinationArgs`] (and the destination in its
-//!    `--destination` doc line), and one line in each of [`DestinationArgs::dispatch`] and
-//!    [`DestinationArgs::refuse_strays`].
+//! 2. In this file: `pub mod <name>;`, a `#[command(flatten)] #[serde(flatten)]` field of
+//!    [`DestinationArgs`] (and the destination in its `--destination` doc line), and one line
+//!    in each of [`DestinationArgs::dispatch`] and [`DestinationArgs::refuse_strays`]. Its name
+//!    is a variant of [`DestinationKind`], which lives in `handoff_core::destination` so that
+//!    the reference consumers, the chaos run and the demo share the one list (its doc line is
+//!    the value's help; the serde name is the lowercase variant).
 //! 3. Its crate in `crates/handoff-cli/Cargo.toml`.
 //!
 //! Nothing else changes: `relay.rs`, `replay.rs` and `reconcile.rs` only see [`Visit`]. The
