@@ -88,6 +88,16 @@ enum Variant {
     Blocked,
 }
 
+impl Variant {
+    /// The name in tables and JSON.
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Clear => "clear",
+            Variant::Blocked => "blocked",
+        }
+    }
+}
+
 /// One variant's drain in one round.
 #[derive(Debug, Clone, Serialize)]
 struct Run {
@@ -141,8 +151,9 @@ pub async fn blocked_backlog(args: BlockedArgs) -> Result<()> {
                 };
                 let run = drain_beside(&bench, &mut admin, round, variant, blocked).await?;
                 eprintln!(
-                    "  round {round} {variant:?}: {} events in {:.2} s = {:.0} rows/s; claims {} \
+                    "  round {round} {}: {} events in {:.2} s = {:.0} rows/s; claims {} \
                      p50 {:.1} ms p99 {:.1} ms (blocked run written in {:.1} s)",
+                    variant.name(),
                     run.drain.events,
                     run.drain.seconds,
                     run.drain.rows_per_second,
@@ -188,8 +199,8 @@ pub async fn blocked_backlog(args: BlockedArgs) -> Result<()> {
                 .as_ref()
                 .is_some_and(|c| c.order_ok && c.missing == 0);
             println!(
-                "| {:?} | {} | {} | {:.2} | {:.0} | {} | {} | {:.1} / {:.1} / {:.1} |",
-                run.variant,
+                "| {} | {} | {} | {:.2} | {:.0} | {} | {} | {:.1} / {:.1} / {:.1} |",
+                run.variant.name(),
                 run.blocked,
                 run.drain.events,
                 run.drain.seconds,
