@@ -76,19 +76,7 @@ pub async fn setup(
     );
     let nats_server_version = bench.transport().await?.client().server_info().version;
     let machine = Machine::read(&mut admin, nats_server_version).await?;
-    eprintln!(
-        "{} cores, load {}; postgres {}; nats-server {}; one-row commit p50 {:.2} ms",
-        machine.cores,
-        machine.load_average_at_start.as_deref().unwrap_or("?"),
-        machine
-            .postgres
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" "),
-        machine.nats_server_version,
-        machine.commit_ms_at_start,
-    );
+    eprintln!("{}", machine.summary(),);
     Ok((bench, admin, machine))
 }
 

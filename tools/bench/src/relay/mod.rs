@@ -289,21 +289,12 @@ async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) ->
     let mut machine = Machine::read(&mut admin, nats_server_version).await?;
     println!(
         "relay: {} events over {} aggregates ({} each, ~{payload_bytes} B payloads), {} round(s); \
-         {} cores, load {}; postgres {}; nats-server {}; one-row commit p50 {:.2} ms",
+         {}",
         workload.events,
         workload.aggregates,
         workload.per_aggregate(),
         args.rounds,
-        machine.cores,
-        machine.load_average_at_start.as_deref().unwrap_or("?"),
-        machine
-            .postgres
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" "),
-        machine.nats_server_version,
-        machine.commit_ms_at_start,
+        machine.summary(),
     );
 
     let mut rounds = Vec::new();
