@@ -388,8 +388,7 @@ async fn run(
     println!(
         "consumer: {} events over {} aggregates ({} each, ~{payload_bytes} B payloads, {} SKUs), \
          concurrency {}, pool {}, max_ack_pending {}, batch {}, inbox batches of {} / {} ms / {} \
-         in flight, {} round(s); {} cores, load {}; postgres {}; nats-server {}; one-row commit \
-         p50 {:.2} ms",
+         in flight, {} round(s); {}",
         workload.events,
         workload.aggregates,
         workload.per_aggregate,
@@ -402,16 +401,7 @@ async fn run(
         settings.inbox_batch_wait_ms,
         settings.inbox_batch_in_flight,
         args.rounds,
-        machine.cores,
-        machine.load_average_at_start.as_deref().unwrap_or("?"),
-        machine
-            .postgres
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" "),
-        machine.nats_server_version,
-        machine.commit_ms_at_start,
+        machine.summary(),
     );
 
     let preload_seconds = preload(transport, &events).await?;

@@ -47,6 +47,25 @@ impl Machine {
     }
 }
 
+impl Machine {
+    /// One line for a run's header: cores, load, PostgreSQL's settings, the nats-server and
+    /// the one-row commit at the start.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} cores, load {}; postgres {}; nats-server {}; one-row commit p50 {:.2} ms",
+            self.cores,
+            self.load_average_at_start.as_deref().unwrap_or("?"),
+            self.postgres
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            self.nats_server_version,
+            self.commit_ms_at_start,
+        )
+    }
+}
+
 /// Cores this process may use.
 pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())

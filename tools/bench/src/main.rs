@@ -25,6 +25,9 @@
 //! - `handoff-bench saga` ([`saga`]) measures sagas/s of two-step orchestrated sagas end to end
 //!   (3 relays, 3 consumers, the deadline sweep) against a plain 4-hop event ping-pong over the
 //!   same topology.
+//! - `handoff-bench blocked-backlog`, `held-xmin`, `writers` and `drain-bound` ([`hot_path`])
+//!   measure the relay's hot path under a held aggregate's long tail, a held xmin horizon,
+//!   writers beside it, and against its drain bounds, each against a baseline of the same run.
 
 use clap::{Parser, Subcommand};
 
@@ -34,6 +37,7 @@ mod cleanup;
 mod consumer;
 mod global_order;
 mod harness;
+mod hot_path;
 mod http;
 mod kafka;
 mod machine;
@@ -73,6 +77,14 @@ enum Command {
     GlobalOrder(global_order::GlobalOrderArgs),
     /// Sagas/s end to end vs a plain 4-hop event ping-pong over the same topology.
     Saga(saga::SagaArgs),
+    /// Healthy drain and claim p99 beside a run of events behind a held head vs nothing blocked.
+    BlockedBacklog(hot_path::blocked::BlockedArgs),
+    /// Commit → broker p99, backlog and dead tuples under a held XID vs a clean phase.
+    HeldXmin(hot_path::xmin::XminArgs),
+    /// Order writes/s with a relay running vs none; commit → broker p99 at fixed rates.
+    Writers(hot_path::writers::WritersArgs),
+    /// One relay's drain vs the claim+mark SQL bound and the JetStream async bound.
+    DrainBound(hot_path::bound::BoundArgs),
 }
 
 #[tokio::main]
@@ -96,6 +108,10 @@ async fn main() -> std::process::ExitCode {
         Command::Amqp(args) => amqp::amqp(args).await,
         Command::GlobalOrder(args) => global_order::global_order(args).await,
         Command::Saga(args) => saga::saga(args).await,
+        Command::BlockedBacklog(args) => hot_path::blocked::blocked_backlog(args).await,
+        Command::HeldXmin(args) => hot_path::xmin::held_xmin(args).await,
+        Command::Writers(args) => hot_path::writers::writers(args).await,
+        Command::DrainBound(args) => hot_path::bound::drain_bound(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -108,7 +124,7 @@ async fn main() -> std::process::ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use clap::CommandFactory;
+    use clap::{CommandFactory, Parser};
 
     use super::Cli;
 
@@ -117,5 +133,37 @@ mod tests {
         // Flattened shared arguments (harness::ScratchArgs, ReportArgs) must not clash with a
         // benchmark's own.
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn hot_path_benches_take_their_smoke_flags() {
+        for args in [
+            &["blocked-backlog", "--blocked", "100000", "--rounds", "2"][..],
+            &[
+                "held-xmin",
+                "--rate",
+                "800",
+                "--clean",
+                "20s",
+                "--held",
+                "30s",
+            ][..],
+            &[
+                "writers",
+                "--clients",
+                "8,16",
+                "--seconds",
+                "4",
+                "--rates",
+                "500,1000",
+            ][..],
+            &["drain-bound", "--events", "20000", "--aggregates", "2000"][..],
+        ] {
+            let parsed =
+                Cli::try_parse_from(std::iter::once("handoff-bench").chain(args.iter().copied()));
+            assert!(parsed.is_ok(), "{args:?}: {:?}", parsed.err());
+        }
+        // A duration that humantime cannot read is refused, not defaulted.
+        assert!(Cli::try_parse_from(["handoff-bench", "held-xmin", "--held", "soon"]).is_err());
     }
 }

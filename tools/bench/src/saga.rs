@@ -275,22 +275,13 @@ async fn run(args: &SagaArgs, scratch: &ScratchDatabase) -> Result<()> {
     println!(
         "saga: {} sagas (2 steps, {HOPS} hops each) from {} starters, consumers at concurrency \
          {}, {} round(s); baseline: ping-pong of {} chains of {HOPS} hops over the same \
-         topology; {} cores, load {}; postgres {}; nats-server {}; one-row commit p50 {:.2} ms",
+         topology; {}",
         args.sagas,
         args.starters,
         args.concurrency,
         args.rounds,
         args.sagas,
-        machine.cores,
-        machine.load_average_at_start.as_deref().unwrap_or("?"),
-        machine
-            .postgres
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" "),
-        machine.nats_server_version,
-        machine.commit_ms_at_start,
+        machine.summary(),
     );
 
     let mut runs = Vec::new();

@@ -184,7 +184,7 @@ pub async fn write_path(args: WritePathArgs) -> Result<()> {
 }
 
 /// Empties every table the write touches, so each cell starts from the same state.
-async fn reset(conn: &mut PgConnection) -> Result<()> {
+pub(crate) async fn reset(conn: &mut PgConnection) -> Result<()> {
     conn.execute(
         "TRUNCATE orders, order_lines, idempotency_keys, outbox, outbox_heads; CHECKPOINT",
     )

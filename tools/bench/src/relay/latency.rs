@@ -10,8 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use handoff_core::{EventCatalog, EventId, NewEvent};
-use handoff_postgres::{Outbox, OutboxConfig, PollingSource, WAKE_CHANNEL};
-use handoff_relay::{Relay, RelayConfig};
+use handoff_postgres::{Outbox, OutboxConfig, WAKE_CHANNEL};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use sqlx::postgres::PgListener;
@@ -19,10 +18,9 @@ use sqlx::{Connection, PgConnection};
 use tokio::sync::watch;
 
 use super::cpu::{self, CpuShare};
-use super::drain::{polling_config, ReportSummary};
-use super::probe::{
-    histogram, quantile_ms, Marked, ProbeSource, ProbeTransport, SourceStats, TransportStats,
-};
+use super::drain::ReportSummary;
+use super::live::LiveRelay;
+use super::probe::{histogram, quantile_ms, ProbeTransport, SourceStats, TransportStats};
 use super::Bench;
 
 /// Aggregates the writer cycles through: each gets its next event `AGGREGATES / rate` seconds
@@ -129,29 +127,14 @@ pub async fn run(
 ) -> Result<LatencyRun> {
     let transport = bench.transport().await?;
     bench.reset(admin, &transport, false).await?;
-    let pool = bench.pool().await?;
     let mut conns = Vec::with_capacity(writers);
     for _ in 0..writers {
         conns.push(PgConnection::connect_with(&bench.options).await?);
     }
 
     let origin = Instant::now();
-    let polling = PollingSource::new(pool, polling_config("bench-latency", scenario.listen))?;
-    let source = Arc::new(ProbeSource::new(
-        Arc::new(polling),
-        origin,
-        Marked::new(origin, None),
-    ));
-    let transport = Arc::new(ProbeTransport::new(transport, true));
-    let config = RelayConfig {
-        poll_interval: scenario.poll_interval,
-        ..RelayConfig::default()
-    };
-    let relay = Relay::from_shared(source.clone(), transport.clone(), config)?;
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    let handle = tokio::spawn(relay.run(async move {
-        let _ = stop_rx.wait_for(|stop| *stop).await;
-    }));
+    let mut relay = LiveRelay::start(bench, "bench-latency", scenario, transport, origin).await?;
+    let (source, transport) = (relay.source.clone(), relay.transport.clone());
     tokio::time::sleep(SETTLE).await;
 
     // Counts the writers' notifications: whether they notify is the relay's registration.
@@ -186,9 +169,7 @@ pub async fn run(
     };
     count_stop_tx.send_replace(true);
     let notifications = counter.await?;
-    stop_tx.send_replace(true);
-    let report = ReportSummary::from(handle.await?);
-    source.inner().unregister().await?;
+    let report = relay.stop().await?;
 
     let acks = commit_to_ack(&transport, &paced.commits);
     let (latency, missing) = (&acks.latency, acks.missing);

@@ -31,6 +31,7 @@ use workload::{Backlog, Workload};
 pub(crate) mod cpu;
 pub(crate) mod drain;
 pub(crate) mod latency;
+pub(crate) mod live;
 pub(crate) mod probe;
 pub(crate) mod workload;
 
@@ -41,7 +42,7 @@ const STREAM: &str = "BENCH_RELAY";
 const SUBJECT_PREFIX: &str = "bench";
 
 /// Acks the JetStream bound keeps outstanding.
-const OUTSTANDING: usize = 256;
+pub(crate) const OUTSTANDING: usize = 256;
 
 /// Connections per relay pool, as `handoff relay` opens them.
 const POOL_CONNECTIONS: u32 = 4;
@@ -124,6 +125,30 @@ pub struct Bench {
 }
 
 impl Bench {
+    /// The bench on the scratch database `options`: its own stream (BENCH_RELAY), otherwise
+    /// the transport's defaults, `workload` already preloaded and read back as `events`.
+    pub fn new(
+        options: PgConnectOptions,
+        nats_url: &str,
+        workload: Workload,
+        events: Vec<OutboxEvent>,
+        drain_timeout: Duration,
+    ) -> Self {
+        Bench {
+            options,
+            nats_url: nats_url.to_owned(),
+            workload,
+            jetstream: JetStreamConfig {
+                stream: STREAM.to_owned(),
+                subject_prefix: SUBJECT_PREFIX.to_owned(),
+                ..JetStreamConfig::default()
+            },
+            nats_pid: cpu::find_nats_server(nats_port(nats_url)),
+            drain_timeout,
+            events,
+        }
+    }
+
     /// A pool for one relay (or one bound), as `handoff relay` sizes it.
     pub async fn pool(&self) -> Result<PgPool> {
         Ok(PgPoolOptions::new()
@@ -218,11 +243,15 @@ struct Ratios {
     vs_bound: Goal,
 }
 
-#[derive(Serialize)]
-struct Goal {
-    goal: String,
-    value: f64,
-    met: bool,
+/// A goal of an issue, the figure measured for it, and whether it was met.
+#[derive(Debug, Serialize)]
+pub(crate) struct Goal {
+    /// The goal, as the issue words it.
+    pub goal: String,
+    /// The figure measured.
+    pub value: f64,
+    /// Whether the figure meets the goal.
+    pub met: bool,
 }
 
 #[derive(Serialize)]
@@ -249,39 +278,23 @@ async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) ->
         payload_bytes,
     } = workload::preload(&mut admin, workload).await?;
 
-    let jetstream = JetStreamConfig {
-        stream: STREAM.to_owned(),
-        subject_prefix: SUBJECT_PREFIX.to_owned(),
-        ..JetStreamConfig::default()
-    };
-    let bench = Bench {
-        options: scratch.options.clone(),
-        nats_url: args.nats_url.clone(),
+    let bench = Bench::new(
+        scratch.options.clone(),
+        &args.nats_url,
         workload,
-        jetstream,
-        nats_pid: cpu::find_nats_server(nats_port(&args.nats_url)),
-        drain_timeout: Duration::from_secs(args.drain_timeout_seconds),
         events,
-    };
+        Duration::from_secs(args.drain_timeout_seconds),
+    );
     let nats_server_version = bench.transport().await?.client().server_info().version;
     let mut machine = Machine::read(&mut admin, nats_server_version).await?;
     println!(
         "relay: {} events over {} aggregates ({} each, ~{payload_bytes} B payloads), {} round(s); \
-         {} cores, load {}; postgres {}; nats-server {}; one-row commit p50 {:.2} ms",
+         {}",
         workload.events,
         workload.aggregates,
         workload.per_aggregate(),
         args.rounds,
-        machine.cores,
-        machine.load_average_at_start.as_deref().unwrap_or("?"),
-        machine
-            .postgres
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" "),
-        machine.nats_server_version,
-        machine.commit_ms_at_start,
+        machine.summary(),
     );
 
     let mut rounds = Vec::new();
@@ -585,7 +598,8 @@ fn print_tables(
     }
 }
 
-fn met(met: bool) -> &'static str {
+/// "met" or "NOT met", for the printed goals.
+pub(crate) fn met(met: bool) -> &'static str {
     if met {
         "met"
     } else {

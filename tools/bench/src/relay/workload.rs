@@ -127,6 +127,19 @@ pub async fn load_from(conn: &mut PgConnection, table: &str) -> Result<Vec<Outbo
         .collect::<Result<_, _>>()?)
 }
 
+/// The aggregate type of every backlog event.
+pub const AGGREGATE_TYPE: &str = "order";
+
+/// Events of `aggregate_type` not yet marked published.
+pub async fn unpublished_of(conn: &mut PgConnection, aggregate_type: &str) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_type = $1",
+    )
+    .bind(aggregate_type)
+    .fetch_one(&mut *conn)
+    .await?)
+}
+
 /// Events not yet marked published.
 pub async fn unpublished(conn: &mut PgConnection) -> Result<i64> {
     Ok(

@@ -1,0 +1,168 @@
+//! `handoff-bench drain-bound`: one relay's drain of a preloaded backlog against this machine's
+//! two bounds on the same backlog in the same run: the plain claim+mark SQL (the relay's claim
+//! and mark statements in a loop, 500 per claim, no broker) and JetStream async publish (the same
+//! events from memory, as fast as acks allow, no database). The relay bench's drain variants
+//! (`sql_bound`, `jetstream_bound`, `relay_1`), alone and with the issue's goal.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use super::{ratio, setup, BrokerArgs};
+use crate::harness::{median_run, ReportArgs, ScratchArgs, ScratchDatabase};
+use crate::machine::{commit_probe, Machine};
+use crate::relay::drain::{self, DrainRun, DrainVariant};
+use crate::relay::workload::Workload;
+use crate::relay::{met, Goal, OUTSTANDING};
+
+/// Goal of the issue: the relay at least this share of the slower of its two bounds.
+const GOAL_VS_BOUND: f64 = 0.8;
+
+/// Flags of `handoff-bench drain-bound`.
+#[derive(clap::Args)]
+pub struct BoundArgs {
+    #[command(flatten)]
+    scratch: ScratchArgs,
+    #[command(flatten)]
+    broker: BrokerArgs,
+    /// Events in the preloaded backlog.
+    #[arg(long, default_value_t = 100_000)]
+    events: usize,
+    /// Aggregates the backlog is spread over (the events must be a multiple of it).
+    #[arg(long, default_value_t = 10_000)]
+    aggregates: usize,
+    /// Rounds (the variants' order alternates); the median per variant is reported.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// A relay drain that takes longer than this is stopped and reported incomplete.
+    #[arg(long, default_value_t = 300)]
+    drain_timeout_seconds: u64,
+    #[command(flatten)]
+    report: ReportArgs,
+}
+
+/// The whole run, as written to `--json`.
+#[derive(Serialize)]
+struct Results {
+    machine: Machine,
+    workload: Workload,
+    rounds: usize,
+    outstanding: usize,
+    /// Per variant, the round with the median rate.
+    drain: Vec<DrainRun>,
+    /// Every round of every variant.
+    drain_rounds: Vec<DrainRun>,
+    min_bound: DrainVariant,
+    relay_1_over_sql_bound: f64,
+    relay_1_over_jetstream_bound: f64,
+    goal: Goal,
+    /// The issue also asks for oxide-outbox's best tuning in the same run: not measured here.
+    peer: Option<f64>,
+}
+
+/// Runs the three variants `--rounds` times, prints the table, writes the JSON.
+pub async fn drain_bound(args: BoundArgs) -> Result<()> {
+    let workload = Workload::new(args.events, args.aggregates)?;
+    anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    ScratchDatabase::run_in(&args.scratch.database_url, async |scratch| {
+        let timeout = Duration::from_secs(args.drain_timeout_seconds);
+        let (bench, mut admin, mut machine) =
+            setup(scratch, &args.broker, Some(workload), false, timeout).await?;
+        eprintln!(
+            "drain-bound: {} events over {} aggregates, {} round(s)",
+            workload.events, workload.aggregates, args.rounds
+        );
+        let mut rounds = Vec::new();
+        for round in 1..=args.rounds {
+            let mut order = [
+                DrainVariant::SqlBound,
+                DrainVariant::JetStreamBound,
+                DrainVariant::Relay1,
+            ];
+            if round % 2 == 0 {
+                order.reverse();
+            }
+            for variant in order {
+                let run = match variant {
+                    DrainVariant::SqlBound => drain::sql_bound(&bench, &mut admin, round).await?,
+                    DrainVariant::JetStreamBound => {
+                        drain::jetstream(&bench, &mut admin, round, OUTSTANDING, None).await?
+                    }
+                    _ => drain::relays(&bench, &mut admin, round, 1).await?,
+                };
+                eprintln!(
+                    "  round {round} {}: {} events in {:.2} s = {:.0} rows/s",
+                    variant.name(),
+                    run.events,
+                    run.seconds,
+                    run.rows_per_second
+                );
+                rounds.push(run);
+            }
+        }
+        bench.delete_stream().await?;
+        machine.commit_ms_at_end = commit_probe(&mut admin).await?;
+
+        let median = |variant| {
+            median_run(rounds.iter().filter(|r| r.variant == variant), |r| {
+                r.rows_per_second
+            })
+        };
+        let sql = median(DrainVariant::SqlBound);
+        let js = median(DrainVariant::JetStreamBound);
+        let relay = median(DrainVariant::Relay1);
+        let min = if sql.rows_per_second <= js.rows_per_second {
+            &sql
+        } else {
+            &js
+        };
+        let value = ratio(relay.rows_per_second, min.rows_per_second);
+        let order_ok = relay
+            .check
+            .as_ref()
+            .is_some_and(|c| c.order_ok && c.missing == 0);
+        let goal = Goal {
+            goal: format!("relay_1 / min(sql_bound, jetstream_bound) >= {GOAL_VS_BOUND}"),
+            value,
+            met: value >= GOAL_VS_BOUND && relay.complete && order_ok,
+        };
+        let results = Results {
+            machine,
+            workload,
+            rounds: args.rounds,
+            outstanding: OUTSTANDING,
+            min_bound: min.variant,
+            relay_1_over_sql_bound: ratio(relay.rows_per_second, sql.rows_per_second),
+            relay_1_over_jetstream_bound: ratio(relay.rows_per_second, js.rows_per_second),
+            goal,
+            peer: None,
+            drain: vec![sql, js, relay],
+            drain_rounds: rounds,
+        };
+        println!();
+        println!("| variant | events | seconds | rows/s | relay_1 / it |");
+        println!("|---------|-------:|--------:|-------:|-------------:|");
+        for run in &results.drain {
+            println!(
+                "| {} | {} | {:.2} | {:.0} | {:.2} |",
+                run.variant.name(),
+                run.events,
+                run.seconds,
+                run.rows_per_second,
+                ratio(results.drain[2].rows_per_second, run.rows_per_second)
+            );
+        }
+        println!();
+        println!(
+            "{}: {:.2} (min is {}, relay order ok {order_ok}), {}",
+            results.goal.goal,
+            results.goal.value,
+            results.min_bound.name(),
+            met(results.goal.met)
+        );
+        println!("oxide-outbox's best tuning: not measured by this bench");
+        args.report.write(&results)
+    })
+    .await
+}
