@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use handoff_core::delivery::{Claim, Failure, Published, Receipt, Source};
 use handoff_postgres::{
-    Cleanup, CleanupConfig, EnqueueErrorKind, OrderMode, Outbox, OutboxConfig, PollingConfig,
-    PollingSource, Quarantine, QuarantineErrorKind, Schema, Status,
+    Cleanup, CleanupConfig, EnqueueErrorKind, Migrator, OrderMode, Outbox, OutboxConfig,
+    PollingConfig, PollingSource, Quarantine, QuarantineErrorKind, Schema, Status,
 };
 use handoff_test::{factory, TestDb};
 use tokio::sync::watch;
@@ -332,5 +332,62 @@ async fn a_cleaned_aggregate_takes_new_events_through_its_watermark() {
     let mut got = claimed(&claim);
     got.sort();
     assert_eq!(got, vec![("c".into(), 3), ("v".into(), 3)]);
+    assert_eq!(relay.backlog().await.unwrap().holes, 0);
+}
+
+#[tokio::test]
+async fn a_database_of_the_previous_release_upgrades_with_its_rows_flowing() {
+    let db = TestDb::new("holes_upgrade").await;
+    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    // The schema as the previous release (migrations 0001 to 0010) left it.
+    let previous = &handoff_postgres::HANDOFF_MIGRATIONS[..10];
+    assert_eq!(previous.last().unwrap().version, 10);
+    Migrator::new(Schema::default(), "handoff_migrations", previous)
+        .run(&mut conn)
+        .await
+        .unwrap();
+    // "old": written with caller versions; 1..3 published and cleaned long ago, 4 pending.
+    versioned(&db, &outbox, "old", 4).await;
+    // "gone": written through Outbox::enqueue, all published and cleaned.
+    // "held": 1 published, 2 held, 3 pending behind it.
+    let mut tx = db.pool.begin().await.unwrap();
+    let gone: Vec<_> = (1..=5).map(|n| factory::event("gone", n)).collect();
+    outbox.enqueue(&mut tx, &gone).await.unwrap();
+    let held: Vec<_> = (1..=3).map(|n| factory::event("held", n)).collect();
+    outbox.enqueue(&mut tx, &held).await.unwrap();
+    tx.commit().await.unwrap();
+    sqlx::raw_sql(
+        "DELETE FROM outbox WHERE aggregate_id = 'gone';
+         UPDATE outbox SET published_at = now() WHERE aggregate_id = 'held' AND aggregate_sequence = 1;
+         UPDATE outbox SET available_at = 'infinity', quarantined_at = now(), hold_reason = 'attempts'
+         WHERE aggregate_id = 'held' AND aggregate_sequence = 2;",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+
+    Migrator::handoff(Schema::default())
+        .run(&mut conn)
+        .await
+        .unwrap();
+
+    assert_eq!(db.pending_rows().await, 3, "pending rows intact");
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event("gone", 6)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    versioned(&db, &outbox, "old", 5).await;
+    let relay = source(&db, OrderMode::Aggregate);
+    let claim = relay.claim(100).await.unwrap();
+    let mut got = claimed(&claim);
+    got.sort();
+    assert_eq!(
+        got,
+        vec![("gone".into(), 6), ("old".into(), 4), ("old".into(), 5)],
+        "history cleaned before the upgrade does not hold its aggregates; held#3 still waits"
+    );
     assert_eq!(relay.backlog().await.unwrap().holes, 0);
 }
