@@ -63,6 +63,13 @@ async fn versioned(db: &TestDb, outbox: &Outbox, aggregate: &str, first: i64) {
     tx.commit().await.unwrap();
 }
 
+/// `Outbox::enqueue` of `events` in a transaction of their own.
+async fn enqueued(db: &TestDb, outbox: &Outbox, events: &[handoff_core::NewEvent]) {
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.enqueue(&mut tx, events).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
 /// An outside writer: a plain INSERT that bypasses the library, at any sequence.
 async fn outside_insert(db: &TestDb, aggregate: &str, sequence: i64) {
     sqlx::query(
@@ -255,18 +262,8 @@ async fn a_global_event_waits_for_its_per_aggregate_predecessor() {
         source(&db, OrderMode::Global),
     );
     // g#1 in aggregate mode, g#2 in global mode (the global lane's first event).
-    let mut tx = db.pool.begin().await.unwrap();
-    outbox
-        .enqueue(&mut tx, &[factory::event("g", 1)])
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    let mut tx = db.pool.begin().await.unwrap();
-    global_outbox()
-        .enqueue(&mut tx, &[factory::event("g", 2)])
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    enqueued(&db, &outbox, &[factory::event("g", 1)]).await;
+    enqueued(&db, &global_outbox(), &[factory::event("g", 2)]).await;
 
     assert!(
         global_relay.claim(100).await.unwrap().events.is_empty(),
@@ -289,12 +286,12 @@ async fn a_cleaned_aggregate_takes_new_events_through_its_watermark() {
     let (db, outbox) = common::migrated("holes_cleanup_watermark").await;
     let relay = source(&db, OrderMode::Aggregate);
     // "c" through Outbox::enqueue, "v" through caller versions; both fully published.
-    let mut tx = db.pool.begin().await.unwrap();
-    outbox
-        .enqueue(&mut tx, &[factory::event("c", 1), factory::event("c", 2)])
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    enqueued(
+        &db,
+        &outbox,
+        &[factory::event("c", 1), factory::event("c", 2)],
+    )
+    .await;
     versioned(&db, &outbox, "v", 1).await;
     versioned(&db, &outbox, "v", 2).await;
     let claim = relay.claim(100).await.unwrap();
@@ -321,12 +318,7 @@ async fn a_cleaned_aggregate_takes_new_events_through_its_watermark() {
     assert_eq!(db.count("outbox").await, 0);
 
     // The next event of each is accepted and claimable: its missing predecessor was cleaned.
-    let mut tx = db.pool.begin().await.unwrap();
-    outbox
-        .enqueue(&mut tx, &[factory::event("c", 3)])
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    enqueued(&db, &outbox, &[factory::event("c", 3)]).await;
     versioned(&db, &outbox, "v", 3).await;
     let claim = relay.claim(100).await.unwrap();
     let mut got = claimed(&claim);
@@ -351,12 +343,10 @@ async fn a_database_of_the_previous_release_upgrades_with_its_rows_flowing() {
     versioned(&db, &outbox, "old", 4).await;
     // "gone": written through Outbox::enqueue, all published and cleaned.
     // "held": 1 published, 2 held, 3 pending behind it.
-    let mut tx = db.pool.begin().await.unwrap();
     let gone: Vec<_> = (1..=5).map(|n| factory::event("gone", n)).collect();
-    outbox.enqueue(&mut tx, &gone).await.unwrap();
+    enqueued(&db, &outbox, &gone).await;
     let held: Vec<_> = (1..=3).map(|n| factory::event("held", n)).collect();
-    outbox.enqueue(&mut tx, &held).await.unwrap();
-    tx.commit().await.unwrap();
+    enqueued(&db, &outbox, &held).await;
     sqlx::raw_sql(
         "DELETE FROM outbox WHERE aggregate_id = 'gone';
          UPDATE outbox SET published_at = now() WHERE aggregate_id = 'held' AND aggregate_sequence = 1;
@@ -373,12 +363,7 @@ async fn a_database_of_the_previous_release_upgrades_with_its_rows_flowing() {
         .unwrap();
 
     assert_eq!(db.pending_rows().await, 3, "pending rows intact");
-    let mut tx = db.pool.begin().await.unwrap();
-    outbox
-        .enqueue(&mut tx, &[factory::event("gone", 6)])
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    enqueued(&db, &outbox, &[factory::event("gone", 6)]).await;
     versioned(&db, &outbox, "old", 5).await;
     let relay = source(&db, OrderMode::Aggregate);
     let claim = relay.claim(100).await.unwrap();
