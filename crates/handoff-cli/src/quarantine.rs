@@ -67,11 +67,29 @@ enum QuarantineCommand {
     },
     /// Never apply a held event: a skip marker (no payload, header Handoff-Skipped) goes out
     /// in its place, so consumers record it and its aggregate moves on.
+    ///
+    /// A hole (a sequence that was never written, so every later event of its aggregate
+    /// waits: `holes` in `handoff status`) is skipped by its place instead of an event id:
+    /// `--aggregate-type T --aggregate-id I --sequence N` writes a skip marker row there.
     Skip {
         #[command(flatten)]
         database: DatabaseArgs,
         /// The event id.
-        event_id: Uuid,
+        #[arg(required_unless_present = "sequence")]
+        event_id: Option<Uuid>,
+        /// A missing sequence to skip (a hole), with --aggregate-type and --aggregate-id.
+        #[arg(
+            long,
+            conflicts_with = "event_id",
+            requires_all = ["aggregate_type", "aggregate_id"]
+        )]
+        sequence: Option<i64>,
+        /// The hole's aggregate type (with --sequence).
+        #[arg(long, requires = "sequence")]
+        aggregate_type: Option<String>,
+        /// The hole's aggregate id (with --sequence).
+        #[arg(long, requires = "sequence")]
+        aggregate_id: Option<String>,
         /// Why; kept in the audit and sent to consumers in the marker. Required.
         #[arg(long)]
         reason: String,
@@ -173,17 +191,46 @@ pub async fn run(args: QuarantineArgs) -> Result<()> {
         QuarantineCommand::Skip {
             database,
             event_id,
+            sequence,
+            aggregate_type,
+            aggregate_id,
             reason,
             actor,
         } => {
             let mut conn = database.connect_migrated("handoff-quarantine").await?;
-            let record = Quarantine::new(&database.schema()?)
-                .skip(&mut conn, event_id, &reason, &actor.name())
-                .await?;
-            println!(
-                "skipped {event_id}: a skip marker goes out in its place (action {})",
-                record.action_id
-            );
+            let quarantine = Quarantine::new(&database.schema()?);
+            match (event_id, sequence, aggregate_type, aggregate_id) {
+                (_, Some(sequence), Some(aggregate_type), Some(aggregate_id)) => {
+                    let record = quarantine
+                        .skip_missing(
+                            &mut conn,
+                            &aggregate_type,
+                            &aggregate_id,
+                            sequence,
+                            &reason,
+                            &actor.name(),
+                        )
+                        .await?;
+                    println!(
+                        "skipped missing sequence {sequence} of {aggregate_type}/{aggregate_id}: \
+                         a skip marker goes out in its place (action {})",
+                        record.action_id
+                    );
+                }
+                (Some(event_id), ..) => {
+                    let record = quarantine
+                        .skip(&mut conn, event_id, &reason, &actor.name())
+                        .await?;
+                    println!(
+                        "skipped {event_id}: a skip marker goes out in its place (action {})",
+                        record.action_id
+                    );
+                }
+                // clap requires an event id or all three of the hole's arguments.
+                _ => anyhow::bail!(
+                    "give an event id, or --aggregate-type, --aggregate-id and --sequence"
+                ),
+            }
         }
     }
     Ok(())

@@ -753,6 +753,10 @@ async fn report_backlog(source: std::sync::Arc<PollingSource>) {
         "Aggregates whose oldest unpublished event is older than --stuck-after"
     );
     describe_gauge!(
+        "handoff_outbox_holes",
+        "Unpublished events whose predecessor sequence was never written; each holds its aggregate"
+    );
+    describe_gauge!(
         "handoff_outbox_table_bytes",
         Unit::Bytes,
         "Size of the outbox table with its indexes"
@@ -768,6 +772,7 @@ async fn report_backlog(source: std::sync::Arc<PollingSource>) {
                 gauge!("handoff_outbox_oldest_pending_age_seconds")
                     .set(backlog.oldest_age.map_or(0.0, |age| age.as_secs_f64()));
                 gauge!("handoff_outbox_stuck_aggregates").set(backlog.stuck_aggregates as f64);
+                gauge!("handoff_outbox_holes").set(backlog.holes as f64);
                 gauge!("handoff_outbox_table_bytes").set(backlog.outbox_bytes as f64);
             }
             Err(error) => warn!(error = %error, "could not read the backlog"),

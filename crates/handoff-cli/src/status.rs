@@ -184,6 +184,17 @@ fn alerts(
             ),
         });
     }
+    if report.holes > 0 {
+        alerts.push(Alert {
+            name: "order_holes",
+            message: format!(
+                "{} pending event(s) wait for a sequence that was never written; find them with \
+                 `handoff status` (stuck aggregates) and release each with `handoff quarantine \
+                 skip --aggregate-type T --aggregate-id I --sequence N --reason ...`",
+                report.holes
+            ),
+        });
+    }
     if report.global_lane_blocked {
         alerts.push(Alert {
             name: "global_lane_blocked",
@@ -255,6 +266,10 @@ fn print_report(report: &StatusReport, args: &StatusArgs) {
     );
     println!("quarantined          {}", report.quarantined);
     println!("expired leases       {}", report.expired_leases);
+    println!(
+        "holes                {} (pending events whose previous sequence was never written)",
+        report.holes
+    );
     if report.global_pending > 0 || report.global_lane_blocked {
         println!(
             "global lane          {} pending, front {}{}",

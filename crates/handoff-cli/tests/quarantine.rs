@@ -403,3 +403,141 @@ async fn a_poison_event_holds_its_aggregate_only_and_each_operator_action_resume
     assert_eq!(report["pending"], 0);
     assert_eq!(report["quarantined"], 0);
 }
+
+#[tokio::test]
+async fn a_hole_behind_a_held_event_is_not_overtaken_and_a_skip_of_the_missing_sequence_releases_it(
+) {
+    let (db, outbox) = migrated("quarantine_hole").await;
+    let client = prepare_shared_server().await;
+    let name = unique_name("quarantine_hole");
+    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &name);
+    let js = jetstream::new(client.clone());
+    js.create_stream(stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.>")],
+        max_message_size: STREAM_MAX_MESSAGE,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    // a#1 is too big for the stream: the relay holds it. An outside writer then inserts a#3
+    // with a plain INSERT; a#2 is never written. b flows beside it.
+    let big = format!(r#"{{"blob":"{}"}}"#, "x".repeat(8 * 1024));
+    let mut tx = db.pool.begin().await.unwrap();
+    let poison =
+        handoff_core::NewEvent::new(factory::AGGREGATE_TYPE, "a", factory::EVENT_TYPE, 1, big);
+    outbox
+        .enqueue_versioned(&mut tx, 1, &[poison])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let target = Target {
+        database_url: db.url(),
+        nats_url: shared_url(),
+        stream: name.clone(),
+        prefix: name.clone(),
+    };
+    let mut relay = RelayProcess::start(&target, "hole-relay", &[], &[]);
+    wait_until("a#1 is held", &relay, || async {
+        let held: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox WHERE available_at = 'infinity'")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        held == 1
+    })
+    .await;
+    sqlx::query(
+        "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_sequence,
+                             event_type, schema_version, payload)
+         VALUES ($1, $2, 'a', 3, $3, 1, '{\"n\": 3}')",
+    )
+    .bind(Uuid::now_v7())
+    .bind(factory::AGGREGATE_TYPE)
+    .bind(factory::EVENT_TYPE)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event("b", 1)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    wait_until("b#1 is published", &relay, || async {
+        !unpublished(&db).await.contains_key("b")
+    })
+    .await;
+    assert_eq!(
+        unpublished(&db).await,
+        HashMap::from([("a".to_owned(), vec![1, 3])]),
+        "a#3 overtook the held a#1"
+    );
+
+    // status: the hole, in the JSON and the text, with an alert.
+    let status = handoff(&db, &["status", "--json"]);
+    assert_eq!(status.status.code(), Some(2), "{}", stderr(&status));
+    let report = stdout_json(&status);
+    assert_eq!(report["holes"], 1);
+    assert!(
+        report["alerts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["name"] == "order_holes"),
+        "{report}"
+    );
+    let text = handoff(&db, &["status"]);
+    assert!(
+        String::from_utf8_lossy(&text.stdout).contains("holes                1"),
+        "{}",
+        String::from_utf8_lossy(&text.stdout)
+    );
+
+    // Skip the missing a#2 by its place (a sequence that is not a hole is refused), then the
+    // held a#1.
+    let skip_missing = |sequence: &'static str| {
+        handoff(
+            &db,
+            &[
+                "quarantine",
+                "skip",
+                "--aggregate-type",
+                factory::AGGREGATE_TYPE,
+                "--aggregate-id",
+                "a",
+                "--sequence",
+                sequence,
+                "--reason",
+                "never written",
+            ],
+        )
+    };
+    let out = skip_missing("3");
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("not a hole"), "{}", stderr(&out));
+    let out = skip_missing("2");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report = stdout_json(&handoff(&db, &["status", "--json"]));
+    assert_eq!(report["holes"], 0);
+    let held_id = event_id(&db, "a", 1).await.to_string();
+    let out = handoff(
+        &db,
+        &["quarantine", "skip", &held_id, "--reason", "too big"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    wait_until("a drains", &relay, || async {
+        unpublished(&db).await.is_empty()
+    })
+    .await;
+    assert!(relay.terminate().success(), "{}", relay.log());
+
+    let messages = read_stream(&client, &name).await;
+    let a = of_aggregate(&messages, "a");
+    assert_eq!(sequences(&a), [1, 2, 3], "a in order, once each");
+    assert_eq!(a[0].header("Handoff-Skipped"), Some("too big"));
+    assert_eq!(a[1].header("Handoff-Skipped"), Some("never written"));
+    assert_eq!(a[1].payload, b"null");
+    assert_eq!(a[2].payload, br#"{"n": 3}"#);
+}

@@ -5,10 +5,12 @@
 -- One statement, so one short transaction: the row locks live only until it returns, and the
 -- lease written into the rows is what keeps other relays off them afterwards.
 --
--- What is publishable: an aggregate's head, i.e. an available event whose predecessor is not
--- unpublished (published, or missing: a gap an outside writer left is the consumers' gap
--- policy, brief C3), followed by the unbroken run of available events after it. So sequence
--- k+1 is never leased while k is unpublished outside the same claim, whichever relay holds k.
+-- What is publishable: an aggregate's head, i.e. an available event whose predecessor is
+-- published (sequence 1 has none; a predecessor cleanup removed is at or below the aggregate's
+-- watermark, outbox_watermarks, migration 0011), followed by the unbroken run of available
+-- events after it. So sequence k+1 is never leased while k is unpublished outside the same
+-- claim, whichever relay holds k, nor while k is missing: a hole an outside writer left holds
+-- the aggregate until an operator skips the missing sequence (order fails closed).
 --
 -- The lease also moves available_at to its end. Leased rows thereby leave the front of
 -- outbox_pending_idx, so the next claim (by this relay or another) does not wade through them,
@@ -36,13 +38,24 @@ WITH head AS MATERIALIZED (
       -- Events of the global lane are claim_global.sql's: published here, in parallel lanes,
       -- they could overtake each other.
       AND o.global_sequence IS NULL
-      AND NOT EXISTS (
-          SELECT 1
-          FROM {schema}outbox p
-          WHERE p.aggregate_type = o.aggregate_type
-            AND p.aggregate_id = o.aggregate_id
-            AND p.aggregate_sequence = o.aggregate_sequence - 1
-            AND p.published_at IS NULL
+      -- Order fails closed: the predecessor row is published; or there is none because this
+      -- is sequence 1 or cleanup removed it (at or below the aggregate's watermark). A
+      -- predecessor that was never written is a hole, held until an operator skips it. One
+      -- probe of outbox_aggregate_sequence_key, and of outbox_watermarks only when the row is
+      -- missing.
+      AND coalesce(
+          (SELECT p.published_at IS NOT NULL
+           FROM {schema}outbox p
+           WHERE p.aggregate_type = o.aggregate_type
+             AND p.aggregate_id = o.aggregate_id
+             AND p.aggregate_sequence = o.aggregate_sequence - 1),
+          o.aggregate_sequence = 1 OR EXISTS (
+              SELECT 1
+              FROM {schema}outbox_watermarks w
+              WHERE w.aggregate_type = o.aggregate_type
+                AND w.aggregate_id = o.aggregate_id
+                AND w.cleaned_through >= o.aggregate_sequence - 1
+          )
       )
     ORDER BY o.available_at, o.occurred_at
     LIMIT $2

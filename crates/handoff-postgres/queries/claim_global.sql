@@ -7,7 +7,9 @@
 -- nowhere. If that row is leased (to this relay's previous claim or to another relay), locked
 -- by a concurrent claim (SKIP LOCKED), backing off after a failure, or held for an operator
 -- (quarantined: available_at = 'infinity'), nothing is claimed, and the whole lane waits. So
--- global sequence k+1 is never leased while k is unpublished outside the same claim.
+-- global sequence k+1 is never leased while k is unpublished outside the same claim. Nor is an
+-- event leased before its per-aggregate predecessor is published (migration 0011): a global
+-- event behind an unpublished per-aggregate event, or behind a hole, stops the lane.
 --
 -- Per-aggregate events (global_sequence IS NULL) are not this query's: claim.sql takes them.
 WITH front AS MATERIALIZED (
@@ -32,13 +34,37 @@ head AS MATERIALIZED (
 ),
 run AS MATERIALIZED (
     -- The front and the events right behind it. Only the unbroken prefix counts: the first
-    -- missing, unavailable or locked global sequence ends the run.
+    -- missing, unavailable or locked global sequence ends the run, and so does the first event
+    -- whose per-aggregate predecessor may not go before it (pred_ok below): the lane waits for
+    -- it, front included.
     SELECT n.event_id, n.global_sequence, n.claimed_by, n.takeover_count,
            n.global_sequence - h.global_sequence + 1
-               = row_number() OVER (ORDER BY n.global_sequence) AS unbroken
+               = row_number() OVER (ORDER BY n.global_sequence)
+               AND bool_and(n.pred_ok) OVER (ORDER BY n.global_sequence) AS unbroken
     FROM head h
     CROSS JOIN LATERAL (
-        SELECT s.event_id, s.global_sequence, s.claimed_by, s.takeover_count
+        SELECT s.event_id, s.global_sequence, s.claimed_by, s.takeover_count,
+               -- Order fails closed across the lanes (as claim.sql): the event's per-aggregate
+               -- predecessor is published; or is a global event earlier in this run (the front
+               -- is the lowest unpublished global event, and the run is unbroken up to here,
+               -- so it goes first); or there is none because this is sequence 1 or cleanup
+               -- removed it (the aggregate's watermark). A predecessor written in aggregate
+               -- mode and still unpublished, or never written, makes the lane wait.
+               coalesce(
+                   (SELECT p.published_at IS NOT NULL
+                           OR coalesce(p.global_sequence < s.global_sequence, false)
+                    FROM {schema}outbox p
+                    WHERE p.aggregate_type = s.aggregate_type
+                      AND p.aggregate_id = s.aggregate_id
+                      AND p.aggregate_sequence = s.aggregate_sequence - 1),
+                   s.aggregate_sequence = 1 OR EXISTS (
+                       SELECT 1
+                       FROM {schema}outbox_watermarks w
+                       WHERE w.aggregate_type = s.aggregate_type
+                         AND w.aggregate_id = s.aggregate_id
+                         AND w.cleaned_through >= s.aggregate_sequence - 1
+                   )
+               ) AS pred_ok
         FROM {schema}outbox s
         WHERE s.global_sequence >= h.global_sequence
           AND s.published_at IS NULL

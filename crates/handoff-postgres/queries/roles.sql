@@ -59,7 +59,11 @@ GRANT SELECT ON {schema_name}.handoff_migrations TO {writer}, {relay}, {operator
 
 -- INSERT of whole events; SELECT of the two columns enqueue's INSERT ... RETURNING reads back.
 GRANT INSERT ON {schema_name}.outbox TO {writer};
-GRANT SELECT (event_id, aggregate_sequence) ON {schema_name}.outbox TO {writer};
+GRANT SELECT (event_id, aggregate_type, aggregate_id, aggregate_sequence)
+    ON {schema_name}.outbox TO {writer};
+-- The hole check of the versioned enqueue (handoff_check_no_hole, migration 0011) reads an
+-- aggregate's cleanup watermark and sets it for an aggregate it has never seen.
+GRANT SELECT, INSERT ON {schema_name}.outbox_watermarks TO {writer};
 -- The per-aggregate sequence head, upserted under its row lock (Outbox::enqueue).
 GRANT SELECT, INSERT ON {schema_name}.outbox_heads TO {writer};
 GRANT UPDATE (last_sequence) ON {schema_name}.outbox_heads TO {writer};
@@ -72,6 +76,7 @@ GRANT SELECT ON {schema_name}.outbox_relay_waits TO {writer};
 GRANT EXECUTE ON FUNCTION
     {schema_name}.handoff_enqueue_versioned(text, text, bigint, uuid[], text[], integer[], text[], text[]),
     {schema_name}.handoff_enqueue_versioned_global(text, text, bigint, uuid[], text[], integer[], text[], text[]),
+    {schema_name}.handoff_check_no_hole(text, text, bigint),
     {schema_name}.handoff_outbox_wake()
     TO {writer};
 
@@ -89,6 +94,8 @@ GRANT UPDATE (claimed_by, claim_until, available_at, published_at, attempt_count
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema_name}.outbox_relay_waits TO {relay};
 -- `--order global` checks the lane exists; reading the head is harmless.
 GRANT SELECT ON {schema_name}.outbox_global_head TO {relay};
+-- The claim takes a missing predecessor at or below the cleanup watermark as published.
+GRANT SELECT ON {schema_name}.outbox_watermarks TO {relay};
 
 -- ---------------------------------------------------------------------------------------------
 -- operator: `handoff status`, `quarantine list|show|retry|repair|skip`, `replay`,
@@ -98,7 +105,7 @@ GRANT SELECT ON {schema_name}.outbox_global_head TO {relay};
 
 GRANT SELECT ON
     {schema_name}.outbox, {schema_name}.outbox_heads, {schema_name}.outbox_global_head,
-    {schema_name}.outbox_relay_waits, {schema_name}.outbox_quarantine_actions,
+    {schema_name}.outbox_watermarks, {schema_name}.outbox_relay_waits, {schema_name}.outbox_quarantine_actions,
     {schema_name}.outbox_archive, {schema_name}.handoff_cleanup_runs,
     {schema_name}.processed_events, {schema_name}.consumer_sequences,
     {schema_name}.consumer_quarantine, {schema_name}.consumer_quarantine_actions,
@@ -111,10 +118,15 @@ GRANT UPDATE (available_at, quarantined_at, attempt_count, takeover_count, hold_
               payload, skip_reason)
     ON {schema_name}.outbox TO {operator};
 GRANT INSERT ON {schema_name}.outbox_quarantine_actions TO {operator};
+-- Quarantine skip of a missing sequence (queries/quarantine/skip_missing.sql) writes a skip
+-- marker row in the hole.
+GRANT INSERT ON {schema_name}.outbox TO {operator};
 -- Cleanup: deletes published rows (moved to the archive with --archive) and old dedup rows,
 -- and logs each run.
 GRANT DELETE ON {schema_name}.outbox TO {operator};
 GRANT INSERT ON {schema_name}.outbox_archive TO {operator};
+-- Each cleanup batch raises the cleaned aggregates' watermarks (migration 0011).
+GRANT INSERT, UPDATE ON {schema_name}.outbox_watermarks TO {operator};
 GRANT INSERT, UPDATE ON {schema_name}.handoff_cleanup_runs TO {operator};
 GRANT DELETE ON {schema_name}.processed_events TO {operator};
 -- Consumer quarantine retry / skip (queries/consumer_quarantine/): a skip writes the dedup

@@ -106,6 +106,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0010_consumer_quarantine_actions.up.sql"),
         down: include_str!("../migrations/0010_consumer_quarantine_actions.down.sql"),
     },
+    Migration {
+        version: 11,
+        name: "order_fails_closed",
+        up: include_str!("../migrations/0011_order_fails_closed.up.sql"),
+        down: include_str!("../migrations/0011_order_fails_closed.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

@@ -94,6 +94,14 @@ pub enum EnqueueError {
     /// stale. Re-read the aggregate and retry the whole transaction.
     #[error("a sequence given to enqueue_versioned is already used by this aggregate")]
     SequenceTaken,
+    /// [`Outbox::enqueue_versioned`] (or a statement running an [`EnqueueCall`]) was given a
+    /// first sequence that would leave a hole: the sequence before it was never written to this
+    /// aggregate (and was not cleaned up after publishing). Nothing was written; a later event
+    /// is never published past a missing one (order fails closed, migration 0011), so the
+    /// database refuses it up front. The caller's version is ahead of its events: a bug in its
+    /// lock rule, or events written through another path.
+    #[error("enqueue_versioned would leave a hole in the aggregate's sequence: {0}")]
+    SequenceGap(#[source] DriverError),
     /// The outbox tables do not exist in the configured schema.
     #[error("the outbox tables are missing; run `handoff migrate` (schema {schema})")]
     NotMigrated {
@@ -135,6 +143,8 @@ pub enum EnqueueErrorKind {
     Misuse,
     /// See [`EnqueueError::SequenceTaken`]; retrying after re-reading the aggregate can succeed.
     SequenceTaken,
+    /// See [`EnqueueError::SequenceGap`]: the caller's version skips a sequence.
+    SequenceGap,
     /// See [`EnqueueError::NotMigrated`].
     NotMigrated,
     /// See [`EnqueueError::Conflict`]; retrying the transaction can succeed.
@@ -151,6 +161,7 @@ impl EnqueueError {
             Self::DuplicateEventId => EnqueueErrorKind::DuplicateEventId,
             Self::MixedAggregates | Self::InvalidSequence(_) => EnqueueErrorKind::Misuse,
             Self::SequenceTaken => EnqueueErrorKind::SequenceTaken,
+            Self::SequenceGap(_) => EnqueueErrorKind::SequenceGap,
             Self::NotMigrated { .. } => EnqueueErrorKind::NotMigrated,
             Self::Conflict(_) => EnqueueErrorKind::Conflict,
             Self::Database(_) => EnqueueErrorKind::Database,
@@ -363,8 +374,12 @@ impl Outbox {
     ///
     /// [`EnqueueError::Invalid`] before anything is sent, also when the events are not all of one
     /// aggregate or `first_sequence < 1`; [`EnqueueError::SequenceTaken`] when a sequence is
-    /// already used (the caller's version was stale: its lock rule is broken); database errors
-    /// as [`enqueue`](Self::enqueue).
+    /// already used (the caller's version was stale: its lock rule is broken);
+    /// [`EnqueueError::SequenceGap`] when `first_sequence - 1` was never written to the
+    /// aggregate (nothing is written: a hole would hold every later event); database errors
+    /// as [`enqueue`](Self::enqueue). An aggregate the outbox has never seen (no row, no
+    /// cleanup watermark) may start at any sequence: its earlier history may have been cleaned
+    /// before migration 0011.
     ///
     /// # Cancel safety
     ///
@@ -490,8 +505,8 @@ impl Outbox {
     }
 
     /// Sorts a database error from a statement that ran an [`EnqueueCall`] into an
-    /// [`EnqueueError`] (`SequenceTaken`, `DuplicateEventId`, `NotMigrated`, `Conflict`, or
-    /// `Database`).
+    /// [`EnqueueError`] (`SequenceTaken`, `SequenceGap`, `DuplicateEventId`, `NotMigrated`,
+    /// `Conflict`, or `Database`).
     pub fn classify(&self, error: sqlx::Error) -> EnqueueError {
         self.classify_sqlx(error)
     }
@@ -650,6 +665,8 @@ impl Outbox {
         match (sqlstate, constraint) {
             (Some("23505"), Some("outbox_pkey")) => EnqueueError::DuplicateEventId,
             (Some("23505"), Some("outbox_aggregate_sequence_key")) => EnqueueError::SequenceTaken,
+            // Raised by handoff_check_no_hole (migration 0011).
+            (Some("HO001"), _) => EnqueueError::SequenceGap(error),
             // undefined_table; undefined_function (global order mode before migration 0006)
             (Some("42P01" | "42883"), _) => EnqueueError::NotMigrated {
                 schema: self

@@ -29,6 +29,7 @@ const LIST_SQL: &str = include_str!("../queries/quarantine/list.sql");
 const SHOW_SQL: &str = include_str!("../queries/quarantine/show.sql");
 const ACTIONS_SQL: &str = include_str!("../queries/quarantine/actions.sql");
 const ACT_SQL: &str = include_str!("../queries/quarantine/act.sql");
+const SKIP_MISSING_SQL: &str = include_str!("../queries/quarantine/skip_missing.sql");
 
 /// Longest skip reason, in bytes: it travels as a message header.
 pub const MAX_SKIP_REASON_BYTES: usize = 500;
@@ -61,6 +62,7 @@ pub struct Quarantine {
     show_sql: String,
     actions_sql: String,
     act_sql: String,
+    skip_missing_sql: String,
 }
 
 /// A held event, as `handoff quarantine list` shows it.
@@ -200,6 +202,20 @@ pub enum QuarantineError {
     /// The actor name is empty, too long or holds control characters.
     #[error("actor {0:?} must be 1 to {MAX_ACTOR_BYTES} printable bytes")]
     InvalidActor(String),
+    /// [`skip_missing`](Quarantine::skip_missing) found no hole at this sequence: a row holds
+    /// it, no pending event of the aggregate comes after it, or cleanup removed it.
+    #[error(
+        "sequence {sequence} of {aggregate_type}/{aggregate_id} is not a hole (a row holds it, \
+         no pending event follows it, or it was cleaned up); nothing changed"
+    )]
+    NotAHole {
+        /// The aggregate's type.
+        aggregate_type: String,
+        /// The aggregate's id.
+        aggregate_id: String,
+        /// The sequence asked for.
+        sequence: i64,
+    },
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
@@ -219,6 +235,8 @@ pub enum QuarantineErrorKind {
     InvalidReason,
     /// [`QuarantineError::InvalidActor`].
     InvalidActor,
+    /// [`QuarantineError::NotAHole`].
+    NotAHole,
     /// [`QuarantineError::Database`].
     Database,
 }
@@ -232,9 +250,30 @@ impl QuarantineError {
             QuarantineError::InvalidPayload(_) => QuarantineErrorKind::InvalidPayload,
             QuarantineError::InvalidReason => QuarantineErrorKind::InvalidReason,
             QuarantineError::InvalidActor(_) => QuarantineErrorKind::InvalidActor,
+            QuarantineError::NotAHole { .. } => QuarantineErrorKind::NotAHole,
             QuarantineError::Database(_) => QuarantineErrorKind::Database,
         }
     }
+}
+
+/// A skip reason, trimmed: one printable line of 1 to [`MAX_SKIP_REASON_BYTES`].
+fn check_reason(reason: &str) -> Result<&str, QuarantineError> {
+    let reason = reason.trim();
+    if reason.is_empty()
+        || reason.len() > MAX_SKIP_REASON_BYTES
+        || reason.chars().any(char::is_control)
+    {
+        return Err(QuarantineError::InvalidReason);
+    }
+    Ok(reason)
+}
+
+/// An actor name: 1 to [`MAX_ACTOR_BYTES`] printable bytes.
+fn check_actor(actor: &str) -> Result<(), QuarantineError> {
+    if actor.is_empty() || actor.len() > MAX_ACTOR_BYTES || actor.chars().any(char::is_control) {
+        return Err(QuarantineError::InvalidActor(actor.to_owned()));
+    }
+    Ok(())
 }
 
 /// The three actions, as stored in the audit.
@@ -256,6 +295,7 @@ impl Quarantine {
             show_sql: sql(SHOW_SQL),
             actions_sql: sql(ACTIONS_SQL),
             act_sql: sql(ACT_SQL),
+            skip_missing_sql: sql(SKIP_MISSING_SQL),
         }
     }
 
@@ -414,14 +454,67 @@ impl Quarantine {
         reason: &str,
         actor: &str,
     ) -> Result<ActionRecord, QuarantineError> {
-        let reason = reason.trim();
-        if reason.is_empty()
-            || reason.len() > MAX_SKIP_REASON_BYTES
-            || reason.chars().any(char::is_control)
-        {
-            return Err(QuarantineError::InvalidReason);
-        }
+        let reason = check_reason(reason)?;
         self.act(conn, event_id, actor, Action::Skip(reason)).await
+    }
+
+    /// Releases a hole: `sequence` of the aggregate was never written (an outside writer
+    /// skipped it), so every later event of the aggregate is held (order fails closed). Writes
+    /// a skip marker row at that sequence (event type `handoff.skipped`, a new event id,
+    /// `null` body, header `Handoff-Skipped: <reason>` when published) and audits it as a
+    /// `skip` whose `before` says `"missing": true`. The relay publishes the marker, then the
+    /// events after it.
+    ///
+    /// # Errors
+    ///
+    /// [`QuarantineError::InvalidReason`], [`QuarantineError::InvalidActor`] as
+    /// [`skip`](Self::skip); [`QuarantineError::NotAHole`] when a row holds the sequence, no
+    /// pending event follows it, or cleanup removed it; nothing changed.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # use handoff_postgres::{Quarantine, Schema};
+    /// # async fn example(conn: &mut sqlx::PgConnection) -> Result<(), Box<dyn std::error::Error>> {
+    /// let quarantine = Quarantine::new(&Schema::default());
+    /// quarantine
+    ///     .skip_missing(conn, "order", "o-1", 2, "never written: import bug #42", "alice")
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn skip_missing(
+        &self,
+        conn: &mut PgConnection,
+        aggregate_type: &str,
+        aggregate_id: &str,
+        sequence: i64,
+        reason: &str,
+        actor: &str,
+    ) -> Result<ActionRecord, QuarantineError> {
+        let reason = check_reason(reason)?;
+        check_actor(actor)?;
+        let row = sqlx::query(&self.skip_missing_sql)
+            .persistent(false)
+            .bind(aggregate_type)
+            .bind(aggregate_id)
+            .bind(sequence)
+            .bind(actor)
+            .bind(reason)
+            .bind(uuid::Uuid::now_v7())
+            .fetch_optional(&mut *conn)
+            .await?;
+        match row {
+            Some(row) => Ok(ActionRecord {
+                action_id: row.try_get("action_id")?,
+                acted_at: row.try_get("acted_at")?,
+            }),
+            None => Err(QuarantineError::NotAHole {
+                aggregate_type: aggregate_type.to_owned(),
+                aggregate_id: aggregate_id.to_owned(),
+                sequence,
+            }),
+        }
     }
 
     async fn act(
@@ -431,10 +524,7 @@ impl Quarantine {
         actor: &str,
         action: Action<'_>,
     ) -> Result<ActionRecord, QuarantineError> {
-        if actor.is_empty() || actor.len() > MAX_ACTOR_BYTES || actor.chars().any(char::is_control)
-        {
-            return Err(QuarantineError::InvalidActor(actor.to_owned()));
-        }
+        check_actor(actor)?;
         let (name, reason, payload) = match action {
             Action::Retry => ("retry", None, None),
             Action::Repair(payload) => ("repair", None, Some(payload)),

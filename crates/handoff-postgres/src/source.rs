@@ -288,6 +288,10 @@ pub struct Backlog {
     pub oldest_age: Option<Duration>,
     /// The outbox table's size on disk (heap, indexes, TOAST), in bytes.
     pub outbox_bytes: i64,
+    /// Holes: unpublished events whose predecessor was never written (an outside writer
+    /// skipped a sequence). Each holds its aggregate until an operator skips the missing
+    /// sequence ([`Quarantine::skip_missing`](crate::Quarantine::skip_missing)).
+    pub holes: i64,
 }
 
 /// What [`PollingSource::other_lane`] found.
@@ -540,6 +544,7 @@ pub(crate) fn read_backlog(row: &PgRow) -> Result<Backlog, sqlx::Error> {
         stuck_aggregates: row.try_get("stuck_aggregates")?,
         outbox_bytes: row.try_get("outbox_bytes")?,
         expired_leases: row.try_get("expired_leases")?,
+        holes: row.try_get("holes")?,
         oldest_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
     })
 }

@@ -75,6 +75,10 @@ pub struct StatusReport {
     pub expired_leases: i64,
     /// How many aggregates have waited longer than the stuck threshold.
     pub stuck_aggregate_count: i64,
+    /// Holes: unpublished events whose predecessor sequence was never written (an outside
+    /// writer skipped it). Each holds its aggregate (order fails closed) until an operator
+    /// runs `handoff quarantine skip --aggregate-type T --aggregate-id I --sequence N`.
+    pub holes: i64,
     /// The longest waiting of them, oldest first.
     pub stuck_aggregates: Vec<StuckAggregate>,
     /// handoff's tables in this database.
@@ -230,6 +234,7 @@ impl Status {
             quarantined: backlog.held,
             expired_leases: backlog.expired_leases,
             stuck_aggregate_count: backlog.stuck_aggregates,
+            holes: backlog.holes,
             stuck_aggregates,
             tables,
             last_cleanup,

@@ -35,6 +35,15 @@ archived AS (
            global_sequence, takeover_count, hold_reason
     FROM moved
     RETURNING 1
+),
+watermark AS (
+    -- As outbox_delete.sql: each aggregate's highest moved sequence becomes its watermark.
+    INSERT INTO {schema}outbox_watermarks AS w (aggregate_type, aggregate_id, cleaned_through)
+    SELECT aggregate_type, aggregate_id, max(aggregate_sequence)
+    FROM moved
+    GROUP BY aggregate_type, aggregate_id
+    ON CONFLICT ON CONSTRAINT outbox_watermarks_pkey
+    DO UPDATE SET cleaned_through = greatest(w.cleaned_through, excluded.cleaned_through)
 )
 SELECT (SELECT event_id FROM scanned ORDER BY event_id DESC LIMIT 1) AS last_id,
        (SELECT count(*) FROM scanned) AS scanned,

@@ -25,7 +25,19 @@ gone AS (
     WHERE o.event_id = s.event_id
       AND o.published_at IS NOT NULL
       AND o.published_at < $3
-    RETURNING 1
+    RETURNING o.aggregate_type, o.aggregate_id, o.aggregate_sequence
+),
+watermark AS (
+    -- Each aggregate's highest deleted sequence, in the same statement: the claim takes a
+    -- missing predecessor at or below it as published (migration 0011), so the next event
+    -- of a cleaned aggregate is not held as a hole. A data-modifying CTE runs whether or
+    -- not the query reads it.
+    INSERT INTO {schema}outbox_watermarks AS w (aggregate_type, aggregate_id, cleaned_through)
+    SELECT aggregate_type, aggregate_id, max(aggregate_sequence)
+    FROM gone
+    GROUP BY aggregate_type, aggregate_id
+    ON CONFLICT ON CONSTRAINT outbox_watermarks_pkey
+    DO UPDATE SET cleaned_through = greatest(w.cleaned_through, excluded.cleaned_through)
 )
 SELECT (SELECT event_id FROM scanned ORDER BY event_id DESC LIMIT 1) AS last_id,
        (SELECT count(*) FROM scanned) AS scanned,
