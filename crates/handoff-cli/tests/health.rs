@@ -149,9 +149,19 @@ async fn relay_probes_follow_the_database_the_schema_and_the_broker() {
     nats.start_again().unwrap();
     wait_readyz(&http, addr, 200, |b| b["ready"] == true, &relay).await;
 
-    // A migration is reverted under the running relay: the schema is no longer current.
-    Migrator::handoff(Schema::default())
-        .revert(&mut conn, 9)
+    // The recorded schema stops matching this binary's migrations (a migration file changed
+    // after it ran): not current. The tables the relay claims from are untouched, so it keeps
+    // running; a table actually gone stops the relay instead (handoff-relay's source_errors).
+    let tamper = |checksum: &'static str| {
+        format!("UPDATE handoff_migrations SET checksum = {checksum} WHERE version = 1")
+    };
+    let original: Vec<u8> =
+        sqlx::query_scalar("SELECT checksum FROM handoff_migrations WHERE version = 1")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    sqlx::query(&tamper("'\\x00'::bytea"))
+        .execute(&mut conn)
         .await
         .unwrap();
     let body = wait_readyz(&http, addr, 503, |b| b["ready"] == false, &relay).await;
@@ -159,8 +169,9 @@ async fn relay_probes_follow_the_database_the_schema_and_the_broker() {
         reason(&body).starts_with("schema not current"),
         "reason names the schema: {body}"
     );
-    Migrator::handoff(Schema::default())
-        .run(&mut conn)
+    sqlx::query(&tamper("$1"))
+        .bind(original)
+        .execute(&mut conn)
         .await
         .unwrap();
     wait_readyz(&http, addr, 200, |b| b["ready"] == true, &relay).await;

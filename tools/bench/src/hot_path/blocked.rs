@@ -2,10 +2,10 @@
 //! drain of every other aggregate beside it.
 //!
 //! Both variants start from the same preloaded healthy backlog (default 20,000 events over 2,000
-//! aggregates, the relay bench's [`workload`]) and one relay with its defaults drains it:
-//! `clear` with nothing else in the outbox, `blocked` with `--blocked` more events of one
-//! aggregate whose head is held as the claim holds a crash-looped event (`available_at`
-//! 'infinity', `hold_reason` 'crash_loop', no lease). The blocked events are older than every
+//! aggregates, the relay bench's [`workload`](crate::relay::workload)) and one relay with its
+//! defaults drains it: `clear` with nothing else in the outbox, `blocked` with `--blocked` more
+//! events of one aggregate whose head is held as the claim holds a crash-looped event
+//! (`available_at` 'infinity', `hold_reason` 'crash_loop', no lease). The blocked events are older than every
 //! healthy one, so they sit at the front of `outbox_pending_idx`, where a claim's head scan
 //! starts. Claim durations come from the probe around the relay's source (the claim statement
 //! as the relay calls it, round trip included).
