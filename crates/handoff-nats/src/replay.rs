@@ -282,37 +282,32 @@ async fn leader_next(
     let Some(handle) = handle else {
         return Ok(None);
     };
-    let deadline = tokio::time::Instant::now() + LEADER_PATIENCE;
-    let mut pause = Duration::from_millis(50);
-    loop {
+    let asked = ask_leader(|| async {
         let next = handle
             .raw_message_builder()
             .sequence(sequence + 1)
             .next_by_subject(filter)
             .send()
             .await;
-        let error = match next {
-            Ok(message) if since.is_some_and(|since| message.time < since) => return Ok(None),
-            Ok(message) => return Ok(Some(message.sequence)),
-            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
-                return Ok(None)
+        match next {
+            Ok(message) if since.is_some_and(|since| message.time < since) => Ok(None),
+            Ok(message) => Ok(Some(message.sequence)),
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(error) => {
+                tracing::debug!(stream = %stream, sequence, error = %error,
+                    "asking the stream's leader for the next message again");
+                Err(error.to_string())
             }
-            Err(error) => error,
-        };
-        if tokio::time::Instant::now() + pause > deadline {
-            return Err(ScanError::Stream {
-                stream: stream.to_owned(),
-                message: format!(
-                    "the stream's leader did not say whether messages follow sequence \
-                     {sequence} within {LEADER_PATIENCE:?}: {error}"
-                ),
-            });
         }
-        tracing::debug!(stream = %stream, sequence, error = %error,
-            "asking the stream's leader for the next message again");
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(1));
-    }
+    })
+    .await;
+    asked.map_err(|last| ScanError::Stream {
+        stream: stream.to_owned(),
+        message: format!(
+            "the stream's leader did not say whether messages follow sequence {sequence} \
+             within {LEADER_PATIENCE:?}: {last}"
+        ),
+    })
 }
 
 /// The stream's last sequence as its leader sees it.
@@ -323,24 +318,42 @@ async fn leader_next(
 /// Such an answer is asked again, for at most [`LEADER_PATIENCE`]; a single server's stream (no
 /// cluster) answers for itself.
 async fn leader_last_sequence(
-    stream: &mut async_nats::jetstream::stream::Stream,
+    stream: &async_nats::jetstream::stream::Stream,
 ) -> Result<u64, String> {
+    ask_leader(|| async {
+        // A request error is no answer to wait out: it ends the scan at once.
+        let info = match stream.get_info().await {
+            Ok(info) => info,
+            Err(error) => return Ok(Err(error.to_string())),
+        };
+        match info.cluster.as_ref().map(|c| c.leader.is_some()) {
+            None | Some(true) => Ok(Ok(info.state.last_sequence)),
+            Some(false) => {
+                tracing::debug!(stream = %info.config.name,
+                    "a replica without a leader answered the stream info; asking again");
+                Err("the stream has no leader; its replicas cannot tell how far it goes".to_owned())
+            }
+        }
+    })
+    .await
+    .map_err(|last| format!("{last} (asked for {LEADER_PATIENCE:?})"))?
+}
+
+/// Asks `ask` until the stream's leader answers (`Ok(answer)`), pausing 50 ms, doubling up to
+/// 1 s, between tries; `Err(why)` means no leader answered this time. After
+/// [`LEADER_PATIENCE`] it gives up with the last `why`.
+async fn ask_leader<T, F, Fut>(mut ask: F) -> Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
     let deadline = tokio::time::Instant::now() + LEADER_PATIENCE;
     let mut pause = Duration::from_millis(50);
     loop {
-        let info = stream.info().await.map_err(|e| e.to_string())?;
-        let leader = info.cluster.as_ref().map(|c| c.leader.clone());
-        match leader {
-            None | Some(Some(_)) => return Ok(info.state.last_sequence),
-            Some(None) if tokio::time::Instant::now() + pause > deadline => {
-                return Err(format!(
-                    "the stream has no leader (asked for {LEADER_PATIENCE:?}); its replicas \
-                     cannot tell how far it goes"
-                ))
-            }
-            Some(None) => {
-                tracing::debug!(stream = %info.config.name,
-                    "a replica without a leader answered the stream info; asking again");
+        match ask().await {
+            Ok(answer) => return Ok(answer),
+            Err(why) if tokio::time::Instant::now() + pause > deadline => return Err(why),
+            Err(_) => {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(1));
             }
@@ -512,13 +525,11 @@ impl JetStreamTransport {
             message,
         };
         let context = async_nats::jetstream::new(self.client().clone());
-        let mut stream = context
+        let stream = context
             .get_stream(&name)
             .await
             .map_err(|e| stream_error(e.to_string()))?;
-        let last = leader_last_sequence(&mut stream)
-            .await
-            .map_err(stream_error)?;
+        let last = leader_last_sequence(&stream).await.map_err(stream_error)?;
         tracing::debug!(stream = %name, last, "scan starts");
         let idle = Duration::from_secs(30);
         let filter = format!("{}.>", self.config().subject_prefix);
