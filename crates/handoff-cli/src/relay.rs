@@ -540,7 +540,9 @@ fn log_exit(outcome: Result<handoff_relay::RelayReport, handoff_relay::RelayErro
     );
     match failure {
         None => Ok(()),
-        Some(error) => Err(anyhow::Error::new(error).context("the relay stopped")),
+        // RelayError's message already says "the relay stopped" and names its cause; printed
+        // as a chain it would say both twice.
+        Some(error) => Err(anyhow::anyhow!("{error}")),
     }
 }
 
