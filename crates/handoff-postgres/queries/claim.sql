@@ -13,8 +13,13 @@
 -- the aggregate until an operator skips the missing sequence (order fails closed).
 --
 -- The lease also moves available_at to its end. Leased rows thereby leave the front of
--- outbox_pending_idx, so the next claim (by this relay or another) does not wade through them,
+-- outbox_ready_idx, so the next claim (by this relay or another) does not wade through them,
 -- and a lease that expires makes its rows available again with no extra step.
+--
+-- What is not publishable yet does not stay in the way either (migration 0012): the claim reads
+-- only the $2 oldest rows of outbox_ready_idx, and parks those of them that wait behind an
+-- unpublished predecessor (blocked = true), which takes them off that index. So what a claim
+-- reads is bounded by its batch, not by what waits behind held or in-flight events.
 --
 -- Crash loops: a claimable row that still names a holder was left unsettled by a lease that ran
 -- out (its relay died or stalled holding it). Such a claim is a takeover, counted in
@@ -25,41 +30,54 @@
 -- more (the relay passes min(2, $4)), an event is a suspect: leased alone and published with
 -- nothing else in flight, so that only the culprit, not its innocent neighbours of a batch,
 -- keeps counting takeovers.
-WITH head AS MATERIALIZED (
-    -- Oldest available heads first, in the pending index's order, so the scan reads the index
-    -- front and stops after $2 heads. Events waiting behind an unpublished predecessor are
-    -- skipped by the scan instead of filling the batch: a backlog of them can never starve
-    -- the heads that would unblock them. Rows another claim holds right now are skipped too.
+WITH front AS MATERIALIZED (
+    -- The oldest claimable events on outbox_ready_idx, read from its front: available, not
+    -- parked, not in the global lane (claim_global.sql's, published here in parallel lanes they
+    -- could overtake each other). Rows another claim holds right now are skipped. Each is a head
+    -- (its predecessor is settled, below) or not; the ones that are not are parked by this
+    -- claim (see park), so no later claim reads them again while they wait, and the scan
+    -- never walks a blocked backlog: it reads twice the batch (at least 64 rows, so that a
+    -- small batch still reaches past a few blocked rows in one claim), whatever waits behind a
+    -- held event.
     SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
-           o.available_at, o.occurred_at, o.claimed_by, o.takeover_count
+           o.available_at, o.occurred_at, o.claimed_by, o.takeover_count,
+           -- Order fails closed: the predecessor row is published; or there is none because
+           -- this is sequence 1 or cleanup removed it (at or below the aggregate's watermark).
+           -- NULL when the predecessor was never written: a hole, held until an operator skips
+           -- it. One probe of outbox_aggregate_sequence_key, and of outbox_watermarks only when
+           -- the row is missing.
+           coalesce(
+               (SELECT p.published_at IS NOT NULL
+                FROM {schema}outbox p
+                WHERE p.aggregate_type = o.aggregate_type
+                  AND p.aggregate_id = o.aggregate_id
+                  AND p.aggregate_sequence = o.aggregate_sequence - 1),
+               o.aggregate_sequence = 1 OR EXISTS (
+                   SELECT 1
+                   FROM {schema}outbox_watermarks w
+                   WHERE w.aggregate_type = o.aggregate_type
+                     AND w.aggregate_id = o.aggregate_id
+                     AND w.cleaned_through >= o.aggregate_sequence - 1
+               )
+           ) AS is_head
     FROM {schema}outbox o
     WHERE o.published_at IS NULL
-      AND o.available_at <= now()
-      -- Events of the global lane are claim_global.sql's: published here, in parallel lanes,
-      -- they could overtake each other.
+      AND NOT o.blocked
       AND o.global_sequence IS NULL
-      -- Order fails closed: the predecessor row is published; or there is none because this
-      -- is sequence 1 or cleanup removed it (at or below the aggregate's watermark). A
-      -- predecessor that was never written is a hole, held until an operator skips it. One
-      -- probe of outbox_aggregate_sequence_key, and of outbox_watermarks only when the row is
-      -- missing.
-      AND coalesce(
-          (SELECT p.published_at IS NOT NULL
-           FROM {schema}outbox p
-           WHERE p.aggregate_type = o.aggregate_type
-             AND p.aggregate_id = o.aggregate_id
-             AND p.aggregate_sequence = o.aggregate_sequence - 1),
-          o.aggregate_sequence = 1 OR EXISTS (
-              SELECT 1
-              FROM {schema}outbox_watermarks w
-              WHERE w.aggregate_type = o.aggregate_type
-                AND w.aggregate_id = o.aggregate_id
-                AND w.cleaned_through >= o.aggregate_sequence - 1
-          )
-      )
+      AND o.available_at <= now()
     ORDER BY o.available_at, o.occurred_at
-    LIMIT $2
+    LIMIT greatest(2 * $2, 64)
     FOR UPDATE OF o SKIP LOCKED
+),
+head AS MATERIALIZED (
+    -- The oldest $2 heads of the front: events waiting behind an unpublished predecessor do
+    -- not fill the batch, so a backlog of them never starves the heads that would unblock them.
+    SELECT f.event_id, f.aggregate_type, f.aggregate_id, f.aggregate_sequence,
+           f.available_at, f.occurred_at, f.claimed_by, f.takeover_count
+    FROM front f
+    WHERE f.is_head
+    ORDER BY f.available_at, f.occurred_at
+    LIMIT $2
 ),
 run AS MATERIALIZED (
     -- When the heads leave room in the batch, the events right behind each head ride along in
@@ -151,39 +169,100 @@ picked AS (
         LIMIT $2
     ) n
     WHERE NOT EXISTS (SELECT 1 FROM solo)
+),
+park AS MATERIALIZED (
+    -- Front rows this claim does not lease, waiting behind an unpublished predecessor (held,
+    -- backing off, in flight, itself parked, or cut from this batch): parked, off
+    -- outbox_ready_idx, until queries/unpark.sql frees them in the transaction that marks that
+    -- predecessor published (or a claim leases them in its predecessor's run).
+    --
+    -- The predecessor is locked FOR SHARE, which closes the race with its mark: a mark that
+    -- committed after this statement's snapshot is seen when the lock re-reads the row (it is
+    -- no longer unpublished, and nothing is parked); a mark that comes later waits for this
+    -- claim to commit, and its unpark, a statement of its own, then sees the park. A
+    -- predecessor locked right now (being marked, leased, or parked behind) is skipped rather
+    -- than waited for: no claim waits on another, and the row is looked at again next claim.
+    SELECT f.event_id
+    FROM front f
+    WHERE NOT f.is_head
+      AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.event_id = f.event_id)
+      AND EXISTS (
+          SELECT 1
+          FROM {schema}outbox p
+          WHERE p.aggregate_type = f.aggregate_type
+            AND p.aggregate_id = f.aggregate_id
+            AND p.aggregate_sequence = f.aggregate_sequence - 1
+            AND p.published_at IS NULL
+          FOR SHARE OF p SKIP LOCKED
+      )
+),
+parked AS (
+    -- Through an array, so park is read whole before any row is written: a row parked here
+    -- cannot be locked again as the predecessor of the next one (a row this statement already
+    -- updated cannot be locked by it), which would leave that one unparked.
+    UPDATE {schema}outbox o
+    SET blocked = true
+    WHERE o.event_id = ANY ((SELECT array_agg(park.event_id) FROM park)::uuid[])
+),
+hole AS (
+    -- Front rows behind a hole (a predecessor never written): not parked, since no row can be
+    -- locked against a writer filling the hole, but looked at again only a second later, so a
+    -- front full of them cannot starve the heads behind it.
+    UPDATE {schema}outbox o
+    SET available_at = now() + interval '1 second'
+    FROM front f
+    WHERE o.event_id = f.event_id
+      AND NOT f.is_head
+      AND NOT EXISTS (
+          SELECT 1
+          FROM {schema}outbox p
+          WHERE p.aggregate_type = f.aggregate_type
+            AND p.aggregate_id = f.aggregate_id
+            AND p.aggregate_sequence = f.aggregate_sequence - 1
+      )
+),
+leased AS (
+    UPDATE {schema}outbox o
+    SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
+        claim_until = CASE WHEN picked.crash_loop THEN NULL
+                           ELSE now() + make_interval(secs => $3) END,
+        available_at = CASE WHEN picked.crash_loop THEN 'infinity'::timestamptz
+                            ELSE now() + make_interval(secs => $3) END,
+        takeover_count = o.takeover_count + (picked.claimed_by IS NOT NULL)::int,
+        quarantined_at = CASE WHEN picked.crash_loop THEN now() ELSE o.quarantined_at END,
+        hold_reason = CASE WHEN picked.crash_loop THEN 'crash_loop' ELSE o.hold_reason END,
+        last_error = CASE
+            WHEN picked.crash_loop THEN format(
+                'crash_loop: its lease ran out unsettled %s times (the relay holding it died or '
+                'stalled each time, last %s); held after --max-takeovers %s',
+                o.takeover_count + 1, picked.claimed_by, $4)
+            ELSE o.last_error
+        END,
+        -- A parked row leased in its predecessor's run is on its way out: unparked with the lease,
+        -- so it is back on outbox_ready_idx if the lease runs out.
+        blocked = false
+    FROM picked
+    WHERE o.event_id = picked.event_id
+    -- A skipped event (`handoff quarantine skip`) goes out as a marker in its place: no payload, and
+    -- a Handoff-Skipped header with the operator's reason, so consumers advance past its sequence.
+    RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
+              o.schema_version,
+              CASE WHEN o.skip_reason IS NULL THEN o.payload::text ELSE 'null' END AS payload,
+              CASE WHEN o.skip_reason IS NULL THEN o.headers::text
+                   ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
+              END AS headers,
+              o.occurred_at, o.attempt_count,
+              -- A claimable row that still names a holder is one whose lease ran out unsettled.
+              picked.claimed_by IS NOT NULL AS taken_over,
+              -- Held, not leased: the relay publishes nothing of it and reports it.
+              picked.crash_loop AS held,
+              -- Leased alone, to be published with nothing else in flight.
+              picked.suspect AS isolate,
+              -- The lease's end, which fences this relay's later failure and release writes.
+              o.claim_until
 )
-UPDATE {schema}outbox o
-SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
-    claim_until = CASE WHEN picked.crash_loop THEN NULL
-                       ELSE now() + make_interval(secs => $3) END,
-    available_at = CASE WHEN picked.crash_loop THEN 'infinity'::timestamptz
-                        ELSE now() + make_interval(secs => $3) END,
-    takeover_count = o.takeover_count + (picked.claimed_by IS NOT NULL)::int,
-    quarantined_at = CASE WHEN picked.crash_loop THEN now() ELSE o.quarantined_at END,
-    hold_reason = CASE WHEN picked.crash_loop THEN 'crash_loop' ELSE o.hold_reason END,
-    last_error = CASE
-        WHEN picked.crash_loop THEN format(
-            'crash_loop: its lease ran out unsettled %s times (the relay holding it died or '
-            'stalled each time, last %s); held after --max-takeovers %s',
-            o.takeover_count + 1, picked.claimed_by, $4)
-        ELSE o.last_error
-    END
-FROM picked
-WHERE o.event_id = picked.event_id
--- A skipped event (`handoff quarantine skip`) goes out as a marker in its place: no payload, and
--- a Handoff-Skipped header with the operator's reason, so consumers advance past its sequence.
-RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
-          o.schema_version,
-          CASE WHEN o.skip_reason IS NULL THEN o.payload::text ELSE 'null' END AS payload,
-          CASE WHEN o.skip_reason IS NULL THEN o.headers::text
-               ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
-          END AS headers,
-          o.occurred_at, o.attempt_count,
-          -- A claimable row that still names a holder is one whose lease ran out unsettled.
-          picked.claimed_by IS NOT NULL AS taken_over,
-          -- Held, not leased: the relay publishes nothing of it and reports it.
-          picked.crash_loop AS held,
-          -- Leased alone, to be published with nothing else in flight.
-          picked.suspect AS isolate,
-          -- The lease's end, which fences this relay's later failure and release writes.
-          o.claim_until
+-- The leased rows, each with the number of rows this claim parked; one row with no event when
+-- it leased nothing, so that a claim that only parked tells the relay to claim again soon.
+SELECT l.*, c.parked
+FROM (SELECT count(*) AS parked FROM park) c
+LEFT JOIN leased l ON true

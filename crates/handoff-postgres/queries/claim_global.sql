@@ -130,4 +130,6 @@ RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
           picked.claimed_by IS NOT NULL AS taken_over,
           picked.crash_loop AS held,
           picked.suspect AS isolate,
-          o.claim_until
+          o.claim_until,
+          -- The global lane parks nothing (claim.sql does, in the per-aggregate lanes).
+          0::bigint AS parked

@@ -44,7 +44,7 @@ impl Migration {
 /// handoff's own migrations: the outbox, the sequence heads, the consumer inbox and the
 /// operators' tables (quarantine audit, cleanup archive and log), the delivery receipt, the
 /// opt-in global order lane, the saga tables and their failure policy, the consumer quarantine's
-/// states and audit.
+/// states and audit, order that fails closed, and parked blocked events.
 pub const HANDOFF_MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -111,6 +111,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         name: "order_fails_closed",
         up: include_str!("../migrations/0011_order_fails_closed.up.sql"),
         down: include_str!("../migrations/0011_order_fails_closed.down.sql"),
+    },
+    Migration {
+        version: 12,
+        name: "park_blocked",
+        up: include_str!("../migrations/0012_park_blocked.up.sql"),
+        down: include_str!("../migrations/0012_park_blocked.down.sql"),
     },
 ];
 

@@ -23,6 +23,7 @@ const CLAIM_SQL: &str = include_str!("../queries/claim.sql");
 const CLAIM_GLOBAL_SQL: &str = include_str!("../queries/claim_global.sql");
 const GLOBAL_PENDING_SQL: &str = include_str!("../queries/global_pending.sql");
 const MARK_PUBLISHED_SQL: &str = include_str!("../queries/mark_published.sql");
+const UNPARK_SQL: &str = include_str!("../queries/unpark.sql");
 const RECORD_FAILURES_SQL: &str = include_str!("../queries/record_failures.sql");
 const RELEASE_SQL: &str = include_str!("../queries/release.sql");
 const RELAY_WAIT_SQL: &str = include_str!("../queries/relay_wait.sql");
@@ -38,6 +39,20 @@ pub const WAKE_CHANNEL: &str = "handoff_outbox";
 /// can land just after the relay's last claim; one more claim after this short wait picks them
 /// up, so the race costs milliseconds instead of a whole poll interval.
 const SETTLE: Duration = Duration::from_millis(20);
+
+/// How long after its last non-empty claim a relay keeps polling, every [`BUSY_POLL`], instead
+/// of registering for a notification.
+///
+/// A registered relay makes every committing writer notify, and notifying commits serialise on
+/// a cluster-wide lock (migration 0002). Under steady traffic the relay runs dry between
+/// commits all the time; were it to register each time, every writer would notify. So it
+/// registers only once traffic has stopped for this long: at steady load no writer notifies,
+/// and an idle relay still sleeps on LISTEN, costing at most its registration renewals.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// The poll interval while lingering: what it adds to commit-to-broker latency at steady load
+/// (at most this, half of it on average), for an empty claim's cost (an index probe) each time.
+const BUSY_POLL: Duration = Duration::from_millis(5);
 
 /// Settings of a [`PollingSource`].
 #[derive(Debug, Clone)]
@@ -258,11 +273,15 @@ pub struct PollingSource {
     /// Each leased event's `claim_until` as this source's claim wrote it: the fence of its
     /// failure and release writes. std mutex: never held across an `.await`.
     leases: std::sync::Mutex<HashMap<EventId, DateTime<Utc>>>,
+    /// When a claim last found work: until [`LINGER`] after it, the relay polls instead of
+    /// sleeping on LISTEN, so writers of a steady stream never pay for notifying it.
+    last_work: std::sync::Mutex<Option<Instant>>,
 }
 
 struct Sql {
     claim: String,
     mark_published: String,
+    unpark: String,
     record_failures: String,
     release: String,
     wait: String,
@@ -331,6 +350,7 @@ impl PollingSource {
                 OrderMode::Global => CLAIM_GLOBAL_SQL,
             }),
             mark_published: sql(MARK_PUBLISHED_SQL),
+            unpark: sql(UNPARK_SQL),
             record_failures: sql(RECORD_FAILURES_SQL),
             release: sql(RELEASE_SQL),
             wait: sql(RELAY_WAIT_SQL),
@@ -345,6 +365,7 @@ impl PollingSource {
             sql,
             wake: Mutex::new(Wake::default()),
             leases: std::sync::Mutex::new(HashMap::new()),
+            last_work: std::sync::Mutex::new(None),
         })
     }
 
@@ -630,6 +651,25 @@ impl Source for PollingSource {
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         let rows = self.bounded(&mut conn, outcome, what)?;
         drop(conn);
+        // Every row carries how many rows the claim parked; a claim that leased nothing
+        // returns one row with no event.
+        let parked: i64 = match rows.first() {
+            Some(row) => row
+                .try_get("parked")
+                .map_err(|e| source_error("while reading a claim", e))?,
+            None => 0,
+        };
+        let rows: Vec<PgRow> = rows
+            .into_iter()
+            .filter(|row| matches!(row.try_get::<Option<uuid::Uuid>, _>("event_id"), Ok(Some(_))))
+            .collect();
+        if !rows.is_empty() || parked > 0 {
+            // Work, or room made for it: poll again soon rather than sleep (see LINGER).
+            *self.last_work.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        }
+        if parked > 0 {
+            tracing::debug!(parked, "claim parked events waiting behind unpublished ones");
+        }
         let mut events = Vec::with_capacity(rows.len());
         let mut held = 0;
         let mut taken_over = 0;
@@ -705,14 +745,22 @@ impl Source for PollingSource {
         let what = "while marking events published";
         let mut conn = self.connection(what).await?;
         let query = async {
-            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            // One transaction in every pooling mode: the events behind these, parked by claims
+            // while these were unpublished, are freed with the mark or not at all. A crash
+            // between the two would leave an aggregate parked behind a published event.
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             sqlx::query(&self.sql.mark_published)
                 .persistent(self.named_statements())
                 .bind(&ids)
                 .bind(&receipts)
-                .execute(scope.conn())
+                .execute(&mut *tx)
                 .await?;
-            scope.finish().await
+            sqlx::query(&self.sql.unpark)
+                .persistent(self.named_statements())
+                .bind(&ids)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
         };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;
@@ -778,6 +826,23 @@ impl Source for PollingSource {
     }
 
     async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
+        let lingering = self
+            .last_work
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|at| at.elapsed() < LINGER);
+        if lingering {
+            // Traffic is steady: poll, and make writers stop notifying on this relay's account
+            // if an idle spell had registered it.
+            if self.listens() {
+                let mut wake = self.wake.lock().await;
+                if wake.registered_until.is_some() {
+                    self.unwait(&mut wake).await?;
+                }
+            }
+            tokio::time::sleep(BUSY_POLL.min(at_most)).await;
+            return Ok(());
+        }
         if !self.listens() {
             tokio::time::sleep(at_most).await;
             return Ok(());

@@ -37,6 +37,18 @@ marker AS (
     FROM hole h
     ON CONFLICT ON CONSTRAINT outbox_aggregate_sequence_key DO NOTHING
     RETURNING o.event_id, o.available_at, o.skip_reason
+),
+successor AS (
+    -- The event right after the hole, which claims look at only once a second while the hole
+    -- lasts (claim.sql, hole), is claimable at once: it rides behind the marker.
+    UPDATE {schema}outbox s
+    SET available_at = now()
+    FROM marker
+    WHERE s.aggregate_type = $1 AND s.aggregate_id = $2 AND s.aggregate_sequence = $3 + 1
+      AND s.published_at IS NULL
+      AND s.claimed_by IS NULL
+      AND s.available_at > now()
+      AND s.available_at <> 'infinity'
 )
 INSERT INTO {schema}outbox_quarantine_actions (event_id, action, actor, reason, before, after)
 SELECT m.event_id, 'skip', $4, $5,

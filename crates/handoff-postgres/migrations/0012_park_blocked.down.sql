@@ -1,0 +1,4 @@
+-- handoff 0012 down: parked events are pending events again, on outbox_pending_idx's path.
+DROP INDEX outbox_ready_idx;
+ALTER TABLE outbox_archive DROP COLUMN blocked;
+ALTER TABLE outbox DROP COLUMN blocked;
