@@ -6,8 +6,8 @@
 --
 -- Now a claim that meets such an event parks it: `blocked` is set, and the event leaves
 -- outbox_ready_idx, the index the claim scans. It is parked at most once per time its
--- predecessor blocks it, and freed in the same transaction that marks its predecessor
--- published (queries/unpark.sql); a claim that leases the predecessor also takes the parked
+-- predecessor blocks it, and freed by the same call that marks its predecessor published
+-- (handoff_mark_published, below); a claim that leases the predecessor also takes the parked
 -- run behind it. So a claim reads the events it leases and the few it parks, not what is
 -- blocked, and a held aggregate with a million events behind it is one parked run.
 --
@@ -25,3 +25,43 @@ CREATE INDEX outbox_ready_idx
 
 -- The archive keeps every outbox column (cleanup names each one).
 ALTER TABLE outbox_archive ADD COLUMN blocked boolean NOT NULL DEFAULT false;
+
+-- The relay's mark (queries/mark_published.sql calls it): the broker acknowledged these events,
+-- so they are published, and the parked event right after each is freed. One call, so one
+-- statement in autocommit: no transaction stays open between the two steps, where a cut
+-- connection would leave the marked rows locked until the server noticed.
+--
+-- The two steps are two statements, each with a snapshot of its own (a VOLATILE function takes
+-- a fresh one per statement): a claim parking a successor holds its predecessor FOR SHARE, so
+-- the first statement waits for that claim to commit, and only the second, later snapshot is
+-- sure to see the park (queries/claim.sql, park).
+--
+-- Publishing is not conditioned on the lease: an acknowledged event is in the stream whoever
+-- holds it now, and marking it spares a republish. claimed_by stays and tells which relay
+-- published it; its lease ends now. p_receipts holds each event's receipt (NULL when the
+-- destination gave nothing worth keeping).
+CREATE FUNCTION handoff_mark_published(p_event_ids uuid[], p_receipts text[]) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    UPDATE outbox AS o
+    SET published_at = now(),
+        claim_until = CASE WHEN o.claimed_by IS NULL THEN NULL ELSE now() END,
+        delivery_receipt = acked.receipt
+    FROM unnest(p_event_ids, p_receipts) AS acked (event_id, receipt)
+    WHERE o.event_id = acked.event_id
+      AND o.published_at IS NULL;
+
+    -- Two probes per event, of the primary key and of outbox_aggregate_sequence_key; a write
+    -- only where a successor is parked.
+    UPDATE outbox s
+    SET blocked = false
+    FROM unnest(p_event_ids) AS m (event_id)
+    JOIN outbox p ON p.event_id = m.event_id
+    WHERE s.aggregate_type = p.aggregate_type
+      AND s.aggregate_id = p.aggregate_id
+      AND s.aggregate_sequence = p.aggregate_sequence + 1
+      AND s.blocked;
+END
+$$;

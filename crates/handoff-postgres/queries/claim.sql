@@ -173,13 +173,13 @@ picked AS (
 park AS MATERIALIZED (
     -- Front rows this claim does not lease, waiting behind an unpublished predecessor (held,
     -- backing off, in flight, itself parked, or cut from this batch): parked, off
-    -- outbox_ready_idx, until queries/unpark.sql frees them in the transaction that marks that
-    -- predecessor published (or a claim leases them in its predecessor's run).
+    -- outbox_ready_idx, until handoff_mark_published (migration 0012) frees them as it marks
+    -- that predecessor published (or a claim leases them in its predecessor's run).
     --
     -- The predecessor is locked FOR SHARE, which closes the race with its mark: a mark that
     -- committed after this statement's snapshot is seen when the lock re-reads the row (it is
     -- no longer unpublished, and nothing is parked); a mark that comes later waits for this
-    -- claim to commit, and its unpark, a statement of its own, then sees the park. A
+    -- claim to commit, and its unpark, a statement with a later snapshot, then sees the park. A
     -- predecessor locked right now (being marked, leased, or parked behind) is skipped rather
     -- than waited for: no claim waits on another, and the row is looked at again next claim.
     SELECT f.event_id

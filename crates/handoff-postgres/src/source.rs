@@ -23,7 +23,6 @@ const CLAIM_SQL: &str = include_str!("../queries/claim.sql");
 const CLAIM_GLOBAL_SQL: &str = include_str!("../queries/claim_global.sql");
 const GLOBAL_PENDING_SQL: &str = include_str!("../queries/global_pending.sql");
 const MARK_PUBLISHED_SQL: &str = include_str!("../queries/mark_published.sql");
-const UNPARK_SQL: &str = include_str!("../queries/unpark.sql");
 const RECORD_FAILURES_SQL: &str = include_str!("../queries/record_failures.sql");
 const RELEASE_SQL: &str = include_str!("../queries/release.sql");
 const RELAY_WAIT_SQL: &str = include_str!("../queries/relay_wait.sql");
@@ -281,7 +280,6 @@ pub struct PollingSource {
 struct Sql {
     claim: String,
     mark_published: String,
-    unpark: String,
     record_failures: String,
     release: String,
     wait: String,
@@ -350,7 +348,6 @@ impl PollingSource {
                 OrderMode::Global => CLAIM_GLOBAL_SQL,
             }),
             mark_published: sql(MARK_PUBLISHED_SQL),
-            unpark: sql(UNPARK_SQL),
             record_failures: sql(RECORD_FAILURES_SQL),
             release: sql(RELEASE_SQL),
             wait: sql(RELAY_WAIT_SQL),
@@ -661,14 +658,22 @@ impl Source for PollingSource {
         };
         let rows: Vec<PgRow> = rows
             .into_iter()
-            .filter(|row| matches!(row.try_get::<Option<uuid::Uuid>, _>("event_id"), Ok(Some(_))))
+            .filter(|row| {
+                matches!(
+                    row.try_get::<Option<uuid::Uuid>, _>("event_id"),
+                    Ok(Some(_))
+                )
+            })
             .collect();
         if !rows.is_empty() || parked > 0 {
             // Work, or room made for it: poll again soon rather than sleep (see LINGER).
             *self.last_work.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         }
         if parked > 0 {
-            tracing::debug!(parked, "claim parked events waiting behind unpublished ones");
+            tracing::debug!(
+                parked,
+                "claim parked events waiting behind unpublished ones"
+            );
         }
         let mut events = Vec::with_capacity(rows.len());
         let mut held = 0;
@@ -745,22 +750,14 @@ impl Source for PollingSource {
         let what = "while marking events published";
         let mut conn = self.connection(what).await?;
         let query = async {
-            // One transaction in every pooling mode: the events behind these, parked by claims
-            // while these were unpublished, are freed with the mark or not at all. A crash
-            // between the two would leave an aggregate parked behind a published event.
-            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
             sqlx::query(&self.sql.mark_published)
                 .persistent(self.named_statements())
                 .bind(&ids)
                 .bind(&receipts)
-                .execute(&mut *tx)
+                .execute(scope.conn())
                 .await?;
-            sqlx::query(&self.sql.unpark)
-                .persistent(self.named_statements())
-                .bind(&ids)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await
+            scope.finish().await
         };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         self.bounded(&mut conn, outcome, what)?;

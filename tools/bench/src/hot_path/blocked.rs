@@ -6,9 +6,15 @@
 //! defaults drains it: `clear` with nothing else in the outbox, `blocked` with `--blocked` more
 //! events of one aggregate whose head is held as the claim holds a crash-looped event
 //! (`available_at` 'infinity', `hold_reason` 'crash_loop', no lease). The blocked events are older than every
-//! healthy one, so they sit at the front of `outbox_pending_idx`, where a claim's head scan
-//! starts. Claim durations come from the probe around the relay's source (the claim statement
-//! as the relay calls it, round trip included).
+//! healthy one, so they sit at the front of the claim's index. Claim durations come from the
+//! probe around the relay's source (the claim statement as the relay calls it, round trip
+//! included).
+//!
+//! A relay that runs while the blocked events are written parks each one as it arrives
+//! (migration 0012): `blocked` has them so, but for the newest `--unparked`, which arrived since
+//! the relay's last claim. `first_pass` has none of them parked yet, as after a relay outage
+//! or the upgrade to 0012: the drain then includes parking the whole run once. The goals are
+//! `blocked` against `clear`; `first_pass` is reported beside them.
 
 use std::time::Duration;
 
@@ -44,6 +50,12 @@ pub struct BlockedArgs {
     /// Events written behind the held head of the one blocked aggregate.
     #[arg(long, default_value_t = 1_000_000)]
     blocked: u32,
+    /// Of those, the newest ones not parked yet (written since the relay's last claim).
+    #[arg(long, default_value_t = 1_000)]
+    unparked: u32,
+    /// Also drain beside a blocked run of which nothing is parked yet (`first_pass`).
+    #[arg(long)]
+    first_pass: bool,
     /// Healthy events, drained in both variants.
     #[arg(long, default_value_t = 20_000)]
     events: usize,
@@ -66,7 +78,8 @@ pub struct BlockedArgs {
 const BLOCKED_SQL: &str = r#"
 INSERT INTO outbox
     (event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type, schema_version,
-     payload, headers, occurred_at, available_at, quarantined_at, hold_reason, last_error)
+     payload, headers, occurred_at, available_at, quarantined_at, hold_reason, last_error,
+     blocked)
 SELECT ('018e0000-0000-7000-8000-' || lpad(to_hex(s), 12, '0'))::uuid,
        $2, 'o-blocked', s, 'OrderCreated', 1,
        jsonb_build_object('order_id', 'o-blocked', 'sequence', s, 'pad', repeat('x', 200)),
@@ -76,7 +89,8 @@ SELECT ('018e0000-0000-7000-8000-' || lpad(to_hex(s), 12, '0'))::uuid,
             ELSE timestamptz '2025-12-01 00:00:00+00' + s * interval '1 microsecond' END,
        CASE WHEN s = 1 THEN now() END,
        CASE WHEN s = 1 THEN 'crash_loop' END,
-       CASE WHEN s = 1 THEN 'crash_loop: held by handoff-bench blocked-backlog' END
+       CASE WHEN s = 1 THEN 'crash_loop: held by handoff-bench blocked-backlog' END,
+       s > 1 AND s <= $1::bigint + 1 - $3::bigint
 FROM generate_series(1, $1::bigint + 1) AS s
 "#;
 
@@ -86,6 +100,7 @@ FROM generate_series(1, $1::bigint + 1) AS s
 enum Variant {
     Clear,
     Blocked,
+    FirstPass,
 }
 
 impl Variant {
@@ -94,6 +109,7 @@ impl Variant {
         match self {
             Variant::Clear => "clear",
             Variant::Blocked => "blocked",
+            Variant::FirstPass => "first_pass",
         }
     }
 }
@@ -104,6 +120,8 @@ struct Run {
     variant: Variant,
     /// Events behind the held head (0 for `clear`).
     blocked: u32,
+    /// Of those, the ones not parked when the drain starts.
+    unparked: u32,
     /// Seconds to write the blocked run (and vacuum, analyse, checkpoint).
     prepare_seconds: f64,
     drain: DrainRun,
@@ -139,17 +157,21 @@ pub async fn blocked_backlog(args: BlockedArgs) -> Result<()> {
         );
         let mut rounds = Vec::new();
         for round in 1..=args.rounds {
-            let mut order = [Variant::Clear, Variant::Blocked];
+            let mut order = vec![Variant::Clear, Variant::Blocked];
             if round % 2 == 0 {
                 order.reverse();
             }
+            if args.first_pass {
+                order.push(Variant::FirstPass);
+            }
             for variant in order {
-                let blocked = if variant == Variant::Blocked {
-                    args.blocked
-                } else {
-                    0
+                let (blocked, unparked) = match variant {
+                    Variant::Clear => (0, 0),
+                    Variant::Blocked => (args.blocked, args.unparked.min(args.blocked)),
+                    Variant::FirstPass => (args.blocked, args.blocked),
                 };
-                let run = drain_beside(&bench, &mut admin, round, variant, blocked).await?;
+                let run =
+                    drain_beside(&bench, &mut admin, round, variant, blocked, unparked).await?;
                 eprintln!(
                     "  round {round} {}: {} events in {:.2} s = {:.0} rows/s; claims {} \
                      p50 {:.1} ms p99 {:.1} ms (blocked run written in {:.1} s)",
@@ -174,6 +196,7 @@ pub async fn blocked_backlog(args: BlockedArgs) -> Result<()> {
             })
         };
         let (clear, blocked) = (median(Variant::Clear), median(Variant::Blocked));
+        let first_pass = args.first_pass.then(|| median(Variant::FirstPass));
         let drain_value = ratio(blocked.drain.rows_per_second, clear.drain.rows_per_second);
         let claim_p99 = |r: &Run| r.drain.sources[0].claims.p99_ms;
         let claim_value = ratio(claim_p99(&blocked), claim_p99(&clear));
@@ -189,9 +212,12 @@ pub async fn blocked_backlog(args: BlockedArgs) -> Result<()> {
         };
 
         println!();
-        println!("| variant | blocked events | healthy events | seconds | rows/s | order ok | claims | claim p50 / p99 / max ms |");
-        println!("|---------|---------------:|---------------:|--------:|-------:|----------|-------:|-------------------------:|");
-        for run in [&clear, &blocked] {
+        println!("| variant | blocked events (unparked) | healthy events | seconds | rows/s | order ok | claims | claim p50 / p99 / max ms |");
+        println!("|---------|--------------------------:|---------------:|--------:|-------:|----------|-------:|-------------------------:|");
+        for run in [Some(&clear), Some(&blocked), first_pass.as_ref()]
+            .into_iter()
+            .flatten()
+        {
             let claims = &run.drain.sources[0].claims;
             let order_ok = run
                 .drain
@@ -199,9 +225,10 @@ pub async fn blocked_backlog(args: BlockedArgs) -> Result<()> {
                 .as_ref()
                 .is_some_and(|c| c.order_ok && c.missing == 0);
             println!(
-                "| {} | {} | {} | {:.2} | {:.0} | {} | {} | {:.1} / {:.1} / {:.1} |",
+                "| {} | {} ({}) | {} | {:.2} | {:.0} | {} | {} | {:.1} / {:.1} / {:.1} |",
                 run.variant.name(),
                 run.blocked,
+                run.unparked,
                 run.drain.events,
                 run.drain.seconds,
                 run.drain.rows_per_second,
@@ -221,7 +248,10 @@ pub async fn blocked_backlog(args: BlockedArgs) -> Result<()> {
             workload,
             blocked: args.blocked,
             rounds: args.rounds,
-            runs: vec![clear, blocked],
+            runs: [Some(clear), Some(blocked), first_pass]
+                .into_iter()
+                .flatten()
+                .collect(),
             all_rounds: rounds,
             drain_ratio,
             claim_p99_ratio,
@@ -238,6 +268,7 @@ async fn drain_beside(
     round: usize,
     variant: Variant,
     blocked: u32,
+    unparked: u32,
 ) -> Result<Run> {
     let parts = drain::relay_parts(bench, 1).await?;
     bench.reset(admin, &parts[0].1, true).await?;
@@ -246,6 +277,7 @@ async fn drain_beside(
         sqlx::query(BLOCKED_SQL)
             .bind(i64::from(blocked))
             .bind(BLOCKED_TYPE)
+            .bind(i64::from(unparked))
             .execute(&mut *admin)
             .await?;
     }
@@ -257,6 +289,7 @@ async fn drain_beside(
     Ok(Run {
         variant,
         blocked,
+        unparked,
         prepare_seconds,
         drain,
     })
