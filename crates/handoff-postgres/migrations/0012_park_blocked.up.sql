@@ -55,8 +55,11 @@ BEGIN
 
     -- Two probes per event, of the primary key and of outbox_aggregate_sequence_key; a write
     -- only where a successor is parked.
+    -- available_at moves to now: the freed event is claimable from now on, and a claim that
+    -- reads only the recent part of outbox_ready_idx finds it there.
     UPDATE outbox s
-    SET blocked = false
+    SET blocked = false,
+        available_at = now()
     FROM unnest(p_event_ids) AS m (event_id)
     JOIN outbox p ON p.event_id = m.event_id
     WHERE s.aggregate_type = p.aggregate_type

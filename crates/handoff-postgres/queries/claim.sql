@@ -65,6 +65,11 @@ WITH front AS MATERIALIZED (
       AND NOT o.blocked
       AND o.global_sequence IS NULL
       AND o.available_at <= now()
+      -- From $6 on, or from the start when $6 is NULL: the relay passes a bound a little
+      -- below where its previous claim's front began, and reads the index whole every few
+      -- seconds. It thus spares itself the dead row versions a held xmin horizon keeps in the
+      -- part already drained (PollingSource's LOOKBACK).
+      AND o.available_at >= coalesce($6::timestamptz, '-infinity')
     ORDER BY o.available_at, o.occurred_at
     LIMIT greatest(2 * $2, 64)
     FOR UPDATE OF o SKIP LOCKED
@@ -261,8 +266,10 @@ leased AS (
               -- The lease's end, which fences this relay's later failure and release writes.
               o.claim_until
 )
--- The leased rows, each with the number of rows this claim parked; one row with no event when
--- it leased nothing, so that a claim that only parked tells the relay to claim again soon.
-SELECT l.*, c.parked
-FROM (SELECT count(*) AS parked FROM park) c
+-- The leased rows, each with the number of rows this claim parked and where its front began
+-- (now when it was empty); one row with no event when it leased nothing, so that the relay
+-- still learns both (a claim that only parked tells it to claim again soon).
+SELECT l.*, c.parked, c.front_at
+FROM (SELECT (SELECT count(*) FROM park) AS parked,
+             (SELECT coalesce(min(available_at), now()) FROM front) AS front_at) c
 LEFT JOIN leased l ON true

@@ -49,6 +49,23 @@ const SETTLE: Duration = Duration::from_millis(20);
 /// and an idle relay still sleeps on LISTEN, costing at most its registration renewals.
 const LINGER: Duration = Duration::from_secs(1);
 
+/// How far below where its previous claim's front began a claim starts reading the claim
+/// index, but for one claim every [`FULL_SCAN_EVERY`], which reads it from its start.
+///
+/// Every lease and every mark leaves a dead version of its row in the index, and while some
+/// session holds the xmin horizon back (a forgotten `BEGIN` with an XID, a long report) no
+/// vacuum can remove them: a scan from the index's start would walk every event processed
+/// since, more with every minute. Rows become claimable at or after the front almost always: a
+/// writer's row is available from its transaction's start, a released, retried, backed-off or
+/// freed row from when that happened. What lands further back (an event whose writer kept its
+/// transaction open longer than this, a lease that ran out while no claim looked) waits for the
+/// next full scan.
+const LOOKBACK: chrono::TimeDelta = chrono::TimeDelta::seconds(2);
+
+/// How often a claim reads the claim index from its start, finding what [`LOOKBACK`] missed:
+/// also how much later than at once such a row may be claimed.
+const FULL_SCAN_EVERY: Duration = Duration::from_secs(10);
+
 /// The poll interval while lingering: what it adds to commit-to-broker latency at steady load
 /// (at most this, half of it on average), for an empty claim's cost (an index probe) each time.
 const BUSY_POLL: Duration = Duration::from_millis(5);
@@ -275,6 +292,8 @@ pub struct PollingSource {
     /// When a claim last found work: until [`LINGER`] after it, the relay polls instead of
     /// sleeping on LISTEN, so writers of a steady stream never pay for notifying it.
     last_work: std::sync::Mutex<Option<Instant>>,
+    /// Where the claims read the claim index from (see [`LOOKBACK`]).
+    scan: std::sync::Mutex<ScanFrom>,
 }
 
 struct Sql {
@@ -324,6 +343,15 @@ pub struct OtherLane {
     pub global_front_held: bool,
 }
 
+/// Where a claim starts reading the claim index (aggregate order; see [`LOOKBACK`]).
+#[derive(Default)]
+struct ScanFrom {
+    /// Where the previous claim's front began.
+    front_at: Option<DateTime<Utc>>,
+    /// When a claim last read the index from its start.
+    full_at: Option<Instant>,
+}
+
 /// The wake-up state. A tokio mutex: the listener is awaited while held.
 #[derive(Default)]
 struct Wake {
@@ -363,6 +391,7 @@ impl PollingSource {
             wake: Mutex::new(Wake::default()),
             leases: std::sync::Mutex::new(HashMap::new()),
             last_work: std::sync::Mutex::new(None),
+            scan: std::sync::Mutex::new(ScanFrom::default()),
         })
     }
 
@@ -626,11 +655,29 @@ impl Source for PollingSource {
         // Planned afresh with the real batch size every time (an unnamed statement): after five
         // runs PostgreSQL may switch a prepared statement to its generic plan, which for this
         // query was measured at ~850 ms per 500-row claim instead of ~20 ms.
+        // Most claims read the claim index from a little below where the previous claim's
+        // front began; one every FULL_SCAN_EVERY reads it whole (see LOOKBACK).
+        let scan_from = {
+            let mut scan = self.scan.lock().unwrap_or_else(|e| e.into_inner());
+            match scan.front_at {
+                Some(front_at)
+                    if scan
+                        .full_at
+                        .is_some_and(|at| at.elapsed() < FULL_SCAN_EVERY) =>
+                {
+                    Some(front_at - LOOKBACK)
+                }
+                _ => {
+                    scan.full_at = Some(Instant::now());
+                    None
+                }
+            }
+        };
         let what = "while claiming";
         let mut conn = self.connection(what).await?;
         let query = async {
             let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
-            let rows = sqlx::query(&self.sql.claim)
+            let query = sqlx::query(&self.sql.claim)
                 .persistent(false)
                 .bind(&self.config.relay_id)
                 .bind(max)
@@ -639,9 +686,12 @@ impl Source for PollingSource {
                 // Suspects from the second takeover on (from the first when one is the bound):
                 // a single one is any relay crash's fate for everything in flight, a second is
                 // rare.
-                .bind(self.config.max_takeovers.min(2))
-                .fetch_all(scope.conn())
-                .await?;
+                .bind(self.config.max_takeovers.min(2));
+            let query = match self.config.order {
+                OrderMode::Aggregate => query.bind(scan_from),
+                OrderMode::Global => query,
+            };
+            let rows = query.fetch_all(scope.conn()).await?;
             scope.finish().await?;
             Ok(rows)
         };
@@ -656,6 +706,14 @@ impl Source for PollingSource {
                 .map_err(|e| source_error("while reading a claim", e))?,
             None => 0,
         };
+        if self.config.order == OrderMode::Aggregate {
+            if let Some(row) = rows.first() {
+                let front_at: DateTime<Utc> = row
+                    .try_get("front_at")
+                    .map_err(|e| source_error("while reading a claim", e))?;
+                self.scan.lock().unwrap_or_else(|e| e.into_inner()).front_at = Some(front_at);
+            }
+        }
         let rows: Vec<PgRow> = rows
             .into_iter()
             .filter(|row| {
