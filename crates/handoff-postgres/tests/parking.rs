@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use handoff_core::delivery::{Failure, Published, Receipt, Source};
-use handoff_postgres::{PollingConfig, PollingSource, Quarantine, Schema};
+use handoff_postgres::{Migrator, PollingConfig, PollingSource, Quarantine, Schema};
 use handoff_test::{factory, TestDb};
 
 const BATCH: usize = 100;
@@ -226,4 +226,58 @@ async fn a_held_aggregate_with_a_growing_tail_does_not_raise_what_a_claim_reads(
         .await
         .unwrap();
     assert_eq!(left, 0, "nothing is left parked");
+}
+
+#[tokio::test]
+async fn a_database_of_the_previous_release_upgrades_with_its_held_and_pending_rows_flowing() {
+    let db = TestDb::new("parking_upgrade").await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    // The schema as the previous release (migrations 0001 to 0011) left it.
+    let previous = &handoff_postgres::HANDOFF_MIGRATIONS[..11];
+    assert_eq!(previous.last().unwrap().version, 11);
+    Migrator::new(Schema::default(), "handoff_migrations", previous)
+        .run(&mut conn)
+        .await
+        .unwrap();
+    // "h": 1 held, 500 pending behind it; "a": three pending events.
+    append(&db, "h", 501).await;
+    append(&db, "a", 3).await;
+    sqlx::query(
+        "UPDATE outbox SET available_at = 'infinity', quarantined_at = now(), hold_reason = 'attempts'
+         WHERE aggregate_id = 'h' AND aggregate_sequence = 1",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+
+    Migrator::handoff(Schema::default())
+        .run(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(db.pending_rows().await, 504, "pending rows intact");
+
+    // The first claims park h's tail as they meet it and publish a's events.
+    let relay = source(&db);
+    let mut published = Vec::new();
+    while published.len() < 3 {
+        published.extend(publish_one_claim(&relay).await);
+    }
+    assert_eq!(
+        published,
+        vec![("a".into(), 1), ("a".into(), 2), ("a".into(), 3)]
+    );
+
+    // Released, h#1 goes first and the rest follows in order.
+    let held: uuid::Uuid = sqlx::query_scalar(
+        "SELECT event_id FROM outbox WHERE aggregate_id = 'h' AND aggregate_sequence = 1",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    Quarantine::new(&Schema::default())
+        .retry(&mut conn, held.into(), "op")
+        .await
+        .unwrap();
+    let sequences: Vec<i64> = drain_all(&relay).await.iter().map(|(_, s)| *s).collect();
+    assert_eq!(sequences, (1..=501).collect::<Vec<_>>());
 }
