@@ -66,9 +66,9 @@ WITH front AS MATERIALIZED (
       AND o.global_sequence IS NULL
       AND o.available_at <= now()
       -- From $6 on, or from the start when $6 is NULL: the relay passes a bound a little
-      -- below where its previous claim's front began, and reads the index whole every few
-      -- seconds. It thus spares itself the dead row versions a held xmin horizon keeps in the
-      -- part already drained (PollingSource's LOOKBACK).
+      -- below where its previous claim's front began (a sweep apart from the claims brings
+      -- what lands further back to the front). It thus spares itself the dead row versions a
+      -- held xmin horizon keeps in the part already drained (PollingSource's LOOKBACK).
       AND o.available_at >= coalesce($6::timestamptz, '-infinity')
     ORDER BY o.available_at, o.occurred_at
     LIMIT greatest(2 * $2, 64)

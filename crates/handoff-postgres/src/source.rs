@@ -1,6 +1,8 @@
 //! The polling source: committed outbox rows, leased to relays in short claim statements.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use chrono::{DateTime, Utc};
@@ -28,6 +30,7 @@ const RELEASE_SQL: &str = include_str!("../queries/release.sql");
 const RELAY_WAIT_SQL: &str = include_str!("../queries/relay_wait.sql");
 const RELAY_UNWAIT_SQL: &str = include_str!("../queries/relay_unwait.sql");
 const BACKLOG_SQL: &str = include_str!("../queries/backlog.sql");
+const SWEEP_STRAGGLERS_SQL: &str = include_str!("../queries/sweep_stragglers.sql");
 
 /// The channel migration 0002's trigger notifies; its payload is the outbox's schema.
 pub const WAKE_CHANNEL: &str = "handoff_outbox";
@@ -50,7 +53,7 @@ const SETTLE: Duration = Duration::from_millis(20);
 const LINGER: Duration = Duration::from_secs(1);
 
 /// How far below where its previous claim's front began a claim starts reading the claim
-/// index, but for one claim every [`FULL_SCAN_EVERY`], which reads it from its start.
+/// index (the first claim of a source reads it from its start).
 ///
 /// Every lease and every mark leaves a dead version of its row in the index, and while some
 /// session holds the xmin horizon back (a forgotten `BEGIN` with an XID, a long report) no
@@ -58,13 +61,17 @@ const LINGER: Duration = Duration::from_secs(1);
 /// since, more with every minute. Rows become claimable at or after the front almost always: a
 /// writer's row is available from its transaction's start, a released, retried, backed-off or
 /// freed row from when that happened. What lands further back (an event whose writer kept its
-/// transaction open longer than this, a lease that ran out while no claim looked) waits for the
-/// next full scan.
+/// transaction open longer than this, a lease that ran out while no claim looked) is found by a
+/// sweep every [`SWEEP_EVERY`], apart from the claims, which makes it available now.
 const LOOKBACK: chrono::TimeDelta = chrono::TimeDelta::seconds(2);
 
-/// How often a claim reads the claim index from its start, finding what [`LOOKBACK`] missed:
-/// also how much later than at once such a row may be claimed.
-const FULL_SCAN_EVERY: Duration = Duration::from_secs(10);
+/// How often the sweep for claimable events behind the claims' starting point runs: how much
+/// later than at once such an event can be claimed.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// How long a sweep may take. Under a held xmin horizon it walks every dead row version behind
+/// the front; a sweep that does not finish is tried again at the next one.
+const SWEEP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The poll interval while lingering: what it adds to commit-to-broker latency at steady load
 /// (at most this, half of it on average), for an empty claim's cost (an index probe) each time.
@@ -305,6 +312,7 @@ struct Sql {
     unwait: String,
     backlog: String,
     global_pending: String,
+    sweep_stragglers: Arc<str>,
 }
 
 /// The unpublished part of the outbox, as [`PollingSource::backlog`] reads it.
@@ -348,8 +356,10 @@ pub struct OtherLane {
 struct ScanFrom {
     /// Where the previous claim's front began.
     front_at: Option<DateTime<Utc>>,
-    /// When a claim last read the index from its start.
-    full_at: Option<Instant>,
+    /// When the last sweep for stragglers started.
+    swept_at: Option<Instant>,
+    /// Whether a sweep is running now.
+    sweeping: Arc<AtomicBool>,
 }
 
 /// The wake-up state. A tokio mutex: the listener is awaited while held.
@@ -382,6 +392,7 @@ impl PollingSource {
             unwait: sql(RELAY_UNWAIT_SQL),
             backlog: sql(BACKLOG_SQL),
             global_pending: sql(GLOBAL_PENDING_SQL),
+            sweep_stragglers: sql(SWEEP_STRAGGLERS_SQL).into(),
         };
         Ok(PollingSource {
             pool,
@@ -486,6 +497,62 @@ impl PollingSource {
         self.bounded(&mut conn, outcome, what)?;
         wake.registered_until = None;
         Ok(())
+    }
+
+    /// Where this claim reads the claim index from: the start for the first claim (aggregate
+    /// order), a little below the previous claim's front afterwards. Starts a sweep for what
+    /// lands below that point every [`SWEEP_EVERY`].
+    fn scan_from(&self) -> Option<DateTime<Utc>> {
+        let mut scan = self.scan.lock().unwrap_or_else(|e| e.into_inner());
+        let from = scan.front_at? - LOOKBACK;
+        let due = scan.swept_at.is_none_or(|at| at.elapsed() >= SWEEP_EVERY);
+        if due && !scan.sweeping.swap(true, Ordering::AcqRel) {
+            scan.swept_at = Some(Instant::now());
+            let sweeping = Arc::clone(&scan.sweeping);
+            let pool = self.pool.clone();
+            let sql = Arc::clone(&self.sql.sweep_stragglers);
+            let pooling = self.config.pooling;
+            tokio::spawn(async move {
+                match pool.acquire().await {
+                    Ok(mut conn) => {
+                        let sweep = async {
+                            let mut scope = Scoped::begin(&mut conn, pooling).await?;
+                            let swept = sqlx::query(&sql)
+                                .persistent(false)
+                                .bind(from)
+                                .execute(scope.conn())
+                                .await?
+                                .rows_affected();
+                            scope.finish().await?;
+                            Ok::<_, sqlx::Error>(swept)
+                        };
+                        match tokio::time::timeout(SWEEP_TIMEOUT, sweep).await {
+                            Ok(Ok(0)) => {}
+                            Ok(Ok(swept)) => {
+                                tracing::debug!(swept, "claimable events found behind the front")
+                            }
+                            Ok(Err(error)) => {
+                                tracing::warn!(%error, "sweep for events behind the front failed")
+                            }
+                            Err(_) => {
+                                // Its state is unknown, as in PollingSource::bounded.
+                                conn.close_on_drop();
+                                tracing::warn!(
+                                    timeout = ?SWEEP_TIMEOUT,
+                                    "sweep for events behind the front did not finish (a held \
+                                     xmin horizon?); tried again later"
+                                );
+                            }
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "sweep for events behind the front failed")
+                    }
+                }
+                sweeping.store(false, Ordering::Release);
+            });
+        }
+        Some(from)
     }
 
     /// The leases of `event_ids`, in the same order (`None` for an event this source holds no
@@ -652,27 +719,11 @@ impl Source for PollingSource {
     async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
         let started = Instant::now();
         let max = i64::try_from(max).unwrap_or(i64::MAX);
+        // Where the claim reads the claim index from (see LOOKBACK).
+        let scan_from = self.scan_from();
         // Planned afresh with the real batch size every time (an unnamed statement): after five
         // runs PostgreSQL may switch a prepared statement to its generic plan, which for this
         // query was measured at ~850 ms per 500-row claim instead of ~20 ms.
-        // Most claims read the claim index from a little below where the previous claim's
-        // front began; one every FULL_SCAN_EVERY reads it whole (see LOOKBACK).
-        let scan_from = {
-            let mut scan = self.scan.lock().unwrap_or_else(|e| e.into_inner());
-            match scan.front_at {
-                Some(front_at)
-                    if scan
-                        .full_at
-                        .is_some_and(|at| at.elapsed() < FULL_SCAN_EVERY) =>
-                {
-                    Some(front_at - LOOKBACK)
-                }
-                _ => {
-                    scan.full_at = Some(Instant::now());
-                    None
-                }
-            }
-        };
         let what = "while claiming";
         let mut conn = self.connection(what).await?;
         let query = async {
