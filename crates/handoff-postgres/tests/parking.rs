@@ -275,7 +275,7 @@ async fn a_database_of_the_previous_release_upgrades_with_its_held_and_pending_r
     .await
     .unwrap();
     Quarantine::new(&Schema::default())
-        .retry(&mut conn, held.into(), "op")
+        .retry(&mut conn, held, "op")
         .await
         .unwrap();
     let sequences: Vec<i64> = drain_all(&relay).await.iter().map(|(_, s)| *s).collect();
