@@ -36,9 +36,10 @@ WITH front AS MATERIALIZED (
     -- could overtake each other). Rows another claim holds right now are skipped. Each is a head
     -- (its predecessor is settled, below) or not; the ones that are not are parked by this
     -- claim (see park), so no later claim reads them again while they wait, and the scan
-    -- never walks a blocked backlog: it reads twice the batch (at least 64 rows, so that a
-    -- small batch still reaches past a few blocked rows in one claim), whatever waits behind a
-    -- held event.
+    -- never walks a blocked backlog: it reads four times the batch (at least 64 rows, so that
+    -- a small batch still reaches past a few blocked rows in one claim, and rows waiting
+    -- behind events in flight, which are not parked, leave room for heads), whatever waits
+    -- behind a held event.
     SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
            o.available_at, o.occurred_at, o.claimed_by, o.takeover_count,
            -- Order fails closed: the predecessor row is published; or there is none because
@@ -71,7 +72,7 @@ WITH front AS MATERIALIZED (
       -- held xmin horizon keeps in the part already drained (PollingSource's LOOKBACK).
       AND o.available_at >= coalesce($6::timestamptz, '-infinity')
     ORDER BY o.available_at, o.occurred_at
-    LIMIT greatest(2 * $2, 64)
+    LIMIT greatest(4 * $2, 64)
     FOR UPDATE OF o SKIP LOCKED
 ),
 head AS MATERIALIZED (
@@ -176,8 +177,9 @@ picked AS (
     WHERE NOT EXISTS (SELECT 1 FROM solo)
 ),
 park AS MATERIALIZED (
-    -- Front rows this claim does not lease, waiting behind an unpublished predecessor (held,
-    -- backing off, in flight, itself parked, or cut from this batch): parked, off
+    -- Front rows this claim does not lease, waiting behind an unpublished predecessor that is
+    -- not about to be published (held, backing off, itself parked, its lease run out, or cut
+    -- from this batch): parked, off
     -- outbox_ready_idx, until handoff_mark_published (migration 0012) frees them as it marks
     -- that predecessor published (or a claim leases them in its predecessor's run).
     --
@@ -198,6 +200,10 @@ park AS MATERIALIZED (
             AND p.aggregate_id = f.aggregate_id
             AND p.aggregate_sequence = f.aggregate_sequence - 1
             AND p.published_at IS NULL
+            -- Behind an event in flight (leased by an earlier claim, lease running), a row
+            -- stays: it is a head as soon as that event is marked, and parking it would only
+            -- add two row writes to a busy aggregate's events.
+            AND NOT (p.claimed_by IS NOT NULL AND p.claim_until > now())
           FOR SHARE OF p SKIP LOCKED
       )
 ),
