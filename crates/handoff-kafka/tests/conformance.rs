@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use handoff_kafka::{read_topic, KafkaConfig, KafkaTransport};
 use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
-use handoff_test::tansu::{free_port, unique_topic, Tansu};
+use handoff_test::tansu::{free_port, port_taken, unique_topic, Tansu};
 use tokio::task::block_in_place;
 
 /// Short, so the down and silent cases end quickly (librdkafka's `message.timeout.ms`).
@@ -38,10 +38,17 @@ impl Destination for Kafka {
     const DEDUP: Dedup = Dedup::None;
 
     async fn start(case: Case) -> Self {
-        let port = free_port().expect("a free port");
-        let link = Link::in_front_of(([127, 0, 0, 1], port).into()).await;
-        let broker = block_in_place(|| Tansu::start_advertising(port, link.addr()))
-            .unwrap_or_else(|e| panic!("start tansu: {e}"));
+        // Another process may take the free port before the broker binds it: then try another.
+        let mut attempts = 3;
+        let (link, broker) = loop {
+            let port = free_port().expect("a free port");
+            let link = Link::in_front_of(([127, 0, 0, 1], port).into()).await;
+            match block_in_place(|| Tansu::start_advertising(port, link.addr())) {
+                Ok(broker) => break (link, broker),
+                Err(e) if attempts > 1 && port_taken(&e) => attempts -= 1,
+                Err(e) => panic!("start tansu: {e}"),
+            }
+        };
         let topic = unique_topic(&format!("conformance_{}", case.name()));
         let transport = KafkaTransport::connect(KafkaConfig {
             brokers: link.url().to_owned(),

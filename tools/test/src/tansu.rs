@@ -116,11 +116,7 @@ impl Tansu {
             match Self::spawn(free_port()?, None, authentication) {
                 Ok(broker) => return Ok(broker),
                 // Another process took the port between our probe and the broker's bind.
-                Err(error)
-                    if attempt < PORT_ATTEMPTS
-                        && (error.to_string().contains("AddrInUse")
-                            || error.to_string().contains("already in use")) =>
-                {
+                Err(error) if attempt < PORT_ATTEMPTS && port_taken(&error) => {
                     attempt += 1;
                 }
                 Err(error) => return Err(error),
@@ -277,6 +273,13 @@ fn binary() -> PathBuf {
         Some(home) => PathBuf::from(home).join(".cargo/bin/tansu"),
         None => PathBuf::from("tansu"),
     }
+}
+
+/// Whether a broker failed to start because another process took its port between
+/// [`free_port`] and the broker's bind: worth trying again on another port.
+pub fn port_taken(error: &io::Error) -> bool {
+    let text = error.to_string();
+    text.contains("AddrInUse") || text.contains("already in use")
 }
 
 /// A loopback port free now (bound, then released), for [`Tansu::start_advertising`].
