@@ -273,9 +273,11 @@ leased AS (
               o.claim_until
 )
 -- The leased rows, each with the number of rows this claim parked and where its front began
--- (now when it was empty); one row with no event when it leased nothing, so that the relay
--- still learns both (a claim that only parked tells it to claim again soon).
+-- (NULL when it was empty: everything claimable may then be in flight, and the rows behind it,
+-- claimable as soon as it is marked, lie where the previous front began); one row with no event
+-- when it leased nothing, so that the relay still learns both (a claim that only parked tells
+-- it to claim again soon).
 SELECT l.*, c.parked, c.front_at
 FROM (SELECT (SELECT count(*) FROM park) AS parked,
-             (SELECT coalesce(min(available_at), now()) FROM front) AS front_at) c
+             (SELECT min(available_at) FROM front) AS front_at) c
 LEFT JOIN leased l ON true

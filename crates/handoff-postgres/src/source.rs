@@ -759,10 +759,14 @@ impl Source for PollingSource {
         };
         if self.config.order == OrderMode::Aggregate {
             if let Some(row) = rows.first() {
-                let front_at: DateTime<Utc> = row
+                let front_at: Option<DateTime<Utc>> = row
                     .try_get("front_at")
                     .map_err(|e| source_error("while reading a claim", e))?;
-                self.scan.lock().unwrap_or_else(|e| e.into_inner()).front_at = Some(front_at);
+                // An empty front keeps the previous starting point: what waits behind events in
+                // flight lies there, and becomes claimable as soon as they are marked.
+                if let Some(front_at) = front_at {
+                    self.scan.lock().unwrap_or_else(|e| e.into_inner()).front_at = Some(front_at);
+                }
             }
         }
         let rows: Vec<PgRow> = rows
