@@ -455,6 +455,8 @@ impl Source for LogicalSource {
             taken_over: 0,
             held: 0,
             isolate: false,
+            // Claims read memory, not the database: claiming after every settle costs nothing.
+            waiting_on_in_flight: true,
         })
     }
 

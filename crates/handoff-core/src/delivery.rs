@@ -63,6 +63,12 @@ pub struct Claim {
     /// the relay publishes it with nothing else in flight, so that if it kills the relay again
     /// it alone is charged the takeover, not the events that happened to share its batch.
     pub isolate: bool,
+    /// Events the source could not lease wait only on events in flight: settling those makes
+    /// them claimable, so the relay claims again as soon as it has settled some rather than at
+    /// its next poll. When false, settling frees nothing the source saw, and a claim right after
+    /// every mark would only cost a query: the relay waits for its poll or a writer instead. A
+    /// source that cannot tell says true.
+    pub waiting_on_in_flight: bool,
 }
 
 /// What the relay tells a [`Source`] about one event it could not publish.

@@ -44,15 +44,11 @@ WITH front AS MATERIALIZED (
            o.available_at, o.occurred_at, o.claimed_by, o.takeover_count,
            -- Order fails closed: the predecessor row is published; or there is none because
            -- this is sequence 1 or cleanup removed it (at or below the aggregate's watermark).
-           -- NULL when the predecessor was never written: a hole, held until an operator skips
-           -- it. One probe of outbox_aggregate_sequence_key, and of outbox_watermarks only when
-           -- the row is missing.
+           -- Not a head when the predecessor was never written: a hole, held until an operator
+           -- skips it. One probe of outbox_aggregate_sequence_key per row (pred, which hole
+           -- reuses), and of outbox_watermarks only when the row is missing.
            coalesce(
-               (SELECT p.published_at IS NOT NULL
-                FROM {schema}outbox p
-                WHERE p.aggregate_type = o.aggregate_type
-                  AND p.aggregate_id = o.aggregate_id
-                  AND p.aggregate_sequence = o.aggregate_sequence - 1),
+               pred.published,
                o.aggregate_sequence = 1 OR EXISTS (
                    SELECT 1
                    FROM {schema}outbox_watermarks w
@@ -60,8 +56,16 @@ WITH front AS MATERIALIZED (
                      AND w.aggregate_id = o.aggregate_id
                      AND w.cleaned_through >= o.aggregate_sequence - 1
                )
-           ) AS is_head
+           ) AS is_head,
+           pred.published IS NULL AS pred_missing
     FROM {schema}outbox o
+    LEFT JOIN LATERAL (
+        SELECT p.published_at IS NOT NULL AS published
+        FROM {schema}outbox p
+        WHERE p.aggregate_type = o.aggregate_type
+          AND p.aggregate_id = o.aggregate_id
+          AND p.aggregate_sequence = o.aggregate_sequence - 1
+    ) pred ON true
     WHERE o.published_at IS NULL
       AND NOT o.blocked
       AND o.global_sequence IS NULL
@@ -224,13 +228,7 @@ hole AS (
     FROM front f
     WHERE o.event_id = f.event_id
       AND NOT f.is_head
-      AND NOT EXISTS (
-          SELECT 1
-          FROM {schema}outbox p
-          WHERE p.aggregate_type = f.aggregate_type
-            AND p.aggregate_id = f.aggregate_id
-            AND p.aggregate_sequence = f.aggregate_sequence - 1
-      )
+      AND f.pred_missing
 ),
 leased AS (
     UPDATE {schema}outbox o
@@ -272,12 +270,20 @@ leased AS (
               -- The lease's end, which fences this relay's later failure and release writes.
               o.claim_until
 )
--- The leased rows, each with the number of rows this claim parked and where its front began
--- (NULL when it was empty: everything claimable may then be in flight, and the rows behind it,
--- claimable as soon as it is marked, lie where the previous front began); one row with no event
--- when it leased nothing, so that the relay still learns both (a claim that only parked tells
--- it to claim again soon).
-SELECT l.*, c.parked, c.front_at
+-- The leased rows, each with the number of rows this claim parked, the number of front rows
+-- left waiting only on events in flight (claimable as soon as those are marked: the relay then
+-- claims again when it has marked some, rather than at its next poll), and where its front
+-- began (NULL when it was empty: everything claimable may then be in flight, and the rows
+-- behind it, claimable as soon as it is marked, lie where the previous front began); one row
+-- with no event when it leased nothing, so that the relay still learns all three (a claim that
+-- only parked tells it to claim again soon).
+SELECT l.*, c.parked, c.waiting, c.front_at
 FROM (SELECT (SELECT count(*) FROM park) AS parked,
+             (SELECT count(*)
+              FROM front f
+              WHERE NOT f.is_head
+                AND NOT f.pred_missing
+                AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.event_id = f.event_id)
+                AND NOT EXISTS (SELECT 1 FROM park p WHERE p.event_id = f.event_id)) AS waiting,
              (SELECT min(available_at) FROM front) AS front_at) c
 LEFT JOIN leased l ON true

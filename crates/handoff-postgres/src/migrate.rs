@@ -44,7 +44,8 @@ impl Migration {
 /// handoff's own migrations: the outbox, the sequence heads, the consumer inbox and the
 /// operators' tables (quarantine audit, cleanup archive and log), the delivery receipt, the
 /// opt-in global order lane, the saga tables and their failure policy, the consumer quarantine's
-/// states and audit, order that fails closed, and parked blocked events.
+/// states and audit, order that fails closed, parked blocked events, and a mark whose cost the planner cannot
+/// raise.
 pub const HANDOFF_MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -117,6 +118,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         name: "park_blocked",
         up: include_str!("../migrations/0012_park_blocked.up.sql"),
         down: include_str!("../migrations/0012_park_blocked.down.sql"),
+    },
+    Migration {
+        version: 13,
+        name: "mark_published_plan",
+        up: include_str!("../migrations/0013_mark_published_plan.up.sql"),
+        down: include_str!("../migrations/0013_mark_published_plan.down.sql"),
     },
 ];
 

@@ -3,10 +3,13 @@
 //! unless an operator skipped it or cleanup removed it after it was published.
 
 mod common;
+#[path = "common/claims.rs"]
+mod claims;
 
 use std::time::Duration;
 
-use handoff_core::delivery::{Claim, Failure, Published, Receipt, Source};
+use claims::{claimed, hold, mark_published};
+use handoff_core::delivery::Source;
 use handoff_postgres::{
     Cleanup, CleanupConfig, EnqueueErrorKind, Migrator, OrderMode, Outbox, OutboxConfig,
     PollingConfig, PollingSource, Quarantine, QuarantineErrorKind, Schema, Status,
@@ -31,27 +34,6 @@ fn global_outbox() -> Outbox {
         ..OutboxConfig::default()
     };
     Outbox::new(config, factory::catalog()).unwrap()
-}
-
-/// `(aggregate_id, aggregate_sequence)` of a claim's events, in claim order.
-fn claimed(claim: &Claim) -> Vec<(String, i64)> {
-    claim
-        .events
-        .iter()
-        .map(|e| (e.aggregate_id.clone(), e.aggregate_sequence))
-        .collect()
-}
-
-async fn publish_all(source: &PollingSource, claim: &Claim) {
-    let acks: Vec<Published> = claim
-        .events
-        .iter()
-        .map(|e| Published {
-            event_id: e.event_id,
-            receipt: Receipt::new("test ack"),
-        })
-        .collect();
-    source.mark_published(&acks).await.unwrap();
 }
 
 async fn versioned(db: &TestDb, outbox: &Outbox, aggregate: &str, first: i64) {
@@ -104,16 +86,7 @@ async fn a_hole_behind_a_held_event_is_not_overtaken_until_an_operator_skips_it(
     // a#1 is held (the destination refused it for good).
     let first = relay.claim(100).await.unwrap();
     assert_eq!(claimed(&first), vec![("a".into(), 1)]);
-    relay
-        .record_failures(&[Failure {
-            event_id: first.events[0].event_id,
-            error: "refused".into(),
-            retry_after: None,
-            counts_as_attempt: true,
-            hold_reason: Some("rejected"),
-        }])
-        .await
-        .unwrap();
+    hold(&relay, first.events[0].event_id).await;
     assert_eq!(relay.backlog().await.unwrap().held, 1);
 
     // An outside writer writes a#3; a#2 never comes. Another aggregate keeps flowing.
@@ -125,7 +98,7 @@ async fn a_hole_behind_a_held_event_is_not_overtaken_until_an_operator_skips_it(
         vec![("b".into(), 1)],
         "a#3 overtook the held a#1 across the hole at a#2"
     );
-    publish_all(&relay, &claim).await;
+    mark_published(&relay, &claim).await;
     assert_eq!(relay.backlog().await.unwrap().holes, 1);
     assert_eq!(holes(&db).await, 1, "handoff status reports the hole");
 
@@ -195,7 +168,7 @@ async fn a_hole_behind_a_held_event_is_not_overtaken_until_an_operator_skips_it(
         "{:?}",
         marker.headers
     );
-    publish_all(&relay, &claim).await;
+    mark_published(&relay, &claim).await;
     assert_eq!(relay.backlog().await.unwrap().pending, 0);
 }
 
@@ -274,7 +247,7 @@ async fn a_global_event_waits_for_its_per_aggregate_predecessor() {
     assert_eq!(claimed(&first), vec![("g".into(), 1)]);
     // Leased is not published: still waiting.
     assert!(global_relay.claim(100).await.unwrap().events.is_empty());
-    publish_all(&aggregate_relay, &first).await;
+    mark_published(&aggregate_relay, &first).await;
 
     let second = global_relay.claim(100).await.unwrap();
     assert_eq!(claimed(&second), vec![("g".into(), 2)]);
@@ -296,7 +269,7 @@ async fn a_cleaned_aggregate_takes_new_events_through_its_watermark() {
     versioned(&db, &outbox, "v", 2).await;
     let claim = relay.claim(100).await.unwrap();
     assert_eq!(claim.events.len(), 4);
-    publish_all(&relay, &claim).await;
+    mark_published(&relay, &claim).await;
 
     // Past the retention horizon, then cleaned.
     sqlx::query("UPDATE outbox SET published_at = now() - interval '30 days'")

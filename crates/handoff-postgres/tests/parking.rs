@@ -4,10 +4,13 @@
 //! come back, in order, once their predecessor is published.
 
 mod common;
+#[path = "common/claims.rs"]
+mod claims;
 
 use std::time::Duration;
 
-use handoff_core::delivery::{Failure, Published, Receipt, Source};
+use claims::{claimed, hold, mark_published};
+use handoff_core::delivery::Source;
 use handoff_postgres::{Migrator, PollingConfig, PollingSource, Quarantine, Schema};
 use handoff_test::{factory, TestDb};
 
@@ -45,21 +48,9 @@ async fn append(db: &TestDb, aggregate: &str, count: i64) {
 /// One claim, marked published at once; returns what it published, in claim order.
 async fn publish_one_claim(relay: &PollingSource) -> Vec<(String, i64)> {
     let claim = relay.claim(BATCH).await.unwrap();
-    let acks: Vec<Published> = claim
-        .events
-        .iter()
-        .map(|e| Published {
-            event_id: e.event_id,
-            receipt: Receipt::new("test ack"),
-        })
-        .collect();
-    relay.mark_published(&acks).await.unwrap();
+    mark_published(relay, &claim).await;
     // A relay publishes each aggregate's events in sequence order.
-    let mut published: Vec<(String, i64)> = claim
-        .events
-        .iter()
-        .map(|e| (e.aggregate_id.clone(), e.aggregate_sequence))
-        .collect();
+    let mut published = claimed(&claim);
     published.sort();
     published
 }
@@ -161,16 +152,7 @@ async fn a_held_aggregate_with_a_growing_tail_does_not_raise_what_a_claim_reads(
     // h#1 is held (the destination refused it for good).
     append(&db, "h", 1).await;
     let first = relay.claim(BATCH).await.unwrap();
-    relay
-        .record_failures(&[Failure {
-            event_id: first.events[0].event_id,
-            error: "refused".into(),
-            retry_after: None,
-            counts_as_attempt: true,
-            hold_reason: Some("rejected"),
-        }])
-        .await
-        .unwrap();
+    hold(&relay, first.events[0].event_id).await;
 
     // A short tail, parked; then a claim among healthy traffic.
     append(&db, "h", 200).await;
@@ -226,6 +208,32 @@ async fn a_held_aggregate_with_a_growing_tail_does_not_raise_what_a_claim_reads(
         .await
         .unwrap();
     assert_eq!(left, 0, "nothing is left parked");
+}
+
+#[tokio::test]
+async fn a_claim_tells_whether_anything_waits_on_the_events_in_flight() {
+    // The relay claims again right after a mark only when this says so: at steady load, with
+    // nothing behind the events in flight, a claim after every mark would cost a query each.
+    let (db, _outbox) = common::migrated("parking_waiting").await;
+    let relay = source(&db);
+
+    append(&db, "x", 1).await;
+    append(&db, "y", 1).await;
+    let first = relay.claim(BATCH).await.unwrap();
+    assert_eq!(first.events.len(), 2);
+    assert!(!first.waiting_on_in_flight, "nothing waits behind x#1 or y#1");
+
+    // x#2 arrives while x#1 is in flight: not claimable, not parked, waiting on it.
+    append(&db, "x", 1).await;
+    let second = relay.claim(BATCH).await.unwrap();
+    assert!(second.events.is_empty());
+    assert!(second.waiting_on_in_flight, "x#2 waits on x#1 in flight");
+
+    // Settled, x#1 frees x#2, and then nothing waits any more.
+    mark_published(&relay, &first).await;
+    let third = relay.claim(BATCH).await.unwrap();
+    assert_eq!(claimed(&third), [("x".to_string(), 2)]);
+    assert!(!third.waiting_on_in_flight);
 }
 
 #[tokio::test]

@@ -751,6 +751,7 @@ async fn claim_loop<S: Source, T: Transport>(
             metrics::gauge!(m::BROKER_UP).set(1.0);
         }
         let isolated = claim.isolate && claimed > 0;
+        let waiting_on_in_flight = claim.waiting_on_in_flight;
         if isolated {
             // A suspect of killing its relays: nothing else may be in flight when it is
             // published, so a crash charges its takeover to it alone.
@@ -786,10 +787,13 @@ async fn claim_loop<S: Source, T: Transport>(
         }
         if claimed < batch {
             // No backlog, or the rest of it waits behind events in flight: sleep until a
-            // writer commits, our own outcomes unblock something, or the poll interval ends.
+            // writer commits, our own outcomes unblock something (only when the claim saw
+            // events waiting on them: at steady load a claim after every mark would cost a
+            // query each for nothing), or the poll interval ends.
+            let unblocks = waiting_on_in_flight && (claimed > 0 || unsettled(&shared) > 0);
             tokio::select! {
                 _ = stop.changed() => break,
-                () = shared.progress.notified(), if claimed > 0 || unsettled(&shared) > 0 => {}
+                () = shared.progress.notified(), if unblocks => {}
                 woke = source.wait_for_work(config.poll_interval) => {
                     if let Err(error) = woke {
                         warn!(error = %error, "wake-up channel failed: polling");
