@@ -2,9 +2,9 @@
 //! never claimed while an earlier sequence of its aggregate is unpublished, held or missing,
 //! unless an operator skipped it or cleanup removed it after it was published.
 
-mod common;
 #[path = "common/claims.rs"]
 mod claims;
+mod common;
 
 use std::time::Duration;
 

@@ -3,9 +3,9 @@
 //! a held aggregate's growing tail does not raise what a claim reads, and the parked events
 //! come back, in order, once their predecessor is published.
 
-mod common;
 #[path = "common/claims.rs"]
 mod claims;
+mod common;
 
 use std::time::Duration;
 
@@ -221,7 +221,10 @@ async fn a_claim_tells_whether_anything_waits_on_the_events_in_flight() {
     append(&db, "y", 1).await;
     let first = relay.claim(BATCH).await.unwrap();
     assert_eq!(first.events.len(), 2);
-    assert!(!first.waiting_on_in_flight, "nothing waits behind x#1 or y#1");
+    assert!(
+        !first.waiting_on_in_flight,
+        "nothing waits behind x#1 or y#1"
+    );
 
     // x#2 arrives while x#1 is in flight: not claimable, not parked, waiting on it.
     append(&db, "x", 1).await;
