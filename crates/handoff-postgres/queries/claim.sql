@@ -17,9 +17,10 @@
 -- and a lease that expires makes its rows available again with no extra step.
 --
 -- What is not publishable yet does not stay in the way either (migration 0012): the claim reads
--- only the $2 oldest rows of outbox_ready_idx, and parks those of them that wait behind an
--- unpublished predecessor (blocked = true), which takes them off that index. So what a claim
--- reads is bounded by its batch, not by what waits behind held or in-flight events.
+-- only the oldest rows of outbox_ready_idx (four batches' worth, see front), and parks those of
+-- them that wait behind an unpublished predecessor that is not in flight (blocked = true), which
+-- takes them off that index. So what a claim reads is bounded by its batch, not by what waits
+-- behind held or in-flight events.
 --
 -- Crash loops: a claimable row that still names a holder was left unsettled by a lease that ran
 -- out (its relay died or stalled holding it). Such a claim is a takeover, counted in

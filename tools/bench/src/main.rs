@@ -27,7 +27,8 @@
 //!   same topology.
 //! - `handoff-bench blocked-backlog`, `held-xmin`, `writers` and `drain-bound` ([`hot_path`])
 //!   measure the relay's hot path under a held aggregate's long tail, a held xmin horizon,
-//!   writers beside it, and against its drain bounds, each against a baseline of the same run.
+//!   writers beside it, and against its drain bounds and the peer (oxide-outbox), each against a
+//!   baseline of the same run.
 
 use clap::{Parser, Subcommand};
 
@@ -83,7 +84,8 @@ enum Command {
     HeldXmin(hot_path::xmin::XminArgs),
     /// Order writes/s with a relay running vs none; commit → broker p99 at fixed rates.
     Writers(hot_path::writers::WritersArgs),
-    /// One relay's drain vs the claim+mark SQL bound and the JetStream async bound.
+    /// One relay's drain vs the claim+mark SQL bound, the JetStream async bound and the peer,
+    /// oxide-outbox at its best tuning.
     DrainBound(hot_path::bound::BoundArgs),
 }
 

@@ -2,14 +2,16 @@
 //! two bounds on the same backlog in the same run: the plain claim+mark SQL (the relay's claim
 //! and mark statements in a loop, 500 per claim, no broker) and JetStream async publish (the same
 //! events from memory, as fast as acks allow, no database). The relay bench's drain variants
-//! (`sql_bound`, `jetstream_bound`, `relay_1`), alone and with the issue's goal.
+//! (`sql_bound`, `jetstream_bound`, `relay_1`), alone and with the issue's goal; and the peer,
+//! oxide-outbox at its best tuning (`oxide_outbox_8x1000`, [`super::peer`]), draining the same
+//! backlog to the same stream, for the issue's second goal.
 
 use std::time::Duration;
 
 use anyhow::Result;
 use serde::Serialize;
 
-use super::{ratio, setup, BrokerArgs};
+use super::{peer, ratio, setup, BrokerArgs};
 use crate::harness::{median_run, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine::{commit_probe, Machine};
 use crate::relay::drain::{self, DrainRun, DrainVariant};
@@ -18,6 +20,9 @@ use crate::relay::{met, Goal, OUTSTANDING};
 
 /// Goal of the issue: the relay at least this share of the slower of its two bounds.
 const GOAL_VS_BOUND: f64 = 0.8;
+
+/// Goal of the issue: the relay at least this many times the peer's best tuning.
+const GOAL_VS_PEER: f64 = 1.2;
 
 /// Flags of `handoff-bench drain-bound`.
 #[derive(clap::Args)]
@@ -38,6 +43,9 @@ pub struct BoundArgs {
     /// A relay drain that takes longer than this is stopped and reported incomplete.
     #[arg(long, default_value_t = 300)]
     drain_timeout_seconds: u64,
+    /// Leave out the peer (oxide-outbox, 8 managers with batches of 1,000).
+    #[arg(long)]
+    no_peer: bool,
     #[command(flatten)]
     report: ReportArgs,
 }
@@ -57,11 +65,15 @@ struct Results {
     relay_1_over_sql_bound: f64,
     relay_1_over_jetstream_bound: f64,
     goal: Goal,
-    /// The issue also asks for oxide-outbox's best tuning in the same run: not measured here.
+    /// relay_1 / oxide_outbox_8x1000, the peer's best tuning in the same run (none with
+    /// `--no-peer`).
     peer: Option<f64>,
+    /// The issue's goal against the peer (none with `--no-peer`).
+    peer_goal: Option<Goal>,
 }
 
-/// Runs the three variants `--rounds` times, prints the table, writes the JSON.
+/// Runs the variants (the peer too, unless `--no-peer`) `--rounds` times, prints the table,
+/// writes the JSON.
 pub async fn drain_bound(args: BoundArgs) -> Result<()> {
     let workload = Workload::new(args.events, args.aggregates)?;
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
@@ -75,11 +87,14 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
         );
         let mut rounds = Vec::new();
         for round in 1..=args.rounds {
-            let mut order = [
+            let mut order = vec![
                 DrainVariant::SqlBound,
                 DrainVariant::JetStreamBound,
                 DrainVariant::Relay1,
             ];
+            if !args.no_peer {
+                order.push(DrainVariant::Peer);
+            }
             if round % 2 == 0 {
                 order.reverse();
             }
@@ -89,14 +104,22 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
                     DrainVariant::JetStreamBound => {
                         drain::jetstream(&bench, &mut admin, round, OUTSTANDING, None).await?
                     }
+                    DrainVariant::Peer => peer::drain(&bench, &mut admin, round).await?,
                     _ => drain::relays(&bench, &mut admin, round, 1).await?,
                 };
                 eprintln!(
-                    "  round {round} {}: {} events in {:.2} s = {:.0} rows/s",
+                    "  round {round} {}: {} events in {:.2} s = {:.0} rows/s{}",
                     variant.name(),
                     run.events,
                     run.seconds,
-                    run.rows_per_second
+                    run.rows_per_second,
+                    run.check
+                        .as_ref()
+                        .map(|c| format!(
+                            " ({} messages, missing {}, duplicates {}, order ok {})",
+                            c.messages, c.missing, c.duplicates, c.order_ok
+                        ))
+                        .unwrap_or_default()
                 );
                 rounds.push(run);
             }
@@ -112,6 +135,7 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
         let sql = median(DrainVariant::SqlBound);
         let js = median(DrainVariant::JetStreamBound);
         let relay = median(DrainVariant::Relay1);
+        let peer = (!args.no_peer).then(|| median(DrainVariant::Peer));
         let min = if sql.rows_per_second <= js.rows_per_second {
             &sql
         } else {
@@ -127,6 +151,16 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             value,
             met: value >= GOAL_VS_BOUND && relay.complete && order_ok,
         };
+        let peer_goal = peer.as_ref().map(|peer| {
+            let value = ratio(relay.rows_per_second, peer.rows_per_second);
+            Goal {
+                goal: format!("relay_1 / {} >= {GOAL_VS_PEER}", DrainVariant::Peer.name()),
+                value,
+                // An incomplete peer drain has no rate to hold the relay against.
+                met: value >= GOAL_VS_PEER && relay.complete && order_ok && peer.complete,
+            }
+        });
+        let peer_check = peer.as_ref().and_then(|p| p.check.clone());
         let results = Results {
             machine,
             workload,
@@ -136,8 +170,12 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             relay_1_over_sql_bound: ratio(relay.rows_per_second, sql.rows_per_second),
             relay_1_over_jetstream_bound: ratio(relay.rows_per_second, js.rows_per_second),
             goal,
-            peer: None,
-            drain: vec![sql, js, relay],
+            peer: peer_goal.as_ref().map(|g| g.value),
+            peer_goal,
+            drain: [Some(sql), Some(js), Some(relay), peer]
+                .into_iter()
+                .flatten()
+                .collect(),
             drain_rounds: rounds,
         };
         println!();
@@ -161,7 +199,22 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             results.min_bound.name(),
             met(results.goal.met)
         );
-        println!("oxide-outbox's best tuning: not measured by this bench");
+        match (&results.peer_goal, &peer_check) {
+            (Some(goal), Some(check)) => println!(
+                "{}: {:.2} (peer: {} messages for {} events, missing {}, duplicates {}, \
+                 per-aggregate order ok {} with {} violations), {}",
+                goal.goal,
+                goal.value,
+                check.messages,
+                workload.events,
+                check.missing,
+                check.duplicates,
+                check.order_ok,
+                check.order_violations,
+                met(goal.met)
+            ),
+            _ => println!("oxide-outbox's best tuning: not measured (--no-peer)"),
+        }
         args.report.write(&results)
     })
     .await

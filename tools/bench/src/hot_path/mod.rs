@@ -9,7 +9,8 @@
 //! - [`writers`] (`handoff-bench writers`): the order write's throughput with a relay running
 //!   against none, and commit → broker p99 at fixed rates.
 //! - [`bound`] (`handoff-bench drain-bound`): one relay's drain against the plain claim+mark
-//!   SQL bound and the JetStream async-publish bound.
+//!   SQL bound and the JetStream async-publish bound, and against the peer, oxide-outbox
+//!   ([`peer`]), at its best tuning.
 //!
 //! Every piece is the relay bench's ([`crate::relay`]): its backlog, drains, probes, paced writer
 //! and running relay; these modules only arrange them.
@@ -27,6 +28,7 @@ use crate::relay::Bench;
 
 pub(crate) mod blocked;
 pub(crate) mod bound;
+pub(crate) mod peer;
 pub(crate) mod writers;
 pub(crate) mod xmin;
 

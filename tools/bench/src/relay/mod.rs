@@ -23,6 +23,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, PgConnection};
 
 use crate::harness::{median_run, write_json, ReportArgs, ScratchArgs, ScratchDatabase};
+use crate::hot_path::peer;
 use crate::machine::{commit_probe, nats_port, Machine};
 use drain::{DrainRun, DrainVariant};
 use latency::LatencyRun;
@@ -331,6 +332,8 @@ async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) ->
                 }
                 DrainVariant::Relay1 => drain::relays(&bench, &mut admin, round, 1).await?,
                 DrainVariant::Relay2 => drain::relays(&bench, &mut admin, round, 2).await?,
+                // drain-bound's peer: not among this bench's variants.
+                DrainVariant::Peer => peer::drain(&bench, &mut admin, round).await?,
             };
             eprintln!(
                 "  round {round} {}: {} events in {:.2} s = {:.0} rows/s{}",

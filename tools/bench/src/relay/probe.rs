@@ -59,7 +59,8 @@ impl Marked {
         })
     }
 
-    fn record(&self, ids: &[EventId]) {
+    /// Notes `ids` as marked now (a drain's own probe of its mark calls).
+    pub(crate) fn record(&self, ids: &[EventId]) {
         let now = self.origin.elapsed();
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let before = state.ids.len();
