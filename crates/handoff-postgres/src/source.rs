@@ -721,19 +721,18 @@ impl Source for PollingSource {
         let max = i64::try_from(max).unwrap_or(i64::MAX);
         // Where the claim reads the claim index from (see LOOKBACK).
         let scan_from = self.scan_from();
-        // A named statement where the connection allows it, so that PostgreSQL stops planning
-        // it after five runs: planning this statement costs more than running it for a small
-        // batch (1.1 to 1.5 ms against 0.4 to 0.7 ms for 1 to 10 events), and at steady load the
-        // relay claims a few events hundreds of times a second. Its generic plan is index scans
-        // and nested loops throughout (every CTE is materialised and every LIMIT bounds it), as
-        // fast as the custom one at 500 events on a 100,000-event backlog or behind 100,000
-        // parked ones. (An earlier shape of this query had a generic plan 40 times slower.)
+        // Planned afresh with the real batch size every time (an unnamed statement). Planning
+        // costs 1.1 to 1.5 ms a claim, more than running a small one, but both times a named
+        // statement was tried its generic plan went wrong: ~850 ms per 500-row claim instead of
+        // ~20 ms for an earlier shape of this query, and, for this one, claims past the query
+        // timeout after about 140 s of a held xmin horizon (handoff-bench held-xmin, twice), where
+        // the unnamed statement held 200 s with a last-minute p99 of 38 ms.
         let what = "while claiming";
         let mut conn = self.connection(what).await?;
         let query = async {
             let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
             let query = sqlx::query(&self.sql.claim)
-                .persistent(self.named_statements())
+                .persistent(false)
                 .bind(&self.config.relay_id)
                 .bind(max)
                 .bind(self.config.lease.as_secs_f64())

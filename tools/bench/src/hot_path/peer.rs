@@ -32,7 +32,7 @@ use sqlx::{Executor, PgConnection};
 use tokio::sync::watch;
 
 use crate::relay::cpu;
-use crate::relay::drain::{check_stream_by, DrainRun, DrainVariant, Sequences, WINDOW};
+use crate::relay::drain::{self, check_stream_by, DrainRun, DrainVariant, Sequences, WINDOW};
 use crate::relay::probe::Marked;
 use crate::relay::{workload, Bench};
 
@@ -260,12 +260,8 @@ async fn run_managers(bench: &Bench, admin: &mut PgConnection, round: usize) -> 
         running.push(tokio::spawn(manager.run()));
     }
 
-    let complete = marked.wait(bench.drain_timeout).await;
-    let seconds = marked
-        .last_at()
-        .unwrap_or_else(|| started.elapsed())
-        .as_secs_f64();
-    let cpu = cpu::share(&cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
+    let (complete, seconds, cpu) =
+        drain::drained(bench, admin, &marked, started, &cpu_start).await?;
     if !complete {
         eprintln!(
             "  warning: oxide-outbox marked {} of {} events sent within {:?}; stopping it",

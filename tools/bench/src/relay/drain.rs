@@ -360,13 +360,8 @@ pub async fn relays_on_loaded(
         running.push((handle, source, transport));
     }
 
-    let complete = marked.wait(bench.drain_timeout).await;
-    let seconds = marked
-        .last_at()
-        .unwrap_or_else(|| started.elapsed())
-        .as_secs_f64();
     // Before the relays stop, while their backends are still connected.
-    let cpu = cpu::share(&cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
+    let (complete, seconds, cpu) = drained(bench, admin, &marked, started, &cpu_start).await?;
     if !complete {
         eprintln!(
             "  warning: {} relay(s) marked {} of {} events within {:?}; stopping them",
@@ -523,4 +518,23 @@ pub async fn check_stream_by(
         first_violation,
         read_seconds,
     })
+}
+
+/// Waits until every event of the backlog is marked (at most the bench's drain timeout); whether
+/// they all were, the seconds from `started` to the last mark, and the CPU shares since
+/// `cpu_start`. Called while the drainers still run, so their backends are counted.
+pub(crate) async fn drained(
+    bench: &Bench,
+    admin: &mut PgConnection,
+    marked: &Marked,
+    started: Instant,
+    cpu_start: &cpu::Snapshot,
+) -> Result<(bool, f64, CpuShare)> {
+    let complete = marked.wait(bench.drain_timeout).await;
+    let seconds = marked
+        .last_at()
+        .unwrap_or_else(|| started.elapsed())
+        .as_secs_f64();
+    let cpu = cpu::share(cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
+    Ok((complete, seconds, cpu))
 }
