@@ -437,3 +437,71 @@ async fn sigterm_while_the_broker_is_awaited_at_start_stops_the_relay_cleanly() 
     assert!(status.success(), "{status:?}:\n{}", relay.log());
     assert!(relay.log().contains("SIGTERM received"), "{}", relay.log());
 }
+
+/// The longest any `handoff relay` statement has been waiting for a lock on this test's outbox
+/// (seconds; 0 when none waits).
+async fn longest_relay_lock_wait(db: &TestDb) -> f64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(max(extract(epoch FROM now() - a.query_start)), 0)::float8
+         FROM pg_stat_activity a
+         JOIN pg_locks l ON l.pid = a.pid
+         WHERE l.relation = 'outbox'::regclass
+           AND NOT l.granted
+           AND a.application_name = 'handoff-relay'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_claim_the_relay_gave_up_on_is_ended_by_the_server_too() {
+    // Past --query-timeout the relay closes its connection, but the server would only notice
+    // when it next wrote to it: a claim stuck in the server would hold on for as long as what
+    // it waits for (here a table lock; in production, a slow plan holding its front's row
+    // locks). The relay's sessions carry a statement_timeout a second above the query timeout.
+    let (db, outbox) = migrated("relay_server_timeout").await;
+    let (target, _client, _cleanup) = shared_target(&db, "server_timeout").await;
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event("order-1", 1)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    // Every claim now waits in the server for the outbox.
+    let mut locker = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let relay = RelayProcess::start(
+        &target,
+        "relay-server-timeout",
+        &["--query-timeout", "1s"],
+        &[],
+    );
+    handoff_test::eventually(
+        "a claim of the relay waits for the outbox",
+        Duration::from_secs(30),
+        async || longest_relay_lock_wait(&db).await > 0.0,
+    )
+    .await;
+    // Held for six seconds: without the server-side bound the first claim would wait all of
+    // them; with it, no statement waits much past query timeout + 1 s = 2 s.
+    let mut longest: f64 = 0.0;
+    let until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < until {
+        longest = longest.max(longest_relay_lock_wait(&db).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        longest < 4.0,
+        "a relay statement waited {longest:.1} s in the server; relay log:\n{}",
+        relay.log()
+    );
+
+    // Released, the relay publishes as usual.
+    locker.commit().await.unwrap();
+    wait_drained(&db.pool, Duration::from_secs(30), || relay.log()).await;
+}

@@ -11,7 +11,7 @@ use handoff_core::delivery::{
 };
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgListener, PgPool, PgRow};
+use sqlx::postgres::{PgConnection, PgListener, PgPool, PgRow};
 use sqlx::{Postgres, Row};
 use tokio::sync::Mutex;
 use tokio::time::error::Elapsed;
@@ -72,6 +72,33 @@ const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// How long a sweep may take. Under a held xmin horizon it walks every dead row version behind
 /// the front; a sweep that does not finish is tried again at the next one.
 const SWEEP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The server's side of [`SWEEP_TIMEOUT`], set for the sweep's transaction alone.
+const SWEEP_STATEMENT_TIMEOUT: &str = "SET LOCAL statement_timeout = '60s'";
+
+/// One sweep (`queries/sweep_stragglers.sql`) below `from`, in a transaction of its own; how
+/// many events it made available.
+async fn sweep_once(
+    conn: &mut PgConnection,
+    sql: &str,
+    from: DateTime<Utc>,
+) -> Result<u64, sqlx::Error> {
+    // Through Scoped's transaction, whose conn() names the connection's type: an executor taken
+    // from the transaction directly is not accepted inside the spawned task.
+    let mut scope = Scoped::begin(conn, Pooling::Transaction).await?;
+    sqlx::query(SWEEP_STATEMENT_TIMEOUT)
+        .persistent(false)
+        .execute(scope.conn())
+        .await?;
+    let swept = sqlx::query(sql)
+        .persistent(false)
+        .bind(from)
+        .execute(scope.conn())
+        .await?
+        .rows_affected();
+    scope.finish().await?;
+    Ok(swept)
+}
 
 /// The poll interval while lingering: what it adds to commit-to-broker latency at steady load
 /// (at most this, half of it on average), for an empty claim's cost (an index probe) each time.
@@ -511,21 +538,14 @@ impl PollingSource {
             let sweeping = Arc::clone(&scan.sweeping);
             let pool = self.pool.clone();
             let sql = Arc::clone(&self.sql.sweep_stragglers);
-            let pooling = self.config.pooling;
             tokio::spawn(async move {
                 match pool.acquire().await {
                     Ok(mut conn) => {
-                        let sweep = async {
-                            let mut scope = Scoped::begin(&mut conn, pooling).await?;
-                            let swept = sqlx::query(&sql)
-                                .persistent(false)
-                                .bind(from)
-                                .execute(scope.conn())
-                                .await?
-                                .rows_affected();
-                            scope.finish().await?;
-                            Ok::<_, sqlx::Error>(swept)
-                        };
+                        // In a transaction of its own, in any pooling mode, so that the server
+                        // too gives the sweep SWEEP_TIMEOUT: a session's statement_timeout (the
+                        // relay command sets one a little above the query timeout) would end it
+                        // much sooner, and under a held xmin horizon it needs the time.
+                        let sweep = sweep_once(&mut conn, &sql, from);
                         match tokio::time::timeout(SWEEP_TIMEOUT, sweep).await {
                             Ok(Ok(0)) => {}
                             Ok(Ok(swept)) => {
