@@ -11,7 +11,7 @@ use handoff_core::delivery::{
 };
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, PgListener, PgPool, PgRow};
+use sqlx::postgres::{PgListener, PgPool, PgRow};
 use sqlx::{Postgres, Row};
 use tokio::sync::Mutex;
 use tokio::time::error::Elapsed;
@@ -73,23 +73,33 @@ const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// the front; a sweep that does not finish is tried again at the next one.
 const SWEEP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The server's side of [`SWEEP_TIMEOUT`], set for the sweep's transaction alone.
-const SWEEP_STATEMENT_TIMEOUT: &str = "SET LOCAL statement_timeout = '60s'";
+/// The server's side of [`SWEEP_TIMEOUT`] on a session the relay command gave a shorter
+/// `statement_timeout` (the query timeout and a second).
+const SWEEP_STATEMENT_TIMEOUT: &str = "SET statement_timeout = '60s'";
 
-/// One sweep (`queries/sweep_stragglers.sql`) below `from`, in a transaction of its own; how
-/// many events it made available.
+/// One sweep (`queries/sweep_stragglers.sql`) below `from`; how many events it made available.
+///
+/// One statement in autocommit, as every relay statement: a spawned task that is dropped
+/// half-way must not leave a transaction open (a test's schema could not be dropped behind
+/// it). On a session of its own (`pooling` Session) it first lifts the session's timeout to
+/// SWEEP_TIMEOUT, and the connection is then closed rather than handed back to the pool with
+/// that setting.
 async fn sweep_once(
-    conn: &mut PgConnection,
+    conn: &mut PoolConnection<Postgres>,
+    pooling: Pooling,
     sql: &str,
     from: DateTime<Utc>,
 ) -> Result<u64, sqlx::Error> {
-    // Through Scoped's transaction, whose conn() names the connection's type: an executor taken
-    // from the transaction directly is not accepted inside the spawned task.
-    let mut scope = Scoped::begin(conn, Pooling::Transaction).await?;
-    sqlx::query(SWEEP_STATEMENT_TIMEOUT)
-        .persistent(false)
-        .execute(scope.conn())
-        .await?;
+    if pooling == Pooling::Session {
+        conn.close_on_drop();
+        let mut scope = Scoped::begin(conn, pooling).await?;
+        sqlx::query(SWEEP_STATEMENT_TIMEOUT)
+            .persistent(false)
+            .execute(scope.conn())
+            .await?;
+        scope.finish().await?;
+    }
+    let mut scope = Scoped::begin(conn, pooling).await?;
     let swept = sqlx::query(sql)
         .persistent(false)
         .bind(from)
@@ -538,14 +548,11 @@ impl PollingSource {
             let sweeping = Arc::clone(&scan.sweeping);
             let pool = self.pool.clone();
             let sql = Arc::clone(&self.sql.sweep_stragglers);
+            let pooling = self.config.pooling;
             tokio::spawn(async move {
                 match pool.acquire().await {
                     Ok(mut conn) => {
-                        // In a transaction of its own, in any pooling mode, so that the server
-                        // too gives the sweep SWEEP_TIMEOUT: a session's statement_timeout (the
-                        // relay command sets one a little above the query timeout) would end it
-                        // much sooner, and under a held xmin horizon it needs the time.
-                        let sweep = sweep_once(&mut conn, &sql, from);
+                        let sweep = sweep_once(&mut conn, pooling, &sql, from);
                         match tokio::time::timeout(SWEEP_TIMEOUT, sweep).await {
                             Ok(Ok(0)) => {}
                             Ok(Ok(swept)) => {
