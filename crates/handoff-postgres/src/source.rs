@@ -110,9 +110,25 @@ async fn sweep_once(
     Ok(swept)
 }
 
-/// The poll interval while lingering: what it adds to commit-to-broker latency at steady load
-/// (at most this, half of it on average), for an empty claim's cost (an index probe) each time.
+/// The poll interval while lingering, as long as claims are quick: what it adds to
+/// commit-to-broker latency at steady load (at most this, half of it on average).
 const BUSY_POLL: Duration = Duration::from_millis(5);
+
+/// While lingering, the pause between claims is at least this many times what a claim has lately
+/// taken ([`PollingSource::claim_cost`]), up to [`BUSY_POLL_MAX`].
+///
+/// A claim's cost is mostly per statement, not per event: planning it alone takes about a
+/// millisecond. At a fixed 5 ms poll, a relay keeping up with writers that saturate the database
+/// spent close to half a core of PostgreSQL on its claims and marks, taken from the writers
+/// (`handoff-bench writers`). A claim that takes long is the sign of a busy database: the relay
+/// then polls less often, so its claims occupy at most a third of a backend, and each claim
+/// carries more events for the same fixed cost. On a database with room to spare claims take a
+/// millisecond or two and the pause stays [`BUSY_POLL`].
+const BUSY_POLL_PER_CLAIM: u32 = 2;
+
+/// The longest pause between claims while lingering, however long claims take: bounds what a
+/// busy database adds to commit-to-broker latency.
+const BUSY_POLL_MAX: Duration = Duration::from_millis(20);
 
 /// Settings of a [`PollingSource`].
 #[derive(Debug, Clone)]
@@ -338,6 +354,9 @@ pub struct PollingSource {
     last_work: std::sync::Mutex<Option<Instant>>,
     /// Where the claims read the claim index from (see [`LOOKBACK`]).
     scan: std::sync::Mutex<ScanFrom>,
+    /// What claims have lately taken, start to end (a moving average): paces the polls while
+    /// lingering (see [`BUSY_POLL_PER_CLAIM`]).
+    claim_cost: std::sync::Mutex<Duration>,
 }
 
 struct Sql {
@@ -440,6 +459,7 @@ impl PollingSource {
             leases: std::sync::Mutex::new(HashMap::new()),
             last_work: std::sync::Mutex::new(None),
             scan: std::sync::Mutex::new(ScanFrom::default()),
+            claim_cost: std::sync::Mutex::new(Duration::ZERO),
         })
     }
 
@@ -534,6 +554,20 @@ impl PollingSource {
         self.bounded(&mut conn, outcome, what)?;
         wake.registered_until = None;
         Ok(())
+    }
+
+    /// Folds one claim's duration into [`PollingSource::claim_cost`]: a quarter of the new
+    /// one, so one slow claim moves the pause only a little, a slow spell within a few claims.
+    fn record_claim_cost(&self, took: Duration) {
+        let mut cost = self.claim_cost.lock().unwrap_or_else(|e| e.into_inner());
+        *cost = (*cost * 3 + took) / 4;
+    }
+
+    /// The pause between claims while lingering: [`BUSY_POLL`], or [`BUSY_POLL_PER_CLAIM`]
+    /// times the recent claim cost when that is longer, at most [`BUSY_POLL_MAX`].
+    fn busy_poll(&self) -> Duration {
+        let cost = *self.claim_cost.lock().unwrap_or_else(|e| e.into_inner());
+        (cost * BUSY_POLL_PER_CLAIM).clamp(BUSY_POLL, BUSY_POLL_MAX)
     }
 
     /// Where this claim reads the claim index from: the start for the first claim (aggregate
@@ -779,6 +813,7 @@ impl Source for PollingSource {
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
         let rows = self.bounded(&mut conn, outcome, what)?;
         drop(conn);
+        self.record_claim_cost(started.elapsed());
         // Every row carries how many rows the claim parked; a claim that leased nothing
         // returns one row with no event.
         let parked: i64 = match rows.first() {
@@ -987,7 +1022,7 @@ impl Source for PollingSource {
                     self.unwait(&mut wake).await?;
                 }
             }
-            tokio::time::sleep(BUSY_POLL.min(at_most)).await;
+            tokio::time::sleep(self.busy_poll().min(at_most)).await;
             return Ok(());
         }
         if !self.listens() {

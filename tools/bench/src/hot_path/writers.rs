@@ -17,7 +17,9 @@ use sqlx::PgConnection;
 use super::{ratio, setup, BrokerArgs};
 use crate::harness::{median_run, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine::{commit_probe, Machine};
+use crate::relay::cpu::{self, CpuShare};
 use crate::relay::latency::{self, LatencyRun, SCENARIOS, SETTLE};
+use crate::relay::probe::SourceStats;
 use crate::relay::live::LiveRelay;
 use crate::relay::workload;
 use crate::relay::{met, Bench, Goal};
@@ -69,6 +71,12 @@ struct Cell {
     backlog_at_end: i64,
     /// Orders committed in the cell.
     orders: i64,
+    /// Who used the CPU while the writers ran: with a relay, `relay_backends` is what its
+    /// claims, marks and wake-up queries cost PostgreSQL.
+    cpu: CpuShare,
+    /// The relay's claims and marks while the writers ran (none without a relay): how many
+    /// statements it spent on their events.
+    source: Option<SourceStats>,
 }
 
 /// Per client count, the median cells and their ratio.
@@ -117,10 +125,11 @@ pub async fn writers(args: WritersArgs) -> Result<()> {
                 for relay in order {
                     let cell = cell(&bench, &mut admin, relay, clients, args.seconds).await?;
                     eprintln!(
-                        "  round {} x{clients} relay {relay}: {:.0} orders/s, backlog at the end {}",
+                        "  round {} x{clients} relay {relay}: {:.0} orders/s, backlog at the end {}; {}",
                         round + 1,
                         cell.write.orders_per_second,
-                        cell.backlog_at_end
+                        cell.backlog_at_end,
+                        cell.cost(args.seconds),
                     );
                     cells[usize::from(relay)].push(cell);
                 }
@@ -209,6 +218,7 @@ async fn cell(
         // Asleep, registered for the writers' notifications, before the first order.
         tokio::time::sleep(SETTLE).await;
     }
+    let cpu_start = cpu::snapshot(admin, bench.nats_pid).await?;
     let write = write_path::measure(
         &bench.options,
         Variant::WithOutbox,
@@ -216,7 +226,9 @@ async fn cell(
         Duration::from_secs(seconds),
     )
     .await?;
+    let cpu = cpu::share(&cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
     let backlog_at_end = workload::unpublished(admin).await?;
+    let source = running.as_ref().map(|live| live.source.stats());
     if let Some(mut live) = running {
         live.stop().await?;
     }
@@ -228,7 +240,37 @@ async fn cell(
         write,
         backlog_at_end,
         orders,
+        cpu,
+        source,
     })
+}
+
+impl Cell {
+    /// What the cell cost, in a line: busy cores, PostgreSQL's share and the relay's part of
+    /// it, and the relay's statements per second with their mean size and duration.
+    fn cost(&self, seconds: u64) -> String {
+        let mut line = format!(
+            "cpu: machine {:.2}, postgres {:.2} (relay {:.2}), nats {:.2}, bench {:.2}",
+            self.cpu.machine_busy.unwrap_or(f64::NAN),
+            self.cpu.postgres_backends,
+            self.cpu.relay_backends,
+            self.cpu.nats_server.unwrap_or(f64::NAN),
+            self.cpu.bench.unwrap_or(f64::NAN),
+        );
+        if let Some(source) = &self.source {
+            let per_second = |calls: usize| calls as f64 / seconds.max(1) as f64;
+            line.push_str(&format!(
+                "; claims {:.0}/s x {:.1} events, p50 {:.2} ms; marks {:.0}/s x {:.1}, p50 {:.2} ms",
+                per_second(source.claims.calls),
+                source.claims.mean_items,
+                source.claims.p50_ms,
+                per_second(source.marks.calls),
+                source.marks.mean_items,
+                source.marks.p50_ms,
+            ));
+        }
+        line
+    }
 }
 
 fn print(results: &Results) {

@@ -15,13 +15,17 @@ use sqlx::PgConnection;
 /// `/proc` counts CPU time in USER_HZ ticks, which is 100 on every Linux ABI.
 const TICKS_PER_SECOND: f64 = 100.0;
 
+/// The application name of the sessions of [`super::Bench::pool`]: relays and bounds.
+pub const RELAY_APPLICATION: &str = "handoff-bench-relay";
+
 /// CPU counters at one instant.
 pub struct Snapshot {
     at: Instant,
     machine: Option<(u64, u64)>,
     own: Option<u64>,
     nats: Option<u64>,
-    backends: HashMap<i32, u64>,
+    /// Per backend: its ticks, and whether it serves a relay's pool.
+    backends: HashMap<i32, (u64, bool)>,
 }
 
 /// CPU used during an interval, in cores (CPU seconds per wall second).
@@ -37,6 +41,9 @@ pub struct CpuShare {
     pub nats_server: Option<f64>,
     /// PostgreSQL backends serving the scratch database (not the admin connection).
     pub postgres_backends: f64,
+    /// Those of them serving a relay's pool ([`RELAY_APPLICATION`]): its claims, marks and
+    /// wake-up queries.
+    pub relay_backends: f64,
     /// The machine's busy cores minus the three above: PostgreSQL's background processes, and
     /// anything else running on the host (a build, other tests) that disturbs the figures.
     pub others: Option<f64>,
@@ -44,10 +51,11 @@ pub struct CpuShare {
 
 /// Reads the counters. `nats_pid` is the server's process, when found.
 pub async fn snapshot(admin: &mut PgConnection, nats_pid: Option<u32>) -> Result<Snapshot> {
-    let pids: Vec<i32> = sqlx::query_scalar(
-        "SELECT pid FROM pg_stat_activity
+    let pids: Vec<(i32, bool)> = sqlx::query_as(
+        "SELECT pid, application_name = $1 FROM pg_stat_activity
          WHERE datname = current_database() AND pid <> pg_backend_pid()",
     )
+    .bind(RELAY_APPLICATION)
     .fetch_all(&mut *admin)
     .await?;
     Ok(Snapshot {
@@ -57,7 +65,7 @@ pub async fn snapshot(admin: &mut PgConnection, nats_pid: Option<u32>) -> Result
         nats: nats_pid.and_then(|pid| process_ticks(&pid.to_string())),
         backends: pids
             .into_iter()
-            .filter_map(|pid| Some((pid, process_ticks(&pid.to_string())?)))
+            .filter_map(|(pid, relay)| Some((pid, (process_ticks(&pid.to_string())?, relay))))
             .collect(),
     })
 }
@@ -67,11 +75,16 @@ pub fn share(start: &Snapshot, end: &Snapshot) -> CpuShare {
     let wall = end.at.duration_since(start.at).as_secs_f64().max(1e-9);
     let cores = |ticks: u64| ticks as f64 / TICKS_PER_SECOND / wall;
     let diff = |a: Option<u64>, b: Option<u64>| Some(cores(b?.saturating_sub(a?)));
-    let backends: u64 = end
-        .backends
-        .iter()
-        .map(|(pid, ticks)| ticks.saturating_sub(*start.backends.get(pid).unwrap_or(&0)))
-        .sum();
+    let used = |relay_only: bool| -> u64 {
+        end.backends
+            .iter()
+            .filter(|(_, (_, relay))| *relay || !relay_only)
+            .map(|(pid, (ticks, _))| {
+                ticks.saturating_sub(start.backends.get(pid).map_or(0, |(t, _)| *t))
+            })
+            .sum()
+    };
+    let backends = used(false);
     let (machine_cores, machine_busy) = match (start.machine, end.machine) {
         (Some((busy_a, total_a)), Some((busy_b, total_b))) if total_b > total_a => {
             let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
@@ -89,6 +102,7 @@ pub fn share(start: &Snapshot, end: &Snapshot) -> CpuShare {
         bench,
         nats_server,
         postgres_backends,
+        relay_backends: cores(used(true)),
         others: machine_busy.map(|busy| {
             (busy - bench.unwrap_or(0.0) - nats_server.unwrap_or(0.0) - postgres_backends).max(0.0)
         }),

@@ -150,11 +150,17 @@ impl Bench {
         }
     }
 
-    /// A pool for one relay (or one bound), as `handoff relay` sizes it.
+    /// A pool for one relay (or one bound), as `handoff relay` sizes it. Its sessions carry
+    /// the application name [`cpu::RELAY_APPLICATION`], so that [`cpu::share`] tells their CPU
+    /// from the writers'.
     pub async fn pool(&self) -> Result<PgPool> {
         Ok(PgPoolOptions::new()
             .max_connections(POOL_CONNECTIONS)
-            .connect_with(self.options.clone())
+            .connect_with(
+                self.options
+                    .clone()
+                    .application_name(cpu::RELAY_APPLICATION),
+            )
             .await?)
     }
 
