@@ -125,6 +125,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0013_mark_published_plan.up.sql"),
         down: include_str!("../migrations/0013_mark_published_plan.down.sql"),
     },
+    Migration {
+        version: 14,
+        name: "mark_published_custom_plans",
+        up: include_str!("../migrations/0014_mark_published_custom_plans.up.sql"),
+        down: include_str!("../migrations/0014_mark_published_custom_plans.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

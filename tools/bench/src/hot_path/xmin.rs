@@ -21,9 +21,9 @@ use tokio::sync::watch;
 use super::{ratio, setup, BrokerArgs};
 use crate::harness::{ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine::{commit_probe, Machine};
+use crate::relay::probe::{histogram, quantile_ms};
 use crate::relay::latency::{commit_to_ack, wait_acked, write_paced, SCENARIOS, SETTLE};
 use crate::relay::live::LiveRelay;
-use crate::relay::probe::quantile_ms;
 use crate::relay::{met, Bench, Goal};
 
 /// Goal of the issue: the held phase's last-minute p99 at most this multiple of the clean one.
@@ -83,6 +83,11 @@ struct Phase {
     max_ms: f64,
     /// Events per second the writer achieved.
     achieved_rate: f64,
+    /// The relay's claims that started in the phase: per second, and their median and 99th
+    /// percentile duration (a claim that reads dead row versions takes longer).
+    claims_per_second: f64,
+    claim_p50_ms: f64,
+    claim_p99_ms: f64,
 }
 
 /// The whole run, as written to `--json`.
@@ -192,12 +197,22 @@ async fn run(
         .filter(|(_, at)| *at >= last_from)
         .copied()
         .collect();
+    let claim_log = relay.source.claim_log();
     let phase = |commits: &[(EventId, Instant)], achieved_rate| {
         let acks = commit_to_ack(&relay.transport, commits);
         let first = commits.iter().map(|c| c.1).min();
         let seconds = first.map_or(0.0, |f| {
             last_commit(commits).duration_since(f).as_secs_f64()
         });
+        let since_origin = |at: Instant| at.duration_since(origin).as_secs_f64() * 1e3;
+        let from_ms = first.map_or(f64::INFINITY, since_origin);
+        let to_ms = since_origin(last_commit(commits));
+        let mut claims = histogram();
+        for &(at_ms, took_ms, _) in &claim_log {
+            if (from_ms..=to_ms).contains(&at_ms) {
+                claims.saturating_record((took_ms * 1e3) as u64);
+            }
+        }
         Phase {
             seconds,
             committed: commits.len(),
@@ -206,6 +221,9 @@ async fn run(
             p99_ms: quantile_ms(&acks.latency, 0.99),
             max_ms: acks.latency.max() as f64 / 1000.0,
             achieved_rate,
+            claims_per_second: claims.len() as f64 / seconds.max(1e-9),
+            claim_p50_ms: quantile_ms(&claims, 0.5),
+            claim_p99_ms: quantile_ms(&claims, 0.99),
         }
     };
     let clean_phase = phase(&clean.commits, clean.achieved_rate);
@@ -305,22 +323,25 @@ async fn sample_every_second(
 
 fn print(results: &Results) {
     println!();
-    println!("| phase | seconds | events | achieved/s | p50 ms | p99 ms | max ms | missing |");
-    println!("|-------|--------:|-------:|-----------:|-------:|-------:|-------:|--------:|");
+    println!("| phase | seconds | events | achieved/s | p50 ms | p99 ms | max ms | missing | claims/s | claim p50 / p99 ms |");
+    println!("|-------|--------:|-------:|-----------:|-------:|-------:|-------:|--------:|---------:|-------------------:|");
     for (name, phase) in [
         ("clean", &results.clean),
         ("held (all)", &results.held),
         ("held (last minute)", &results.held_last_minute),
     ] {
         println!(
-            "| {name} | {:.0} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} |",
+            "| {name} | {:.0} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {:.0} | {:.2} / {:.2} |",
             phase.seconds,
             phase.committed,
             phase.achieved_rate,
             phase.p50_ms,
             phase.p99_ms,
             phase.max_ms,
-            phase.missing
+            phase.missing,
+            phase.claims_per_second,
+            phase.claim_p50_ms,
+            phase.claim_p99_ms,
         );
     }
     println!();
