@@ -114,22 +114,28 @@ async fn sweep_once(
 /// commit-to-broker latency at steady load (at most this, half of it on average).
 const BUSY_POLL: Duration = Duration::from_millis(5);
 
-/// While lingering, the pause between claims is at least this many times what a claim has lately
-/// taken ([`PollingSource::claim_cost`]), up to [`BUSY_POLL_MAX`].
+/// While lingering, the pause between claims is at least this share (in percent) of what the
+/// last claims took at the least ([`PollingSource::claim_costs`]), up to [`BUSY_POLL_MAX`].
 ///
 /// A claim's cost is mostly per statement, not per event: planning it alone takes about a
 /// millisecond. At a fixed 5 ms poll, a relay keeping up with writers that saturate the database
 /// spent close to half a core of PostgreSQL on its claims and marks, taken from the writers
-/// (`handoff-bench writers`). A claim that takes long is the sign of a busy database: the relay
-/// then polls less often, so its claims occupy at most half of a backend, and each claim
-/// carries more events for the same fixed cost. On a database with room to spare claims take a
-/// millisecond or two and the pause stays [`BUSY_POLL`].
+/// (`handoff-bench writers`: 0.67 of their throughput without a relay). Claims that are all
+/// slow are the sign of a busy database: the relay then polls less often, so its claims occupy
+/// at most half of a backend, and each claim carries more events for the same fixed cost (0.72
+/// and 0.75 at 8 and 16 writers). On a database with room to spare claims take a millisecond
+/// or two and the pause stays [`BUSY_POLL`].
 ///
-/// Twice the claim cost spared the writers more (0.75 and 0.79 of their throughput without a
-/// relay, against 0.72 and 0.72), but under a held xmin horizon, where claims are slow because
-/// they read dead row versions rather than because the database is busy, it doubled the
-/// commit-to-broker p99 (40.8 ms in the last minute against 16.3 ms clean).
-const BUSY_POLL_PER_CLAIM: u32 = 1;
+/// The least of the last few claims, not their mean, and once it, not more: under a held xmin
+/// horizon some claims are slow because they read dead row versions, not because the database
+/// is busy, and a longer pause there only adds latency. Paced by twice the mean, the
+/// commit-to-broker p99 of the last minute of a held horizon doubled (40.8 ms against 16.3 ms
+/// clean); by the mean, 1.8 and 2.3 times the clean one in two runs; by 1.5 times the least,
+/// 2.2 times; by the least, 1.95 times.
+const BUSY_POLL_PER_CLAIM_PERCENT: u32 = 100;
+
+/// How many of the last claims [`PollingSource::claim_costs`] keeps.
+const CLAIM_COSTS: usize = 4;
 
 /// The longest pause between claims while lingering, however long claims take: bounds what a
 /// busy database adds to commit-to-broker latency.
@@ -359,9 +365,9 @@ pub struct PollingSource {
     last_work: std::sync::Mutex<Option<Instant>>,
     /// Where the claims read the claim index from (see [`LOOKBACK`]).
     scan: std::sync::Mutex<ScanFrom>,
-    /// What claims have lately taken, start to end (a moving average): paces the polls while
-    /// lingering (see [`BUSY_POLL_PER_CLAIM`]).
-    claim_cost: std::sync::Mutex<Duration>,
+    /// What the last [`CLAIM_COSTS`] claims took, start to end, and where the next one goes:
+    /// paces the polls while lingering (see [`BUSY_POLL_PER_CLAIM_PERCENT`]).
+    claim_costs: std::sync::Mutex<([Duration; CLAIM_COSTS], usize)>,
 }
 
 struct Sql {
@@ -464,7 +470,7 @@ impl PollingSource {
             leases: std::sync::Mutex::new(HashMap::new()),
             last_work: std::sync::Mutex::new(None),
             scan: std::sync::Mutex::new(ScanFrom::default()),
-            claim_cost: std::sync::Mutex::new(Duration::ZERO),
+            claim_costs: std::sync::Mutex::new(([Duration::ZERO; CLAIM_COSTS], 0)),
         })
     }
 
@@ -561,18 +567,21 @@ impl PollingSource {
         Ok(())
     }
 
-    /// Folds one claim's duration into [`PollingSource::claim_cost`]: a quarter of the new
-    /// one, so one slow claim moves the pause only a little, a slow spell within a few claims.
+    /// Keeps one claim's duration in [`PollingSource::claim_costs`], in place of the oldest.
     fn record_claim_cost(&self, took: Duration) {
-        let mut cost = self.claim_cost.lock().unwrap_or_else(|e| e.into_inner());
-        *cost = (*cost * 3 + took) / 4;
+        let mut costs = self.claim_costs.lock().unwrap_or_else(|e| e.into_inner());
+        let (last, next) = &mut *costs;
+        last[*next] = took;
+        *next = (*next + 1) % CLAIM_COSTS;
     }
 
-    /// The pause between claims while lingering: [`BUSY_POLL`], or [`BUSY_POLL_PER_CLAIM`]
-    /// times the recent claim cost when that is longer, at most [`BUSY_POLL_MAX`].
+    /// The pause between claims while lingering: [`BUSY_POLL`], or
+    /// [`BUSY_POLL_PER_CLAIM_PERCENT`] of the quickest of the last claims when that is longer,
+    /// at most [`BUSY_POLL_MAX`].
     fn busy_poll(&self) -> Duration {
-        let cost = *self.claim_cost.lock().unwrap_or_else(|e| e.into_inner());
-        (cost * BUSY_POLL_PER_CLAIM).clamp(BUSY_POLL, BUSY_POLL_MAX)
+        let costs = self.claim_costs.lock().unwrap_or_else(|e| e.into_inner());
+        let quickest = costs.0.iter().min().copied().unwrap_or_default();
+        (quickest * BUSY_POLL_PER_CLAIM_PERCENT / 100).clamp(BUSY_POLL, BUSY_POLL_MAX)
     }
 
     /// Where this claim reads the claim index from: the start for the first claim (aggregate

@@ -21,9 +21,9 @@ use tokio::sync::watch;
 use super::{ratio, setup, BrokerArgs};
 use crate::harness::{ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine::{commit_probe, Machine};
-use crate::relay::probe::{histogram, quantile_ms};
 use crate::relay::latency::{commit_to_ack, wait_acked, write_paced, SCENARIOS, SETTLE};
 use crate::relay::live::LiveRelay;
+use crate::relay::probe::{histogram, quantile_ms};
 use crate::relay::{met, Bench, Goal};
 
 /// Goal of the issue: the held phase's last-minute p99 at most this multiple of the clean one.
