@@ -1156,6 +1156,38 @@ mod tests {
         assert_eq!(config.validate(), Ok(()));
     }
 
+    /// The pause between polls while lingering follows the quickest of the last claims: one
+    /// slow claim among quick ones (a claim reading dead row versions) does not lengthen it,
+    /// claims that are all slow (a busy database) do, up to its bound.
+    #[tokio::test]
+    async fn the_pause_between_polls_follows_the_quickest_of_the_last_claims() {
+        // Never connects: only the pacing is exercised.
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .unwrap();
+        let source = PollingSource::new(pool, PollingConfig::default()).unwrap();
+        let ms = Duration::from_millis;
+        assert_eq!(source.busy_poll(), BUSY_POLL, "no claim yet");
+
+        for took in [ms(2), ms(40), ms(3), ms(1)] {
+            source.record_claim_cost(took);
+        }
+        assert_eq!(source.busy_poll(), BUSY_POLL, "quick claims, one slow");
+
+        for took in [ms(9), ms(12), ms(8), ms(30)] {
+            source.record_claim_cost(took);
+        }
+        assert_eq!(source.busy_poll(), ms(8), "all slow: the quickest of them");
+
+        for took in [ms(60), ms(45), ms(90), ms(50)] {
+            source.record_claim_cost(took);
+        }
+        assert_eq!(source.busy_poll(), BUSY_POLL_MAX, "bounded");
+
+        source.record_claim_cost(ms(1));
+        assert_eq!(source.busy_poll(), BUSY_POLL, "one quick claim is enough");
+    }
+
     #[test]
     fn relay_ids_must_be_printable() {
         for bad in [String::new(), "a\nb".to_string(), "x".repeat(256)] {
