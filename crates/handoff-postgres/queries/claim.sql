@@ -2,8 +2,9 @@
 -- operator, instead, an event whose lease ran out unsettled more than $4 times (a crash loop);
 -- lease alone an event whose lease ran out unsettled $5 times or more (a suspect).
 --
--- One statement, so one short transaction: the row locks live only until it returns, and the
--- lease written into the rows is what keeps other relays off them afterwards.
+-- One statement, so one short transaction: the row locks (on the rows it leases, and the
+-- predecessors of those it parks) live only until it returns, and the lease written into the
+-- rows is what keeps other relays off them afterwards.
 --
 -- What is publishable: an aggregate's head, i.e. an available event whose predecessor is
 -- published (sequence 1 has none; a predecessor cleanup removed is at or below the aggregate's
@@ -34,12 +35,10 @@
 WITH front AS MATERIALIZED (
     -- The oldest claimable events on outbox_ready_idx, read from its front: available, not
     -- parked, not in the global lane (claim_global.sql's, published here in parallel lanes they
-    -- could overtake each other). Rows another claim holds right now are skipped. Each is a head
+    -- could overtake each other). Read, not locked (head locks what is leased). Each is a head
     -- (its predecessor is settled, below) or not; the ones that are not are parked by this
     -- claim (see park), so no later claim reads them again while they wait, and the scan
-    -- never walks a blocked backlog: it reads four times the batch (at least 64 rows, so that
-    -- a small batch still reaches past a few blocked rows in one claim, and rows waiting
-    -- behind events in flight, which are not parked, leave room for heads), whatever waits
+    -- never walks a blocked backlog: it reads at most four times the batch, whatever waits
     -- behind a held event.
     SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
            o.available_at, o.occurred_at, o.claimed_by, o.takeover_count,
@@ -77,18 +76,53 @@ WITH front AS MATERIALIZED (
       -- held xmin horizon keeps in the part already drained (PollingSource's LOOKBACK).
       AND o.available_at >= coalesce($6::timestamptz, '-infinity')
     ORDER BY o.available_at, o.occurred_at
-    LIMIT greatest(4 * $2, 64)
-    FOR UPDATE OF o SKIP LOCKED
+    -- $7 rows, as the previous claim found enough (next_front, below), or else four times the
+    -- batch; never more than four batches nor fewer than a batch and a quarter (the previous
+    -- claim may have had another batch size), and at least 64 rows, so that a small batch still
+    -- reaches past a few blocked rows in one claim, and rows waiting behind events in flight,
+    -- which are not parked, leave room for heads.
+    LIMIT greatest(least(coalesce($7::bigint, 4 * $2), 4 * $2), $2 + $2 / 4, 64)
 ),
 head AS MATERIALIZED (
-    -- The oldest $2 heads of the front: events waiting behind an unpublished predecessor do
-    -- not fill the batch, so a backlog of them never starves the heads that would unblock them.
-    SELECT f.event_id, f.aggregate_type, f.aggregate_id, f.aggregate_sequence,
-           f.available_at, f.occurred_at, f.claimed_by, f.takeover_count
-    FROM front f
-    WHERE f.is_head
+    -- The oldest $2 heads of the front, and the only front rows locked: events waiting behind
+    -- an unpublished predecessor do not fill the batch, so a backlog of them never starves the
+    -- heads that would unblock them.
+    --
+    -- The front is read without locks: locking it whole wrote a row lock into four rows for
+    -- every one leased. So a head another claim holds right now is skipped here, and one that
+    -- claim leased (or a mark published) since this statement's snapshot is re-read by the
+    -- lock and dropped by the conditions below. Ordered by the front's columns, the front
+    -- read in that order by primary key, and locked one by one until $2 are held: a relay
+    -- claiming beside another takes the next heads, not none.
+    SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
+           o.available_at, o.occurred_at, o.claimed_by, o.takeover_count, f.place
+    FROM (
+        -- place: the row's rank in the front, heads or not (see next_front). Ranked here, not
+        -- in front: a window there would have the planner join and sort every claimable row
+        -- before the LIMIT when it thinks the table small.
+        SELECT r.event_id, r.available_at, r.occurred_at, r.place
+        FROM (
+            SELECT f.event_id, f.available_at, f.occurred_at, f.is_head,
+                   row_number() OVER (ORDER BY f.available_at, f.occurred_at) AS place
+            FROM front f
+        ) r
+        WHERE r.is_head
+        ORDER BY r.available_at, r.occurred_at
+    ) f
+    JOIN {schema}outbox o ON o.event_id = f.event_id
+    -- Still claimable, as the lock re-reads the row. Written as a CASE so that it matches
+    -- neither outbox_ready_idx's nor outbox_pending_idx's predicate: the planner then reaches
+    -- each head by its primary key, in front order, and cannot choose to read the whole claim
+    -- index (every claimable row, and every dead version a held xmin horizon keeps) to join it
+    -- with the front, which it did for a small front.
+    WHERE CASE WHEN o.published_at IS NULL
+                    AND NOT o.blocked
+                    AND o.global_sequence IS NULL
+                    AND o.available_at <= now()
+               THEN true ELSE false END
     ORDER BY f.available_at, f.occurred_at
     LIMIT $2
+    FOR UPDATE OF o SKIP LOCKED
 ),
 run AS MATERIALIZED (
     -- When the heads leave room in the batch, the events right behind each head ride along in
@@ -211,25 +245,57 @@ park AS MATERIALIZED (
             AND NOT (p.claimed_by IS NOT NULL AND p.claim_until > now())
           FOR SHARE OF p SKIP LOCKED
       )
+      -- Behind a head of this front that the batch left out, a row stays too: the next claim
+      -- leases that head, and parking the row would add two row writes for nothing (a front
+      -- that spans two sequences of many aggregates parked a row in every dozen it leased).
+      AND NOT EXISTS (
+          SELECT 1
+          FROM front h
+          WHERE h.is_head
+            AND h.aggregate_type = f.aggregate_type
+            AND h.aggregate_id = f.aggregate_id
+            AND h.aggregate_sequence = f.aggregate_sequence - 1
+      )
 ),
 parked AS (
     -- Through an array, so park is read whole before any row is written: a row parked here
     -- cannot be locked again as the predecessor of the next one (a row this statement already
     -- updated cannot be locked by it), which would leave that one unparked.
+    --
+    -- The front was not locked, so the rows are locked here, skipping those another claim holds
+    -- (no claim waits on another), and a row another claim leased since this statement's
+    -- snapshot is re-read by the lock and left alone: parked in flight, it would stay parked
+    -- after its predecessor's mark.
     UPDATE {schema}outbox o
     SET blocked = true
-    WHERE o.event_id = ANY ((SELECT array_agg(park.event_id) FROM park)::uuid[])
+    WHERE o.event_id = ANY (ARRAY(
+        SELECT x.event_id
+        FROM {schema}outbox x
+        WHERE x.event_id = ANY ((SELECT array_agg(park.event_id) FROM park)::uuid[])
+          -- A CASE, by primary key (as in head).
+          AND CASE WHEN x.published_at IS NULL AND x.available_at <= now()
+                   THEN true ELSE false END
+        FOR UPDATE OF x SKIP LOCKED
+    ))
 ),
 hole AS (
     -- Front rows behind a hole (a predecessor never written): not parked, since no row can be
     -- locked against a writer filling the hole, but looked at again only a second later, so a
     -- front full of them cannot starve the heads behind it.
+    -- Locked as in parked: not a row another claim leased meanwhile (its lease would end early).
     UPDATE {schema}outbox o
     SET available_at = now() + interval '1 second'
-    FROM front f
-    WHERE o.event_id = f.event_id
-      AND NOT f.is_head
-      AND f.pred_missing
+    WHERE o.event_id = ANY (ARRAY(
+        SELECT x.event_id
+        FROM front f
+        JOIN {schema}outbox x ON x.event_id = f.event_id
+        WHERE NOT f.is_head
+          AND f.pred_missing
+          -- A CASE, by primary key (as in head).
+          AND CASE WHEN x.published_at IS NULL AND x.available_at <= now()
+                   THEN true ELSE false END
+        FOR UPDATE OF x SKIP LOCKED
+    ))
 ),
 leased AS (
     UPDATE {schema}outbox o
@@ -278,8 +344,21 @@ leased AS (
 -- behind it, claimable as soon as it is marked, lie where the previous front began); one row
 -- with no event when it leased nothing, so that the relay still learns all three (a claim that
 -- only parked tells it to claim again soon).
-SELECT l.*, c.parked, c.waiting, c.front_at
+--
+-- And next_front, the rows the relay's next claim reads ($7). When the heads filled the batch,
+-- the rows of the front behind the last head leased were read for nothing: four batches read
+-- to lease one, each row read and its predecessor probed four times over. So the next front is
+-- as deep as this one needed, a quarter more and 16 rows for rows that arrive out of order, at
+-- least 64 rows and at most four batches. Heads that did not fill the batch (rows waiting behind
+-- held or in-flight events, heads another relay held, or no more work) send the next claim back
+-- to four batches, which parks what can be parked and reaches the heads behind it.
+SELECT l.*, c.parked, c.waiting, c.front_at, c.next_front
 FROM (SELECT (SELECT count(*) FROM park) AS parked,
+             (SELECT CASE WHEN count(*) >= $2
+                          THEN least(greatest(max(h.place) * 5 / 4 + 16, 64), greatest(4 * $2, 64))
+                          ELSE greatest(4 * $2, 64)
+                     END
+              FROM head h) AS next_front,
              (SELECT count(*)
               FROM front f
               WHERE NOT f.is_head

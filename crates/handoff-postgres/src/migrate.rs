@@ -131,6 +131,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0014_mark_published_custom_plans.up.sql"),
         down: include_str!("../migrations/0014_mark_published_custom_plans.down.sql"),
     },
+    Migration {
+        version: 15,
+        name: "mark_frees_parked_by_index",
+        up: include_str!("../migrations/0015_mark_frees_parked_by_index.up.sql"),
+        down: include_str!("../migrations/0015_mark_frees_parked_by_index.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

@@ -13,8 +13,11 @@ use claims::{claimed, hold, mark_published};
 use handoff_core::delivery::Source;
 use handoff_postgres::{Migrator, PollingConfig, PollingSource, Quarantine, Schema};
 use handoff_test::{factory, TestDb};
+use sqlx::Row;
 
 const BATCH: usize = 100;
+
+const CLAIM_SQL: &str = include_str!("../queries/claim.sql");
 
 fn source(db: &TestDb) -> PollingSource {
     let config = PollingConfig {
@@ -81,7 +84,12 @@ async fn drain_all(relay: &PollingSource) -> Vec<(String, i64)> {
 /// What one claim of `BATCH` reads, run under EXPLAIN (ANALYZE, BUFFERS) in a transaction that
 /// is rolled back: the buffers it touched, and the rows its scan of outbox_ready_idx returned.
 async fn claim_cost(db: &TestDb) -> (i64, i64) {
-    let claim = include_str!("../queries/claim.sql").replace("{schema}", "");
+    claim_cost_with_front(db, None).await
+}
+
+/// As [`claim_cost`], with the front's depth the relay passes (`$7`; none: four batches).
+async fn claim_cost_with_front(db: &TestDb, front: Option<i64>) -> (i64, i64) {
+    let claim = CLAIM_SQL.replace("{schema}", "");
     let mut tx = db.pool.begin().await.unwrap();
     let plan: serde_json::Value =
         sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {claim}"))
@@ -92,6 +100,7 @@ async fn claim_cost(db: &TestDb) -> (i64, i64) {
             .bind(2_i32)
             // A full scan of the index, not only its last seconds: the tail is older.
             .bind(None::<chrono::DateTime<chrono::Utc>>)
+            .bind(front)
             .fetch_one(&mut *tx)
             .await
             .unwrap();
@@ -291,4 +300,109 @@ async fn a_database_of_the_previous_release_upgrades_with_its_held_and_pending_r
         .unwrap();
     let sequences: Vec<i64> = drain_all(&relay).await.iter().map(|(_, s)| *s).collect();
     assert_eq!(sequences, (1..=501).collect::<Vec<_>>());
+}
+
+/// Runs one claim of `BATCH` for relay `relay` with the front depth `front` and commits it:
+/// the events it leased and the `next_front` it returned.
+async fn claim_with_front(db: &TestDb, relay: &str, front: Option<i64>) -> (i64, i64) {
+    let rows = sqlx::query(&CLAIM_SQL.replace("{schema}", ""))
+        .bind(relay)
+        .bind(BATCH as i64)
+        .bind(30.0_f64)
+        .bind(5_i32)
+        .bind(2_i32)
+        .bind(None::<chrono::DateTime<chrono::Utc>>)
+        .bind(front)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let leased = rows
+        .iter()
+        .filter(|row| row.get::<Option<uuid::Uuid>, _>("event_id").is_some())
+        .count();
+    (leased as i64, rows[0].get("next_front"))
+}
+
+#[tokio::test]
+async fn a_claim_locks_only_what_it_leases_and_reads_the_front_the_last_one_needed() {
+    let (db, _outbox) = common::migrated("parking_front_depth").await;
+    // Forty batches of heads: one event for each of 40 × BATCH aggregates, analysed, so that
+    // the planner reads the front from the index (on a table it thinks tiny it reads it all).
+    sqlx::query(
+        "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_sequence,
+                             event_type, schema_version, payload)
+         SELECT gen_random_uuid(), $1, 'a-' || n, 1, $2, 1, '{}'
+         FROM generate_series(1, $3::bigint) n",
+    )
+    .bind(factory::AGGREGATE_TYPE)
+    .bind(factory::EVENT_TYPE)
+    .bind(40 * BATCH as i64)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!("VACUUM ANALYZE {}.outbox", db.schema()))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    // A relay's first claim reads four batches to lease one.
+    let (leased, next_front) = claim_with_front(&db, "relay-a", None).await;
+    assert_eq!(leased, BATCH as i64);
+
+    // It locked only the rows it leased: a front locked whole wrote a row lock into the three
+    // batches it read and left (their xmax names the claim).
+    let locked_not_leased: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE claimed_by IS NULL AND xmax::text <> '0'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(locked_not_leased, 0, "front rows locked but not leased");
+    // (Measured after that check: EXPLAIN ANALYZE runs the claim, in a transaction rolled back.)
+    let (_, first_rows) = claim_cost_with_front(&db, None).await;
+    assert_eq!(
+        first_rows,
+        4 * BATCH as i64,
+        "rows a front of four batches read"
+    );
+
+    // Its heads filled the batch from the first BATCH rows of its front, so the next claim
+    // reads that deep, a quarter more and 16 rows: not four batches.
+    assert_eq!(next_front, BATCH as i64 * 5 / 4 + 16);
+    let (_, next_rows) = claim_cost_with_front(&db, Some(next_front)).await;
+    assert_eq!(next_rows, next_front, "rows the next front read");
+    let (leased, _) = claim_with_front(&db, "relay-a", Some(next_front)).await;
+    assert_eq!(
+        leased, BATCH as i64,
+        "the shallower front still fills the batch"
+    );
+
+    // A second relay whose heads are held by another claim's locks leases the next ones: the
+    // front is read without locks, and the heads are locked one by one, skipping held ones.
+    let mut blocker = db.pool.begin().await.unwrap();
+    let held: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT event_id FROM outbox WHERE claimed_by IS NULL
+         ORDER BY available_at, occurred_at LIMIT $1 FOR UPDATE",
+    )
+    .bind(BATCH as i64)
+    .fetch_all(&mut *blocker)
+    .await
+    .unwrap();
+    assert_eq!(held.len(), BATCH);
+    let (leased, next_front) = claim_with_front(&db, "relay-b", None).await;
+    assert_eq!(leased, BATCH as i64, "a claim beside another's locks");
+    blocker.rollback().await.unwrap();
+    // Its heads were the second batch of its front, so the next front is two batches deep.
+    assert_eq!(next_front, 2 * BATCH as i64 * 5 / 4 + 16);
+    let (leased_total, held_leased): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE claimed_by IS NOT NULL),
+                count(*) FILTER (WHERE claimed_by IS NOT NULL AND event_id = ANY ($1))
+         FROM outbox",
+    )
+    .bind(&held)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(leased_total, 3 * BATCH as i64);
+    assert_eq!(held_leased, 0, "a row another transaction held was leased");
 }

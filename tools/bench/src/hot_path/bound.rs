@@ -46,6 +46,10 @@ pub struct BoundArgs {
     /// Leave out the peer (oxide-outbox, 8 managers with batches of 1,000).
     #[arg(long)]
     no_peer: bool,
+    /// Run only these variants (names as in the table, comma-separated), e.g. `sql_bound` to
+    /// measure a change of the claim or mark SQL alone; no ratio, goal or JSON is written then.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     #[command(flatten)]
     report: ReportArgs,
 }
@@ -95,6 +99,9 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             if !args.no_peer {
                 order.push(DrainVariant::Peer);
             }
+            if !args.only.is_empty() {
+                order.retain(|v| args.only.iter().any(|name| name == v.name()));
+            }
             if round % 2 == 0 {
                 order.reverse();
             }
@@ -125,6 +132,10 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             }
         }
         bench.delete_stream().await?;
+        if !args.only.is_empty() {
+            // The ratios and goals need every variant: a partial run reports its rounds only.
+            return Ok(());
+        }
         machine.commit_ms_at_end = commit_probe(&mut admin).await?;
 
         let median = |variant| {
