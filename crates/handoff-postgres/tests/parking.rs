@@ -81,6 +81,24 @@ async fn drain_all(relay: &PollingSource) -> Vec<(String, i64)> {
     published
 }
 
+/// Binds `claim.sql`'s parameters as the relay does for a claim of `BATCH` by `relay`, with the
+/// front depth `front` (`$7`; none: four batches).
+fn bind_claim<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    relay: &'q str,
+    front: Option<i64>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    query
+        .bind(relay)
+        .bind(BATCH as i64)
+        .bind(30.0_f64)
+        .bind(5_i32)
+        .bind(2_i32)
+        // A full scan of the index, not only its last seconds: the tail is older.
+        .bind(None::<chrono::DateTime<chrono::Utc>>)
+        .bind(front)
+}
+
 /// What one claim of `BATCH` reads, run under EXPLAIN (ANALYZE, BUFFERS) in a transaction that
 /// is rolled back: the buffers it touched, and the rows its scan of outbox_ready_idx returned.
 async fn claim_cost(db: &TestDb) -> (i64, i64) {
@@ -89,21 +107,16 @@ async fn claim_cost(db: &TestDb) -> (i64, i64) {
 
 /// As [`claim_cost`], with the front's depth the relay passes (`$7`; none: four batches).
 async fn claim_cost_with_front(db: &TestDb, front: Option<i64>) -> (i64, i64) {
-    let claim = CLAIM_SQL.replace("{schema}", "");
+    let explain = format!(
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
+        CLAIM_SQL.replace("{schema}", "")
+    );
     let mut tx = db.pool.begin().await.unwrap();
-    let plan: serde_json::Value =
-        sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {claim}"))
-            .bind("probe")
-            .bind(BATCH as i64)
-            .bind(30.0_f64)
-            .bind(5_i32)
-            .bind(2_i32)
-            // A full scan of the index, not only its last seconds: the tail is older.
-            .bind(None::<chrono::DateTime<chrono::Utc>>)
-            .bind(front)
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
+    let plan: serde_json::Value = bind_claim(sqlx::query(&explain), "probe", front)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap()
+        .get(0);
     tx.rollback().await.unwrap();
     let top = &plan[0]["Plan"];
     let buffers =
@@ -305,14 +318,8 @@ async fn a_database_of_the_previous_release_upgrades_with_its_held_and_pending_r
 /// Runs one claim of `BATCH` for relay `relay` with the front depth `front` and commits it:
 /// the events it leased and the `next_front` it returned.
 async fn claim_with_front(db: &TestDb, relay: &str, front: Option<i64>) -> (i64, i64) {
-    let rows = sqlx::query(&CLAIM_SQL.replace("{schema}", ""))
-        .bind(relay)
-        .bind(BATCH as i64)
-        .bind(30.0_f64)
-        .bind(5_i32)
-        .bind(2_i32)
-        .bind(None::<chrono::DateTime<chrono::Utc>>)
-        .bind(front)
+    let claim = CLAIM_SQL.replace("{schema}", "");
+    let rows = bind_claim(sqlx::query(&claim), relay, front)
         .fetch_all(&db.pool)
         .await
         .unwrap();
