@@ -179,9 +179,29 @@ impl Drop for TestDb {
             let runtime = tokio_runtime();
             runtime.block_on(async move {
                 if let Ok(mut conn) = PgConnection::connect_with(&options).await {
-                    let _ = sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+                    // A session the test left idle in a transaction (a handler's future
+                    // cancelled mid-transaction, its connection back in the test's pool, which
+                    // is still open here) keeps its locks in the schema, and the DROP waited
+                    // for it for ever. So the DROP waits 10 s at most; then the sessions holding
+                    // locks on the schema's relations are ended and the DROP runs again.
+                    let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
+                    let _ = sqlx::raw_sql("SET lock_timeout = '10s'")
                         .execute(&mut conn)
                         .await;
+                    if sqlx::raw_sql(&drop).execute(&mut conn).await.is_err() {
+                        let _ = sqlx::query(
+                            "SELECT pg_terminate_backend(l.pid)
+                             FROM pg_locks l
+                             JOIN pg_class c ON c.oid = l.relation
+                             JOIN pg_namespace n ON n.oid = c.relnamespace
+                             WHERE n.nspname = $1 AND l.pid <> pg_backend_pid()
+                             GROUP BY l.pid",
+                        )
+                        .bind(&schema)
+                        .execute(&mut conn)
+                        .await;
+                        let _ = sqlx::raw_sql(&drop).execute(&mut conn).await;
+                    }
                 }
             });
         })
