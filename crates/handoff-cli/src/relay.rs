@@ -501,27 +501,22 @@ async fn pooler_settings(settings: &mut Settings) -> Result<Option<PgPool>> {
     ))
 }
 
-/// How much longer than `--query-timeout` the server lets one of the relay's statements run.
-const SERVER_TIMEOUT_MARGIN: Duration = Duration::from_secs(1);
-
-/// The relay's pool, on a direct connection (or a session pooler), with a server-side
-/// `statement_timeout` a little above `--query-timeout`.
+/// The relay's pool, on a direct connection (or a session pooler), with the session settings
+/// of [`PollingConfig::session_options`](handoff_postgres::PollingConfig::session_options): a
+/// server-side `statement_timeout` a little above `--query-timeout`, and no JIT.
 ///
 /// Past the query timeout the relay closes the connection, but PostgreSQL notices only when it
 /// next writes to the socket: a slow claim would run on, holding the row locks of its front,
 /// while every retry skips those rows and reads further for it (docs/reliability.md). With the
 /// setting the server ends the statement a second after the relay stopped waiting. Through a
-/// transaction pooler there is no session to carry it: the pool is left as it is. (The pool is
-/// lazy and has opened no connection yet, so nothing is lost by replacing it.)
+/// transaction pooler there is no session to carry them: the pool is left as it is, and the
+/// source sets `jit` in each claim's transaction. (The pool is lazy and has opened no
+/// connection yet, so nothing is lost by replacing it.)
 fn server_bounded(pool: PgPool, settings: &Settings) -> PgPool {
     if settings.polling.pooling != Pooling::Session {
         return pool;
     }
-    let bound = settings.polling.query_timeout + SERVER_TIMEOUT_MARGIN;
-    let options = settings
-        .database
-        .clone()
-        .options([("statement_timeout", format!("{}ms", bound.as_millis()))]);
+    let options = settings.polling.session_options(settings.database.clone());
     PgPoolOptions::new()
         .max_connections(pool.options().get_max_connections())
         .acquire_timeout(pool.options().get_acquire_timeout())

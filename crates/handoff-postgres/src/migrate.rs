@@ -137,6 +137,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0015_mark_frees_parked_by_index.up.sql"),
         down: include_str!("../migrations/0015_mark_frees_parked_by_index.down.sql"),
     },
+    Migration {
+        version: 16,
+        name: "relay_without_jit",
+        up: include_str!("../migrations/0016_relay_without_jit.up.sql"),
+        down: include_str!("../migrations/0016_relay_without_jit.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

@@ -11,7 +11,7 @@ use handoff_core::delivery::{
 };
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgListener, PgPool, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgRow};
 use sqlx::{Postgres, Row};
 use tokio::sync::Mutex;
 use tokio::time::error::Elapsed;
@@ -322,7 +322,51 @@ impl PollingConfig {
         }
         Ok(())
     }
+
+    /// `options` with the session settings a relay's connections should carry, for a pool
+    /// that reaches PostgreSQL directly or through a pooler in session mode:
+    ///
+    /// - `statement_timeout` a second above [`query_timeout`](Self::query_timeout). Past the
+    ///   query timeout the relay closes the connection, but PostgreSQL notices only when it
+    ///   next writes to the socket; without the setting a slow claim would run on, holding the
+    ///   row locks it took, while every retry read around them.
+    /// - `jit = off`. The planner's cost estimate of a claim grows with the table (about
+    ///   131,000 for a batch of 500 on an outbox of a million rows, past the default
+    ///   `jit_above_cost` of 100,000), and then every claim spent 100 to 170 ms compiling
+    ///   itself to machine code before a 30 ms run. A batch read by index gains nothing from
+    ///   JIT. (The mark is a function that carries the setting itself, migration 0016.)
+    ///
+    /// A transaction pooler refuses these startup options: under [`Pooling::Transaction`]
+    /// leave the options as they are; the source then sets `jit` for each claim's own
+    /// transaction.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use handoff_postgres::PollingConfig;
+    /// use sqlx::postgres::PgConnectOptions;
+    ///
+    /// let config = PollingConfig::default();
+    /// let options = config.session_options("postgres://localhost/app".parse::<PgConnectOptions>()?);
+    /// // PgPoolOptions::new().connect_lazy_with(options), then PollingSource::new(pool, config).
+    /// # Ok::<(), sqlx::Error>(())
+    /// ```
+    pub fn session_options(&self, options: PgConnectOptions) -> PgConnectOptions {
+        let timeout = self.query_timeout + SERVER_TIMEOUT_MARGIN;
+        options.options([
+            ("statement_timeout", format!("{}ms", timeout.as_millis())),
+            ("jit", "off".to_owned()),
+        ])
+    }
 }
+
+/// How much longer than [`PollingConfig::query_timeout`] the server lets one of the relay's
+/// statements run ([`PollingConfig::session_options`]).
+const SERVER_TIMEOUT_MARGIN: Duration = Duration::from_secs(1);
+
+/// Turns JIT off for the rest of the transaction, where a pooler leaves no session to carry the
+/// setting ([`PollingConfig::session_options`] says why).
+const CLAIM_WITHOUT_JIT: &str = "SET LOCAL jit = off";
 
 /// Committed outbox rows as a relay [`Source`]: claims lease rows with `FOR UPDATE SKIP LOCKED`
 /// in one short statement each, acknowledgements set `published_at`, and LISTEN/NOTIFY wakes an
@@ -811,6 +855,12 @@ impl Source for PollingSource {
         let mut conn = self.connection(what).await?;
         let query = async {
             let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            if self.config.pooling == Pooling::Transaction {
+                sqlx::query(CLAIM_WITHOUT_JIT)
+                    .persistent(false)
+                    .execute(scope.conn())
+                    .await?;
+            }
             let query = sqlx::query(&self.sql.claim)
                 .persistent(false)
                 .bind(&self.config.relay_id)

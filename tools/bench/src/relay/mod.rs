@@ -18,6 +18,7 @@ use anyhow::{Context, Result};
 use handoff_core::delivery::OutboxEvent;
 use handoff_nats::async_nats::jetstream;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
+use handoff_postgres::PollingConfig;
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, PgConnection};
@@ -150,17 +151,16 @@ impl Bench {
         }
     }
 
-    /// A pool for one relay (or one bound), as `handoff relay` sizes it. Its sessions carry
-    /// the application name [`cpu::RELAY_APPLICATION`], so that [`cpu::share`] tells their CPU
-    /// from the writers'.
+    /// A pool for one relay (or one bound), as `handoff relay` sizes it and with its session
+    /// settings ([`PollingConfig::session_options`]). Its sessions carry the application name
+    /// [`cpu::RELAY_APPLICATION`], so that [`cpu::share`] tells their CPU from the writers'.
     pub async fn pool(&self) -> Result<PgPool> {
+        let options = PollingConfig::default()
+            .session_options(self.options.clone())
+            .application_name(cpu::RELAY_APPLICATION);
         Ok(PgPoolOptions::new()
             .max_connections(POOL_CONNECTIONS)
-            .connect_with(
-                self.options
-                    .clone()
-                    .application_name(cpu::RELAY_APPLICATION),
-            )
+            .connect_with(options)
             .await?)
     }
 

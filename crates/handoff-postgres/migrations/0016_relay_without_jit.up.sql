@@ -1,0 +1,15 @@
+-- handoff 0016: the relay's mark is never JIT-compiled.
+--
+-- PostgreSQL compiles a statement to machine code (JIT) when the planner's cost estimate
+-- passes jit_above_cost (100,000 by default). The estimate grows with the table: the claim
+-- of 500 events costs about 46,000 on an outbox of 20,000 rows and 131,000 on one of a
+-- million, whatever it actually reads. Past the threshold each call spent 100 to 170 ms in
+-- LLVM (half the backend's CPU in a profile) on a statement that runs in 30 ms: the slowest
+-- claim of handoff-bench blocked-backlog with a million events held, every call, not a
+-- one-off, since the relay plans its statements per call. A statement that reads a batch by
+-- index has nothing for JIT to speed up.
+--
+-- The relay's sessions turn JIT off for its claim (PollingConfig::session_options, or SET
+-- LOCAL behind a transaction pooler, docs/relay.md). The mark is a function, so the setting
+-- goes on the function, where it holds on any connection, pooled or not.
+ALTER FUNCTION handoff_mark_published(uuid[], text[]) SET jit = off;

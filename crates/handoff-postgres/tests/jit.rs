@@ -1,0 +1,209 @@
+//! The relay's statements are never JIT-compiled (migration 0016,
+//! `PollingConfig::session_options`), against the real PostgreSQL.
+//!
+//! PostgreSQL JIT-compiles a statement whose estimated cost passes `jit_above_cost`; a claim's
+//! estimate grows with the table, and on a million-row outbox each claim spent 100 to 170 ms in
+//! LLVM before a 30 ms run. Here every session sets `jit_above_cost = 0`, so that any statement
+//! allowed JIT is compiled, and loads `auto_explain`, which sends each statement's plan to the
+//! client as a notice; the plan has a `JIT:` section when the statement was compiled. The
+//! control (a session with none of the relay's settings) shows that the section does appear.
+
+use std::sync::{Arc, Mutex};
+
+use handoff_core::delivery::{Published, Receipt, Source};
+use handoff_postgres::{PollingConfig, PollingSource, Pooling, Schema};
+use handoff_test::TestDb;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tracing::field::{Field, Visit};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::Layer;
+
+/// The notices PostgreSQL sent to the test's connections (sqlx reports each as a `tracing`
+/// event of target `sqlx::postgres::notice`).
+#[derive(Clone, Default)]
+struct Notices(Arc<Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> Layer<S> for Notices {
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        if event.metadata().target() == "sqlx::postgres::notice" {
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            self.0.lock().unwrap().push(message.0);
+        }
+    }
+}
+
+struct Message(String);
+
+impl Visit for Message {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message" {
+            self.0 = value.to_owned();
+        }
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl Notices {
+    /// The plans of the statements whose text contains `marker`, taken out of the list.
+    fn plans_of(&self, marker: &str) -> Vec<String> {
+        let mut notices = self.0.lock().unwrap();
+        let plans = notices
+            .iter()
+            .filter(|n| n.contains(marker))
+            .cloned()
+            .collect();
+        notices.clear();
+        plans
+    }
+}
+
+/// `options` for a session that compiles every statement it may (`jit_above_cost = 0`) and
+/// sends every plan, nested statements included, to the client.
+fn observed(options: PgConnectOptions) -> PgConnectOptions {
+    options.options([
+        ("jit_above_cost", "0"),
+        ("session_preload_libraries", "auto_explain"),
+        ("auto_explain.log_min_duration", "0"),
+        ("auto_explain.log_nested_statements", "on"),
+        ("auto_explain.log_level", "notice"),
+    ])
+}
+
+/// One claim and one mark by a source on sessions made with `options` and `pooling`: the plans
+/// of the claim, then of the mark's statements.
+async fn claim_and_mark(
+    db: &TestDb,
+    notices: &Notices,
+    options: PgConnectOptions,
+    pooling: Pooling,
+) -> (Vec<String>, Vec<String>) {
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let config = PollingConfig {
+        schema: Schema::named(db.schema()).unwrap(),
+        relay_id: "relay-jit".into(),
+        pooling,
+        ..PollingConfig::default()
+    };
+    let source = PollingSource::new(pool.clone(), config).unwrap();
+    notices.plans_of("");
+    let claim = source.claim(10).await.unwrap();
+    assert!(!claim.events.is_empty(), "the claim leased nothing");
+    // The claim's own text (claim.sql's last SELECT).
+    let claim_plans = notices.plans_of("next_front");
+    let acks: Vec<Published> = claim
+        .events
+        .iter()
+        .map(|e| Published {
+            event_id: e.event_id,
+            receipt: Receipt::new("test ack"),
+        })
+        .collect();
+    source.mark_published(&acks).await.unwrap();
+    // The mark's first statement, run inside handoff_mark_published.
+    let mark_plans = notices.plans_of("delivery_receipt = acked.receipt");
+    pool.close().await;
+    (claim_plans, mark_plans)
+}
+
+async fn enqueue(db: &TestDb, events: i64) {
+    sqlx::query(
+        "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_sequence,
+                             event_type, schema_version, payload)
+         SELECT gen_random_uuid(), 'order', 'o-' || i, 1, 'OrderCreated', 1, '{}'
+         FROM generate_series(1, $1) AS i",
+    )
+    .bind(events)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+fn compiled(plans: &[String]) -> bool {
+    plans.iter().any(|plan| plan.contains("JIT:"))
+}
+
+#[tokio::test]
+async fn the_relays_claim_and_mark_are_never_jit_compiled_however_costly_the_planner_thinks_them() {
+    let notices = Notices::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(notices.clone()));
+    let db = TestDb::migrated("jit").await;
+    let available: bool = sqlx::query_scalar("SELECT pg_jit_available()")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(available, "this PostgreSQL has no JIT provider (llvmjit)");
+    enqueue(&db, 30).await;
+
+    // The control: a session with PostgreSQL's defaults compiles the claim. (The mark is
+    // exempt by migration 0016 everywhere, so it shows no section here either.)
+    let (claim, mark) = claim_and_mark(
+        &db,
+        &notices,
+        observed(db.connect_options()),
+        Pooling::Session,
+    )
+    .await;
+    assert_eq!(claim.len(), 1, "one plan of the claim: {claim:?}");
+    assert!(
+        compiled(&claim),
+        "the control claim was not compiled: {claim:?}"
+    );
+    assert!(!mark.is_empty(), "no plan of the mark's statement");
+    assert!(!compiled(&mark), "the mark was JIT-compiled: {mark:?}");
+
+    // The relay's own sessions.
+    let config = PollingConfig::default();
+    let options = observed(config.session_options(db.connect_options()));
+    let (claim, mark) = claim_and_mark(&db, &notices, options, Pooling::Session).await;
+    assert_eq!(claim.len(), 1, "one plan of the claim: {claim:?}");
+    assert!(!compiled(&claim), "the claim was JIT-compiled: {claim:?}");
+    assert!(!mark.is_empty() && !compiled(&mark), "{mark:?}");
+
+    // Behind a transaction pooler, with no session settings: the claim's transaction sets it.
+    let (claim, mark) = claim_and_mark(
+        &db,
+        &notices,
+        observed(db.connect_options()),
+        Pooling::Transaction,
+    )
+    .await;
+    assert_eq!(claim.len(), 1, "one plan of the claim: {claim:?}");
+    assert!(!compiled(&claim), "the claim was JIT-compiled: {claim:?}");
+    assert!(!mark.is_empty() && !compiled(&mark), "{mark:?}");
+}
+
+#[tokio::test]
+async fn relay_sessions_end_statements_a_second_after_the_query_timeout() {
+    let db = TestDb::new("session_options").await;
+    let config = PollingConfig {
+        query_timeout: std::time::Duration::from_millis(2500),
+        ..PollingConfig::default()
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(config.session_options(db.connect_options()))
+        .await
+        .unwrap();
+    let (timeout, jit, search_path): (String, String, String) = sqlx::query_as(
+        "SELECT current_setting('statement_timeout'), current_setting('jit'),
+                current_setting('search_path')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(timeout, "3500ms");
+    assert_eq!(jit, "off");
+    // The options given are kept (here the test's schema).
+    assert_eq!(search_path, db.schema());
+}
