@@ -324,3 +324,69 @@ async fn a_busy_aggregate_moves_a_whole_run_per_claim_in_order() {
         .events
         .is_empty());
 }
+
+/// A claim reads only half a second below where the previous claim's front began (cheap under
+/// a held xmin horizon); a row that commits further back, as one whose writer kept its
+/// transaction open for 1.5 s, is found by the deep claim that reads 2 s back every 250 ms.
+/// Not by the sweep: it works below those 2 s, so without the deep claims this row would wait
+/// for ever (its front stays where it was while nothing else arrives).
+#[tokio::test]
+async fn a_row_whose_writer_kept_its_transaction_open_past_the_front_is_claimed_soon() {
+    let (db, outbox) = common::migrated("source_deep_lookback").await;
+    let relay = source(&db, "relay-deep");
+    enqueue(&db, &outbox, &["front"], 1).await;
+    // Where the claim's front begins (the lease then moves the row's available_at).
+    let front_at: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT available_at FROM outbox WHERE aggregate_id = 'front'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let front = relay.claim(10).await.unwrap();
+    assert_eq!(sequences_of(&front.events, "front"), vec![1]);
+    let acks: Vec<Published> = front
+        .events
+        .iter()
+        .map(|e| Published {
+            event_id: e.event_id,
+            receipt: Receipt::new("test ack"),
+        })
+        .collect();
+    relay.mark_published(&acks).await.unwrap();
+    // Claims of an empty outbox: the deep one due first among them is spent here.
+    for _ in 0..3 {
+        assert!(relay.claim(10).await.unwrap().events.is_empty());
+    }
+
+    // Committed now, available from 1.5 s before the front began: its writer's transaction
+    // started then (the column's default is the transaction's start).
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event("late", 0)])
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE outbox SET available_at = $1 - interval '1.5 seconds',
+                           occurred_at = $1 - interval '1.5 seconds'
+         WHERE aggregate_id = 'late'",
+    )
+    .bind(front_at)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    // Polled as the relay polls, for well under the sweep's 10 s.
+    let started = Instant::now();
+    let late = loop {
+        let claim = relay.claim(10).await.unwrap();
+        if !claim.events.is_empty() {
+            break claim;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the row 1.5 s behind the front was not claimed within 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(sequences_of(&late.events, "late"), vec![1]);
+}
