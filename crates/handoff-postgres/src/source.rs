@@ -12,7 +12,7 @@ use handoff_core::delivery::{
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgRow};
-use sqlx::{Acquire, Postgres, Row};
+use sqlx::{Postgres, Row};
 use tokio::sync::Mutex;
 use tokio::time::error::Elapsed;
 
@@ -89,36 +89,53 @@ const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// the front; a sweep that does not finish is tried again at the next one.
 const SWEEP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The server's side of [`SWEEP_TIMEOUT`], for the sweep's transaction alone (the relay's
-/// sessions carry a shorter `statement_timeout`, [`PollingConfig::session_options`]).
-const SWEEP_STATEMENT_TIMEOUT: &str = "SET LOCAL statement_timeout = '60s'";
+/// The server's side of [`SWEEP_TIMEOUT`] on a session the relay gave a shorter
+/// `statement_timeout` ([`PollingConfig::session_options`]); reset after the sweep.
+const SWEEP_STATEMENT_TIMEOUT: &str = "SET statement_timeout = '60s'";
+
+/// Back to the session's own `statement_timeout`: the one its startup options set.
+const SWEEP_STATEMENT_TIMEOUT_RESET: &str = "RESET statement_timeout";
 
 /// One sweep (`queries/sweep_stragglers.sql`) below `from`; how many events it made available.
 ///
-/// In a transaction of its own, whatever the pooling, so that the longer timeout lasts for the
-/// sweep alone and the connection goes back to the pool as it came. (It used to set the
-/// session's timeout and close the connection afterwards: every [`SWEEP_EVERY`] the relay then
-/// opened a new backend, whose first claims paid its connection and catalog loads.) Dropped
-/// half-way, the transaction is not left open: the only drop is [`SWEEP_TIMEOUT`]'s, which
-/// closes the connection.
+/// Each statement in autocommit, as every relay statement: a spawned task that stops half-way
+/// (its runtime shut down) must not leave a transaction open that only it could end. On a
+/// session of its own (`pooling` Session) the sweep lifts the session's timeout to
+/// [`SWEEP_TIMEOUT`] and resets it afterwards, so the connection goes back to the pool as it
+/// came. (It used to be closed instead: every [`SWEEP_EVERY`] the relay then opened a new
+/// backend, whose first claims paid for its catalog loads.) A sweep that fails half-way closes
+/// its connection, whose timeout is then unknown. Through a transaction pooler, which keeps no
+/// session settings, the sweep is one statement in a transaction of its own.
 async fn sweep_once(
     conn: &mut PoolConnection<Postgres>,
+    pooling: Pooling,
     sql: &str,
     from: DateTime<Utc>,
 ) -> Result<u64, sqlx::Error> {
-    let mut tx = conn.begin().await?;
-    sqlx::query(SWEEP_STATEMENT_TIMEOUT)
-        .persistent(false)
-        .execute(&mut *tx)
-        .await?;
-    let swept = sqlx::query(sql)
-        .persistent(false)
-        .bind(from)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-    tx.commit().await?;
-    Ok(swept)
+    let sweep = sqlx::query(sql).persistent(false).bind(from);
+    if pooling == Pooling::Transaction {
+        let mut scope = Scoped::begin(conn, pooling).await?;
+        let swept = sweep.execute(scope.conn()).await?.rows_affected();
+        scope.finish().await?;
+        return Ok(swept);
+    }
+    let outcome = async {
+        sqlx::query(SWEEP_STATEMENT_TIMEOUT)
+            .persistent(false)
+            .execute(&mut **conn)
+            .await?;
+        let swept = sweep.execute(&mut **conn).await?.rows_affected();
+        sqlx::query(SWEEP_STATEMENT_TIMEOUT_RESET)
+            .persistent(false)
+            .execute(&mut **conn)
+            .await?;
+        Ok(swept)
+    }
+    .await;
+    if outcome.is_err() {
+        conn.close_on_drop();
+    }
+    outcome
 }
 
 /// The poll interval while lingering, as long as claims are quick: what it adds to
@@ -661,10 +678,11 @@ impl PollingSource {
             let sweeping = Arc::clone(&scan.sweeping);
             let pool = self.pool.clone();
             let sql = Arc::clone(&self.sql.sweep_stragglers);
+            let pooling = self.config.pooling;
             tokio::spawn(async move {
                 match pool.acquire().await {
                     Ok(mut conn) => {
-                        let sweep = sweep_once(&mut conn, &sql, from);
+                        let sweep = sweep_once(&mut conn, pooling, &sql, from);
                         match tokio::time::timeout(SWEEP_TIMEOUT, sweep).await {
                             Ok(Ok(0)) => {}
                             Ok(Ok(swept)) => {
