@@ -95,6 +95,7 @@ async fn claim_and_mark(
         ..PollingConfig::default()
     };
     let source = PollingSource::new(pool.clone(), config).unwrap();
+    // Drops what connecting sent, so that only this claim and mark are looked at.
     notices.plans_of("");
     let claim = source.claim(10).await.unwrap();
     assert!(!claim.events.is_empty(), "the claim leased nothing");

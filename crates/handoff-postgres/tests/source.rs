@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use handoff_core::delivery::{Failure, Published, Receipt, Source};
 use handoff_postgres::{Outbox, PollingConfig, PollingSource, Schema};
-use handoff_test::{factory, TestDb};
+use handoff_test::{eventually, factory, TestDb};
 
 fn source(db: &TestDb, relay_id: &str) -> PollingSource {
     let config = PollingConfig {
@@ -373,17 +373,14 @@ async fn a_row_whose_writer_kept_its_transaction_open_past_the_front_is_claimed_
     tx.commit().await.unwrap();
 
     // Polled as the relay polls, for well under the sweep's 10 s.
-    let started = Instant::now();
-    let late = loop {
-        let claim = relay.claim(10).await.unwrap();
-        if !claim.events.is_empty() {
-            break claim;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the row 1.5 s behind the front was not claimed within 5 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let late = eventually(
+        "the row 1.5 s behind the front claimed",
+        Duration::from_secs(5),
+        async || {
+            let claim = relay.claim(10).await.unwrap();
+            (!claim.events.is_empty()).then_some(claim)
+        },
+    )
+    .await;
     assert_eq!(sequences_of(&late.events, "late"), vec![1]);
 }
