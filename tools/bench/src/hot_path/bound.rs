@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::Result;
 use serde::Serialize;
 
+use super::candidates::{self, Candidate};
 use super::{peer, ratio, setup, BrokerArgs};
 use crate::harness::{median_run, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine::{commit_probe, Machine};
@@ -46,6 +47,12 @@ pub struct BoundArgs {
     /// Leave out the peer (oxide-outbox, 8 managers with batches of 1,000).
     #[arg(long)]
     no_peer: bool,
+    /// Also drain with the lease candidates' SQL (`sql_row_lease`, `sql_async_claim`,
+    /// `sql_lock_lease`, and the row and lock leases with two claim loops, `sql_row_lease_x2`,
+    /// `sql_lock_lease_x2`; see docs/relay.md, What was weighed), and report each against the
+    /// control and the peer.
+    #[arg(long)]
+    candidates: bool,
     /// Run only these variants (names as in the table, comma-separated), e.g. `sql_bound` to
     /// measure a change of the claim or mark SQL alone; no ratio, goal or JSON is written then.
     #[arg(long, value_delimiter = ',')]
@@ -74,6 +81,20 @@ struct Results {
     peer: Option<f64>,
     /// The goal against the peer (none with `--no-peer`).
     peer_goal: Option<Goal>,
+    /// With `--candidates`: each lease candidate's median rate against the control's
+    /// (`sql_row_lease`) and the peer's.
+    candidates: Vec<CandidateFigure>,
+}
+
+/// A lease candidate's median drain, as ratios.
+#[derive(Serialize)]
+struct CandidateFigure {
+    variant: DrainVariant,
+    rows_per_second: f64,
+    /// Over `sql_row_lease`, today's SQL in the same loop.
+    over_row_lease: f64,
+    /// Over the peer's best tuning (none with `--no-peer`).
+    over_peer: Option<f64>,
 }
 
 /// Runs the variants (the peer too, unless `--no-peer`) `--rounds` times, prints the table,
@@ -99,6 +120,13 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             if !args.no_peer {
                 order.push(DrainVariant::Peer);
             }
+            let named = |v: &DrainVariant| args.only.iter().any(|name| name == v.name());
+            order.extend(
+                Candidate::MEASURED
+                    .into_iter()
+                    .map(|(candidate, loops)| candidate.variant(loops))
+                    .filter(|v| args.candidates || named(v)),
+            );
             if !args.only.is_empty() {
                 order.retain(|v| args.only.iter().any(|name| name == v.name()));
             }
@@ -106,13 +134,19 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
                 order.reverse();
             }
             for variant in order {
-                let run = match variant {
-                    DrainVariant::SqlBound => drain::sql_bound(&bench, &mut admin, round).await?,
-                    DrainVariant::JetStreamBound => {
-                        drain::jetstream(&bench, &mut admin, round, OUTSTANDING, None).await?
+                let run = if let Some((candidate, loops)) = Candidate::of(variant) {
+                    candidates::drain(&bench, &mut admin, round, candidate, loops).await?
+                } else {
+                    match variant {
+                        DrainVariant::SqlBound => {
+                            drain::sql_bound(&bench, &mut admin, round).await?
+                        }
+                        DrainVariant::JetStreamBound => {
+                            drain::jetstream(&bench, &mut admin, round, OUTSTANDING, None).await?
+                        }
+                        DrainVariant::Peer => peer::drain(&bench, &mut admin, round).await?,
+                        _ => drain::relays(&bench, &mut admin, round, 1).await?,
                     }
-                    DrainVariant::Peer => peer::drain(&bench, &mut admin, round).await?,
-                    _ => drain::relays(&bench, &mut admin, round, 1).await?,
                 };
                 eprintln!(
                     "  round {round} {}: {} events in {:.2} s = {:.0} rows/s{}",
@@ -172,6 +206,24 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             }
         });
         let peer_check = peer.as_ref().and_then(|p| p.check.clone());
+        let mut candidate_runs = Vec::new();
+        let mut candidate_figures = Vec::new();
+        if args.candidates {
+            let control = median(DrainVariant::SqlRowLease);
+            for (candidate, loops) in Candidate::MEASURED {
+                candidate_runs.push(median(candidate.variant(loops)));
+            }
+            for run in &candidate_runs {
+                candidate_figures.push(CandidateFigure {
+                    variant: run.variant,
+                    rows_per_second: run.rows_per_second,
+                    over_row_lease: ratio(run.rows_per_second, control.rows_per_second),
+                    over_peer: peer
+                        .as_ref()
+                        .map(|p| ratio(run.rows_per_second, p.rows_per_second)),
+                });
+            }
+        }
         let results = Results {
             machine,
             workload,
@@ -183,9 +235,11 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             goal,
             peer: peer_goal.as_ref().map(|g| g.value),
             peer_goal,
+            candidates: candidate_figures,
             drain: [Some(sql), Some(js), Some(relay), peer]
                 .into_iter()
                 .flatten()
+                .chain(candidate_runs)
                 .collect(),
             drain_rounds: rounds,
         };
@@ -225,6 +279,18 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
                 met(goal.met)
             ),
             _ => println!("oxide-outbox's best tuning: not measured (--no-peer)"),
+        }
+        for figure in &results.candidates {
+            println!(
+                "lease candidate {}: {:.0} rows/s, {:.2}x sql_row_lease{}",
+                figure.variant.name(),
+                figure.rows_per_second,
+                figure.over_row_lease,
+                figure
+                    .over_peer
+                    .map(|p| format!(", {p:.2}x the peer"))
+                    .unwrap_or_default()
+            );
         }
         args.report.write(&results)
     })

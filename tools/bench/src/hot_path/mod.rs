@@ -11,6 +11,7 @@
 //! - [`bound`] (`handoff-bench drain-bound`): one relay's drain against the plain claim+mark
 //!   SQL bound and the JetStream async-publish bound, and against the peer, oxide-outbox
 //!   ([`peer`]), at its best tuning.
+//!   With `--candidates`, also the lease designs weighed for the relay ([`candidates`]).
 //!
 //! Every piece is the relay bench's ([`crate::relay`]): its backlog, drains, probes, paced writer
 //! and running relay; these modules only arrange them.
@@ -28,6 +29,7 @@ use crate::relay::Bench;
 
 pub(crate) mod blocked;
 pub(crate) mod bound;
+pub(crate) mod candidates;
 pub(crate) mod peer;
 pub(crate) mod writers;
 pub(crate) mod xmin;

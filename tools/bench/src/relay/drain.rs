@@ -53,6 +53,22 @@ pub enum DrainVariant {
     /// publish+ack per event ([`crate::hot_path::peer`]).
     #[serde(rename = "oxide_outbox_8x1000")]
     Peer,
+    /// drain-bound's control for the lease candidates: the SQL bound's claim and mark, in the
+    /// candidates' loop ([`crate::hot_path::candidates`]).
+    #[serde(rename = "sql_row_lease")]
+    SqlRowLease,
+    /// The same statements, the claim committed with `synchronous_commit = off`.
+    #[serde(rename = "sql_async_claim")]
+    SqlAsyncClaim,
+    /// The claim's row locks, held in its open transaction, as the lease; the mark in it.
+    #[serde(rename = "sql_lock_lease")]
+    SqlLockLease,
+    /// `sql_row_lease` with two claim loops at once.
+    #[serde(rename = "sql_row_lease_x2")]
+    SqlRowLease2,
+    /// `sql_lock_lease` with two claim loops at once.
+    #[serde(rename = "sql_lock_lease_x2")]
+    SqlLockLease2,
 }
 
 impl DrainVariant {
@@ -66,6 +82,11 @@ impl DrainVariant {
             DrainVariant::Relay1 => "relay_1",
             DrainVariant::Relay2 => "relay_2",
             DrainVariant::Peer => "oxide_outbox_8x1000",
+            DrainVariant::SqlRowLease => "sql_row_lease",
+            DrainVariant::SqlAsyncClaim => "sql_async_claim",
+            DrainVariant::SqlLockLease => "sql_lock_lease",
+            DrainVariant::SqlRowLease2 => "sql_row_lease_x2",
+            DrainVariant::SqlLockLease2 => "sql_lock_lease_x2",
         }
     }
 }

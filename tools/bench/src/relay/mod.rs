@@ -338,8 +338,15 @@ async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) ->
                 }
                 DrainVariant::Relay1 => drain::relays(&bench, &mut admin, round, 1).await?,
                 DrainVariant::Relay2 => drain::relays(&bench, &mut admin, round, 2).await?,
-                // drain-bound's peer: not among this bench's variants.
+                // drain-bound's peer and lease candidates: not among this bench's variants.
                 DrainVariant::Peer => peer::drain(&bench, &mut admin, round).await?,
+                DrainVariant::SqlRowLease
+                | DrainVariant::SqlAsyncClaim
+                | DrainVariant::SqlLockLease
+                | DrainVariant::SqlRowLease2
+                | DrainVariant::SqlLockLease2 => {
+                    anyhow::bail!("{} is drain-bound's", variant.name())
+                }
             };
             eprintln!(
                 "  round {round} {}: {} events in {:.2} s = {:.0} rows/s{}",

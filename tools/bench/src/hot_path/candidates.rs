@@ -1,0 +1,357 @@
+//! `handoff-bench drain-bound --candidates`: the relay's claim and mark SQL as it is, beside two
+//! ways of settling a lease that the relay does not use (yet), each draining the same backlog in
+//! the same loop (claim 500, mark them, repeat; no broker), so the SQL cost of a design can be
+//! weighed before the relay is rebuilt around it (docs/relay.md, *What was weighed*).
+//!
+//! - `sql_row_lease`: today's claim (`queries/claim.sql`) and mark, each a statement in
+//!   autocommit. The control: the same loop as the others, so only the SQL differs.
+//! - `sql_async_claim`: the same statements, the claim's commit with `synchronous_commit = off`.
+//!   A lease lost with a server crash only sends its events again (at least once).
+//! - `sql_lock_lease`: no lease written into the event rows. The claim's own row locks are the
+//!   lease: its transaction stays open while the batch is out and the mark runs in it, so the
+//!   rows get one new version each (the mark's) instead of two. A dead relay's locks go with its
+//!   session (a stalled one's after `idle_in_transaction_session_timeout`); what a takeover
+//!   must still count (crash loops) is kept as one row per batch in a side table, written on
+//!   a second connection before the batch goes out and deleted by the mark's transaction.
+//!
+//! - `sql_row_lease_x2`, `sql_lock_lease_x2`: the control and the lock lease with two claim
+//!   loops at once, as a relay with two claimers (or two relays) would run them: what
+//!   concurrency adds on this machine's cores.
+//!
+//! The claim SQL is the relay's own file, changed only where a candidate differs (see
+//! [`lock_lease_claim`]), so a change to the claim is measured by every candidate.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::{PgPool, PgRow};
+use sqlx::{Connection, Executor, PgConnection, Row};
+
+use crate::relay::cpu;
+use crate::relay::drain::{DrainRun, DrainVariant, WINDOW};
+use crate::relay::probe::Marked;
+use crate::relay::{workload, Bench};
+
+/// The relay's claim, as `handoff-postgres` ships it.
+const CLAIM_SQL: &str = include_str!("../../../../crates/handoff-postgres/queries/claim.sql");
+
+/// The relay's mark (migration 0012 and later).
+const MARK_SQL: &str = "SELECT handoff_mark_published($1::uuid[], $2::text[])";
+
+/// Events per claim: the relay's default batch, as the SQL bound's.
+const BATCH: i64 = 500;
+
+/// The lease the relay asks for by default, in seconds; also the lock lease's
+/// `idle_in_transaction_session_timeout`.
+const LEASE_SECONDS: f64 = 30.0;
+
+/// Takeovers before an event is held, and from which one it is a suspect: the relay's defaults.
+const MAX_TAKEOVERS: i32 = 5;
+const SUSPECT_FROM: i32 = 2;
+
+/// How far below its previous front a claim reads (the relay's `LOOKBACK`).
+const LOOKBACK: chrono::TimeDelta = chrono::TimeDelta::milliseconds(500);
+
+/// The lock lease's record of the batches out: one row per claim, for takeovers to count.
+const BATCHES_TABLE: &str = "
+CREATE TABLE IF NOT EXISTS bench_lease_batches (
+    batch_id    bigserial   PRIMARY KEY,
+    relay_id    text        NOT NULL,
+    lease_xid   xid8        NOT NULL,
+    lease_until timestamptz NOT NULL,
+    event_ids   uuid[]      NOT NULL
+)";
+
+/// A way of leasing and settling, measured by [`drain`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Candidate {
+    /// Today's claim and mark, each in autocommit.
+    RowLease,
+    /// Today's statements, the claim committed asynchronously.
+    AsyncClaim,
+    /// Row locks held by the claim's open transaction as the lease; the mark in it.
+    LockLease,
+}
+
+impl Candidate {
+    /// What is measured, as (candidate, claim loops): the control first.
+    pub const MEASURED: [(Candidate, usize); 5] = [
+        (Candidate::RowLease, 1),
+        (Candidate::AsyncClaim, 1),
+        (Candidate::LockLease, 1),
+        (Candidate::RowLease, 2),
+        (Candidate::LockLease, 2),
+    ];
+
+    /// The candidate and claim loops a drain variant measures, if it is one of them.
+    pub fn of(variant: DrainVariant) -> Option<(Candidate, usize)> {
+        Self::MEASURED
+            .into_iter()
+            .find(|&(candidate, loops)| candidate.variant(loops) == variant)
+    }
+
+    /// The drain variant that reports it with `loops` claim loops (1 or 2).
+    pub fn variant(self, loops: usize) -> DrainVariant {
+        match (self, loops) {
+            (Candidate::RowLease, 1) => DrainVariant::SqlRowLease,
+            (Candidate::RowLease, _) => DrainVariant::SqlRowLease2,
+            (Candidate::AsyncClaim, _) => DrainVariant::SqlAsyncClaim,
+            (Candidate::LockLease, 1) => DrainVariant::SqlLockLease,
+            (Candidate::LockLease, _) => DrainVariant::SqlLockLease2,
+        }
+    }
+}
+
+/// The claim with its `leased` step reading the rows it locked instead of writing a lease into
+/// them, and the transaction's id in every row (for the batch record). Everything before it
+/// (front, heads, runs, parking, crash-loop and suspect rules) is the relay's claim unchanged.
+pub fn lock_lease_claim() -> Result<String> {
+    let start = CLAIM_SQL
+        .find("leased AS (\n    UPDATE")
+        .context("claim.sql has no leased step")?;
+    let end = start
+        + CLAIM_SQL[start..]
+            .find("\n)\n")
+            .context("claim.sql's leased step has no end")?;
+    let read = "leased AS (
+    SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
+           o.schema_version,
+           CASE WHEN o.skip_reason IS NULL THEN o.payload::text ELSE 'null' END AS payload,
+           CASE WHEN o.skip_reason IS NULL THEN o.headers::text
+                ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
+           END AS headers,
+           o.occurred_at, o.attempt_count,
+           picked.claimed_by IS NOT NULL AS taken_over,
+           picked.crash_loop AS held,
+           picked.suspect AS isolate,
+           now() + make_interval(secs => $3) AS claim_until
+    FROM {schema}outbox o
+    JOIN picked ON o.event_id = picked.event_id";
+    let claim = format!("{}{}{}", &CLAIM_SQL[..start], read, &CLAIM_SQL[end..]);
+    let last = "SELECT l.*, c.parked";
+    anyhow::ensure!(claim.contains(last), "claim.sql's last SELECT changed");
+    Ok(claim.replace(
+        last,
+        "SELECT l.*, pg_current_xact_id()::text AS lease_xid, c.parked",
+    ))
+}
+
+/// Where the next claim reads from, as the relay keeps it.
+#[derive(Default)]
+struct Front {
+    at: Option<DateTime<Utc>>,
+    rows: Option<i64>,
+}
+
+impl Front {
+    /// Notes what a claim returned; its event ids.
+    fn read(&mut self, rows: &[PgRow]) -> Result<Vec<uuid::Uuid>> {
+        if let Some(row) = rows.first() {
+            if let Some(at) = row.try_get::<Option<DateTime<Utc>>, _>("front_at")? {
+                self.at = Some(at);
+            }
+            self.rows = row.try_get("next_front")?;
+        }
+        let mut ids = Vec::with_capacity(rows.len());
+        for row in rows {
+            if let Some(id) = row.try_get::<Option<uuid::Uuid>, _>("event_id")? {
+                ids.push(id);
+            }
+        }
+        Ok(ids)
+    }
+
+    fn scan_from(&self) -> Option<DateTime<Utc>> {
+        self.at.map(|at| at - LOOKBACK)
+    }
+}
+
+/// Binds the claim's parameters as the relay does.
+fn claim<'q>(
+    sql: &'q str,
+    front: &Front,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .persistent(false)
+        .bind("bench-candidate")
+        .bind(BATCH)
+        .bind(LEASE_SECONDS)
+        .bind(MAX_TAKEOVERS)
+        .bind(SUSPECT_FROM)
+        .bind(front.scan_from())
+        .bind(front.rows)
+}
+
+/// Marks `ids` published (no receipts).
+async fn mark(conn: &mut PgConnection, ids: &[uuid::Uuid]) -> Result<()> {
+    let receipts: Vec<Option<String>> = vec![None; ids.len()];
+    sqlx::query(MARK_SQL)
+        .bind(ids)
+        .bind(receipts)
+        .execute(conn)
+        .await
+        .context("while marking")?;
+    Ok(())
+}
+
+/// One candidate drains the preloaded backlog with `loops` claim loops at once (as a relay with
+/// that many claimers would): claim 500, mark them, until nothing is pending.
+pub async fn drain(
+    bench: &Bench,
+    admin: &mut PgConnection,
+    round: usize,
+    candidate: Candidate,
+    loops: usize,
+) -> Result<DrainRun> {
+    let transport = bench.transport().await?;
+    bench.reset(admin, &transport, true).await?;
+    if candidate == Candidate::LockLease {
+        admin.execute(BATCHES_TABLE).await?;
+        admin.execute("TRUNCATE bench_lease_batches").await?;
+    }
+    let pool = bench.pool().await?;
+    let sql = match candidate {
+        Candidate::RowLease | Candidate::AsyncClaim => CLAIM_SQL.to_owned(),
+        Candidate::LockLease => lock_lease_claim()?,
+    }
+    .replace("{schema}", "");
+
+    let cpu_start = cpu::snapshot(admin, bench.nats_pid).await?;
+    let started = Instant::now();
+    let marked = Marked::new(started, Some(bench.workload.events));
+    futures::future::try_join_all((0..loops).map(|_| claim_loop(&pool, candidate, &sql, &marked)))
+        .await?;
+    let seconds = marked
+        .last_at()
+        .unwrap_or_else(|| started.elapsed())
+        .as_secs_f64();
+    let cpu = cpu::share(&cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
+    anyhow::ensure!(
+        workload::unpublished(admin).await? == 0,
+        "{candidate:?} left events unpublished"
+    );
+    let moved = marked.count();
+    pool.close().await;
+    Ok(DrainRun {
+        variant: candidate.variant(loops),
+        round,
+        events: moved,
+        seconds,
+        rows_per_second: moved as f64 / seconds,
+        complete: moved == bench.workload.events,
+        check: None,
+        sources: Vec::new(),
+        transports: Vec::new(),
+        reports: Vec::new(),
+        cpu,
+        rate_windows: marked.rate_windows(WINDOW),
+    })
+}
+
+/// One claimer: claims and marks with `candidate`'s statements until nothing is pending.
+async fn claim_loop(pool: &PgPool, candidate: Candidate, sql: &str, marked: &Marked) -> Result<()> {
+    // The lock lease's batch record is written on a connection of its own, in autocommit,
+    // before the batch would go out.
+    let mut record = match candidate {
+        Candidate::LockLease => Some(pool.acquire().await?),
+        _ => None,
+    };
+    let mut front = Front::default();
+    let mut empty_claims = 0;
+    loop {
+        let ids = match (candidate, record.as_mut()) {
+            (Candidate::LockLease, Some(record)) => {
+                let mut conn = pool.acquire().await?;
+                let mut tx = conn.begin().await?;
+                tx.execute(
+                    format!("SET LOCAL idle_in_transaction_session_timeout = '{LEASE_SECONDS}s'")
+                        .as_str(),
+                )
+                .await?;
+                let rows = claim(sql, &front).fetch_all(&mut *tx).await?;
+                let ids = front.read(&rows)?;
+                if !ids.is_empty() {
+                    let xid: String = rows[0].try_get("lease_xid")?;
+                    let batch: i64 = sqlx::query_scalar(
+                        "INSERT INTO bench_lease_batches (relay_id, lease_xid, lease_until, event_ids)
+                         VALUES ($1, $2::text::xid8, now() + make_interval(secs => $3), $4)
+                         RETURNING batch_id",
+                    )
+                    .bind("bench-candidate")
+                    .bind(&xid)
+                    .bind(LEASE_SECONDS)
+                    .bind(&ids)
+                    .fetch_one(&mut **record)
+                    .await?;
+                    mark(&mut tx, &ids).await?;
+                    sqlx::query("DELETE FROM bench_lease_batches WHERE batch_id = $1")
+                        .bind(batch)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                tx.commit().await?;
+                ids
+            }
+            _ => {
+                let rows = if candidate == Candidate::AsyncClaim {
+                    let mut tx = pool.begin().await?;
+                    tx.execute("SET LOCAL synchronous_commit = off").await?;
+                    let rows = claim(sql, &front).fetch_all(&mut *tx).await?;
+                    tx.commit().await?;
+                    rows
+                } else {
+                    let mut conn = pool.acquire().await?;
+                    claim(sql, &front).fetch_all(&mut *conn).await?
+                };
+                let ids = front.read(&rows)?;
+                if !ids.is_empty() {
+                    let mut conn = pool.acquire().await?;
+                    mark(&mut conn, &ids).await?;
+                }
+                ids
+            }
+        };
+        if ids.is_empty() {
+            // Nothing leased: done when nothing is pending; else the rest is in another loop's
+            // hands (or was parked), and the next claim looks again.
+            let mut conn = pool.acquire().await?;
+            if workload::unpublished(&mut conn).await? == 0 {
+                return Ok(());
+            }
+            empty_claims += 1;
+            anyhow::ensure!(
+                empty_claims < 10_000,
+                "{candidate:?}'s claims found nothing while events were pending"
+            );
+            continue;
+        }
+        empty_claims = 0;
+        marked.record(&ids);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lock_lease_claim_is_the_relays_claim_without_the_lease_write() {
+        let claim = lock_lease_claim().expect("claim.sql's leased step and last SELECT are found");
+        // The relay's claim writes the lease into the rows; the candidate does not ...
+        assert!(CLAIM_SQL.contains("SET claimed_by = CASE"));
+        assert!(!claim.contains("SET claimed_by"));
+        // ... and keeps everything else: the front, heads, runs and parking.
+        for step in [
+            "front AS MATERIALIZED",
+            "head AS MATERIALIZED",
+            "parked AS (",
+            "hole AS (",
+        ] {
+            assert!(claim.contains(step), "{step} is kept");
+        }
+        assert!(claim.contains("pg_current_xact_id()::text AS lease_xid"));
+        assert!(claim.contains("JOIN picked ON o.event_id = picked.event_id\n)\n"));
+    }
+}
