@@ -115,20 +115,25 @@ pub fn lock_lease_claim() -> Result<String> {
         + CLAIM_SQL[start..]
             .find("\n)\n")
             .context("claim.sql's leased step has no end")?;
-    let read = "leased AS (
-    SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
-           o.schema_version,
-           CASE WHEN o.skip_reason IS NULL THEN o.payload::text ELSE 'null' END AS payload,
-           CASE WHEN o.skip_reason IS NULL THEN o.headers::text
-                ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
-           END AS headers,
-           o.occurred_at, o.attempt_count,
-           picked.claimed_by IS NOT NULL AS taken_over,
-           picked.crash_loop AS held,
-           picked.suspect AS isolate,
-           now() + make_interval(secs => $3) AS claim_until
-    FROM {schema}outbox o
-    JOIN picked ON o.event_id = picked.event_id";
+    // The rows the relay's lease returns, read instead of written: its RETURNING list, with
+    // the lease's end computed rather than read from the row.
+    let returned = CLAIM_SQL[start..end]
+        .split_once("RETURNING ")
+        .context("claim.sql's leased step returns nothing")?
+        .1;
+    let lease_end = "o.claim_until";
+    anyhow::ensure!(
+        returned.trim_end().ends_with(lease_end),
+        "claim.sql's leased step no longer returns the lease's end last"
+    );
+    let columns = format!(
+        "{}now() + make_interval(secs => $3) AS claim_until",
+        &returned[..returned.trim_end().len() - lease_end.len()]
+    );
+    let read = format!(
+        "leased AS (\n    SELECT {columns}\n    FROM {{schema}}outbox o\n    \
+         JOIN picked ON o.event_id = picked.event_id"
+    );
     let claim = format!("{}{}{}", &CLAIM_SQL[..start], read, &CLAIM_SQL[end..]);
     let last = "SELECT l.*, c.parked";
     anyhow::ensure!(claim.contains(last), "claim.sql's last SELECT changed");
