@@ -273,10 +273,7 @@ async fn relay(
         let _ = stopped.wait_for(|s| *s).await;
     }));
     let complete = marked.wait(timeout).await;
-    let seconds = marked
-        .last_at()
-        .unwrap_or_else(|| started.elapsed())
-        .as_secs_f64();
+    let seconds = marked.seconds();
     stop.send_replace(true);
     handle.await?;
     source.inner().unregister().await?;

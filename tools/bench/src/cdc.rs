@@ -721,10 +721,7 @@ async fn drain(
     )
     .await?;
     let complete = marked.wait(bench.drain_timeout).await;
-    let settled = marked
-        .last_at()
-        .unwrap_or_else(|| started.elapsed())
-        .as_secs_f64();
+    let settled = marked.seconds();
     let confirmed = match source.rows() {
         Some(_) => Some(wait_confirmed(admin, &written_lsn, started, bench.drain_timeout).await?),
         None => None,

@@ -316,10 +316,7 @@ async fn drain(
     let complete = marked
         .wait(Duration::from_secs(args.drain_timeout_seconds))
         .await;
-    let seconds = marked
-        .last_at()
-        .unwrap_or_else(|| started.elapsed())
-        .as_secs_f64();
+    let seconds = marked.seconds();
     stop_tx.send_replace(true);
     handle.await?;
     source.inner().unregister().await?;

@@ -25,31 +25,22 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
+use handoff_postgres::PollingConfig;
 use serde::Serialize;
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{Connection, Executor, PgConnection, Row};
 
 use crate::relay::cpu;
-use crate::relay::drain::{DrainRun, DrainVariant, WINDOW};
+use crate::relay::drain::{self, sql_loop_run, DrainRun, DrainVariant, SQL_BATCH};
 use crate::relay::probe::Marked;
 use crate::relay::{workload, Bench};
 
 /// The relay's claim, as `handoff-postgres` ships it.
 const CLAIM_SQL: &str = include_str!("../../../../crates/handoff-postgres/queries/claim.sql");
 
-/// The relay's mark (migration 0012 and later).
-const MARK_SQL: &str = "SELECT handoff_mark_published($1::uuid[], $2::text[])";
-
-/// Events per claim: the relay's default batch, as the SQL bound's.
-const BATCH: i64 = 500;
-
-/// The lease the relay asks for by default, in seconds; also the lock lease's
-/// `idle_in_transaction_session_timeout`.
-const LEASE_SECONDS: f64 = 30.0;
-
-/// Takeovers before an event is held, and from which one it is a suspect: the relay's defaults.
-const MAX_TAKEOVERS: i32 = 5;
-const SUSPECT_FROM: i32 = 2;
+/// The relay's mark, as `handoff-postgres` ships it.
+const MARK_SQL: &str =
+    include_str!("../../../../crates/handoff-postgres/queries/mark_published.sql");
 
 /// How far below its previous front a claim reads (the relay's `LOOKBACK`).
 const LOOKBACK: chrono::TimeDelta = chrono::TimeDelta::milliseconds(500);
@@ -173,18 +164,20 @@ impl Front {
     }
 }
 
-/// Binds the claim's parameters as the relay does.
+/// Binds the claim's parameters as the relay does with `config` (its defaults: lease, takeovers
+/// before a hold, suspects from the second takeover), for the SQL bound's batch.
 fn claim<'q>(
     sql: &'q str,
+    config: &'q PollingConfig,
     front: &Front,
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     sqlx::query(sql)
         .persistent(false)
-        .bind("bench-candidate")
-        .bind(BATCH)
-        .bind(LEASE_SECONDS)
-        .bind(MAX_TAKEOVERS)
-        .bind(SUSPECT_FROM)
+        .bind(&config.relay_id)
+        .bind(SQL_BATCH as i64)
+        .bind(config.lease.as_secs_f64())
+        .bind(config.max_takeovers)
+        .bind(config.max_takeovers.min(2))
         .bind(front.scan_from())
         .bind(front.rows)
 }
@@ -192,7 +185,7 @@ fn claim<'q>(
 /// Marks `ids` published (no receipts).
 async fn mark(conn: &mut PgConnection, ids: &[uuid::Uuid]) -> Result<()> {
     let receipts: Vec<Option<String>> = vec![None; ids.len()];
-    sqlx::query(MARK_SQL)
+    sqlx::query(&MARK_SQL.replace("{schema}", ""))
         .bind(ids)
         .bind(receipts)
         .execute(conn)
@@ -224,39 +217,27 @@ pub async fn drain(
     .replace("{schema}", "");
 
     let cpu_start = cpu::snapshot(admin, bench.nats_pid).await?;
-    let started = Instant::now();
-    let marked = Marked::new(started, Some(bench.workload.events));
+    let marked = Marked::new(Instant::now(), Some(bench.workload.events));
     futures::future::try_join_all((0..loops).map(|_| claim_loop(&pool, candidate, &sql, &marked)))
         .await?;
-    let seconds = marked
-        .last_at()
-        .unwrap_or_else(|| started.elapsed())
-        .as_secs_f64();
-    let cpu = cpu::share(&cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
-    anyhow::ensure!(
-        workload::unpublished(admin).await? == 0,
-        "{candidate:?} left events unpublished"
-    );
-    let moved = marked.count();
     pool.close().await;
-    Ok(DrainRun {
-        variant: candidate.variant(loops),
+    let variant = candidate.variant(loops);
+    sql_loop_run(
+        bench,
+        admin,
+        variant,
         round,
-        events: moved,
-        seconds,
-        rows_per_second: moved as f64 / seconds,
-        complete: moved == bench.workload.events,
-        check: None,
-        sources: Vec::new(),
-        transports: Vec::new(),
-        reports: Vec::new(),
-        cpu,
-        rate_windows: marked.rate_windows(WINDOW),
-    })
+        &cpu_start,
+        &marked,
+        Vec::new(),
+    )
+    .await
 }
 
 /// One claimer: claims and marks with `candidate`'s statements until nothing is pending.
 async fn claim_loop(pool: &PgPool, candidate: Candidate, sql: &str, marked: &Marked) -> Result<()> {
+    let config = drain::polling_config("bench-candidate", false);
+    let lease = config.lease.as_secs_f64();
     // The lock lease's batch record is written on a connection of its own, in autocommit,
     // before the batch would go out.
     let mut record = match candidate {
@@ -271,11 +252,10 @@ async fn claim_loop(pool: &PgPool, candidate: Candidate, sql: &str, marked: &Mar
                 let mut conn = pool.acquire().await?;
                 let mut tx = conn.begin().await?;
                 tx.execute(
-                    format!("SET LOCAL idle_in_transaction_session_timeout = '{LEASE_SECONDS}s'")
-                        .as_str(),
+                    format!("SET LOCAL idle_in_transaction_session_timeout = '{lease}s'").as_str(),
                 )
                 .await?;
-                let rows = claim(sql, &front).fetch_all(&mut *tx).await?;
+                let rows = claim(sql, &config, &front).fetch_all(&mut *tx).await?;
                 let ids = front.read(&rows)?;
                 if !ids.is_empty() {
                     let xid: String = rows[0].try_get("lease_xid")?;
@@ -284,9 +264,9 @@ async fn claim_loop(pool: &PgPool, candidate: Candidate, sql: &str, marked: &Mar
                          VALUES ($1, $2::text::xid8, now() + make_interval(secs => $3), $4)
                          RETURNING batch_id",
                     )
-                    .bind("bench-candidate")
+                    .bind(&config.relay_id)
                     .bind(&xid)
-                    .bind(LEASE_SECONDS)
+                    .bind(lease)
                     .bind(&ids)
                     .fetch_one(&mut **record)
                     .await?;
@@ -303,12 +283,12 @@ async fn claim_loop(pool: &PgPool, candidate: Candidate, sql: &str, marked: &Mar
                 let rows = if candidate == Candidate::AsyncClaim {
                     let mut tx = pool.begin().await?;
                     tx.execute("SET LOCAL synchronous_commit = off").await?;
-                    let rows = claim(sql, &front).fetch_all(&mut *tx).await?;
+                    let rows = claim(sql, &config, &front).fetch_all(&mut *tx).await?;
                     tx.commit().await?;
                     rows
                 } else {
                     let mut conn = pool.acquire().await?;
-                    claim(sql, &front).fetch_all(&mut *conn).await?
+                    claim(sql, &config, &front).fetch_all(&mut *conn).await?
                 };
                 let ids = front.read(&rows)?;
                 if !ids.is_empty() {

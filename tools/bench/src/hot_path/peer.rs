@@ -260,8 +260,7 @@ async fn run_managers(bench: &Bench, admin: &mut PgConnection, round: usize) -> 
         running.push(tokio::spawn(manager.run()));
     }
 
-    let (complete, seconds, cpu) =
-        drain::drained(bench, admin, &marked, started, &cpu_start).await?;
+    let (complete, seconds, cpu) = drain::drained(bench, admin, &marked, &cpu_start).await?;
     if !complete {
         eprintln!(
             "  warning: oxide-outbox marked {} of {} events sent within {:?}; stopping it",

@@ -25,7 +25,7 @@ use super::{workload, Bench};
 pub const WINDOW: Duration = Duration::from_millis(250);
 
 /// Claim size of the SQL bound: the relay's default batch.
-const SQL_BATCH: usize = 500;
+pub(crate) const SQL_BATCH: usize = 500;
 
 /// Which way the backlog was moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -251,25 +251,48 @@ pub async fn sql_bound(bench: &Bench, admin: &mut PgConnection, round: usize) ->
             .collect();
         source.mark_published(&acked).await?;
     }
-    let seconds = marked
-        .last_at()
-        .unwrap_or_else(|| started.elapsed())
-        .as_secs_f64();
-    let cpu = cpu::share(&cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
+    let sources = vec![source.stats()];
+    sql_loop_run(
+        bench,
+        admin,
+        DrainVariant::SqlBound,
+        round,
+        &cpu_start,
+        &marked,
+        sources,
+    )
+    .await
+}
+
+/// The run of an SQL loop (claims and marks, no broker: the SQL bound, the lease candidates)
+/// once it stopped: fails if it left events pending, and takes its rate up to its last mark and
+/// the CPU since `cpu_start`. `sources`: its claims and marks, where a probed source made them.
+pub(crate) async fn sql_loop_run(
+    bench: &Bench,
+    admin: &mut PgConnection,
+    variant: DrainVariant,
+    round: usize,
+    cpu_start: &cpu::Snapshot,
+    marked: &Marked,
+    sources: Vec<SourceStats>,
+) -> Result<DrainRun> {
+    let seconds = marked.seconds();
+    let cpu = cpu::share(cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
     let moved = marked.count();
     anyhow::ensure!(
         workload::unpublished(admin).await? == 0,
-        "the SQL bound left events unpublished"
+        "{} left events unpublished",
+        variant.name()
     );
     Ok(DrainRun {
-        variant: DrainVariant::SqlBound,
+        variant,
         round,
         events: moved,
         seconds,
         rows_per_second: moved as f64 / seconds,
         complete: moved == bench.workload.events,
         check: None,
-        sources: vec![source.stats()],
+        sources,
         transports: Vec::new(),
         reports: Vec::new(),
         cpu,
@@ -382,7 +405,7 @@ pub async fn relays_on_loaded(
     }
 
     // Before the relays stop, while their backends are still connected.
-    let (complete, seconds, cpu) = drained(bench, admin, &marked, started, &cpu_start).await?;
+    let (complete, seconds, cpu) = drained(bench, admin, &marked, &cpu_start).await?;
     if !complete {
         eprintln!(
             "  warning: {} relay(s) marked {} of {} events within {:?}; stopping them",
@@ -542,20 +565,16 @@ pub async fn check_stream_by(
 }
 
 /// Waits until every event of the backlog is marked (at most the bench's drain timeout); whether
-/// they all were, the seconds from `started` to the last mark, and the CPU shares since
+/// they all were, the seconds from `marked`'s origin to the last mark, and the CPU shares since
 /// `cpu_start`. Called while the drainers still run, so their backends are counted.
 pub(crate) async fn drained(
     bench: &Bench,
     admin: &mut PgConnection,
     marked: &Marked,
-    started: Instant,
     cpu_start: &cpu::Snapshot,
 ) -> Result<(bool, f64, CpuShare)> {
     let complete = marked.wait(bench.drain_timeout).await;
-    let seconds = marked
-        .last_at()
-        .unwrap_or_else(|| started.elapsed())
-        .as_secs_f64();
+    let seconds = marked.seconds();
     let cpu = cpu::share(cpu_start, &cpu::snapshot(admin, bench.nats_pid).await?);
     Ok((complete, seconds, cpu))
 }

@@ -99,6 +99,14 @@ impl Marked {
             .map(|(at, _)| *at)
     }
 
+    /// A drain's seconds: from the origin to the last event's first mark, or to now when
+    /// nothing was marked.
+    pub fn seconds(&self) -> f64 {
+        self.last_at()
+            .unwrap_or_else(|| self.origin.elapsed())
+            .as_secs_f64()
+    }
+
     /// Events first marked per `window`, from the origin to the last mark.
     pub fn rate_windows(&self, window: Duration) -> Vec<u64> {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
