@@ -55,7 +55,7 @@ CREATE TABLE IF NOT EXISTS bench_lease_batches (
     event_ids   uuid[]      NOT NULL
 )";
 
-/// A way of leasing and settling, measured by [`drain`].
+/// A way of leasing and settling, measured by [`drain()`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Candidate {
     /// Today's claim and mark, each in autocommit.
