@@ -194,7 +194,8 @@ pub struct ConsumerConfig {
     /// otherwise keep the event, and its aggregate's lane, waiting forever. Build the pool with
     /// [`bounded_release`](handoff_postgres::bounded_release) as well, so the abandoned connection is closed
     /// instead of held by the pool's release check. Longer than the slowest handler, outside
-    /// calls included. Default 60 s.
+    /// calls included. Default 60 s. Writing an event to the quarantine is bounded by this
+    /// timeout too, but never by less than 10 s.
     pub apply_timeout: Duration,
     /// Batch mode: several deliveries per transaction (see [`BatchConfig`]). `None` (the
     /// default) applies every delivery in a transaction of its own. In batch mode the apply

@@ -147,6 +147,9 @@ impl<S> Lanes<S> {
     }
 }
 
+/// The least time a quarantine write is given, whatever the apply timeout.
+const QUARANTINE_WRITE_FLOOR: Duration = Duration::from_secs(10);
+
 /// What a lane's task does next.
 enum Next<S> {
     Apply(Item<S>),
@@ -848,12 +851,15 @@ impl<H: Handler> Shared<H> {
                 .await
                 .map_err(|e| e.to_string())
         };
-        // Bounded like an application: a silent database must not hold the lane forever.
-        let written: Result<(), String> =
-            match tokio::time::timeout(self.config.apply_timeout, write).await {
-                Ok(written) => written,
-                Err(_) => Err("the quarantine write outlasted the apply timeout".to_owned()),
-            };
+        // Bounded, so that a silent database does not hold the lane forever; but not by a
+        // short apply timeout, which is about the handler: on a loaded database, opening a
+        // connection alone can outlast it, and every failed write costs a delivery of the
+        // broker's backstop.
+        let bound = self.config.apply_timeout.max(QUARANTINE_WRITE_FLOOR);
+        let written: Result<(), String> = match tokio::time::timeout(bound, write).await {
+            Ok(written) => written,
+            Err(_) => Err(format!("the quarantine write took longer than {bound:?}")),
+        };
         let event_id = match event {
             Ok(e) => Some(e.event_id),
             Err(m) => m.event_id,
