@@ -100,6 +100,12 @@ pub struct RelayArgs {
     #[arg(long, env = "HANDOFF_ORDER")]
     #[serde(default, deserialize_with = "from_name")]
     order: Option<OrderMode>,
+    /// Have the relay's own commits (leases, marks, failure records) wait for their WAL flush.
+    /// Off, a PostgreSQL crash can forget the last fraction of a second of them, and the
+    /// events they covered are published again (at least once; nothing is lost); the writers'
+    /// commits are never touched [default: false].
+    #[arg(long, env = "HANDOFF_SYNCHRONOUS_COMMIT", num_args = 0..=1, default_missing_value = "true")]
+    synchronous_commit: Option<bool>,
     // Transaction poolers (docs/poolers.md).
     /// A direct PostgreSQL URL (not through a transaction pooler) for the relay's LISTEN only,
     /// when --database-url goes through PgBouncer in transaction mode: idle relays then wake on
@@ -237,6 +243,9 @@ impl Settings {
             query_timeout: args.query_timeout.unwrap_or(Duration::from_secs(10)),
             order,
             max_takeovers: args.max_takeovers.unwrap_or(defaults.max_takeovers),
+            synchronous_commit: args
+                .synchronous_commit
+                .unwrap_or(defaults.synchronous_commit),
             ..defaults
         };
         polling.validate()?;
@@ -503,7 +512,8 @@ async fn pooler_settings(settings: &mut Settings) -> Result<Option<PgPool>> {
 
 /// The relay's pool, on a direct connection (or a session pooler), with the session settings
 /// of [`PollingConfig::session_options`](handoff_postgres::PollingConfig::session_options): a
-/// server-side `statement_timeout` a little above `--query-timeout`, and no JIT.
+/// server-side `statement_timeout` a little above `--query-timeout`, no JIT, and commits that
+/// do not wait for the WAL flush (unless `--synchronous-commit`).
 ///
 /// Past the query timeout the relay closes the connection, but PostgreSQL notices only when it
 /// next writes to the socket: a slow claim would run on, holding the row locks of its front,
@@ -899,6 +909,21 @@ mod tests {
         assert!(shown.contains("localhost"), "{shown}");
         assert_eq!(settings.polling.max_takeovers, 3);
         assert_ne!(default_relay_id(), default_relay_id());
+    }
+
+    #[test]
+    fn relay_commits_wait_for_the_flush_only_when_asked() {
+        let default = settings(&DB, None).unwrap();
+        assert!(!default.polling.synchronous_commit);
+        let flag = settings(&[&DB[..], &["--synchronous-commit"]].concat(), None).unwrap();
+        assert!(flag.polling.synchronous_commit);
+        let file = Some("database_url = \"postgres://localhost/db\"\nsynchronous_commit = true\n");
+        assert!(settings(&[], file).unwrap().polling.synchronous_commit);
+        let overridden = settings(&["--synchronous-commit=false"], file).unwrap();
+        assert!(
+            !overridden.polling.synchronous_commit,
+            "the flag wins over the file"
+        );
     }
 
     #[test]

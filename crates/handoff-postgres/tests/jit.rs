@@ -7,6 +7,9 @@
 //! allowed JIT is compiled, and loads `auto_explain`, which sends each statement's plan to the
 //! client as a notice; the plan has a `JIT:` section when the statement was compiled. The
 //! control (a session with none of the relay's settings) shows that the section does appear.
+//!
+//! The other settings of a relay session are checked at the end: its statement timeout and its
+//! commits that do not wait for the WAL flush.
 
 use std::sync::{Arc, Mutex};
 
@@ -202,4 +205,46 @@ async fn relay_sessions_end_statements_a_second_after_the_query_timeout() {
     assert_eq!(jit, "off");
     // The options given are kept (here the test's schema).
     assert_eq!(search_path, db.schema());
+}
+
+#[tokio::test]
+async fn relay_sessions_commit_without_waiting_for_the_flush_unless_asked_to() {
+    let db = TestDb::new("session_commit").await;
+    let setting = |config: PollingConfig| {
+        let options = config.session_options(db.connect_options());
+        async move {
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with(options)
+                .await
+                .unwrap();
+            let (commit, search_path): (String, String) = sqlx::query_as(
+                "SELECT current_setting('synchronous_commit'), current_setting('search_path')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            (commit, search_path)
+        }
+    };
+    // The server's own setting, as the writers see it: unchanged by the relay.
+    let server: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_ne!(server, "off", "the test server flushes at commit");
+
+    let (commit, search_path) = setting(PollingConfig::default()).await;
+    assert_eq!(commit, "off", "a relay session by default");
+    assert_eq!(search_path, db.schema(), "the options given are kept");
+
+    let flushed = PollingConfig {
+        synchronous_commit: true,
+        ..PollingConfig::default()
+    };
+    let (commit, _) = setting(flushed).await;
+    assert_eq!(
+        commit, server,
+        "with synchronous_commit, the server's setting"
+    );
 }

@@ -351,6 +351,7 @@ async fn run(
         nats_pid: cpu::find_nats_server(nats_port(&args.nats_url)),
         drain_timeout: Duration::from_secs(args.drain_timeout_seconds),
         events,
+        synchronous_commit: false,
     };
     let postgres: Vec<(String, String)> = sqlx::query_as(
         "SELECT name, setting FROM pg_settings

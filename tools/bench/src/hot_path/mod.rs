@@ -40,6 +40,10 @@ pub struct BrokerArgs {
     /// JetStream server; the benchmark creates and deletes its own stream, BENCH_RELAY.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
+    /// Run the relay with its commits waiting for their WAL flush (`handoff relay
+    /// --synchronous-commit`), to measure what that costs.
+    #[arg(long)]
+    pub synchronous_commit: bool,
 }
 
 /// A bench on the scratch database: migrated (handoff's tables; with `order_service`, the order
@@ -71,16 +75,25 @@ pub async fn setup(
         // Nothing preloaded: the writers fill the outbox (reset only truncates).
         None => (Workload::new(1, 1)?, Vec::new()),
     };
-    let bench = Bench::new(
+    let mut bench = Bench::new(
         scratch.options.clone(),
         &broker.nats_url,
         workload,
         events,
         drain_timeout,
     );
+    bench.synchronous_commit = broker.synchronous_commit;
     let nats_server_version = bench.transport().await?.client().server_info().version;
     let machine = Machine::read(&mut admin, nats_server_version).await?;
-    eprintln!("{}", machine.summary(),);
+    eprintln!(
+        "{}; relay commits {}",
+        machine.summary(),
+        if bench.synchronous_commit {
+            "synchronous"
+        } else {
+            "asynchronous (the default)"
+        }
+    );
     Ok((bench, admin, machine))
 }
 

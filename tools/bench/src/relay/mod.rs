@@ -124,6 +124,8 @@ pub struct Bench {
     pub drain_timeout: Duration,
     /// The backlog in claim order, as the source hands it out.
     pub events: Vec<OutboxEvent>,
+    /// The relay's [`PollingConfig::synchronous_commit`] (default off, as `handoff relay`).
+    pub synchronous_commit: bool,
 }
 
 impl Bench {
@@ -148,6 +150,7 @@ impl Bench {
             nats_pid: cpu::find_nats_server(nats_port(nats_url)),
             drain_timeout,
             events,
+            synchronous_commit: false,
         }
     }
 
@@ -155,7 +158,11 @@ impl Bench {
     /// settings ([`PollingConfig::session_options`]). Its sessions carry the application name
     /// [`cpu::RELAY_APPLICATION`], so that [`cpu::share`] tells their CPU from the writers'.
     pub async fn pool(&self) -> Result<PgPool> {
-        let options = PollingConfig::default()
+        let config = PollingConfig {
+            synchronous_commit: self.synchronous_commit,
+            ..PollingConfig::default()
+        };
+        let options = config
             .session_options(self.options.clone())
             .application_name(cpu::RELAY_APPLICATION);
         Ok(PgPoolOptions::new()
