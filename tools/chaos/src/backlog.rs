@@ -1168,10 +1168,10 @@ impl Prometheus {
     /// Each scrape target's health and last error, as one line (for a report, not parsed).
     async fn targets(&self) -> Result<String, String> {
         let body = self.get("/api/v1/targets", &[]).await?;
-        let targets = body["data"]["activeTargets"].as_array().cloned();
-        Ok(targets
-            .unwrap_or_default()
-            .iter()
+        Ok(body["data"]["activeTargets"]
+            .as_array()
+            .into_iter()
+            .flatten()
             .map(|t| {
                 format!(
                     "{} {} {}",
