@@ -596,10 +596,11 @@ async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
         match sqlx::PgConnection::connect_with(options).await {
             Ok(probe) => {
                 let _ = probe.close().await;
-                // Claims, write-back and the listener each hold one; the backlog gauge borrows
-                // one.
+                // Claims (which keep theirs, with the claim's plan cached on it), write-back
+                // and the listener each hold one; the straggler sweep and the backlog gauge
+                // borrow one each.
                 return Ok(PgPoolOptions::new()
-                    .max_connections(4)
+                    .max_connections(5)
                     .acquire_timeout(Duration::from_secs(10))
                     .connect_lazy_with(options.clone()));
             }

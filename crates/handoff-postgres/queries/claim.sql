@@ -228,10 +228,16 @@ park AS MATERIALIZED (
     -- claim to commit, and its unpark, a statement with a later snapshot, then sees the park. A
     -- predecessor locked right now (being marked, leased, or parked behind) is skipped rather
     -- than waited for: no claim waits on another, and the row is looked at again next claim.
+    --
+    -- The membership tests against other parts of this statement (picked, and the heads of the
+    -- front below) are NOT IN, which PostgreSQL runs as a hash of the subquery's rows, whatever
+    -- it guesses of their number; a NOT EXISTS became a join it could plan as a nested loop, one
+    -- pass over the subquery per front row, when it guessed them few: 4 million comparisons, 300
+    -- ms, for a front of 2,000 rows waiting behind held events, on the cached plan.
     SELECT f.event_id
     FROM front f
     WHERE NOT f.is_head
-      AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.event_id = f.event_id)
+      AND f.event_id NOT IN (SELECT k.event_id FROM picked k)
       AND EXISTS (
           SELECT 1
           FROM {schema}outbox p
@@ -248,13 +254,10 @@ park AS MATERIALIZED (
       -- Behind a head of this front that the batch left out, a row stays too: the next claim
       -- leases that head, and parking the row would add two row writes for nothing (a front
       -- that spans two sequences of many aggregates parked a row in every dozen it leased).
-      AND NOT EXISTS (
-          SELECT 1
+      AND (f.aggregate_type, f.aggregate_id, f.aggregate_sequence - 1) NOT IN (
+          SELECT h.aggregate_type, h.aggregate_id, h.aggregate_sequence
           FROM front h
           WHERE h.is_head
-            AND h.aggregate_type = f.aggregate_type
-            AND h.aggregate_id = f.aggregate_id
-            AND h.aggregate_sequence = f.aggregate_sequence - 1
       )
 ),
 parked AS (
@@ -363,7 +366,8 @@ FROM (SELECT (SELECT count(*) FROM park) AS parked,
               FROM front f
               WHERE NOT f.is_head
                 AND NOT f.pred_missing
-                AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.event_id = f.event_id)
-                AND NOT EXISTS (SELECT 1 FROM park p WHERE p.event_id = f.event_id)) AS waiting,
+                -- NOT IN, as in park.
+                AND f.event_id NOT IN (SELECT k.event_id FROM picked k)
+                AND f.event_id NOT IN (SELECT p.event_id FROM park p)) AS waiting,
              (SELECT min(available_at) FROM front) AS front_at) c
 LEFT JOIN leased l ON true

@@ -12,7 +12,7 @@ use handoff_core::delivery::{
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgRow};
-use sqlx::{Postgres, Row};
+use sqlx::{Connection, PgConnection, Postgres, Row};
 use tokio::sync::Mutex;
 use tokio::time::error::Elapsed;
 
@@ -165,6 +165,29 @@ const CLAIM_COSTS: usize = 4;
 /// The longest pause between claims while lingering, however long claims take: bounds what a
 /// busy database adds to commit-to-broker latency.
 const BUSY_POLL_MAX: Duration = Duration::from_millis(20);
+
+/// How long a claim's cached plan is kept before it is made again (aggregate order, on a
+/// session of its own: see [`PollingSource::claim_session`]).
+///
+/// Planning the claim costs more than running it when the relay keeps up: 2.7 s of planning
+/// against 2.5 s of execution over 1,104 claims of 24 events on average (`pg_stat_statements`,
+/// `handoff-bench writers`, 8 writers), on a machine where the writers and the relay share two
+/// cores. So the claim is prepared once and run on a generic plan (`plan_cache_mode =
+/// force_generic_plan` on that session). A generic plan knows neither the batch nor the bounds
+/// of the front, and guesses them small; `claim.sql` is written so that this guess still
+/// reaches every row by an index and joins its own parts by hashing.
+///
+/// What the planner cannot get right once for ever is the table's size. A plan made while the
+/// outbox is empty (a new deployment, or after cleanup and a vacuum that truncated it) reads
+/// the whole table for every row of the front, and PostgreSQL makes it again only when the
+/// table is analysed, which autovacuum may do a minute later. The planner reads the table's
+/// current size each time it plans, so a plan made again every second costs a millisecond a
+/// second, and a wrong one lasts a second at most.
+const REPLAN_EVERY: Duration = Duration::from_secs(1);
+
+/// Makes the claim's session run prepared statements on their generic plan (see
+/// [`REPLAN_EVERY`]).
+const GENERIC_PLANS: &str = "SET plan_cache_mode = force_generic_plan";
 
 /// Settings of a [`PollingSource`].
 #[derive(Debug, Clone)]
@@ -427,7 +450,10 @@ const CLAIM_WITHOUT_JIT: &str = "SET LOCAL jit = off";
 /// idle relay (brief P1, P2, P7).
 ///
 /// It uses up to three connections of the pool at once: claims, acknowledgements (which the
-/// relay runs concurrently) and the listener, which keeps its connection.
+/// relay runs concurrently) and the listener, which keeps its connection. In aggregate order on
+/// a session of its own ([`Pooling::Session`]) the claims keep theirs too, with the claim's plan
+/// cached on it; that connection is closed, not returned to the pool, when the source is
+/// dropped, so drop the source before closing its pool.
 ///
 /// # Examples
 ///
@@ -463,6 +489,20 @@ pub struct PollingSource {
     /// What the last [`CLAIM_COSTS`] claims took, start to end, and where the next one goes:
     /// paces the polls while lingering.
     claim_costs: std::sync::Mutex<([Duration; CLAIM_COSTS], usize)>,
+    /// The session aggregate-order claims run on, with their plan cached (see
+    /// [`REPLAN_EVERY`]); none until the first claim, and after a claim failed on it.
+    claim_session: Mutex<Option<ClaimSession>>,
+}
+
+/// A connection of the pool kept for claims, with the claim prepared on it.
+///
+/// It holds one of the pool's connections for as long as the source lives, and is closed, not
+/// returned to the pool, when the source drops it: its session runs on generic plans.
+struct ClaimSession {
+    conn: PoolConnection<Postgres>,
+    /// When the claim's plan was made (when its statement was last dropped): none before the
+    /// session was set up for generic plans.
+    planned_at: Option<Instant>,
 }
 
 struct Sql {
@@ -571,6 +611,7 @@ impl PollingSource {
             last_work: std::sync::Mutex::new(None),
             scan: std::sync::Mutex::new(ScanFrom::default()),
             claim_costs: std::sync::Mutex::new(([Duration::ZERO; CLAIM_COSTS], 0)),
+            claim_session: Mutex::new(None),
         })
     }
 
@@ -673,6 +714,94 @@ impl PollingSource {
         let (last, next) = &mut *costs;
         last[*next] = took;
         *next = (*next + 1) % CLAIM_COSTS;
+    }
+
+    /// Whether claims run on [`PollingSource::claim_session`] with their plan cached: in
+    /// aggregate order, on sessions of their own (not through a transaction pooler).
+    fn keeps_claim_plan(&self) -> bool {
+        self.config.pooling == Pooling::Session && self.config.order == OrderMode::Aggregate
+    }
+
+    /// One claim on the kept session (see [`REPLAN_EVERY`]), which it opens if there is none.
+    /// A claim that fails closes the session, so nothing of its state outlives the failure.
+    async fn claim_on_kept_session(
+        &self,
+        max: i64,
+        scan_from: Option<DateTime<Utc>>,
+        front_rows: Option<i64>,
+        what: &str,
+    ) -> Result<Vec<PgRow>, SourceError> {
+        let mut kept = self.claim_session.lock().await;
+        let mut session = match kept.take() {
+            Some(session) => session,
+            None => {
+                let mut conn = self.connection(what).await?;
+                // Its session will run on generic plans: it must not serve anyone else.
+                conn.close_on_drop();
+                ClaimSession {
+                    conn,
+                    planned_at: None,
+                }
+            }
+        };
+        let query = async {
+            match session.planned_at {
+                None => {
+                    sqlx::query(GENERIC_PLANS)
+                        .persistent(false)
+                        .execute(&mut *session.conn)
+                        .await?;
+                    session.planned_at = Some(Instant::now());
+                }
+                Some(at) if at.elapsed() >= REPLAN_EVERY => {
+                    // Dropped here, prepared and planned again by the claim below.
+                    session.conn.clear_cached_statements().await?;
+                    session.planned_at = Some(Instant::now());
+                }
+                Some(_) => {}
+            }
+            self.run_claim(&mut session.conn, true, max, scan_from, front_rows)
+                .await
+        };
+        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+        let rows = self.bounded(&mut session.conn, outcome, what)?;
+        *kept = Some(session);
+        Ok(rows)
+    }
+
+    /// Runs `claim.sql` (or `claim_global.sql`) on `conn`: named and cached when `cached`,
+    /// else an unnamed statement planned with the real batch size.
+    async fn run_claim(
+        &self,
+        conn: &mut PgConnection,
+        cached: bool,
+        max: i64,
+        scan_from: Option<DateTime<Utc>>,
+        front_rows: Option<i64>,
+    ) -> Result<Vec<PgRow>, sqlx::Error> {
+        let mut scope = Scoped::begin(conn, self.config.pooling).await?;
+        if self.config.pooling == Pooling::Transaction {
+            sqlx::query(CLAIM_WITHOUT_JIT)
+                .persistent(false)
+                .execute(scope.conn())
+                .await?;
+        }
+        let query = sqlx::query(&self.sql.claim)
+            .persistent(cached)
+            .bind(&self.config.relay_id)
+            .bind(max)
+            .bind(self.config.lease.as_secs_f64())
+            .bind(self.config.max_takeovers)
+            // Suspects from the second takeover on (from the first when one is the bound): a
+            // single one is any relay crash's fate for everything in flight, a second is rare.
+            .bind(self.config.max_takeovers.min(2));
+        let query = match self.config.order {
+            OrderMode::Aggregate => query.bind(scan_from).bind(front_rows),
+            OrderMode::Global => query,
+        };
+        let rows = query.fetch_all(scope.conn()).await?;
+        scope.finish().await?;
+        Ok(rows)
     }
 
     /// The pause between claims while lingering: [`BUSY_POLL`], or the quickest of the last
@@ -910,43 +1039,18 @@ impl Source for PollingSource {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .front_rows;
-        // Planned afresh with the real batch size every time (an unnamed statement). Planning
-        // costs 1.1 to 1.5 ms a claim, more than running a small one, but both times a named
-        // statement was tried its generic plan went wrong: ~850 ms per 500-row claim instead of
-        // ~20 ms for an earlier shape of this query, and, for this one, claims past the query
-        // timeout after about 140 s of a held xmin horizon (handoff-bench held-xmin, twice), where
-        // the unnamed statement held 200 s with a last-minute p99 of 38 ms.
         let what = "while claiming";
-        let mut conn = self.connection(what).await?;
-        let query = async {
-            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
-            if self.config.pooling == Pooling::Transaction {
-                sqlx::query(CLAIM_WITHOUT_JIT)
-                    .persistent(false)
-                    .execute(scope.conn())
-                    .await?;
-            }
-            let query = sqlx::query(&self.sql.claim)
-                .persistent(false)
-                .bind(&self.config.relay_id)
-                .bind(max)
-                .bind(self.config.lease.as_secs_f64())
-                .bind(self.config.max_takeovers)
-                // Suspects from the second takeover on (from the first when one is the bound):
-                // a single one is any relay crash's fate for everything in flight, a second is
-                // rare.
-                .bind(self.config.max_takeovers.min(2));
-            let query = match self.config.order {
-                OrderMode::Aggregate => query.bind(scan_from).bind(front_rows),
-                OrderMode::Global => query,
-            };
-            let rows = query.fetch_all(scope.conn()).await?;
-            scope.finish().await?;
-            Ok(rows)
+        let rows = if self.keeps_claim_plan() {
+            self.claim_on_kept_session(max, scan_from, front_rows, what)
+                .await?
+        } else {
+            // An unnamed statement, planned at every call: through a transaction pooler
+            // nothing lives in the session, and the global lane's claim reads one short queue.
+            let mut conn = self.connection(what).await?;
+            let query = self.run_claim(&mut conn, false, max, scan_from, front_rows);
+            let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+            self.bounded(&mut conn, outcome, what)?
         };
-        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-        let rows = self.bounded(&mut conn, outcome, what)?;
-        drop(conn);
         self.record_claim_cost(started.elapsed());
         // Every row carries how many rows the claim parked; a claim that leased nothing
         // returns one row with no event.

@@ -8,10 +8,15 @@
 //! client as a notice; the plan has a `JIT:` section when the statement was compiled. The
 //! control (a session with none of the relay's settings) shows that the section does appear.
 //!
+//! The claim's plan is checked next: made once a second on a relay's session, not at every
+//! claim, and made again once an outbox it was made on while empty has grown (the planner's
+//! stats and `auto_explain`'s plans, sent to the client the same way).
+//!
 //! The other settings of a relay session are checked at the end: its statement timeout and its
 //! commits that do not wait for the WAL flush.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use handoff_core::delivery::{Published, Source};
 use handoff_postgres::{PollingConfig, PollingSource, Pooling, Schema};
@@ -112,6 +117,8 @@ async fn claim_and_mark(
     source.mark_published(&acks).await.unwrap();
     // The mark's first statement, run inside handoff_mark_published.
     let mark_plans = notices.plans_of("delivery_receipt = acked.receipt");
+    // The source keeps a connection for its claims until it is dropped.
+    drop(source);
     pool.close().await;
     assert_eq!(
         claim_plans.len(),
@@ -180,6 +187,128 @@ async fn the_relays_claim_and_mark_are_never_jit_compiled_however_costly_the_pla
         (false, false),
         "(claim, mark) compiled, through the transaction path"
     );
+}
+
+/// How long a relay keeps the claim's plan before making it again (the source's
+/// `REPLAN_EVERY`).
+const REPLAN_EVERY: Duration = Duration::from_secs(1);
+
+/// `options` for a session that tells the client of every plan it makes (a `PLANNER
+/// STATISTICS` log line each time the planner runs).
+fn planning_reported(options: PgConnectOptions) -> PgConnectOptions {
+    options.options([("log_planner_stats", "on"), ("client_min_messages", "log")])
+}
+
+/// How many plans `claims` claims of an empty outbox made, by a source with `pooling` on a
+/// relay's sessions, and how long the claims took.
+async fn plans_of_claims(
+    db: &TestDb,
+    notices: &Notices,
+    pooling: Pooling,
+    claims: usize,
+) -> (usize, Duration) {
+    let config = PollingConfig {
+        schema: Schema::named(db.schema()).unwrap(),
+        relay_id: "relay-plans".into(),
+        pooling,
+        ..PollingConfig::default()
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(planning_reported(
+            config.session_options(db.connect_options()),
+        ))
+        .await
+        .unwrap();
+    let source = PollingSource::new(pool.clone(), config).unwrap();
+    notices.plans_of("");
+    let started = Instant::now();
+    for _ in 0..claims {
+        let claim = source.claim(10).await.unwrap();
+        assert!(claim.events.is_empty());
+    }
+    let took = started.elapsed();
+    let plans = notices.plans_of("PLANNER STATISTICS").len();
+    drop(source);
+    pool.close().await;
+    (plans, took)
+}
+
+#[tokio::test]
+async fn a_relay_plans_its_claim_once_a_second_not_at_every_claim() {
+    let notices = Notices::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(notices.clone()));
+    let db = TestDb::migrated("claim_plans").await;
+    const CLAIMS: usize = 20;
+
+    // The control: through a transaction pooler, an unnamed statement, planned every time.
+    let (plans, _) = plans_of_claims(&db, &notices, Pooling::Transaction, CLAIMS).await;
+    assert!(
+        plans >= CLAIMS,
+        "{plans} plans for {CLAIMS} claims, unnamed"
+    );
+
+    // On a relay's own session: once, and once more for every REPLAN_EVERY the claims took.
+    let (plans, took) = plans_of_claims(&db, &notices, Pooling::Session, CLAIMS).await;
+    let most = 1 + (took.as_secs_f64() / REPLAN_EVERY.as_secs_f64()).ceil() as usize;
+    assert!(
+        (1..=most).contains(&plans),
+        "{plans} plans for {CLAIMS} claims in {took:?}, on the relay's session"
+    );
+}
+
+#[tokio::test]
+async fn a_claim_plan_made_on_an_empty_outbox_is_made_again_once_the_outbox_has_grown() {
+    let notices = Notices::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(notices.clone()));
+    let db = TestDb::migrated("claim_replan").await;
+    // Empty, and known to be (a new deployment; a cleanup, then a vacuum that truncated it).
+    sqlx::query(&format!("VACUUM ANALYZE {}.outbox", db.schema()))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let config = PollingConfig {
+        schema: Schema::named(db.schema()).unwrap(),
+        relay_id: "relay-replan".into(),
+        ..PollingConfig::default()
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(observed(config.session_options(db.connect_options())))
+        .await
+        .unwrap();
+    let source = PollingSource::new(pool.clone(), config).unwrap();
+    let reads_whole_table =
+        |plans: &[String]| plans.iter().any(|p| p.contains("Seq Scan on outbox "));
+
+    notices.plans_of("");
+    source.claim(100).await.unwrap();
+    let on_empty = notices.plans_of("next_front");
+    // What the planner makes of an empty table: read it whole, for every row of the front.
+    // This is why the plan is not kept for ever (it would be until the next ANALYZE).
+    assert!(
+        reads_whole_table(&on_empty),
+        "the plan made on an empty outbox reads it by index: {on_empty:?}"
+    );
+
+    enqueue(&db, 20_000).await;
+    tokio::time::sleep(REPLAN_EVERY).await;
+    // (On the plan made on the empty outbox, this claim outlives the query timeout.)
+    let claim = source
+        .claim(100)
+        .await
+        .expect("a claim a second after the outbox grew");
+    assert_eq!(claim.events.len(), 100);
+    let grown = notices.plans_of("next_front");
+    assert_eq!(grown.len(), 1, "{grown:?}");
+    assert!(
+        !reads_whole_table(&grown),
+        "a claim a second after the outbox grew still reads it whole: {grown:?}"
+    );
+    drop(source);
+    pool.close().await;
 }
 
 #[tokio::test]

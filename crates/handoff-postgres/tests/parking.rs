@@ -138,6 +138,59 @@ fn find_scan(node: &serde_json::Value, index: &str, rows: &mut Option<i64>) {
     }
 }
 
+/// The rows one claim of `BATCH` read from the parts of its own statement (its CTE scans),
+/// on the plan a relay caches: the generic plan of the prepared claim, which knows neither the
+/// batch nor the front's bounds. Run under EXPLAIN ANALYZE in a transaction rolled back.
+async fn cached_plan_reads(db: &TestDb) -> i64 {
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL plan_cache_mode = force_generic_plan")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let prepare = format!(
+        "PREPARE cached_claim (text, bigint, float8, int, int, timestamptz, bigint) AS {}",
+        CLAIM_SQL.replace("{schema}", "")
+    );
+    sqlx::raw_sql(&prepare).execute(&mut *tx).await.unwrap();
+    let explain = format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE cached_claim('probe', {BATCH}, 30, 5, 2, NULL, NULL)"
+    );
+    let plan: serde_json::Value = sqlx::query_scalar(&explain)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::raw_sql("DEALLOCATE cached_claim")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    cte_rows(&plan[0]["Plan"])
+}
+
+/// Rows read by the CTE scans under `node`: what each returned and filtered out, per loop,
+/// times its loops.
+fn cte_rows(node: &serde_json::Value) -> i64 {
+    let own = if node["Node Type"] == "CTE Scan" {
+        let per_loop = [
+            "Actual Rows",
+            "Rows Removed by Filter",
+            "Rows Removed by Join Filter",
+        ]
+        .iter()
+        .map(|key| node[key].as_i64().unwrap_or(0))
+        .sum::<i64>();
+        per_loop * node["Actual Loops"].as_i64().unwrap_or(0)
+    } else {
+        0
+    };
+    own + node["Plans"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(cte_rows)
+        .sum::<i64>()
+}
+
 /// Parks the tail (claims until a claim parks nothing new), then vacuums and analyses, as
 /// autovacuum would: the dead row versions the parking left go, and the planner knows the
 /// table's size, so both measurements start alike.
@@ -412,4 +465,40 @@ async fn a_claim_locks_only_what_it_leases_and_reads_the_front_the_last_one_need
     .unwrap();
     assert_eq!(leased_total, 3 * BATCH as i64);
     assert_eq!(held_leased, 0, "a row another transaction held was leased");
+}
+
+#[tokio::test]
+async fn the_cached_claim_plan_parks_a_blocked_front_without_rereading_it_for_every_row() {
+    // A relay runs its claim on a generic plan, which guesses every part of the statement
+    // small; parts compared with NOT EXISTS then became nested loops, each front row reading
+    // the front again: 4 million CTE rows for a front of 2,000 rows behind held events.
+    let (db, _outbox) = common::migrated("parking_cached_plan").await;
+    let relay = source(&db);
+    append(&db, "h", 1).await;
+    let first = relay.claim(BATCH).await.unwrap();
+    hold(&relay, first.events[0].event_id).await;
+    // A whole front (four batches) waiting behind the held event, none of it parked yet.
+    let front = 4 * BATCH as i64;
+    append(&db, "h", front).await;
+    sqlx::query(&format!("ANALYZE {}.outbox", db.schema()))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    let read = cached_plan_reads(&db).await;
+    eprintln!("a claim parking a front of {front} rows read {read} rows of its own parts");
+    // Each part of the statement reads the front a few times over (head, park, hole, the
+    // counts), not once per front row (that would be front × front, 160,000 here).
+    assert!(
+        read <= 20 * front,
+        "the claim read {read} rows of its own parts for a front of {front}"
+    );
+    // And a claim by the relay, on its cached plan, parks that front.
+    let claim = relay.claim(BATCH).await.unwrap();
+    assert!(claim.events.is_empty(), "{:?}", claim.events);
+    let parked: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE blocked")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(parked, front);
 }

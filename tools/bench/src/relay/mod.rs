@@ -47,7 +47,7 @@ const SUBJECT_PREFIX: &str = "bench";
 pub(crate) const OUTSTANDING: usize = 256;
 
 /// Connections per relay pool, as `handoff relay` opens them.
-const POOL_CONNECTIONS: u32 = 4;
+const POOL_CONNECTIONS: u32 = 5;
 
 /// Goal of the issue: the relay at least this many times the naive loop.
 const GOAL_VS_NAIVE: f64 = 10.0;
