@@ -21,8 +21,9 @@ use std::time::{Duration, Instant};
 use handoff_core::delivery::{Published, Source};
 use handoff_postgres::{PollingConfig, PollingSource, Pooling, Schema};
 use handoff_test::TestDb;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use tracing::field::{Field, Visit};
+use tracing::subscriber::DefaultGuard;
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::Layer;
 
@@ -83,6 +84,36 @@ fn observed(options: PgConnectOptions) -> PgConnectOptions {
     ])
 }
 
+/// Collects the notices of this test's sessions until the guard is dropped.
+fn collect_notices() -> (Notices, DefaultGuard) {
+    let notices = Notices::default();
+    let guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(notices.clone()));
+    (notices, guard)
+}
+
+/// A relay's settings in the test's schema.
+fn relay_config(db: &TestDb, relay_id: &str, pooling: Pooling) -> PollingConfig {
+    PollingConfig {
+        schema: Schema::named(db.schema()).unwrap(),
+        relay_id: relay_id.into(),
+        pooling,
+        ..PollingConfig::default()
+    }
+}
+
+/// A source with `config` on a pool of two sessions made with `options`. The source keeps a
+/// connection for its claims until it is dropped: drop it before closing the pool.
+async fn source_on(options: PgConnectOptions, config: PollingConfig) -> (PgPool, PollingSource) {
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let source = PollingSource::new(pool.clone(), config).unwrap();
+    (pool, source)
+}
+
 /// One claim and one mark by a source on sessions made with `options` and `pooling`: whether
 /// the claim, and whether the mark's statement, were JIT-compiled.
 async fn claim_and_mark(
@@ -91,18 +122,7 @@ async fn claim_and_mark(
     options: PgConnectOptions,
     pooling: Pooling,
 ) -> (bool, bool) {
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(options)
-        .await
-        .unwrap();
-    let config = PollingConfig {
-        schema: Schema::named(db.schema()).unwrap(),
-        relay_id: "relay-jit".into(),
-        pooling,
-        ..PollingConfig::default()
-    };
-    let source = PollingSource::new(pool.clone(), config).unwrap();
+    let (pool, source) = source_on(options, relay_config(db, "relay-jit", pooling)).await;
     // Drops what connecting sent, so that only this claim and mark are looked at.
     notices.plans_of("");
     let claim = source.claim(10).await.unwrap();
@@ -117,7 +137,6 @@ async fn claim_and_mark(
     source.mark_published(&acks).await.unwrap();
     // The mark's first statement, run inside handoff_mark_published.
     let mark_plans = notices.plans_of("delivery_receipt = acked.receipt");
-    // The source keeps a connection for its claims until it is dropped.
     drop(source);
     pool.close().await;
     assert_eq!(
@@ -148,9 +167,7 @@ fn compiled(plans: &[String]) -> bool {
 
 #[tokio::test]
 async fn the_relays_claim_and_mark_are_never_jit_compiled_however_costly_the_planner_thinks_them() {
-    let notices = Notices::default();
-    let _guard =
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(notices.clone()));
+    let (notices, _guard) = collect_notices();
     let db = TestDb::migrated("jit").await;
     let available: bool = sqlx::query_scalar("SELECT pg_jit_available()")
         .fetch_one(&db.pool)
@@ -207,20 +224,9 @@ async fn plans_of_claims(
     pooling: Pooling,
     claims: usize,
 ) -> (usize, Duration) {
-    let config = PollingConfig {
-        schema: Schema::named(db.schema()).unwrap(),
-        relay_id: "relay-plans".into(),
-        pooling,
-        ..PollingConfig::default()
-    };
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(planning_reported(
-            config.session_options(db.connect_options()),
-        ))
-        .await
-        .unwrap();
-    let source = PollingSource::new(pool.clone(), config).unwrap();
+    let config = relay_config(db, "relay-plans", pooling);
+    let options = planning_reported(config.session_options(db.connect_options()));
+    let (pool, source) = source_on(options, config).await;
     notices.plans_of("");
     let started = Instant::now();
     for _ in 0..claims {
@@ -236,9 +242,7 @@ async fn plans_of_claims(
 
 #[tokio::test]
 async fn a_relay_plans_its_claim_once_a_second_not_at_every_claim() {
-    let notices = Notices::default();
-    let _guard =
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(notices.clone()));
+    let (notices, _guard) = collect_notices();
     let db = TestDb::migrated("claim_plans").await;
     const CLAIMS: usize = 20;
 
@@ -260,26 +264,16 @@ async fn a_relay_plans_its_claim_once_a_second_not_at_every_claim() {
 
 #[tokio::test]
 async fn a_claim_plan_made_on_an_empty_outbox_is_made_again_once_the_outbox_has_grown() {
-    let notices = Notices::default();
-    let _guard =
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(notices.clone()));
+    let (notices, _guard) = collect_notices();
     let db = TestDb::migrated("claim_replan").await;
     // Empty, and known to be (a new deployment; a cleanup, then a vacuum that truncated it).
     sqlx::query(&format!("VACUUM ANALYZE {}.outbox", db.schema()))
         .execute(&db.pool)
         .await
         .unwrap();
-    let config = PollingConfig {
-        schema: Schema::named(db.schema()).unwrap(),
-        relay_id: "relay-replan".into(),
-        ..PollingConfig::default()
-    };
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(observed(config.session_options(db.connect_options())))
-        .await
-        .unwrap();
-    let source = PollingSource::new(pool.clone(), config).unwrap();
+    let config = relay_config(&db, "relay-replan", Pooling::Session);
+    let options = observed(config.session_options(db.connect_options()));
+    let (pool, source) = source_on(options, config).await;
     let reads_whole_table =
         |plans: &[String]| plans.iter().any(|p| p.contains("Seq Scan on outbox "));
 
