@@ -185,6 +185,12 @@ const BUSY_POLL_MAX: Duration = Duration::from_millis(20);
 /// second, and a wrong one lasts a second at most.
 const REPLAN_EVERY: Duration = Duration::from_secs(1);
 
+/// The smallest pool a source keeps a connection of for its claims (see [`REPLAN_EVERY`]): one
+/// for the claims, one for the listener and one for the acknowledgements. From a smaller pool
+/// a kept connection would leave the acknowledgements none, so claims borrow one each time and
+/// are planned at every call.
+const KEPT_CLAIM_POOL: u32 = 3;
+
 /// Makes the claim's session run prepared statements on their generic plan (see
 /// [`REPLAN_EVERY`]).
 const GENERIC_PLANS: &str = "SET plan_cache_mode = force_generic_plan";
@@ -449,11 +455,13 @@ const CLAIM_WITHOUT_JIT: &str = "SET LOCAL jit = off";
 /// in one short statement each, acknowledgements set `published_at`, and LISTEN/NOTIFY wakes an
 /// idle relay (brief P1, P2, P7).
 ///
-/// It uses up to three connections of the pool at once: claims, acknowledgements (which the
-/// relay runs concurrently) and the listener, which keeps its connection. In aggregate order on
-/// a session of its own ([`Pooling::Session`]) the claims keep theirs too, with the claim's plan
-/// cached on it; that connection is closed, not returned to the pool, when the source is
-/// dropped, so drop the source before closing its pool.
+/// It uses several connections of the pool at once: the listener keeps one; claims,
+/// acknowledgements (which the relay runs concurrently), the sweep for stragglers and backlog
+/// reads take one each while they run. In aggregate order on a session of its own
+/// ([`Pooling::Session`]) and from a pool of at least three connections, the claims keep
+/// theirs, with the claim's plan cached on it; that connection is closed, not returned to the
+/// pool, when the source is dropped, so drop the source before closing its pool. `handoff
+/// relay` gives its source a pool of five.
 ///
 /// # Examples
 ///
@@ -717,9 +725,12 @@ impl PollingSource {
     }
 
     /// Whether claims run on [`PollingSource::claim_session`] with their plan cached: in
-    /// aggregate order, on sessions of their own (not through a transaction pooler).
+    /// aggregate order, on sessions of their own (not through a transaction pooler), from a
+    /// pool of at least [`KEPT_CLAIM_POOL`] connections.
     fn keeps_claim_plan(&self) -> bool {
-        self.config.pooling == Pooling::Session && self.config.order == OrderMode::Aggregate
+        self.config.pooling == Pooling::Session
+            && self.config.order == OrderMode::Aggregate
+            && self.pool.options().get_max_connections() >= KEPT_CLAIM_POOL
     }
 
     /// One claim on the kept session (see [`REPLAN_EVERY`]), which it opens if there is none.

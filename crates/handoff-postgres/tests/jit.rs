@@ -102,11 +102,15 @@ fn relay_config(db: &TestDb, relay_id: &str, pooling: Pooling) -> PollingConfig 
     }
 }
 
-/// A source with `config` on a pool of two sessions made with `options`. The source keeps a
-/// connection for its claims until it is dropped: drop it before closing the pool.
-async fn source_on(options: PgConnectOptions, config: PollingConfig) -> (PgPool, PollingSource) {
+/// A source with `config` on a pool of `sessions` sessions made with `options`. The source
+/// may keep a connection for its claims until it is dropped: drop it before closing the pool.
+async fn source_on(
+    options: PgConnectOptions,
+    config: PollingConfig,
+    sessions: u32,
+) -> (PgPool, PollingSource) {
     let pool = PgPoolOptions::new()
-        .max_connections(2)
+        .max_connections(sessions)
         .connect_with(options)
         .await
         .unwrap();
@@ -122,7 +126,7 @@ async fn claim_and_mark(
     options: PgConnectOptions,
     pooling: Pooling,
 ) -> (bool, bool) {
-    let (pool, source) = source_on(options, relay_config(db, "relay-jit", pooling)).await;
+    let (pool, source) = source_on(options, relay_config(db, "relay-jit", pooling), 3).await;
     // Drops what connecting sent, so that only this claim and mark are looked at.
     notices.plans_of("");
     let claim = source.claim(10).await.unwrap();
@@ -217,16 +221,17 @@ fn planning_reported(options: PgConnectOptions) -> PgConnectOptions {
 }
 
 /// How many plans `claims` claims of an empty outbox made, by a source with `pooling` on a
-/// relay's sessions, and how long the claims took.
+/// pool of `sessions` relay sessions, and how long the claims took.
 async fn plans_of_claims(
     db: &TestDb,
     notices: &Notices,
     pooling: Pooling,
+    sessions: u32,
     claims: usize,
 ) -> (usize, Duration) {
     let config = relay_config(db, "relay-plans", pooling);
     let options = planning_reported(config.session_options(db.connect_options()));
-    let (pool, source) = source_on(options, config).await;
+    let (pool, source) = source_on(options, config, sessions).await;
     notices.plans_of("");
     let started = Instant::now();
     for _ in 0..claims {
@@ -247,14 +252,21 @@ async fn a_relay_plans_its_claim_once_a_second_not_at_every_claim() {
     const CLAIMS: usize = 20;
 
     // The control: through a transaction pooler, an unnamed statement, planned every time.
-    let (plans, _) = plans_of_claims(&db, &notices, Pooling::Transaction, CLAIMS).await;
+    let (plans, _) = plans_of_claims(&db, &notices, Pooling::Transaction, 3, CLAIMS).await;
     assert!(
         plans >= CLAIMS,
         "{plans} plans for {CLAIMS} claims, unnamed"
     );
+    // From a pool of two, a kept connection would leave the acknowledgements none (beside a
+    // listener): planned every time too.
+    let (plans, _) = plans_of_claims(&db, &notices, Pooling::Session, 2, CLAIMS).await;
+    assert!(
+        plans >= CLAIMS,
+        "{plans} plans for {CLAIMS} claims, from a pool of two"
+    );
 
     // On a relay's own session: once, and once more for every REPLAN_EVERY the claims took.
-    let (plans, took) = plans_of_claims(&db, &notices, Pooling::Session, CLAIMS).await;
+    let (plans, took) = plans_of_claims(&db, &notices, Pooling::Session, 3, CLAIMS).await;
     let most = 1 + (took.as_secs_f64() / REPLAN_EVERY.as_secs_f64()).ceil() as usize;
     assert!(
         (1..=most).contains(&plans),
@@ -273,7 +285,7 @@ async fn a_claim_plan_made_on_an_empty_outbox_is_made_again_once_the_outbox_has_
         .unwrap();
     let config = relay_config(&db, "relay-replan", Pooling::Session);
     let options = observed(config.session_options(db.connect_options()));
-    let (pool, source) = source_on(options, config).await;
+    let (pool, source) = source_on(options, config, 3).await;
     let reads_whole_table =
         |plans: &[String]| plans.iter().any(|p| p.contains("Seq Scan on outbox "));
 
