@@ -102,6 +102,15 @@ fn relay_config(db: &TestDb, relay_id: &str, pooling: Pooling) -> PollingConfig 
     }
 }
 
+/// A pool of `sessions` sessions made with `options`.
+async fn pool_on(options: PgConnectOptions, sessions: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(sessions)
+        .connect_with(options)
+        .await
+        .unwrap()
+}
+
 /// A source with `config` on a pool of `sessions` sessions made with `options`. The source
 /// may keep a connection for its claims until it is dropped: drop it before closing the pool.
 async fn source_on(
@@ -109,11 +118,7 @@ async fn source_on(
     config: PollingConfig,
     sessions: u32,
 ) -> (PgPool, PollingSource) {
-    let pool = PgPoolOptions::new()
-        .max_connections(sessions)
-        .connect_with(options)
-        .await
-        .unwrap();
+    let pool = pool_on(options, sessions).await;
     let source = PollingSource::new(pool.clone(), config).unwrap();
     (pool, source)
 }
@@ -339,12 +344,8 @@ async fn relay_sessions_end_statements_a_second_after_the_query_timeout() {
 }
 
 /// One session of a relay pool built with `config`'s session options on the test's database.
-async fn relay_session(db: &TestDb, config: &PollingConfig) -> sqlx::PgPool {
-    PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(config.session_options(db.connect_options()))
-        .await
-        .unwrap()
+async fn relay_session(db: &TestDb, config: &PollingConfig) -> PgPool {
+    pool_on(config.session_options(db.connect_options()), 1).await
 }
 
 #[tokio::test]

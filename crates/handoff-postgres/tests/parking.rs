@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use claims::{claimed, hold, mark_published};
 use handoff_core::delivery::Source;
+use handoff_core::EventId;
 use handoff_postgres::{Migrator, PollingConfig, PollingSource, Quarantine, Schema};
 use handoff_test::{factory, TestDb};
 use sqlx::Row;
@@ -56,6 +57,16 @@ async fn publish_one_claim(relay: &PollingSource) -> Vec<(String, i64)> {
     let mut published = claimed(&claim);
     published.sort();
     published
+}
+
+/// Writes `aggregate`'s first event and holds it (the destination refused it for good), so that
+/// whatever is appended behind it waits; returns its id.
+async fn hold_first_event(db: &TestDb, relay: &PollingSource, aggregate: &str) -> EventId {
+    append(db, aggregate, 1).await;
+    let first = relay.claim(BATCH).await.unwrap();
+    let event_id = first.events[0].event_id;
+    hold(relay, event_id).await;
+    event_id
 }
 
 /// Publishes the healthy aggregates' events (one claim: they are BATCH heads).
@@ -224,10 +235,8 @@ async fn a_held_aggregate_with_a_growing_tail_does_not_raise_what_a_claim_reads(
     let (db, _outbox) = common::migrated("parking_growing_tail").await;
     let relay = source(&db);
 
-    // h#1 is held (the destination refused it for good).
-    append(&db, "h", 1).await;
-    let first = relay.claim(BATCH).await.unwrap();
-    hold(&relay, first.events[0].event_id).await;
+    // h#1 is held.
+    let held = hold_first_event(&db, &relay, "h").await;
 
     // A short tail, parked; then a claim among healthy traffic.
     append(&db, "h", 200).await;
@@ -269,10 +278,7 @@ async fn a_held_aggregate_with_a_growing_tail_does_not_raise_what_a_claim_reads(
     // smaller than the tail: each batch's mark frees the next one.
     let quarantine = Quarantine::new(&Schema::named(db.schema()).unwrap());
     let mut conn = db.pool.acquire().await.unwrap();
-    quarantine
-        .retry(&mut conn, first.events[0].event_id, "op")
-        .await
-        .unwrap();
+    quarantine.retry(&mut conn, held, "op").await.unwrap();
     let published = tokio::time::timeout(Duration::from_secs(120), drain_all(&relay))
         .await
         .expect("the tail drains");
@@ -471,12 +477,10 @@ async fn a_claim_locks_only_what_it_leases_and_reads_the_front_the_last_one_need
 async fn the_cached_claim_plan_parks_a_blocked_front_without_rereading_it_for_every_row() {
     // A relay runs its claim on a generic plan, which guesses every part of the statement
     // small; parts compared with NOT EXISTS then became nested loops, each front row reading
-    // the front again: 4 million CTE rows for a front of 2,000 rows behind held events.
+    // the front again: 6 million CTE rows for a front of 2,000 rows behind held events.
     let (db, _outbox) = common::migrated("parking_cached_plan").await;
     let relay = source(&db);
-    append(&db, "h", 1).await;
-    let first = relay.claim(BATCH).await.unwrap();
-    hold(&relay, first.events[0].event_id).await;
+    hold_first_event(&db, &relay, "h").await;
     // A whole front (four batches) waiting behind the held event, none of it parked yet.
     let front = 4 * BATCH as i64;
     append(&db, "h", front).await;
