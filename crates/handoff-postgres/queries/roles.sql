@@ -90,8 +90,12 @@ GRANT SELECT ON {schema_name}.outbox TO {relay};
 GRANT UPDATE (claimed_by, claim_until, available_at, published_at, attempt_count, last_error,
               delivery_receipt, takeover_count, hold_reason, quarantined_at, blocked)
     ON {schema_name}.outbox TO {relay};
--- The mark and the unparking of what waited behind (migration 0012).
-GRANT EXECUTE ON FUNCTION {schema_name}.handoff_mark_published(uuid[], text[]) TO {relay};
+-- The mark and the unparking of what waited behind (migration 0012), planned per call, and its
+-- body planned as the relay's own session says (migration 0017).
+GRANT EXECUTE ON FUNCTION
+    {schema_name}.handoff_mark_published(uuid[], text[]),
+    {schema_name}.handoff_mark_published_session_plans(uuid[], text[])
+    TO {relay};
 -- Its own wait registrations (queries/relay_wait.sql, relay_unwait.sql).
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema_name}.outbox_relay_waits TO {relay};
 -- `--order global` checks the lane exists; reading the head is harmless.

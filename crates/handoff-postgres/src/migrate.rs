@@ -143,6 +143,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0016_relay_without_jit.up.sql"),
         down: include_str!("../migrations/0016_relay_without_jit.down.sql"),
     },
+    Migration {
+        version: 17,
+        name: "mark_published_session_plans",
+        up: include_str!("../migrations/0017_mark_published_session_plans.up.sql"),
+        down: include_str!("../migrations/0017_mark_published_session_plans.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

@@ -12,7 +12,7 @@ use handoff_core::delivery::{
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgRow};
-use sqlx::{Connection, PgConnection, Postgres, Row};
+use sqlx::{PgConnection, Postgres, Row};
 use tokio::sync::Mutex;
 use tokio::time::error::Elapsed;
 
@@ -25,6 +25,7 @@ const CLAIM_SQL: &str = include_str!("../queries/claim.sql");
 const CLAIM_GLOBAL_SQL: &str = include_str!("../queries/claim_global.sql");
 const GLOBAL_PENDING_SQL: &str = include_str!("../queries/global_pending.sql");
 const MARK_PUBLISHED_SQL: &str = include_str!("../queries/mark_published.sql");
+const MARK_PUBLISHED_KEPT_SQL: &str = include_str!("../queries/mark_published_kept.sql");
 const RECORD_FAILURES_SQL: &str = include_str!("../queries/record_failures.sql");
 const RELEASE_SQL: &str = include_str!("../queries/release.sql");
 const RELAY_WAIT_SQL: &str = include_str!("../queries/relay_wait.sql");
@@ -166,8 +167,8 @@ const CLAIM_COSTS: usize = 4;
 /// busy database adds to commit-to-broker latency.
 const BUSY_POLL_MAX: Duration = Duration::from_millis(20);
 
-/// How long a claim's cached plan is kept before it is made again (aggregate order, on a
-/// session of its own: see [`PollingSource::claim_session`]).
+/// How long a claim's or a mark's cached plan is kept before it is made again (on a session
+/// of its own: see [`PollingSource::claim_session`] and [`PollingSource::mark_session`]).
 ///
 /// Planning the claim costs more than running it when the relay keeps up: 2.7 s of planning
 /// against 2.5 s of execution over 1,104 claims of 24 events on average (`pg_stat_statements`,
@@ -183,6 +184,10 @@ const BUSY_POLL_MAX: Duration = Duration::from_millis(20);
 /// table is analysed, which autovacuum may do a minute later. The planner reads the table's
 /// current size each time it plans, so a plan made again every second costs a millisecond a
 /// second, and a wrong one lasts a second at most.
+///
+/// The mark is kept the same way (migration 0017): its two statements, planned at every call,
+/// cost more to plan than to run for a dozen events, and a plan of them made on an empty
+/// outbox reads the whole table too (migration 0014).
 const REPLAN_EVERY: Duration = Duration::from_secs(1);
 
 /// The smallest pool a source keeps a connection of for its claims (see [`REPLAN_EVERY`]): one
@@ -191,9 +196,19 @@ const REPLAN_EVERY: Duration = Duration::from_secs(1);
 /// are planned at every call.
 const KEPT_CLAIM_POOL: u32 = 3;
 
-/// Makes the claim's session run prepared statements on their generic plan (see
-/// [`REPLAN_EVERY`]).
+/// The smallest pool a source keeps a connection of for its marks as well (see
+/// [`REPLAN_EVERY`]): beside the claims' and the listener's, one is left for the failure and
+/// release writes, the backlog reads and the sweep. From a smaller pool each mark borrows a
+/// connection and is planned at every call.
+const KEPT_MARK_POOL: u32 = 4;
+
+/// Makes a kept session run prepared statements, and the statements of the functions it calls,
+/// on their generic plan (see [`REPLAN_EVERY`]).
 const GENERIC_PLANS: &str = "SET plan_cache_mode = force_generic_plan";
+
+/// Drops every plan a kept session cached, its prepared statements' and those PL/pgSQL keeps
+/// of a function's statements: each is made again when next run.
+const DROP_PLANS: &str = "DISCARD PLANS";
 
 /// Settings of a [`PollingSource`].
 #[derive(Debug, Clone)]
@@ -457,11 +472,11 @@ const CLAIM_WITHOUT_JIT: &str = "SET LOCAL jit = off";
 ///
 /// It uses several connections of the pool at once: the listener keeps one; claims,
 /// acknowledgements (which the relay runs concurrently), the sweep for stragglers and backlog
-/// reads take one each while they run. In aggregate order on a session of its own
-/// ([`Pooling::Session`]) and from a pool of at least three connections, the claims keep
-/// theirs, with the claim's plan cached on it; that connection is closed, not returned to the
-/// pool, when the source is dropped, so drop the source before closing its pool. `handoff
-/// relay` gives its source a pool of five.
+/// reads take one each while they run. On a session of its own ([`Pooling::Session`]) some
+/// keep theirs, with their plans cached on it: the claims (aggregate order) from a pool of at
+/// least three connections, the marks from a pool of at least four. A kept connection is
+/// closed, not returned to the pool, when the source is dropped, so drop the source before
+/// closing its pool. `handoff relay` gives its source a pool of five.
 ///
 /// # Examples
 ///
@@ -499,23 +514,27 @@ pub struct PollingSource {
     claim_costs: std::sync::Mutex<([Duration; CLAIM_COSTS], usize)>,
     /// The session aggregate-order claims run on, with their plan cached (see
     /// [`REPLAN_EVERY`]); none until the first claim, and after a claim failed on it.
-    claim_session: Mutex<Option<ClaimSession>>,
+    claim_session: Mutex<Option<KeptSession>>,
+    /// The session marks run on, with the plans of the mark's statements cached (see
+    /// [`REPLAN_EVERY`]); none until the first mark, and after a mark failed on it.
+    mark_session: Mutex<Option<KeptSession>>,
 }
 
-/// A connection of the pool kept for claims, with the claim prepared on it.
+/// A connection of the pool kept for one statement (the claim, or the mark), whose plans it
+/// caches.
 ///
 /// It holds one of the pool's connections for as long as the source lives, and is closed, not
 /// returned to the pool, when the source drops it: its session runs on generic plans.
-struct ClaimSession {
+struct KeptSession {
     conn: PoolConnection<Postgres>,
-    /// When the claim's plan was made (when its statement was last dropped): none before the
-    /// session was set up for generic plans.
+    /// When its plans were last dropped: none before the session was set up for generic plans.
     planned_at: Option<Instant>,
 }
 
 struct Sql {
     claim: String,
     mark_published: String,
+    mark_published_kept: String,
     record_failures: String,
     release: String,
     wait: String,
@@ -601,6 +620,7 @@ impl PollingSource {
                 OrderMode::Global => CLAIM_GLOBAL_SQL,
             }),
             mark_published: sql(MARK_PUBLISHED_SQL),
+            mark_published_kept: sql(MARK_PUBLISHED_KEPT_SQL),
             record_failures: sql(RECORD_FAILURES_SQL),
             release: sql(RELEASE_SQL),
             wait: sql(RELAY_WAIT_SQL),
@@ -620,6 +640,7 @@ impl PollingSource {
             scan: std::sync::Mutex::new(ScanFrom::default()),
             claim_costs: std::sync::Mutex::new(([Duration::ZERO; CLAIM_COSTS], 0)),
             claim_session: Mutex::new(None),
+            mark_session: Mutex::new(None),
         })
     }
 
@@ -733,23 +754,30 @@ impl PollingSource {
             && self.pool.options().get_max_connections() >= KEPT_CLAIM_POOL
     }
 
-    /// One claim on the kept session (see [`REPLAN_EVERY`]), which it opens if there is none.
-    /// A claim that fails closes the session, so nothing of its state outlives the failure.
-    async fn claim_on_kept_session(
+    /// Whether marks run on [`PollingSource::mark_session`] with their plans cached: on
+    /// sessions of their own, from a pool of at least [`KEPT_MARK_POOL`] connections.
+    fn keeps_mark_plan(&self) -> bool {
+        self.config.pooling == Pooling::Session
+            && self.pool.options().get_max_connections() >= KEPT_MARK_POOL
+    }
+
+    /// Runs `statement` on the session kept in `kept` (see [`REPLAN_EVERY`]), which it opens
+    /// if there is none, under the query timeout. A statement that fails closes the session,
+    /// so nothing of its state outlives the failure.
+    async fn on_kept_session<T>(
         &self,
-        max: i64,
-        scan_from: Option<DateTime<Utc>>,
-        front_rows: Option<i64>,
+        kept: &Mutex<Option<KeptSession>>,
         what: &str,
-    ) -> Result<Vec<PgRow>, SourceError> {
-        let mut kept = self.claim_session.lock().await;
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, SourceError> {
+        let mut kept = kept.lock().await;
         let mut session = match kept.take() {
             Some(session) => session,
             None => {
                 let mut conn = self.connection(what).await?;
                 // Its session will run on generic plans: it must not serve anyone else.
                 conn.close_on_drop();
-                ClaimSession {
+                KeptSession {
                     conn,
                     planned_at: None,
                 }
@@ -765,19 +793,21 @@ impl PollingSource {
                     session.planned_at = Some(Instant::now());
                 }
                 Some(at) if at.elapsed() >= REPLAN_EVERY => {
-                    // Dropped here, prepared and planned again by the claim below.
-                    session.conn.clear_cached_statements().await?;
+                    // Planned again by the statement below.
+                    sqlx::query(DROP_PLANS)
+                        .persistent(false)
+                        .execute(&mut *session.conn)
+                        .await?;
                     session.planned_at = Some(Instant::now());
                 }
                 Some(_) => {}
             }
-            self.run_claim(&mut session.conn, true, max, scan_from, front_rows)
-                .await
+            statement(&mut *session.conn).await
         };
         let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-        let rows = self.bounded(&mut session.conn, outcome, what)?;
+        let value = self.bounded(&mut session.conn, outcome, what)?;
         *kept = Some(session);
-        Ok(rows)
+        Ok(value)
     }
 
     /// Runs `claim.sql` (or `claim_global.sql`) on `conn`: named and cached when `cached`,
@@ -1052,8 +1082,10 @@ impl Source for PollingSource {
             .front_rows;
         let what = "while claiming";
         let rows = if self.keeps_claim_plan() {
-            self.claim_on_kept_session(max, scan_from, front_rows, what)
-                .await?
+            self.on_kept_session(&self.claim_session, what, async |conn| {
+                self.run_claim(conn, true, max, scan_from, front_rows).await
+            })
+            .await?
         } else {
             // An unnamed statement, planned at every call: through a transaction pooler
             // nothing lives in the session, and the global lane's claim reads one short queue.
@@ -1187,19 +1219,31 @@ impl Source for PollingSource {
         let leases = self.leases_of(&ids);
         let receipts: Vec<Option<&str>> = published.iter().map(|p| p.receipt.detail()).collect();
         let what = "while marking events published";
-        let mut conn = self.connection(what).await?;
-        let query = async {
-            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
-            sqlx::query(&self.sql.mark_published)
-                .persistent(self.named_statements())
-                .bind(&ids)
-                .bind(&receipts)
-                .execute(scope.conn())
-                .await?;
-            scope.finish().await
-        };
-        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-        self.bounded(&mut conn, outcome, what)?;
+        if self.keeps_mark_plan() {
+            self.on_kept_session(&self.mark_session, what, async |conn| {
+                sqlx::query(&self.sql.mark_published_kept)
+                    .bind(&ids)
+                    .bind(&receipts)
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+            .await?;
+        } else {
+            let mut conn = self.connection(what).await?;
+            let query = async {
+                let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+                sqlx::query(&self.sql.mark_published)
+                    .persistent(self.named_statements())
+                    .bind(&ids)
+                    .bind(&receipts)
+                    .execute(scope.conn())
+                    .await?;
+                scope.finish().await
+            };
+            let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+            self.bounded(&mut conn, outcome, what)?;
+        }
         self.forget_leases(&ids, &leases);
         Ok(())
     }

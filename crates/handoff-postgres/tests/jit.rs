@@ -8,9 +8,9 @@
 //! client as a notice; the plan has a `JIT:` section when the statement was compiled. The
 //! control (a session with none of the relay's settings) shows that the section does appear.
 //!
-//! The claim's plan is checked next: made once a second on a relay's session, not at every
-//! claim, and made again once an outbox it was made on while empty has grown (the planner's
-//! stats and `auto_explain`'s plans, sent to the client the same way).
+//! The claim's and the mark's plans are checked next: made once a second on a relay's
+//! session, not at every call, and made again once an outbox they were made on while empty
+//! has grown (the planner's stats and `auto_explain`'s plans, sent to the client the same way).
 //!
 //! The other settings of a relay session are checked at the end: its statement timeout and its
 //! commits that do not wait for the WAL flush.
@@ -157,12 +157,13 @@ async fn claim_and_mark(
     (compiled(&claim_plans), compiled(&mark_plans))
 }
 
+/// Writes `events` events, each the first of an aggregate of its own.
 async fn enqueue(db: &TestDb, events: i64) {
     sqlx::query(
         "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_sequence,
                              event_type, schema_version, payload)
-         SELECT gen_random_uuid(), 'order', 'o-' || i, 1, 'OrderCreated', 1, '{}'
-         FROM generate_series(1, $1) AS i",
+         SELECT gen_random_uuid(), 'order', gen_random_uuid()::text, 1, 'OrderCreated', 1, '{}'
+         FROM generate_series(1, $1)",
     )
     .bind(events)
     .execute(&db.pool)
@@ -215,8 +216,8 @@ async fn the_relays_claim_and_mark_are_never_jit_compiled_however_costly_the_pla
     );
 }
 
-/// How long a relay keeps the claim's plan before making it again (the source's
-/// `REPLAN_EVERY`).
+/// How long a relay keeps the claim's and the mark's plans before making them again (the
+/// source's `REPLAN_EVERY`).
 const REPLAN_EVERY: Duration = Duration::from_secs(1);
 
 /// `options` for a session that tells the client of every plan it makes (a `PLANNER
@@ -318,6 +319,120 @@ async fn a_claim_plan_made_on_an_empty_outbox_is_made_again_once_the_outbox_has_
         !reads_whole_table(&grown),
         "a claim a second after the outbox grew still reads it whole: {grown:?}"
     );
+    drop(source);
+    pool.close().await;
+}
+
+/// How many plans `marks` marks of one event each made, by a source with `pooling` on a pool
+/// of `sessions` relay sessions, and how long the marks took. The events are claimed first
+/// (`enqueue` them), and the claim's plans are not counted.
+async fn plans_of_marks(
+    db: &TestDb,
+    notices: &Notices,
+    pooling: Pooling,
+    sessions: u32,
+    marks: usize,
+) -> (usize, Duration) {
+    let config = relay_config(db, &format!("relay-marks-{sessions}"), pooling);
+    let options = planning_reported(config.session_options(db.connect_options()));
+    let (pool, source) = source_on(options, config, sessions).await;
+    let claim = source.claim(marks).await.unwrap();
+    assert_eq!(claim.events.len(), marks, "events to mark");
+    notices.plans_of("");
+    let started = Instant::now();
+    for event in &claim.events {
+        source
+            .mark_published(&[Published::id(event.event_id)])
+            .await
+            .unwrap();
+    }
+    let took = started.elapsed();
+    let plans = notices.plans_of("PLANNER STATISTICS").len();
+    drop(source);
+    pool.close().await;
+    (plans, took)
+}
+
+#[tokio::test]
+async fn a_relay_plans_its_mark_once_a_second_not_at_every_mark() {
+    let (notices, _guard) = collect_notices();
+    let db = TestDb::migrated("mark_plans").await;
+    const MARKS: usize = 20;
+    enqueue(&db, 3 * MARKS as i64).await;
+
+    // The control: through a transaction pooler, each statement of the mark is planned at
+    // every call (the function's own two, and the call).
+    let (plans, _) = plans_of_marks(&db, &notices, Pooling::Transaction, 4, MARKS).await;
+    assert!(
+        plans >= 2 * MARKS,
+        "{plans} plans for {MARKS} marks, through the transaction path"
+    );
+    // From a pool of three the marks keep no connection (the claims, the listener and the rest
+    // have one each): planned at every call too.
+    let (plans, _) = plans_of_marks(&db, &notices, Pooling::Session, 3, MARKS).await;
+    assert!(
+        plans >= 2 * MARKS,
+        "{plans} plans for {MARKS} marks, from a pool of three"
+    );
+
+    // On a relay's own session: the call and the function's two statements once, and once more
+    // for every REPLAN_EVERY the marks took.
+    let (plans, took) = plans_of_marks(&db, &notices, Pooling::Session, 4, MARKS).await;
+    let most = 3 * (1 + (took.as_secs_f64() / REPLAN_EVERY.as_secs_f64()).ceil() as usize);
+    assert!(
+        (1..=most).contains(&plans),
+        "{plans} plans for {MARKS} marks in {took:?}, on the relay's session"
+    );
+}
+
+#[tokio::test]
+async fn a_mark_plan_made_on_an_empty_outbox_is_made_again_once_the_outbox_has_grown() {
+    let (notices, _guard) = collect_notices();
+    let db = TestDb::migrated("mark_replan").await;
+    // Empty, and known to be; then the few events of a new deployment's first seconds.
+    sqlx::query(&format!("VACUUM ANALYZE {}.outbox", db.schema()))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    enqueue(&db, 10).await;
+    let config = relay_config(&db, "relay-mark-replan", Pooling::Session);
+    let options = observed(config.session_options(db.connect_options()));
+    let (pool, source) = source_on(options, config, 4).await;
+    let reads_whole_table =
+        |plans: &[String]| plans.iter().any(|p| p.contains("Seq Scan on outbox "));
+    // The mark's first statement, as auto_explain reports it from inside the function.
+    let mark_statement = "delivery_receipt = acked.receipt";
+    let mark_all = async |source: &PollingSource, events: usize| {
+        let claim = source.claim(events).await.unwrap();
+        assert_eq!(claim.events.len(), events);
+        let acks: Vec<Published> = claim
+            .events
+            .iter()
+            .map(|e| Published::id(e.event_id))
+            .collect();
+        notices.plans_of("");
+        source.mark_published(&acks).await.unwrap();
+        notices.plans_of(mark_statement)
+    };
+
+    let on_small = mark_all(&source, 10).await;
+    // What the planner makes of a table of one page: read it whole. This is why the plan is
+    // not kept for ever (PL/pgSQL would keep it until the next ANALYZE).
+    assert!(
+        reads_whole_table(&on_small),
+        "the mark's plan made on a small outbox reads it by index: {on_small:?}"
+    );
+
+    enqueue(&db, 20_000).await;
+    tokio::time::sleep(REPLAN_EVERY).await;
+    let grown = mark_all(&source, 100).await;
+    assert_eq!(grown.len(), 1, "{grown:?}");
+    assert!(
+        !reads_whole_table(&grown),
+        "a mark a second after the outbox grew still reads it whole: {grown:?}"
+    );
+    // The kept session's mark runs the function's body, which keeps 0016's `jit = off`.
+    assert!(!compiled(&grown), "the kept mark was JIT-compiled: {grown:?}");
     drop(source);
     pool.close().await;
 }
