@@ -596,9 +596,9 @@ async fn connect_postgres(options: &PgConnectOptions) -> Result<PgPool> {
         match sqlx::PgConnection::connect_with(options).await {
             Ok(probe) => {
                 let _ = probe.close().await;
-                // Claims (which keep theirs, with the claim's plan cached on it), write-back
-                // and the listener each hold one; the straggler sweep and the backlog gauge
-                // borrow one each.
+                // Claims and marks (which keep theirs, with their plans cached on it) and the
+                // listener each hold one; the straggler sweep, the backlog gauge and the
+                // failure and release writes borrow the other two.
                 return Ok(PgPoolOptions::new()
                     .max_connections(5)
                     .acquire_timeout(Duration::from_secs(10))
