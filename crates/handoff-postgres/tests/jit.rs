@@ -18,7 +18,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use handoff_core::delivery::{Published, Source};
+use handoff_core::delivery::{OutboxEvent, Published, Source};
 use handoff_postgres::{PollingConfig, PollingSource, Pooling, Schema};
 use handoff_test::TestDb;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -254,6 +254,30 @@ fn planning_reported(options: PgConnectOptions) -> PgConnectOptions {
     options.options([("log_planner_stats", "on"), ("client_min_messages", "log")])
 }
 
+/// How many plans `work` made, run by a source with `pooling` on a pool of `sessions` relay
+/// sessions, and how long it took. What `prepare` does first (and returns to `work`) is not
+/// counted.
+async fn plans_of<T>(
+    db: &TestDb,
+    notices: &Notices,
+    (pooling, sessions): (Pooling, u32),
+    prepare: impl AsyncFnOnce(&PollingSource) -> T,
+    work: impl AsyncFnOnce(&PollingSource, T),
+) -> (usize, Duration) {
+    let config = relay_config(db, &format!("relay-plans-{pooling:?}-{sessions}"), pooling);
+    let options = planning_reported(config.session_options(db.connect_options()));
+    let (pool, source) = source_on(options, config, sessions).await;
+    let prepared = prepare(&source).await;
+    notices.plans_of("");
+    let started = Instant::now();
+    work(&source, prepared).await;
+    let took = started.elapsed();
+    let plans = notices.plans_of("PLANNER STATISTICS").len();
+    drop(source);
+    pool.close().await;
+    (plans, took)
+}
+
 /// How many plans `claims` claims of an empty outbox made, by a source with `pooling` on a
 /// pool of `sessions` relay sessions, and how long the claims took.
 async fn plans_of_claims(
@@ -263,20 +287,13 @@ async fn plans_of_claims(
     sessions: u32,
     claims: usize,
 ) -> (usize, Duration) {
-    let config = relay_config(db, "relay-plans", pooling);
-    let options = planning_reported(config.session_options(db.connect_options()));
-    let (pool, source) = source_on(options, config, sessions).await;
-    notices.plans_of("");
-    let started = Instant::now();
-    for _ in 0..claims {
-        let claim = source.claim(10).await.unwrap();
-        assert!(claim.events.is_empty());
-    }
-    let took = started.elapsed();
-    let plans = notices.plans_of("PLANNER STATISTICS").len();
-    drop(source);
-    pool.close().await;
-    (plans, took)
+    let claim_all = async |source: &PollingSource, ()| {
+        for _ in 0..claims {
+            let claim = source.claim(10).await.unwrap();
+            assert!(claim.events.is_empty());
+        }
+    };
+    plans_of(db, notices, (pooling, sessions), async |_| (), claim_all).await
 }
 
 #[tokio::test]
@@ -352,24 +369,20 @@ async fn plans_of_marks(
     sessions: u32,
     marks: usize,
 ) -> (usize, Duration) {
-    let config = relay_config(db, &format!("relay-marks-{sessions}"), pooling);
-    let options = planning_reported(config.session_options(db.connect_options()));
-    let (pool, source) = source_on(options, config, sessions).await;
-    let claim = source.claim(marks).await.unwrap();
-    assert_eq!(claim.events.len(), marks, "events to mark");
-    notices.plans_of("");
-    let started = Instant::now();
-    for event in &claim.events {
-        source
-            .mark_published(&[Published::id(event.event_id)])
-            .await
-            .unwrap();
-    }
-    let took = started.elapsed();
-    let plans = notices.plans_of("PLANNER STATISTICS").len();
-    drop(source);
-    pool.close().await;
-    (plans, took)
+    let claim = async |source: &PollingSource| {
+        let claim = source.claim(marks).await.unwrap();
+        assert_eq!(claim.events.len(), marks, "events to mark");
+        claim.events
+    };
+    let mark_each = async |source: &PollingSource, events: Vec<OutboxEvent>| {
+        for event in events {
+            source
+                .mark_published(&[Published::id(event.event_id)])
+                .await
+                .unwrap();
+        }
+    };
+    plans_of(db, notices, (pooling, sessions), claim, mark_each).await
 }
 
 #[tokio::test]
