@@ -15,9 +15,10 @@
 -- planned at every call, as before.
 --
 -- Renamed, not copied: the body, its grants (roles.sql's EXECUTE for the relay role) and its
--- `jit = off` (0016) go with it. The new handoff_mark_published is EXECUTE for PUBLIC, as every
--- new function;
--- the SQL of `handoff roles --print` grants both to the relay role explicitly.
+-- `jit = off` (0016) go with it. The new handoff_mark_published gets the body's grants (below),
+-- so that whoever could mark before still can, and nobody else: a deployment that revoked
+-- EXECUTE from PUBLIC keeps it revoked. The SQL of `handoff roles --print` grants both
+-- functions to the relay role.
 ALTER FUNCTION handoff_mark_published(uuid[], text[])
     RENAME TO handoff_mark_published_session_plans;
 ALTER FUNCTION handoff_mark_published_session_plans(uuid[], text[]) RESET plan_cache_mode;
@@ -30,3 +31,31 @@ SET search_path FROM CURRENT
 SET plan_cache_mode = force_custom_plan
 SET jit = off
 AS $$ SELECT handoff_mark_published_session_plans(p_event_ids, p_receipts) $$;
+
+-- The grants of the function that was handoff_mark_published, given to the one that now is.
+-- None recorded (NULL) means PostgreSQL's defaults, which the new function has too.
+DO $grants$
+DECLARE
+    v_acl aclitem[];
+    v_grantee oid;
+BEGIN
+    SELECT proacl INTO v_acl
+    FROM pg_proc
+    WHERE oid = 'handoff_mark_published_session_plans(uuid[], text[])'::regprocedure;
+    IF v_acl IS NULL THEN
+        RETURN;
+    END IF;
+    REVOKE ALL ON FUNCTION handoff_mark_published(uuid[], text[]) FROM PUBLIC;
+    FOR v_grantee IN
+        SELECT DISTINCT a.grantee FROM aclexplode(v_acl) a WHERE a.privilege_type = 'EXECUTE'
+    LOOP
+        IF v_grantee = 0 THEN
+            GRANT EXECUTE ON FUNCTION handoff_mark_published(uuid[], text[]) TO PUBLIC;
+        ELSE
+            -- regrole's text is the role's name, quoted where it needs to be.
+            EXECUTE format('GRANT EXECUTE ON FUNCTION handoff_mark_published(uuid[], text[]) TO %s',
+                           v_grantee::regrole);
+        END IF;
+    END LOOP;
+END
+$grants$;

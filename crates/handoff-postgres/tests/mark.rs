@@ -1,9 +1,11 @@
 //! The relay's mark (`handoff_mark_published`) against the real PostgreSQL: what it reads
-//! follows the events it marks, not the size the outbox had when the session first marked.
+//! follows the events it marks, not the size the outbox had when the session first marked; and
+//! who may call it is kept when migration 0017 puts a new function in its place.
 
 mod common;
 
-use handoff_test::factory;
+use handoff_postgres::{Migrator, Schema};
+use handoff_test::{factory, TestDb};
 use sqlx::pool::PoolConnection;
 use sqlx::Postgres;
 
@@ -199,5 +201,70 @@ async fn a_mark_beside_a_parked_tail_reads_what_it_marks_whatever_the_statistics
         cost <= baseline * 3,
         "marking {MARKED} events touched {baseline} buffers with nothing parked, {cost} beside \
          50,000 parked events"
+    );
+}
+
+/// Migration 0017 renames the mark's body and puts a new `handoff_mark_published` in its place:
+/// whoever could call the mark before still can, and nobody else can, where a deployment
+/// revoked EXECUTE from PUBLIC and granted it to its relay's role.
+#[tokio::test]
+async fn the_mark_upgraded_in_place_keeps_who_may_call_it() {
+    let db = TestDb::new("mark_grants").await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    let before_0017 = &handoff_postgres::HANDOFF_MIGRATIONS[..16];
+    assert_eq!(before_0017.last().unwrap().version, 16);
+    Migrator::new(Schema::default(), "handoff_migrations", before_0017)
+        .run(&mut conn)
+        .await
+        .unwrap();
+    // Roles are the cluster's: named after the test's schema, dropped at the end.
+    let relay = format!("{}_relay", db.schema());
+    let other = format!("{}_other", db.schema());
+    for statement in [
+        format!("CREATE ROLE {relay}"),
+        format!("CREATE ROLE {other}"),
+        "REVOKE EXECUTE ON FUNCTION handoff_mark_published(uuid[], text[]) FROM PUBLIC".into(),
+        format!("GRANT EXECUTE ON FUNCTION handoff_mark_published(uuid[], text[]) TO {relay}"),
+    ] {
+        sqlx::query(&statement).execute(&mut *conn).await.unwrap();
+    }
+
+    Migrator::handoff(Schema::default())
+        .run(&mut conn)
+        .await
+        .unwrap();
+    let may_call = |role: &str, function: &str| {
+        sqlx::query_scalar::<_, bool>("SELECT has_function_privilege($1, $2, 'EXECUTE')")
+            .bind(role.to_owned())
+            .bind(format!("{}.{function}(uuid[], text[])", db.schema()))
+    };
+    let mut grants = Vec::new();
+    for role in [&relay, &other] {
+        for function in [
+            "handoff_mark_published",
+            "handoff_mark_published_session_plans",
+        ] {
+            let granted = may_call(role, function)
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+            grants.push((role == &relay, function, granted));
+        }
+    }
+    for statement in [
+        format!("DROP OWNED BY {relay}, {other}"),
+        format!("DROP ROLE {relay}, {other}"),
+    ] {
+        sqlx::query(&statement).execute(&mut *conn).await.unwrap();
+    }
+    assert_eq!(
+        grants,
+        [
+            (true, "handoff_mark_published", true),
+            (true, "handoff_mark_published_session_plans", true),
+            (false, "handoff_mark_published", false),
+            (false, "handoff_mark_published_session_plans", false),
+        ],
+        "(the relay's role, function, may call it) after migration 0017"
     );
 }
