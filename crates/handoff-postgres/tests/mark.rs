@@ -3,6 +3,8 @@
 //! who may call it is kept when migration 0017 puts a new function in its place.
 
 mod common;
+#[path = "common/previous_release.rs"]
+mod previous_release;
 
 use handoff_postgres::{Migrator, Schema};
 use handoff_test::{factory, TestDb};
@@ -211,12 +213,7 @@ async fn a_mark_beside_a_parked_tail_reads_what_it_marks_whatever_the_statistics
 async fn the_mark_upgraded_in_place_keeps_who_may_call_it() {
     let db = TestDb::new("mark_grants").await;
     let mut conn = db.pool.acquire().await.unwrap();
-    let before_0017 = &handoff_postgres::HANDOFF_MIGRATIONS[..16];
-    assert_eq!(before_0017.last().unwrap().version, 16);
-    Migrator::new(Schema::default(), "handoff_migrations", before_0017)
-        .run(&mut conn)
-        .await
-        .unwrap();
+    previous_release::migrated_through(&mut conn, 16).await;
     // Roles are the cluster's: named after the test's schema, dropped at the end.
     let relay = format!("{}_relay", db.schema());
     let other = format!("{}_other", db.schema());

@@ -5,6 +5,8 @@
 #[path = "common/claims.rs"]
 mod claims;
 mod common;
+#[path = "common/previous_release.rs"]
+mod previous_release;
 
 use std::time::Duration;
 
@@ -306,12 +308,7 @@ async fn a_database_of_the_previous_release_upgrades_with_its_rows_flowing() {
     let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
     let mut conn = db.pool.acquire().await.unwrap();
     // The schema as the previous release (migrations 0001 to 0010) left it.
-    let previous = &handoff_postgres::HANDOFF_MIGRATIONS[..10];
-    assert_eq!(previous.last().unwrap().version, 10);
-    Migrator::new(Schema::default(), "handoff_migrations", previous)
-        .run(&mut conn)
-        .await
-        .unwrap();
+    previous_release::migrated_through(&mut conn, 10).await;
     // "old": written with caller versions; 1..3 published and cleaned long ago, 4 pending.
     versioned(&db, &outbox, "old", 4).await;
     // "gone": written through Outbox::enqueue, all published and cleaned.

@@ -6,6 +6,8 @@
 #[path = "common/claims.rs"]
 mod claims;
 mod common;
+#[path = "common/previous_release.rs"]
+mod previous_release;
 
 use std::time::Duration;
 
@@ -325,12 +327,7 @@ async fn a_database_of_the_previous_release_upgrades_with_its_held_and_pending_r
     let db = TestDb::new("parking_upgrade").await;
     let mut conn = db.pool.acquire().await.unwrap();
     // The schema as the previous release (migrations 0001 to 0011) left it.
-    let previous = &handoff_postgres::HANDOFF_MIGRATIONS[..11];
-    assert_eq!(previous.last().unwrap().version, 11);
-    Migrator::new(Schema::default(), "handoff_migrations", previous)
-        .run(&mut conn)
-        .await
-        .unwrap();
+    previous_release::migrated_through(&mut conn, 11).await;
     // "h": 1 held, 500 pending behind it; "a": three pending events.
     append(&db, "h", 501).await;
     append(&db, "a", 3).await;
