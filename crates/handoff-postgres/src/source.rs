@@ -666,19 +666,15 @@ impl PollingSource {
     /// The database could not be reached.
     pub async fn backlog(&self) -> Result<Backlog, SourceError> {
         let what = "while reading the backlog";
-        let mut conn = self.connection(what).await?;
-        let query = async {
-            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
-            let row = sqlx::query(&self.sql.backlog)
-                .persistent(self.named_statements())
-                .bind(self.config.stuck_after.as_secs_f64())
-                .fetch_one(scope.conn())
-                .await?;
-            scope.finish().await?;
-            Ok(row)
-        };
-        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-        let row = self.bounded(&mut conn, outcome, what)?;
+        let row = self
+            .on_pooled_connection(what, async |conn| {
+                sqlx::query(&self.sql.backlog)
+                    .persistent(self.named_statements())
+                    .bind(self.config.stuck_after.as_secs_f64())
+                    .fetch_one(conn)
+                    .await
+            })
+            .await?;
         read_backlog(&row).map_err(|e| source_error("while reading the backlog", e))
     }
 
@@ -691,18 +687,14 @@ impl PollingSource {
     /// The database could not be reached, or migration 0006 is missing.
     pub async fn other_lane(&self) -> Result<OtherLane, SourceError> {
         let what = "while reading the pending events of the other order mode";
-        let mut conn = self.connection(what).await?;
-        let query = async {
-            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
-            let row = sqlx::query(&self.sql.global_pending)
-                .persistent(self.named_statements())
-                .fetch_one(scope.conn())
-                .await?;
-            scope.finish().await?;
-            Ok(row)
-        };
-        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-        let row = self.bounded(&mut conn, outcome, what)?;
+        let row = self
+            .on_pooled_connection(what, async |conn| {
+                sqlx::query(&self.sql.global_pending)
+                    .persistent(self.named_statements())
+                    .fetch_one(conn)
+                    .await
+            })
+            .await?;
         let read = |row: &PgRow| -> Result<OtherLane, sqlx::Error> {
             let global: i64 = row.try_get("global_pending")?;
             let unnumbered: i64 = row.try_get("unnumbered_pending")?;
@@ -721,18 +713,15 @@ impl PollingSource {
     /// Stops the writers' notifications on this relay's account.
     async fn unwait(&self, wake: &mut Wake) -> Result<(), SourceError> {
         let what = "while unregistering the wait";
-        let mut conn = self.connection(what).await?;
-        let query = async {
-            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+        self.on_pooled_connection(what, async |conn| {
             sqlx::query(&self.sql.unwait)
                 .persistent(self.named_statements())
                 .bind(&self.config.relay_id)
-                .execute(scope.conn())
-                .await?;
-            scope.finish().await
-        };
-        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-        self.bounded(&mut conn, outcome, what)?;
+                .execute(conn)
+                .await
+                .map(drop)
+        })
+        .await?;
         wake.registered_until = None;
         Ok(())
     }
@@ -808,6 +797,25 @@ impl PollingSource {
         let value = self.bounded(&mut session.conn, outcome, what)?;
         *kept = Some(session);
         Ok(value)
+    }
+
+    /// Runs `statement` on a connection borrowed from the pool for it, under the query timeout;
+    /// through a transaction pooler, in a transaction of its own ([`Scoped`]). The twin of
+    /// [`PollingSource::on_kept_session`] for statements that keep no plan.
+    async fn on_pooled_connection<T>(
+        &self,
+        what: &str,
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, SourceError> {
+        let mut conn = self.connection(what).await?;
+        let query = async {
+            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            let value = statement(scope.conn()).await?;
+            scope.finish().await?;
+            Ok(value)
+        };
+        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
+        self.bounded(&mut conn, outcome, what)
     }
 
     /// Runs `claim.sql` (or `claim_global.sql`) on `conn`: named and cached when `cached`,
@@ -1230,19 +1238,16 @@ impl Source for PollingSource {
             })
             .await?;
         } else {
-            let mut conn = self.connection(what).await?;
-            let query = async {
-                let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            self.on_pooled_connection(what, async |conn| {
                 sqlx::query(&self.sql.mark_published)
                     .persistent(self.named_statements())
                     .bind(&ids)
                     .bind(&receipts)
-                    .execute(scope.conn())
-                    .await?;
-                scope.finish().await
-            };
-            let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-            self.bounded(&mut conn, outcome, what)?;
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+            .await?;
         }
         self.forget_leases(&ids, &leases);
         Ok(())
@@ -1262,9 +1267,7 @@ impl Source for PollingSource {
         let hold_reasons: Vec<Option<&str>> = failures.iter().map(|f| f.hold_reason).collect();
         let leases = self.leases_of(&ids);
         let what = "while recording failed publishes";
-        let mut conn = self.connection(what).await?;
-        let query = async {
-            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+        self.on_pooled_connection(what, async |conn| {
             sqlx::query(&self.sql.record_failures)
                 .persistent(self.named_statements())
                 .bind(&self.config.relay_id)
@@ -1274,12 +1277,11 @@ impl Source for PollingSource {
                 .bind(charged)
                 .bind(&leases)
                 .bind(hold_reasons)
-                .execute(scope.conn())
-                .await?;
-            scope.finish().await
-        };
-        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-        self.bounded(&mut conn, outcome, what)?;
+                .execute(conn)
+                .await
+                .map(drop)
+        })
+        .await?;
         self.forget_leases(&ids, &leases);
         Ok(())
     }
@@ -1287,20 +1289,17 @@ impl Source for PollingSource {
     async fn release(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
         let leases = self.leases_of(event_ids);
         let what = "while releasing leases";
-        let mut conn = self.connection(what).await?;
-        let query = async {
-            let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+        self.on_pooled_connection(what, async |conn| {
             sqlx::query(&self.sql.release)
                 .persistent(self.named_statements())
                 .bind(&self.config.relay_id)
                 .bind(event_ids)
                 .bind(&leases)
-                .execute(scope.conn())
-                .await?;
-            scope.finish().await
-        };
-        let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-        self.bounded(&mut conn, outcome, what)?;
+                .execute(conn)
+                .await
+                .map(drop)
+        })
+        .await?;
         self.forget_leases(event_ids, &leases);
         Ok(())
     }
@@ -1360,19 +1359,16 @@ impl Source for PollingSource {
         {
             let fresh = wake.registered_until.is_none();
             let what = "while registering the wait";
-            let mut conn = self.connection(what).await?;
-            let query = async {
-                let mut scope = Scoped::begin(&mut conn, self.config.pooling).await?;
+            self.on_pooled_connection(what, async |conn| {
                 sqlx::query(&self.sql.wait)
                     .persistent(self.named_statements())
                     .bind(&self.config.relay_id)
                     .bind(self.config.wait_ttl.as_secs_f64())
-                    .execute(scope.conn())
-                    .await?;
-                scope.finish().await
-            };
-            let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
-            self.bounded(&mut conn, outcome, what)?;
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+            .await?;
             wake.registered_until = Some(now + self.config.wait_ttl);
             if fresh {
                 deadline = now + at_most.min(SETTLE);
