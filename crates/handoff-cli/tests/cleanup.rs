@@ -4,15 +4,14 @@
 mod common;
 
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_core::delivery::{Claim, Failure, Published, Source, SourceError};
-use handoff_core::EventId;
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Cleanup, CleanupConfig, PollingConfig, PollingSource};
 use handoff_relay::{Relay, RelayConfig};
+use handoff_test::counting::CountingSource;
 use handoff_test::faults::Faulty;
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::{factory, TestDb};
@@ -206,41 +205,6 @@ async fn the_binary_refuses_horizons_out_of_order_and_changes_nothing() {
     assert_eq!(db.count("handoff_cleanup_runs").await, 0);
 }
 
-/// A source that counts its errors: the relay logs and retries them, so its report alone would
-/// not show them.
-struct CountingSource {
-    inner: PollingSource,
-    errors: AtomicU64,
-}
-
-impl CountingSource {
-    fn count<T>(&self, result: Result<T, SourceError>) -> Result<T, SourceError> {
-        if let Err(error) = &result {
-            eprintln!("source error: {error}");
-            self.errors.fetch_add(1, Ordering::Relaxed);
-        }
-        result
-    }
-}
-
-impl Source for CountingSource {
-    async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
-        self.count(self.inner.claim(max).await)
-    }
-    async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
-        self.count(self.inner.mark_published(published).await)
-    }
-    async fn record_failures(&self, failures: &[Failure]) -> Result<(), SourceError> {
-        self.count(self.inner.record_failures(failures).await)
-    }
-    async fn release(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
-        self.count(self.inner.release(event_ids).await)
-    }
-    async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
-        self.count(self.inner.wait_for_work(at_most).await)
-    }
-}
-
 /// Published rows in the bulk load.
 const BULK: i64 = 1_000_000;
 
@@ -278,8 +242,8 @@ async fn a_million_published_rows_go_in_short_batches_beside_a_loaded_relay() {
         .connect_with(db.connect_options())
         .await
         .unwrap();
-    let source = Arc::new(CountingSource {
-        inner: PollingSource::new(
+    let source = Arc::new(CountingSource::new(
+        PollingSource::new(
             relay_pool,
             PollingConfig {
                 relay_id: "cleanup-test-relay".into(),
@@ -287,8 +251,7 @@ async fn a_million_published_rows_go_in_short_batches_beside_a_loaded_relay() {
             },
         )
         .unwrap(),
-        errors: AtomicU64::new(0),
-    });
+    ));
     // Counts failed publishes.
     let transport = Arc::new(Faulty::new(transport));
     let publishes = transport.stats();
@@ -412,7 +375,7 @@ async fn a_million_published_rows_go_in_short_batches_beside_a_loaded_relay() {
         relay_report.published,
         fresh.len(),
         relay_report.retried,
-        source.errors.load(Ordering::Relaxed),
+        source.errors(),
         publishes.failed_total(),
     );
 
@@ -434,7 +397,7 @@ async fn a_million_published_rows_go_in_short_batches_beside_a_loaded_relay() {
         fresh.len() as i64,
         "fresh published rows are young: they stay"
     );
-    assert_eq!(source.errors.load(Ordering::Relaxed), 0);
+    assert_eq!(source.errors(), 0);
     assert_eq!(publishes.failed_total(), 0);
     assert_eq!((relay_report.retried, relay_report.held), (0, 0));
     assert!(relay_report.published >= fresh.len() as u64);

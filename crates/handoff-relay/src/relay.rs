@@ -128,6 +128,9 @@ struct Shared {
     /// Woken after every batch of outcomes is written: predecessors got marked, so events the
     /// last claim had to leave behind may be claimable now.
     progress: Notify,
+    /// Asks the bookkeeper to write what it holds now instead of at the end of its
+    /// [`mark_interval`](RelayConfig::mark_interval): something waits on its next write.
+    hurry: Notify,
     /// Claimed events whose outcome is not written back yet (the bookkeeper lags the lanes).
     /// Until it is 0, a claim may still find events blocked behind this relay's own unwritten
     /// outcomes; in global order mode the lane's front is this relay's own lease.
@@ -260,6 +263,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
             in_flight: Mutex::new(HashSet::new()),
             health: Health::new(self.config.health_window, self.config.outage_backoff),
             progress: Notify::new(),
+            hurry: Notify::new(),
             published: AtomicU64::new(0),
             retried: AtomicU64::new(0),
             held: AtomicU64::new(0),
@@ -457,6 +461,7 @@ fn unsettled(shared: &Shared) -> usize {
 /// unsettled), or shutdown begins; the claim loop then checks `stop` itself.
 async fn settled(shared: &Shared, stop: &mut watch::Receiver<bool>) {
     while unsettled(shared) > 0 {
+        shared.hurry.notify_one();
         tokio::select! {
             _ = stop.changed() => return,
             () = shared.progress.notified() => {}
@@ -671,6 +676,7 @@ async fn claim_loop<S: Source, T: Transport>(
         if config.order == OrderMode::Global && unsettled(&shared) > 0 {
             // The lane's front is this relay's own lease until the outcomes are written: a
             // claim now could only come back empty. Wait for the bookkeeper instead.
+            shared.hurry.notify_one();
             tokio::select! {
                 _ = stop.changed() => break,
                 () = shared.progress.notified() => continue,
@@ -752,6 +758,11 @@ async fn claim_loop<S: Source, T: Transport>(
         }
         let isolated = claim.isolate && claimed > 0;
         let waiting_on_in_flight = claim.waiting_on_in_flight;
+        if waiting_on_in_flight {
+            // Events wait behind this relay's own, whose marks the bookkeeper may be holding
+            // back to write them together: they are claimable once those are written.
+            shared.hurry.notify_one();
+        }
         if isolated {
             // A suspect of killing its relays: nothing else may be in flight when it is
             // published, so a crash charges its takeover to it alone.
@@ -809,16 +820,39 @@ async fn claim_loop<S: Source, T: Transport>(
 }
 
 /// Writes outcomes back to the source in batches: whatever arrived while the previous write
-/// ran goes in the next one.
+/// ran, or within [`RelayConfig::mark_interval`] of its start, goes in the next one.
+///
+/// Why wait: a mark costs the database mostly per statement (a commit, a snapshot, the call's
+/// setup), not per event. A relay keeping up with busy writers hears an acknowledgement every
+/// few milliseconds, and writing each lane's as it came made more marks than claims, each
+/// taken from the writers' share of the machine. Nothing downstream waits for a mark unless
+/// an event waits behind a marked one; who sees that ([`Shared::hurry`]) cuts the wait short.
 async fn bookkeep<S: Source>(
     source: Arc<S>,
     mut outcomes: mpsc::UnboundedReceiver<Outcome>,
     shared: Arc<Shared>,
     config: RelayConfig,
-    stop: watch::Receiver<bool>,
+    mut stop: watch::Receiver<bool>,
 ) {
     let mut buffer = Vec::with_capacity(4096);
+    let mut last_write: Option<tokio::time::Instant> = None;
     while outcomes.recv_many(&mut buffer, 4096).await > 0 {
+        if let Some(due) = last_write.map(|at| at + config.mark_interval) {
+            if due > tokio::time::Instant::now() && !*stop.borrow() {
+                tokio::select! {
+                    () = tokio::time::sleep_until(due) => {}
+                    () = shared.hurry.notified() => {}
+                    _ = stop.changed() => {}
+                }
+            }
+            while buffer.len() < 4096 {
+                match outcomes.try_recv() {
+                    Ok(outcome) => buffer.push(outcome),
+                    Err(_) => break,
+                }
+            }
+        }
+        last_write = Some(tokio::time::Instant::now());
         let written = buffer.len();
         let mut published = Vec::new();
         let mut failures = Vec::new();

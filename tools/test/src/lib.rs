@@ -5,6 +5,8 @@
 //!   sharing rows; dropped (with everything in it) when the test ends.
 //! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
 //! - [`conformance`]: the transport conformance suite every destination runs.
+//! - [`counting`]: [`counting::CountingSource`], a decorator that counts a relay's calls to a
+//!   real source (claims, marks, errors).
 //! - [`faults`]: [`faults::Faulty`], the fault-injecting decorator around a real transport.
 //! - [`inbox`]: a consumer under test on any intake, recording each application of an effect.
 //! - [`nats`]: the shared NATS server's URL, a private `nats-server` to stop and kill, and
@@ -29,6 +31,7 @@ use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 pub mod cluster;
 pub mod conformance;
+pub mod counting;
 pub mod factory;
 pub mod faults;
 pub mod inbox;
