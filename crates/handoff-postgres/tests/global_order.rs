@@ -38,15 +38,6 @@ async fn rows(db: &TestDb) -> Vec<(Option<i64>, String, i64)> {
     .unwrap()
 }
 
-async fn enqueue_one(db: &TestDb, outbox: &Outbox, aggregate: &str, n: u64) {
-    let mut tx = db.pool.begin().await.unwrap();
-    outbox
-        .enqueue(&mut tx, &[factory::event(aggregate, n)])
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-}
-
 #[tokio::test]
 async fn concurrent_global_writers_get_gap_free_unique_numbers_in_commit_order() {
     const TASKS: usize = 8;
@@ -118,14 +109,14 @@ async fn concurrent_global_writers_get_gap_free_unique_numbers_in_commit_order()
 async fn a_rolled_back_transaction_leaves_no_gap() {
     let db = TestDb::migrated("global_rollback").await;
     let global = outbox(OrderMode::Global);
-    enqueue_one(&db, &global, "a", 1).await;
+    db.enqueue_alone(&global, factory::event("a", 1)).await;
     let mut tx = db.pool.begin().await.unwrap();
     global
         .enqueue(&mut tx, &[factory::event("a", 2), factory::event("b", 2)])
         .await
         .unwrap();
     tx.rollback().await.unwrap();
-    enqueue_one(&db, &global, "b", 3).await;
+    db.enqueue_alone(&global, factory::event("b", 3)).await;
 
     let rows = rows(&db).await;
     assert_eq!(
@@ -137,9 +128,12 @@ async fn a_rolled_back_transaction_leaves_no_gap() {
 #[tokio::test]
 async fn aggregate_mode_events_stay_unnumbered_and_each_source_takes_only_its_own() {
     let db = TestDb::migrated("global_modes").await;
-    enqueue_one(&db, &outbox(OrderMode::Aggregate), "p", 1).await;
-    enqueue_one(&db, &outbox(OrderMode::Global), "g", 1).await;
-    enqueue_one(&db, &outbox(OrderMode::Aggregate), "p", 2).await;
+    db.enqueue_alone(&outbox(OrderMode::Aggregate), factory::event("p", 1))
+        .await;
+    db.enqueue_alone(&outbox(OrderMode::Global), factory::event("g", 1))
+        .await;
+    db.enqueue_alone(&outbox(OrderMode::Aggregate), factory::event("p", 2))
+        .await;
 
     let rows = rows(&db).await;
     assert_eq!(
@@ -181,7 +175,8 @@ async fn the_global_lane_goes_to_one_relay_at_a_time_from_its_front() {
     let db = TestDb::migrated("global_lane").await;
     let global = outbox(OrderMode::Global);
     for n in 0..10 {
-        enqueue_one(&db, &global, &format!("agg{}", n % 3), n).await;
+        db.enqueue_alone(&global, factory::event(&format!("agg{}", n % 3), n))
+            .await;
     }
     let (a, b) = (
         source(&db, "relay-a", OrderMode::Global),
@@ -239,7 +234,7 @@ async fn a_held_front_blocks_the_lane_and_says_so() {
     let db = TestDb::migrated("global_held").await;
     let global = outbox(OrderMode::Global);
     for n in 0..3 {
-        enqueue_one(&db, &global, "a", n).await;
+        db.enqueue_alone(&global, factory::event("a", n)).await;
     }
     let relay = source(&db, "relay-a", OrderMode::Global);
     let claim = relay.claim(1).await.unwrap();

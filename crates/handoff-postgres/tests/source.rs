@@ -24,12 +24,7 @@ fn source(db: &TestDb, relay_id: &str) -> PollingSource {
 async fn enqueue(db: &TestDb, outbox: &Outbox, aggregates: &[&str], per_aggregate: u64) {
     for n in 0..per_aggregate {
         for aggregate in aggregates {
-            let mut tx = db.pool.begin().await.unwrap();
-            outbox
-                .enqueue(&mut tx, &[factory::event(aggregate, n)])
-                .await
-                .unwrap();
-            tx.commit().await.unwrap();
+            db.enqueue_alone(outbox, factory::event(aggregate, n)).await;
         }
     }
 }

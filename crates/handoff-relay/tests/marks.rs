@@ -103,15 +103,6 @@ fn outbox(order: OrderMode) -> Outbox {
     Outbox::new(config, factory::catalog()).unwrap()
 }
 
-async fn enqueue_one(db: &TestDb, outbox: &Outbox, aggregate: &str, n: u64) {
-    let mut tx = db.pool.begin().await.unwrap();
-    outbox
-        .enqueue(&mut tx, &[factory::event(aggregate, n)])
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_steady_traffic_a_relay_marks_at_most_once_per_interval() {
     const EVENTS: u64 = 300;
@@ -126,7 +117,8 @@ async fn under_steady_traffic_a_relay_marks_at_most_once_per_interval() {
     let mut pace = tokio::time::interval(Duration::from_millis(4));
     for n in 0..EVENTS {
         pace.tick().await;
-        enqueue_one(&db, &outbox, &format!("steady-{n}"), n).await;
+        db.enqueue_alone(&outbox, factory::event(&format!("steady-{n}"), n))
+            .await;
     }
     relay.on_broker(EVENTS as usize).await;
     let source = relay.source.clone();
@@ -176,7 +168,8 @@ async fn one_after_another(name: &str, order: OrderMode) {
 
     let started = Instant::now();
     for n in 1..=EVENTS {
-        enqueue_one(&db, &outbox, "hot", n as u64).await;
+        db.enqueue_alone(&outbox, factory::event("hot", n as u64))
+            .await;
         relay.on_broker(n).await;
     }
     let took = started.elapsed();

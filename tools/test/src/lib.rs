@@ -162,6 +162,24 @@ impl TestDb {
         pending_rows(&self.pool, &schema).await
     }
 
+    /// Enqueues `event` through `outbox` in a transaction of its own, committed.
+    ///
+    /// # Panics
+    ///
+    /// When the enqueue or the commit fails.
+    pub async fn enqueue_alone(
+        &self,
+        outbox: &handoff_postgres::Outbox,
+        event: handoff_core::NewEvent,
+    ) {
+        let mut tx = self.pool.begin().await.unwrap();
+        outbox
+            .enqueue(&mut tx, &[event])
+            .await
+            .unwrap_or_else(|e| panic!("enqueue: {e}"));
+        tx.commit().await.unwrap();
+    }
+
     /// `SELECT count(*)` of a table in this schema.
     pub async fn count(&self, table: &str) -> i64 {
         sqlx::query_scalar(&format!("SELECT count(*) FROM \"{}\".{table}", self.schema))
