@@ -57,8 +57,9 @@ pub struct RelayArgs {
     #[serde(default, with = "humantime_serde")]
     poll_interval: Option<Duration>,
     /// Shortest time between two writes of acknowledged events back to the outbox while no
-    /// event waits on them, e.g. 25ms [default: 25ms]. Longer: fewer, larger marks, and more
-    /// events published again after a crash; 0ms writes each batch of acknowledgements at once.
+    /// event waits on them, e.g. 25ms [default: 25ms]; at most the publish timeout. Longer:
+    /// fewer, larger marks, and more events published again after a crash; 0ms writes each
+    /// batch of acknowledgements at once.
     #[arg(long, env = "HANDOFF_MARK_INTERVAL", value_parser = humantime::parse_duration)]
     #[serde(default, with = "humantime_serde")]
     mark_interval: Option<Duration>,

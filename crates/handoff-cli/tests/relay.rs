@@ -289,7 +289,7 @@ async fn three_relays_keep_per_aggregate_order_while_one_is_killed_again_and_aga
 
 #[tokio::test]
 async fn bad_configuration_stops_at_once_with_one_clear_line() {
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
         (&["--database-url", "not a url"], "invalid database url"),
         (
             &[
@@ -326,6 +326,15 @@ async fn bad_configuration_stops_at_once_with_one_clear_line() {
                 "10m",
             ],
             "duplicate window",
+        ),
+        (
+            &[
+                "--database-url",
+                "postgres://x@127.0.0.1/db",
+                "--mark-interval",
+                "6s",
+            ],
+            "mark interval",
         ),
     ];
     for (args, needle) in cases {

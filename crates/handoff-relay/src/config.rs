@@ -103,6 +103,17 @@ pub enum RelayConfigError {
     /// A backoff that starts at zero or ends before it starts.
     #[error("backoff must start above zero and not end before it starts: {0:?}")]
     InvalidBackoff(Backoff),
+    /// A mark interval so long that an acknowledged event's lease could run out before its
+    /// mark, and the event be claimed and published again, over and over.
+    #[error(
+        "mark interval ({mark_interval:?}) must be at most half the lease margin ({lease_margin:?})"
+    )]
+    MarkIntervalTooLong {
+        /// The configured interval.
+        mark_interval: Duration,
+        /// The configured lease margin.
+        lease_margin: Duration,
+    },
 }
 
 impl RelayConfig {
@@ -115,11 +126,17 @@ impl RelayConfig {
     /// # Examples
     ///
     /// ```
+    /// use std::time::Duration;
     /// use handoff_relay::RelayConfig;
     ///
     /// assert!(RelayConfig::default().validate().is_ok());
     /// let config = RelayConfig { batch_size: 0, ..RelayConfig::default() };
     /// assert!(config.validate().is_err());
+    /// let config = RelayConfig {
+    ///     mark_interval: Duration::from_secs(30),
+    ///     ..RelayConfig::default()
+    /// };
+    /// assert!(config.validate().is_err(), "marks later than the leases end");
     /// ```
     pub fn validate(&self) -> Result<(), RelayConfigError> {
         if self.batch_size == 0 {
@@ -136,6 +153,14 @@ impl RelayConfig {
         }
         if self.max_attempts < 1 {
             return Err(RelayConfigError::NoAttempts(self.max_attempts));
+        }
+        // An event is acknowledged with about `lease_margin` of its lease left at worst; its
+        // mark must land well inside that.
+        if self.mark_interval > self.lease_margin / 2 {
+            return Err(RelayConfigError::MarkIntervalTooLong {
+                mark_interval: self.mark_interval,
+                lease_margin: self.lease_margin,
+            });
         }
         for backoff in [self.retry_backoff, self.outage_backoff] {
             if backoff.initial.is_zero() || backoff.max < backoff.initial {

@@ -41,8 +41,11 @@ impl Running {
             .await
             .unwrap();
         transport.ensure_stream().await.unwrap();
+        // A lease and a margin long enough for any interval the tests use (the relay refuses
+        // an interval over half the margin).
         let polling = PollingConfig {
             order,
+            lease: Duration::from_secs(600),
             ..PollingConfig::default()
         };
         let source = Arc::new(CountingSource::new(
@@ -50,6 +53,7 @@ impl Running {
         ));
         let config = RelayConfig {
             mark_interval,
+            lease_margin: Duration::from_secs(120),
             order,
             ..RelayConfig::default()
         };
@@ -158,10 +162,13 @@ async fn a_global_relay_does_not_wait_out_the_mark_interval_between_claims() {
 
 /// Events of one aggregate (and, in global order, of one lane), each written once the previous
 /// one is on the broker: its predecessor is then acknowledged but, with a mark interval longer
-/// than the test may take, unmarked, and only the relay's own mark makes it claimable.
+/// than one wait for the broker may take, unmarked, and only the relay's own mark makes it
+/// claimable.
 async fn one_after_another(name: &str, order: OrderMode) {
     const EVENTS: usize = 6;
-    const INTERVAL: Duration = Duration::from_secs(60);
+    // Longer than one wait for the broker may take: an event that waited for it would time
+    // out there.
+    const INTERVAL: Duration = Duration::from_secs(40);
     let db = TestDb::migrated(name).await;
     let outbox = outbox(order);
     let relay = Running::start(&db, name, INTERVAL, order).await;
