@@ -289,6 +289,16 @@ impl Settings {
         let publish_timeout = destination.publish_timeout(self.publish_timeout);
         // A publish must be able to time out and be recorded before the lease ends.
         self.relay.lease_margin = publish_timeout * 2;
+        // The relay's own check says "half the lease margin", a figure this command derives:
+        // say it in the flags' terms.
+        if self.relay.mark_interval > publish_timeout {
+            bail!(
+                "mark interval of {} is too long for a publish timeout of {}: it must be at \
+                 most the timeout",
+                humantime::format_duration(self.relay.mark_interval),
+                humantime::format_duration(publish_timeout)
+            );
+        }
         self.relay.validate()?;
         let lease = self.polling.lease;
         if lease <= self.relay.lease_margin + Duration::from_secs(1) {
