@@ -11,7 +11,7 @@ use clap::FromArgMatches;
 use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
 use handoff_postgres::{Migrator, OrderMode, PollingConfig, PollingSource, Pooling, Schema};
-use handoff_relay::{Backoff, Relay, RelayConfig};
+use handoff_relay::{Backoff, Relay, RelayConfig, RelayConfigError};
 use serde::Deserialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
@@ -289,17 +289,17 @@ impl Settings {
         let publish_timeout = destination.publish_timeout(self.publish_timeout);
         // A publish must be able to time out and be recorded before the lease ends.
         self.relay.lease_margin = publish_timeout * 2;
-        // The relay's own check says "half the lease margin", a figure this command derives:
-        // say it in the flags' terms.
-        if self.relay.mark_interval > publish_timeout {
-            bail!(
+        match self.relay.validate() {
+            // The relay says "half the lease margin", a figure this command derives from the
+            // publish timeout: say it in the flags' terms.
+            Err(RelayConfigError::MarkIntervalTooLong { mark_interval, .. }) => bail!(
                 "mark interval of {} is too long for a publish timeout of {}: it must be at \
                  most the timeout",
-                humantime::format_duration(self.relay.mark_interval),
+                humantime::format_duration(mark_interval),
                 humantime::format_duration(publish_timeout)
-            );
+            ),
+            checked => checked?,
         }
-        self.relay.validate()?;
         let lease = self.polling.lease;
         if lease <= self.relay.lease_margin + Duration::from_secs(1) {
             bail!(

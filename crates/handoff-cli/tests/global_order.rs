@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use common::{check_stream, wait_drained, RelayProcess, Target, Writers};
-use handoff_postgres::{Migrator, OrderMode, Outbox, OutboxConfig, Schema};
+use handoff_postgres::{Migrator, OrderMode, Schema};
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop, StoredMessage,
 };
@@ -17,14 +17,6 @@ use handoff_test::{factory, TestDb};
 use sqlx::PgPool;
 
 const GLOBAL_SEQUENCE: &str = handoff_core::contract::header::GLOBAL_SEQUENCE;
-
-fn outbox(order: OrderMode) -> Outbox {
-    let config = OutboxConfig {
-        order,
-        ..OutboxConfig::default()
-    };
-    Outbox::new(config, factory::catalog()).unwrap()
-}
 
 async fn shared_target(
     db: &TestDb,
@@ -79,7 +71,7 @@ fn global_sequences(messages: &[StoredMessage]) -> Vec<i64> {
 async fn the_global_subject_holds_one_gap_free_sequence_through_relay_kills() {
     let db = TestDb::migrated("global_cli_kills").await;
     let (target, client, _cleanup) = shared_target(&db, "global_kills").await;
-    let global = outbox(OrderMode::Global);
+    let global = factory::outbox(OrderMode::Global);
     let flags = ["--order", "global", "--batch-size", "25"];
 
     // Writers of many aggregates at once, every 9th transaction rolled back.
@@ -159,7 +151,7 @@ async fn an_aggregate_relay_leaves_global_events_to_a_global_relay() {
         (OrderMode::Global, "lane", 6),
         (OrderMode::Aggregate, "plain", 4),
     ] {
-        let outbox = outbox(order);
+        let outbox = factory::outbox(order);
         for n in 0..count {
             let mut tx = db.pool.begin().await.unwrap();
             let event = factory::event(&format!("{aggregate}-{}", n % 2), n);

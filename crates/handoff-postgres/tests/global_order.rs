@@ -5,16 +5,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use handoff_core::delivery::{Failure, Published, Source};
-use handoff_postgres::{OrderMode, Outbox, OutboxConfig, PollingConfig, PollingSource, Schema};
+use handoff_postgres::{OrderMode, PollingConfig, PollingSource, Schema};
 use handoff_test::{factory, TestDb};
-
-fn outbox(order: OrderMode) -> Outbox {
-    let config = OutboxConfig {
-        order,
-        ..OutboxConfig::default()
-    };
-    Outbox::new(config, factory::catalog()).unwrap()
-}
 
 fn source(db: &TestDb, relay_id: &str, order: OrderMode) -> PollingSource {
     let config = PollingConfig {
@@ -43,7 +35,7 @@ async fn concurrent_global_writers_get_gap_free_unique_numbers_in_commit_order()
     const TASKS: usize = 8;
     const TXS: u64 = 50;
     let db = TestDb::migrated("global_concurrent").await;
-    let global = outbox(OrderMode::Global);
+    let global = factory::outbox(OrderMode::Global);
     let mut tasks = Vec::new();
     for task in 0..TASKS {
         let pool = db.pool.clone();
@@ -108,7 +100,7 @@ async fn concurrent_global_writers_get_gap_free_unique_numbers_in_commit_order()
 #[tokio::test]
 async fn a_rolled_back_transaction_leaves_no_gap() {
     let db = TestDb::migrated("global_rollback").await;
-    let global = outbox(OrderMode::Global);
+    let global = factory::outbox(OrderMode::Global);
     db.enqueue_alone(&global, factory::event("a", 1)).await;
     let mut tx = db.pool.begin().await.unwrap();
     global
@@ -128,12 +120,18 @@ async fn a_rolled_back_transaction_leaves_no_gap() {
 #[tokio::test]
 async fn aggregate_mode_events_stay_unnumbered_and_each_source_takes_only_its_own() {
     let db = TestDb::migrated("global_modes").await;
-    db.enqueue_alone(&outbox(OrderMode::Aggregate), factory::event("p", 1))
+    db.enqueue_alone(
+        &factory::outbox(OrderMode::Aggregate),
+        factory::event("p", 1),
+    )
+    .await;
+    db.enqueue_alone(&factory::outbox(OrderMode::Global), factory::event("g", 1))
         .await;
-    db.enqueue_alone(&outbox(OrderMode::Global), factory::event("g", 1))
-        .await;
-    db.enqueue_alone(&outbox(OrderMode::Aggregate), factory::event("p", 2))
-        .await;
+    db.enqueue_alone(
+        &factory::outbox(OrderMode::Aggregate),
+        factory::event("p", 2),
+    )
+    .await;
 
     let rows = rows(&db).await;
     assert_eq!(
@@ -173,7 +171,7 @@ async fn aggregate_mode_events_stay_unnumbered_and_each_source_takes_only_its_ow
 #[tokio::test]
 async fn the_global_lane_goes_to_one_relay_at_a_time_from_its_front() {
     let db = TestDb::migrated("global_lane").await;
-    let global = outbox(OrderMode::Global);
+    let global = factory::outbox(OrderMode::Global);
     for n in 0..10 {
         db.enqueue_alone(&global, factory::event(&format!("agg{}", n % 3), n))
             .await;
@@ -232,7 +230,7 @@ async fn the_global_lane_goes_to_one_relay_at_a_time_from_its_front() {
 #[tokio::test]
 async fn a_held_front_blocks_the_lane_and_says_so() {
     let db = TestDb::migrated("global_held").await;
-    let global = outbox(OrderMode::Global);
+    let global = factory::outbox(OrderMode::Global);
     for n in 0..3 {
         db.enqueue_alone(&global, factory::event("a", n)).await;
     }

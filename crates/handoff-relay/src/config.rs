@@ -51,7 +51,8 @@ pub struct RelayConfig {
     /// before it goes on (global order, a suspect published alone, a probe), has the next
     /// write made at once. What it costs: after a crash, up to this much more of acknowledged
     /// events is published again (consumers absorb copies through their inbox). Zero writes
-    /// whatever arrived as soon as the previous write ends.
+    /// whatever arrived as soon as the previous write ends; at most half of
+    /// [`lease_margin`](Self::lease_margin) ([`validate`](Self::validate)).
     pub mark_interval: Duration,
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_nats::{JetStreamConfig, JetStreamTransport};
-use handoff_postgres::{OrderMode, Outbox, OutboxConfig, PollingConfig, PollingSource};
+use handoff_postgres::{OrderMode, PollingConfig, PollingSource};
 use handoff_relay::{Relay, RelayConfig, RelayReport};
 use handoff_test::counting::CountingSource;
 use handoff_test::nats::{
@@ -99,20 +99,12 @@ impl Running {
     }
 }
 
-fn outbox(order: OrderMode) -> Outbox {
-    let config = OutboxConfig {
-        order,
-        ..OutboxConfig::default()
-    };
-    Outbox::new(config, factory::catalog()).unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_steady_traffic_a_relay_marks_at_most_once_per_interval() {
     const EVENTS: u64 = 300;
     const INTERVAL: Duration = Duration::from_millis(200);
     let db = TestDb::migrated("relay_marks_steady").await;
-    let outbox = outbox(OrderMode::Aggregate);
+    let outbox = factory::outbox(OrderMode::Aggregate);
     let started = Instant::now();
     let relay = Running::start(&db, "marks_steady", INTERVAL, OrderMode::Aggregate).await;
 
@@ -170,7 +162,7 @@ async fn one_after_another(name: &str, order: OrderMode) {
     // out there.
     const INTERVAL: Duration = Duration::from_secs(40);
     let db = TestDb::migrated(name).await;
-    let outbox = outbox(order);
+    let outbox = factory::outbox(order);
     let relay = Running::start(&db, name, INTERVAL, order).await;
 
     let started = Instant::now();

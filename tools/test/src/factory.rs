@@ -3,7 +3,8 @@
 use std::time::SystemTime;
 
 use handoff_core::delivery::OutboxEvent;
-use handoff_core::{EventCatalog, NewEvent};
+use handoff_core::{EventCatalog, NewEvent, OrderMode};
+use handoff_postgres::{Outbox, OutboxConfig};
 
 /// The aggregate type test events use.
 pub const AGGREGATE_TYPE: &str = "thing";
@@ -13,6 +14,15 @@ pub const EVENT_TYPE: &str = "ThingHappened";
 /// A catalog declaring [`EVENT_TYPE`] version 1 for [`AGGREGATE_TYPE`].
 pub fn catalog() -> EventCatalog {
     EventCatalog::new().declare(AGGREGATE_TYPE, EVENT_TYPE, 1)
+}
+
+/// An [`Outbox`] over [`catalog`] writing events in `order` mode, the rest defaults.
+pub fn outbox(order: OrderMode) -> Outbox {
+    let config = OutboxConfig {
+        order,
+        ..OutboxConfig::default()
+    };
+    Outbox::new(config, catalog()).expect("the test catalog is valid")
 }
 
 /// A valid event of aggregate `aggregate_id` whose payload records `n`.
