@@ -447,6 +447,24 @@ async fn sigterm_while_the_broker_is_awaited_at_start_stops_the_relay_cleanly() 
     assert!(relay.log().contains("SIGTERM received"), "{}", relay.log());
 }
 
+#[tokio::test]
+async fn a_relay_stopped_the_moment_it_starts_exits_cleanly() {
+    // What a test (or an orchestrator) does to a relay that had nothing to do: SIGTERM at
+    // once. `terminate` sends it once the handler is in place, whatever start-up is then
+    // doing (connecting, checking the schema, claiming); each of those must end in exit 0.
+    let db = TestDb::migrated("relay_stopped_at_start").await;
+    let (target, _client, _cleanup) = shared_target(&db, "stopped_at_start").await;
+    for round in 0..5 {
+        let mut relay = RelayProcess::start(&target, &format!("stopped-{round}"), &[], &[]);
+        let status = relay.terminate();
+        assert!(
+            status.success(),
+            "round {round}: {status:?}:\n{}",
+            relay.log()
+        );
+    }
+}
+
 /// The longest any `handoff relay` statement has been waiting for a lock on this test's outbox
 /// (seconds; 0 when none waits).
 async fn longest_relay_lock_wait(db: &TestDb) -> f64 {

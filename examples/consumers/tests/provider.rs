@@ -126,9 +126,8 @@ impl Provider {
     }
 
     fn terminate(&self) {
-        let pid = self.child.id().expect("still running") as libc::pid_t;
-        // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let pid = self.child.id().expect("still running") as i32;
+        handoff_test::process::sigterm(pid);
     }
 }
 

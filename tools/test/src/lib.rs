@@ -18,6 +18,8 @@
 //! - [`tansu`]: a private tansu broker (Kafka protocol) for the Kafka destination's tests.
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode, and a database of its own
 //!   for a test behind it.
+//! - [`process`]: SIGTERM to a child process, sent once it handles it (not before its
+//!   handler is installed, when the signal would kill it outright).
 //! - [`proxy`]: a loopback TCP proxy with network faults (delay, cut, black hole, refusal).
 //! - [`tls`]: a throwaway certificate authority with server and client certificates.
 //! - [`eventually`]: the one way a test waits for a condition (no sleeps, no home-made deadline
@@ -37,6 +39,7 @@ pub mod faults;
 pub mod inbox;
 pub mod nats;
 pub mod pgbouncer;
+pub mod process;
 pub mod proxy;
 pub mod rabbitmq;
 pub mod redis;

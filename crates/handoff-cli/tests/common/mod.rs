@@ -150,10 +150,10 @@ impl RelayProcess {
         let _ = self.child.wait();
     }
 
-    /// SIGTERM, and wait (at most 30 s) for the exit status.
+    /// SIGTERM (once the relay handles it, so a relay stopped right after its start shuts down
+    /// cleanly rather than dying by the signal), and wait (at most 30 s) for the exit status.
     pub fn terminate(&mut self) -> ExitStatus {
-        // SAFETY: sending a signal to our own child's pid has no memory-safety preconditions.
-        unsafe { libc::kill(self.pid(), libc::SIGTERM) };
+        handoff_test::process::sigterm(self.pid());
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {

@@ -141,12 +141,10 @@ impl Process {
         self.child.kill().await.expect("SIGKILL the process");
     }
 
-    /// Sends SIGTERM and waits for the exit.
+    /// Sends SIGTERM (once the process handles it) and waits for the exit.
     pub async fn terminate(&mut self) -> ExitStatus {
         let pid = i32::try_from(self.pid()).expect("a pid fits in i32");
-        // SAFETY: kill(2) with a pid this test spawned and has not reaped yet.
-        let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
-        assert_eq!(sent, 0, "SIGTERM {}", self.name);
+        handoff_test::process::sigterm(pid);
         tokio::time::timeout(DEADLINE, self.child.wait())
             .await
             .unwrap_or_else(|_| panic!("{} did not exit within {DEADLINE:?} of SIGTERM", self.name))

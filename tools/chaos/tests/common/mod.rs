@@ -151,11 +151,10 @@ impl Process {
         std::fs::read_to_string(self.log.path()).unwrap_or_default()
     }
 
-    /// Sends SIGTERM (a graceful stop, as a rollout does) and waits for the exit.
+    /// Sends SIGTERM (a graceful stop, as a rollout does; once the process handles it) and
+    /// waits for the exit.
     pub fn terminate(mut self) {
-        let pid = self.child.id().to_string();
-        let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        assert!(sent.success(), "kill -TERM {pid}");
+        handoff_test::process::sigterm(self.child.id() as i32);
         let status = self.child.wait().unwrap();
         assert!(
             status.success(),
