@@ -205,15 +205,25 @@ impl Fixture {
         Delivered::from_stream(&self.client, &self.stream).await
     }
 
-    /// The slot's confirmed position, as a number.
+    /// The slot's confirmed position, as a number, once no walsender holds the slot: the
+    /// position the next reader starts from.
+    ///
+    /// A closed source has written its last confirmation, but the server applies it when its
+    /// walsender reads it, a moment later; read at once, the slot could still show the
+    /// previous position. The walsender reads that message before the end of the connection,
+    /// and releases the slot only after that, so a released slot shows it.
     pub async fn confirmed_lsn(&self) -> u64 {
-        let text: String = sqlx::query_scalar(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-        )
-        .bind(SLOT)
-        .fetch_one(&self.db.pool)
-        .await
-        .unwrap();
+        let text: String = eventually("the slot released", Duration::from_secs(10), || async {
+            sqlx::query_scalar::<_, String>(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots
+                 WHERE slot_name = $1 AND NOT active",
+            )
+            .bind(SLOT)
+            .fetch_optional(&self.db.pool)
+            .await
+            .unwrap()
+        })
+        .await;
         pg_lsn(&text)
     }
 }
