@@ -17,8 +17,8 @@ const HANDLER_DEADLINE: Duration = Duration::from_secs(30);
 /// How often the process's status is read while its handler is not installed yet.
 const POLL: Duration = Duration::from_millis(5);
 
-/// Sends SIGTERM to `pid` once the process catches it (or has exited, or
-/// [`HANDLER_DEADLINE`] passed). The caller waits for the exit and checks its status.
+/// Sends SIGTERM to `pid` once the process catches it (or has exited, or 30 s passed). The
+/// caller waits for the exit and checks its status.
 ///
 /// Synchronous, so that the callers' own synchronous `terminate` can use it; the wait is the
 /// few milliseconds between a process's start and its handler, and only when it is that young.
