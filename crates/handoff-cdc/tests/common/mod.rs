@@ -205,26 +205,26 @@ impl Fixture {
         Delivered::from_stream(&self.client, &self.stream).await
     }
 
-    /// The slot's confirmed position, as a number, once no walsender holds the slot: the
-    /// position the next reader starts from.
+    /// The slot's state once no walsender holds it: what the next reader starts from.
     ///
-    /// A closed source has written its last confirmation, but the server applies it when its
-    /// walsender reads it, a moment later; read at once, the slot could still show the
-    /// previous position. The walsender reads that message before the end of the connection,
-    /// and releases the slot only after that, so a released slot shows it.
-    pub async fn confirmed_lsn(&self) -> u64 {
-        let text: String = eventually("the slot released", Duration::from_secs(10), || async {
-            sqlx::query_scalar::<_, String>(
-                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots
-                 WHERE slot_name = $1 AND NOT active",
-            )
-            .bind(SLOT)
-            .fetch_optional(&self.db.pool)
-            .await
-            .unwrap()
-        })
-        .await;
-        pg_lsn(&text)
+    /// A closed or stopped source has written its last confirmation, but the server applies
+    /// it when its walsender reads it, a moment later; read at once, the slot could still show
+    /// the previous position. The walsender reads that message before the end of the
+    /// connection and releases the slot after, so a released slot shows it.
+    pub async fn released_slot(&self) -> SlotState {
+        eventually(
+            "no walsender holds the slot",
+            Duration::from_secs(10),
+            || async {
+                let slot = self.slot().await;
+                if slot.active_pid.is_none() {
+                    Ok(slot)
+                } else {
+                    Err(slot)
+                }
+            },
+        )
+        .await
     }
 }
 
