@@ -2,18 +2,17 @@
 //! PostgreSQL and nats-server. The errors are injected around the real JetStream transport,
 //! including the ambiguous kind: the broker stored the event but the relay saw a timeout.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::OwnStream;
 use handoff_core::delivery::PublishErrorKind;
-use handoff_nats::{JetStreamConfig, JetStreamTransport};
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, PollingConfig, PollingSource, Schema};
 use handoff_relay::{Backoff, Relay, RelayConfig};
 use handoff_test::faults::{Fault, Faulty};
-use handoff_test::nats::{
-    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
-};
 use handoff_test::{eventually, factory, TestDb};
 
 /// An unpublished row, for the failure message: aggregate, sequence, lease holder, attempts,
@@ -42,14 +41,7 @@ async fn order_per_aggregate_survives_transient_errors_and_lost_acks_with_two_re
         tx.commit().await.unwrap();
     }
 
-    let client = prepare_shared_server().await;
-    let stream = unique_name("broker_errors");
-    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
-    let config = JetStreamConfig {
-        stream: stream.clone(),
-        subject_prefix: stream.clone(),
-        ..JetStreamConfig::default()
-    };
+    let stream = OwnStream::new("broker_errors").await;
     let relay_config = RelayConfig {
         batch_size: 50,
         max_in_flight: 200,
@@ -69,10 +61,7 @@ async fn order_per_aggregate_survives_transient_errors_and_lost_acks_with_two_re
     let mut runs = Vec::new();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     for (n, id) in ["relay-a", "relay-b"].into_iter().enumerate() {
-        let inner = JetStreamTransport::connect(&shared_url(), config.clone())
-            .await
-            .unwrap();
-        inner.ensure_stream().await.unwrap();
+        let inner = stream.transport().await;
         // Some publishes fail before reaching the broker, some reach it and are then reported
         // as timed out.
         let transport = Faulty::new(inner)
@@ -116,7 +105,7 @@ async fn order_per_aggregate_survives_transient_errors_and_lost_acks_with_two_re
     assert!(retried > 0, "faults were injected and retried");
 
     // Every event once at least, and per aggregate the first copies in sequence order.
-    let messages = read_stream(&client, &stream).await;
+    let messages = stream.messages().await;
     let mut next: HashMap<String, i64> = HashMap::new();
     let mut seen = std::collections::HashSet::new();
     for message in &messages {

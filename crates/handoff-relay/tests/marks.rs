@@ -3,16 +3,15 @@
 //! steady traffic, but at once when an event waits behind an unmarked one, and at once on
 //! shutdown.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_nats::{JetStreamConfig, JetStreamTransport};
+use common::OwnStream;
 use handoff_postgres::{OrderMode, PollingConfig, PollingSource};
 use handoff_relay::{Relay, RelayConfig, RelayReport};
 use handoff_test::counting::CountingSource;
-use handoff_test::nats::{
-    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
-};
 use handoff_test::{eventually, factory, TestDb};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -20,27 +19,15 @@ use tokio::task::JoinHandle;
 /// A relay running over `db` and a fresh stream, counting its calls to the source.
 struct Running {
     source: Arc<CountingSource<PollingSource>>,
-    client: async_nats::Client,
-    stream: String,
+    stream: OwnStream,
     stop: watch::Sender<bool>,
     run: JoinHandle<RelayReport>,
-    _cleanup: DeleteStreamOnDrop,
 }
 
 impl Running {
     async fn start(db: &TestDb, name: &str, mark_interval: Duration, order: OrderMode) -> Running {
-        let client = prepare_shared_server().await;
-        let stream = unique_name(name);
-        let cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
-        let config = JetStreamConfig {
-            stream: stream.clone(),
-            subject_prefix: stream.clone(),
-            ..JetStreamConfig::default()
-        };
-        let transport = JetStreamTransport::connect(&shared_url(), config)
-            .await
-            .unwrap();
-        transport.ensure_stream().await.unwrap();
+        let stream = OwnStream::new(name).await;
+        let transport = stream.transport().await;
         // A lease and a margin long enough for any interval the tests use (the relay refuses
         // an interval over half the margin).
         let polling = PollingConfig {
@@ -64,11 +51,9 @@ impl Running {
         }));
         Running {
             source,
-            client,
             stream,
             stop,
             run,
-            _cleanup: cleanup,
         }
     }
 
@@ -78,7 +63,7 @@ impl Running {
             &format!("{n} messages on the broker"),
             Duration::from_secs(20),
             async || {
-                let stored = read_stream(&self.client, &self.stream).await.len();
+                let stored = self.stream.messages().await.len();
                 if stored >= n {
                     Ok(())
                 } else {
@@ -172,7 +157,9 @@ async fn one_after_another(name: &str, order: OrderMode) {
         relay.on_broker(n).await;
     }
     let took = started.elapsed();
-    let sequences: Vec<String> = read_stream(&relay.client, &relay.stream)
+    let sequences: Vec<String> = relay
+        .stream
+        .messages()
         .await
         .iter()
         .map(|m| m.header("Handoff-Sequence").unwrap().to_owned())

@@ -1,13 +1,15 @@
 //! A source failure retrying cannot cure ends the relay with an error that says so, instead of
 //! a relay that retries forever: over the real PostgreSQL (the polling source) and nats-server.
 
+mod common;
+
 use std::time::Duration;
 
+use common::OwnStream;
 use handoff_core::delivery::SourceErrorKind;
-use handoff_nats::{JetStreamConfig, JetStreamTransport};
+use handoff_nats::JetStreamTransport;
 use handoff_postgres::{Outbox, OutboxConfig, PollingConfig, PollingSource};
 use handoff_relay::{Backoff, Relay, RelayConfig, RelayErrorKind};
-use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::{eventually, factory, TestDb};
 
 /// How long a relay may take to give up on a permanent failure: it is not retried, so one
@@ -17,17 +19,8 @@ const GIVES_UP_WITHIN: Duration = Duration::from_secs(20);
 /// A relay over `db` (the polling source, through the pool's `search_path`) and a fresh
 /// stream on the shared nats-server, with quick retries: a retried failure would show as a
 /// relay that does not end.
-async fn relay(db: &TestDb, stream: &str) -> Relay<PollingSource, JetStreamTransport> {
-    prepare_shared_server().await;
-    let config = JetStreamConfig {
-        stream: stream.to_owned(),
-        subject_prefix: stream.to_owned(),
-        ..JetStreamConfig::default()
-    };
-    let transport = JetStreamTransport::connect(&shared_url(), config)
-        .await
-        .unwrap();
-    transport.ensure_stream().await.unwrap();
+async fn relay(db: &TestDb, stream: &OwnStream) -> Relay<PollingSource, JetStreamTransport> {
+    let transport = stream.transport().await;
     let source = PollingSource::new(db.pool.clone(), PollingConfig::default()).unwrap();
     let quick = Backoff {
         initial: Duration::from_millis(10),
@@ -46,8 +39,7 @@ async fn relay(db: &TestDb, stream: &str) -> Relay<PollingSource, JetStreamTrans
 async fn a_missing_outbox_table_ends_the_relay_with_a_schema_error() {
     // No migrations: the schema has no outbox table.
     let db = TestDb::new("relay_source_no_table").await;
-    let stream = unique_name("source_no_table");
-    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
+    let stream = OwnStream::new("source_no_table").await;
     let relay = relay(&db, &stream).await;
 
     let run = relay.try_run(std::future::pending());
@@ -81,8 +73,7 @@ async fn an_outbox_table_gone_mid_run_stops_the_relay_and_keeps_what_was_publish
     outbox.enqueue(&mut tx, &events).await.unwrap();
     tx.commit().await.unwrap();
 
-    let stream = unique_name("source_gone");
-    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
+    let stream = OwnStream::new("source_gone").await;
     let relay = relay(&db, &stream).await;
     // `run` (not `try_run`): it ends too, and its report says why.
     let run = tokio::spawn(relay.run(std::future::pending()));
