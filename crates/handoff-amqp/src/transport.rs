@@ -774,6 +774,11 @@ fn publish_error(
         ErrorKind::ProtocolError(_) if soft_error(error) == Some(AMQPSoftError::NOTFOUND) => {
             PublishErrorKind::Unavailable
         }
+        // The relay's user may not write to the exchange (a permission revoked): no event
+        // gets through until an operator fixes the setup.
+        ErrorKind::ProtocolError(_) if soft_error(error) == Some(AMQPSoftError::ACCESSREFUSED) => {
+            PublishErrorKind::Misconfigured
+        }
         _ => PublishErrorKind::Transient,
     };
     PublishError::new(

@@ -72,6 +72,11 @@ pub struct RelayArgs {
     /// accepts other events; an outage or throttling pauses the destination instead.
     #[arg(long, env = "HANDOFF_MAX_ATTEMPTS")]
     max_attempts: Option<i32>,
+    /// Longest wait between two attempts of one event, e.g. 5m [default: 5m]. A destination's
+    /// Retry-After delays the event's aggregate at least that long, up to this.
+    #[arg(long, env = "HANDOFF_MAX_RETRY_DELAY", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "humantime_serde")]
+    max_retry_delay: Option<Duration>,
     /// Takeovers of an event's unsettled lease (its relay died or stalled holding it) before
     /// the event is held for an operator with reason crash_loop [default: 5].
     #[arg(long, env = "HANDOFF_MAX_TAKEOVERS")]
@@ -239,6 +244,10 @@ impl Settings {
             poll_interval: args.poll_interval.unwrap_or(base.poll_interval),
             mark_interval: args.mark_interval.unwrap_or(base.mark_interval),
             max_attempts: args.max_attempts.unwrap_or(base.max_attempts),
+            retry_backoff: Backoff {
+                max: args.max_retry_delay.unwrap_or(base.retry_backoff.max),
+                ..base.retry_backoff
+            },
             order,
             ..base
         };
@@ -477,6 +486,7 @@ async fn serve<T: Transport>(
     }
     let watch_lanes = tokio::spawn(report_other_lane(source.clone()));
     let relay = Relay::from_shared(source.clone(), transport, settings.relay)?;
+    let _ = RELAY_STATUS.set(relay.status());
     let outcome = relay.try_run(shutdown).await;
     watch_lanes.abort();
     if let Err(error) = source.unregister().await {
@@ -569,6 +579,7 @@ async fn run_logical<T: Transport>(
         .context("while starting the logical replication source")?;
     let source = std::sync::Arc::new(source);
     let relay = Relay::from_shared(source.clone(), transport, settings.relay)?;
+    let _ = RELAY_STATUS.set(relay.status());
     let outcome = relay.try_run(shutdown).await;
     // What the run settled is confirmed now rather than redelivered after a restart.
     source.close(Duration::from_secs(5)).await;
@@ -710,6 +721,10 @@ type BrokerProbe = std::sync::Arc<
 /// the relay is still connecting until then). A process runs one relay, so one slot.
 static BROKER_PROBE: std::sync::OnceLock<BrokerProbe> = std::sync::OnceLock::new();
 
+/// The running relay's view of its destination: `/readyz` says why it paused it. A process
+/// runs one relay, so one slot.
+static RELAY_STATUS: std::sync::OnceLock<handoff_relay::RelayStatus> = std::sync::OnceLock::new();
+
 /// How long `/readyz` waits for the database or the destination before it calls them
 /// unreachable; below the endpoint's own per-check timeout (2 s), so the reason is theirs.
 const READY_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -766,6 +781,13 @@ async fn install_metrics(
                     "broker not connected yet: the relay is still starting",
                 ));
             };
+            if let Some(pause) = RELAY_STATUS.get().and_then(|s| s.destination_pause()) {
+                return Err(NotReady::new(format!(
+                    "destination paused ({}): {}",
+                    pause.reason,
+                    redact(&pause.cause)
+                )));
+            }
             if probe().await {
                 Ok(())
             } else {

@@ -1,7 +1,13 @@
-//! Whose fault is a failed publish (issue 25), with `handoff relay` as a real process:
+//! Whose fault is a failed publish (docs/relay.md, "Failures"), with `handoff relay` as a real
+//! process:
 //! - an HTTP endpoint that answers 503, or 429 with `Retry-After`, for longer than the attempt
 //!   budget would last: the destination pauses, nothing is charged or quarantined, and after it
 //!   recovers every event is delivered once, in order;
+//! - an endpoint that refuses one tenant's aggregate (503 `Retry-After: 600`, or a plain 500 in
+//!   a quiet system) and accepts everyone else: the others flow unhindered and the refused
+//!   event is held after `--max-attempts`;
+//! - an endpoint that answers 401 for a while: nothing is held, `/readyz` says why, and
+//!   everything is delivered once it accepts again;
 //! - an event whose publish kills the relay process every time: after `--max-takeovers` it is
 //!   held with reason `crash_loop`, and every other aggregate is published.
 
@@ -20,25 +26,48 @@ use common::{enqueue_spread, handoff, migrated, stdout_json, wait_drained, Relay
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
-use handoff_test::{factory, TestDb};
+use handoff_test::{eventually, factory, TestDb, Verbatim};
 
 const ACCEPT: u8 = 0;
 const UNAVAILABLE: u8 = 1;
 const TOO_MANY: u8 = 2;
+const UNAUTHORIZED: u8 = 3;
 
 /// An endpoint whose answer the test switches: 200 (applying each `Idempotency-Key` once), 503,
-/// or 429 with `Retry-After: 2`.
+/// 429 with `Retry-After: 2`, or 401; and which may refuse one aggregate's events (a tenant)
+/// while it accepts the others.
 #[derive(Default)]
 struct Endpoint {
     mode: AtomicU8,
+    /// The aggregate refused whatever the mode, with the status and `Retry-After` it gets.
+    refuse_aggregate: Mutex<Option<(String, StatusCode, Option<&'static str>)>>,
     /// Effects applied, in arrival order: (aggregate id, sequence, event id).
     applied: Mutex<Vec<(String, i64, String)>>,
     seen: Mutex<HashSet<String>>,
+    /// When each event was first applied, by event id.
+    applied_at: Mutex<HashMap<String, Instant>>,
     /// When each refusal was answered.
     refused: Mutex<Vec<Instant>>,
 }
 
 async fn receive(State(endpoint): State<Arc<Endpoint>>, headers: HeaderMap) -> Response {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let refused = endpoint.refuse_aggregate.lock().unwrap().clone();
+    if let Some((aggregate, status, retry_after)) = refused {
+        if header("handoff-aggregate-id") == aggregate {
+            endpoint.refused.lock().unwrap().push(Instant::now());
+            return match retry_after {
+                Some(delay) => (status, [("retry-after", delay)]).into_response(),
+                None => status.into_response(),
+            };
+        }
+    }
     match endpoint.mode.load(Ordering::SeqCst) {
         UNAVAILABLE => {
             endpoint.refused.lock().unwrap().push(Instant::now());
@@ -48,17 +77,19 @@ async fn receive(State(endpoint): State<Arc<Endpoint>>, headers: HeaderMap) -> R
             endpoint.refused.lock().unwrap().push(Instant::now());
             return (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "2")]).into_response();
         }
+        UNAUTHORIZED => {
+            endpoint.refused.lock().unwrap().push(Instant::now());
+            return (StatusCode::UNAUTHORIZED, "token expired").into_response();
+        }
         _ => {}
     }
-    let header = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned()
-    };
     let key = header("idempotency-key");
     if endpoint.seen.lock().unwrap().insert(key.clone()) {
+        endpoint
+            .applied_at
+            .lock()
+            .unwrap()
+            .insert(key.clone(), Instant::now());
         let sequence = header("handoff-sequence").parse().unwrap_or(-1);
         endpoint
             .applied
@@ -92,10 +123,18 @@ async fn held(db: &TestDb) -> i64 {
 
 /// Every committed event applied exactly once, and per aggregate in sequence order.
 async fn assert_applied_once_in_order(db: &TestDb, endpoint: &Endpoint) {
-    let committed: Vec<(uuid::Uuid,)> = sqlx::query_as("SELECT event_id FROM outbox")
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    assert_applied_once_in_order_but(db, endpoint, "").await;
+}
+
+/// As [`assert_applied_once_in_order`], for every aggregate but `refused` (none of whose
+/// events may be applied).
+async fn assert_applied_once_in_order_but(db: &TestDb, endpoint: &Endpoint, refused: &str) {
+    let committed: Vec<(uuid::Uuid,)> =
+        sqlx::query_as("SELECT event_id FROM outbox WHERE aggregate_id <> $1")
+            .bind(refused)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     let applied = endpoint.applied.lock().unwrap().clone();
     let ids: HashSet<String> = applied.iter().map(|a| a.2.clone()).collect();
     let expected: HashSet<String> = committed.iter().map(|c| c.0.to_string()).collect();
@@ -185,6 +224,307 @@ async fn retry_after_pauses_the_whole_destination_and_charges_nothing() {
     assert!(
         refusals <= 20 + 5,
         "{refusals} requests refused during the throttle"
+    );
+}
+
+/// The relay's flags for the test endpoint at `url`, with `extra` ones.
+fn http_relay(db: &TestDb, name: &str, url: &str, extra: &[&str]) -> RelayProcess {
+    let mut flags = vec![
+        "--destination",
+        "http",
+        "--endpoint",
+        url,
+        "--http-timeout",
+        "1s",
+    ];
+    flags.extend_from_slice(extra);
+    RelayProcess::spawn(&db.url(), name, &flags, &[("HANDOFF_HTTP_SECRET", "")])
+}
+
+/// Commits one event every `every` for `aggregate` (counting from `first`) until `stop`, each in
+/// a transaction of its own; returns when each was committed, by event id.
+fn write_every(
+    db: &TestDb,
+    outbox: &handoff_postgres::Outbox,
+    aggregates: Vec<String>,
+    every: Duration,
+    stop: Instant,
+) -> tokio::task::JoinHandle<HashMap<String, Instant>> {
+    let pool = db.pool.clone();
+    let outbox = outbox.clone();
+    tokio::spawn(async move {
+        let mut committed = HashMap::new();
+        let mut ticks = tokio::time::interval(every);
+        let mut n = 0u64;
+        while Instant::now() < stop {
+            ticks.tick().await;
+            let aggregate = &aggregates[n as usize % aggregates.len()];
+            let mut tx = pool.begin().await.unwrap();
+            let id = outbox
+                .enqueue(&mut tx, &[factory::event(aggregate, n)])
+                .await
+                .unwrap()[0]
+                .event_id;
+            tx.commit().await.unwrap();
+            committed.insert(id.to_string(), Instant::now());
+            n += 1;
+        }
+        committed
+    })
+}
+
+/// The refused aggregate's first event, once it is held: its hold reason and attempts.
+async fn wait_held(
+    db: &TestDb,
+    aggregate: &str,
+    within: Duration,
+    relay: &RelayProcess,
+) -> (String, i32) {
+    eventually(
+        &format!("{aggregate}'s first event held"),
+        within,
+        async || {
+            let row: Option<(Option<String>, i32)> = sqlx::query_as(
+                "SELECT hold_reason, attempt_count FROM outbox \
+                 WHERE aggregate_id = $1 AND aggregate_sequence = 1 \
+                   AND available_at = 'infinity'",
+            )
+            .bind(aggregate)
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap();
+            match row {
+                Some((Some(reason), attempts)) => Ok((reason, attempts)),
+                _ => Err(Verbatim(relay.log())),
+            }
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_refused_with_503_retry_after_600_delays_only_itself_and_is_held() {
+    let (db, outbox) = migrated("policy_tenant_503").await;
+    let (endpoint, url) = endpoint().await;
+    *endpoint.refuse_aggregate.lock().unwrap() = Some((
+        "tenant-x".into(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        Some("600"),
+    ));
+    let mut relay = http_relay(
+        &db,
+        "tenant-503",
+        &url,
+        &["--max-attempts", "3", "--max-retry-delay", "2s"],
+    );
+
+    // Twenty healthy aggregates at 50 events/s, and the refused tenant's at one a second,
+    // for 20 s.
+    let stop = Instant::now() + Duration::from_secs(20);
+    let healthy: Vec<String> = (0..20).map(|n| format!("agg-{n}")).collect();
+    let writers = write_every(&db, &outbox, healthy, Duration::from_millis(20), stop);
+    let tenant = write_every(
+        &db,
+        &outbox,
+        vec!["tenant-x".into()],
+        Duration::from_secs(1),
+        stop,
+    );
+    let committed = writers.await.unwrap();
+    tenant.await.unwrap();
+
+    let (reason, attempts) = wait_held(&db, "tenant-x", Duration::from_secs(30), &relay).await;
+    assert_eq!(
+        (reason.as_str(), attempts),
+        ("attempts", 3),
+        "{}",
+        relay.log()
+    );
+    eventually(
+        "healthy events all applied",
+        Duration::from_secs(30),
+        async || {
+            let applied = endpoint.applied_at.lock().unwrap().len();
+            if applied >= committed.len() {
+                Ok(())
+            } else {
+                Err(Verbatim(format!(
+                    "{applied} of {} applied\n{}",
+                    committed.len(),
+                    relay.log()
+                )))
+            }
+        },
+    )
+    .await;
+    assert!(relay.terminate().success(), "exit 0:\n{}", relay.log());
+    assert_applied_once_in_order_but(&db, &endpoint, "tenant-x").await;
+
+    // Commit to the endpoint, for every healthy event: the tenant's Retry-After held nobody.
+    let applied_at = endpoint.applied_at.lock().unwrap().clone();
+    let mut lags: Vec<Duration> = committed
+        .iter()
+        .map(|(id, at)| applied_at[id].saturating_duration_since(*at))
+        .collect();
+    lags.sort();
+    let p99 = lags[lags.len() * 99 / 100];
+    assert!(
+        p99 < Duration::from_secs(5),
+        "healthy commit -> endpoint p99 {p99:?} (max {:?}) over {} events\n{}",
+        lags.last(),
+        lags.len(),
+        relay.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_500_on_one_event_in_a_quiet_system_is_held_within_90s() {
+    let (db, outbox) = migrated("policy_quiet_500").await;
+    let (endpoint, url) = endpoint().await;
+    *endpoint.refuse_aggregate.lock().unwrap() =
+        Some(("poison".into(), StatusCode::INTERNAL_SERVER_ERROR, None));
+    let mut relay = http_relay(&db, "quiet-500", &url, &["--max-attempts", "4"]);
+
+    // The poison event, then a quiet system: one healthy event every 2 s.
+    let started = Instant::now();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event("poison", 0)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let stop = started + Duration::from_secs(90);
+    let healthy: Vec<String> = (0..5).map(|n| format!("agg-{n}")).collect();
+    let writers = write_every(&db, &outbox, healthy, Duration::from_secs(2), stop);
+
+    let remaining = Duration::from_secs(90).saturating_sub(started.elapsed());
+    let (reason, attempts) = wait_held(&db, "poison", remaining, &relay).await;
+    assert_eq!(
+        (reason.as_str(), attempts),
+        ("attempts", 4),
+        "{}",
+        relay.log()
+    );
+    writers.abort();
+    wait_drained_but_poison(&db, &relay).await;
+    assert!(relay.terminate().success(), "exit 0:\n{}", relay.log());
+    assert_applied_once_in_order_but(&db, &endpoint, "poison").await;
+    // Meanwhile the healthy events were not held up: the poison event was never the probe of
+    // a pause its own failures started while they waited.
+    let committed: Vec<(uuid::Uuid, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as("SELECT event_id, occurred_at FROM outbox WHERE aggregate_id <> 'poison'")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let applied_at = endpoint.applied_at.lock().unwrap().clone();
+    let now = (Instant::now(), chrono::Utc::now());
+    let slowest = committed
+        .iter()
+        .map(|(id, occurred)| {
+            let occurred = now.0 - (now.1 - *occurred).to_std().unwrap_or_default();
+            applied_at[&id.to_string()].saturating_duration_since(occurred)
+        })
+        .max()
+        .unwrap_or_default();
+    assert!(
+        slowest < Duration::from_secs(3),
+        "a healthy event took {slowest:?} to reach the endpoint\n{}",
+        relay.log()
+    );
+}
+
+/// Waits until nothing but the held `poison` event is pending.
+async fn wait_drained_but_poison(db: &TestDb, relay: &RelayProcess) {
+    eventually(
+        "all but poison published",
+        Duration::from_secs(30),
+        async || {
+            let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id <> 'poison'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+            if left == 0 {
+                Ok(())
+            } else {
+                Err(Verbatim(format!("{left} left\n{}", relay.log())))
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_answering_401_for_20s_holds_nothing_and_readyz_says_why() {
+    const AGGREGATES: u64 = 10;
+    let (db, outbox) = migrated("policy_401").await;
+    let (endpoint, url) = endpoint().await;
+    endpoint.mode.store(UNAUTHORIZED, Ordering::SeqCst);
+    let metrics = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    let metrics_addr = metrics.to_string();
+    let mut relay = http_relay(
+        &db,
+        "unauthorized",
+        &url,
+        &["--max-attempts", "3", "--metrics-addr", &metrics_addr],
+    );
+    let token_renewed = Instant::now() + Duration::from_secs(20);
+    enqueue_spread(&db.pool, &outbox, 0, 6 * AGGREGATES, AGGREGATES).await;
+
+    // Meanwhile /readyz says why, and the gauge names the reason.
+    let http = reqwest::Client::new();
+    let said = eventually(
+        "/readyz names the pause",
+        Duration::from_secs(15),
+        async || {
+            let Ok(response) = http.get(format!("http://{metrics}/readyz")).send().await else {
+                return Err(Verbatim(relay.log()));
+            };
+            let status = response.status().as_u16();
+            let body = response.text().await.unwrap_or_default();
+            if status == 503 && body.contains("destination paused (misconfigured)") {
+                Ok(body)
+            } else {
+                Err(Verbatim(format!("{status} {body}\n{}", relay.log())))
+            }
+        },
+    )
+    .await;
+    assert!(said.contains("401"), "{said}");
+    let exposition = http
+        .get(format!("http://{metrics}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        exposition.contains(r#"handoff_destination_paused{reason="misconfigured"} 1"#),
+        "{exposition}"
+    );
+    tokio::time::sleep_until(token_renewed.into()).await;
+    assert_eq!(held(&db).await, 0, "held while refused:\n{}", relay.log());
+    endpoint.mode.store(ACCEPT, Ordering::SeqCst);
+
+    wait_drained(&db.pool, Duration::from_secs(60), || relay.log()).await;
+    assert!(relay.terminate().success(), "exit 0:\n{}", relay.log());
+    assert_eq!(held(&db).await, 0);
+    assert_applied_once_in_order(&db, &endpoint).await;
+    let charged: i64 =
+        sqlx::query_scalar("SELECT coalesce(max(attempt_count), 0)::int8 FROM outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(charged, 0, "a refused setup is no event's fault");
+    assert!(
+        relay.log().contains("refuses the relay's credentials"),
+        "{}",
+        relay.log()
     );
 }
 

@@ -256,18 +256,26 @@ pub enum PublishErrorKind {
     /// No acknowledgement in time. Ambiguous: the broker may hold the event, so it is retried
     /// with the same event id.
     Timeout,
-    /// The destination answered with an error that may pass (a 5xx, a leader election).
-    /// Whether the event is charged depends on the others: the relay charges it only while
-    /// other events are being accepted; when everything fails it is the destination's fault.
+    /// The destination answered with an error that may pass (a 5xx, an HTTP 429 or 503 that
+    /// may concern one tenant only, a leader election). Whose fault it is depends on the
+    /// others: the relay charges the event when other events were accepted since its last
+    /// failure, and pauses the destination when different events fail one after another. A
+    /// [`retry_after`](PublishError::retry_after) delays this event's aggregate only.
     Transient,
-    /// The destination is up but asks the sender to stop for a while: an HTTP 429 or 503, a
-    /// RabbitMQ `connection.blocked` (memory or disk alarm). It concerns every event, so the
-    /// relay pauses the whole destination (for at least
-    /// [`retry_after`](PublishError::retry_after) when given) and charges no attempt.
+    /// The destination is up but tells this connection to stop for a while, whatever the
+    /// event: a RabbitMQ `connection.blocked` (memory or disk alarm), a Redis `OOM`. It
+    /// concerns every event, so the relay pauses the whole destination and charges no attempt.
     Throttled,
-    /// The destination refused this event and always will (too large, not permitted). The
-    /// event goes to the poison policy at once.
+    /// The destination refused this event and always will (too large, malformed). The event
+    /// goes to the poison policy at once.
     Rejected,
+    /// The destination refuses every event because of how the relay is set up, not because of
+    /// the event: credentials expired or revoked (HTTP 401/403, Kafka
+    /// `SASL_AUTHENTICATION_FAILED`, AMQP `ACCESS_REFUSED`, Redis `NOAUTH`/`NOPERM`), a
+    /// permission missing (`TOPIC_AUTHORIZATION_FAILED`), an endpoint that does not exist (HTTP
+    /// 404/410). The relay pauses the whole destination, charges nothing, says why, and
+    /// resumes by itself once a probe event gets through (an operator fixed the setup).
+    Misconfigured,
 }
 
 impl PublishErrorKind {
@@ -277,18 +285,31 @@ impl PublishErrorKind {
     }
 
     /// Whether the failure can say something about the event rather than about the
-    /// destination. `Unavailable` and `Throttled` never do; `Timeout` and `Transient` do only
-    /// when other events are accepted meanwhile (the relay decides); `Rejected` always does.
+    /// destination. `Unavailable`, `Throttled` and `Misconfigured` never do; `Timeout` and
+    /// `Transient` do only when other events are accepted meanwhile (the relay decides);
+    /// `Rejected` always does.
     pub fn counts_as_attempt(self) -> bool {
         !self.is_destination_wide()
     }
 
-    /// Whether the failure is the destination's as a whole (down, or asking everyone to back
-    /// off): the relay pauses publishing to it instead of blaming the event.
+    /// Whether the failure is the destination's as a whole (down, asking this connection to
+    /// back off, or refusing the relay's credentials or address): the relay pauses publishing
+    /// to it instead of blaming the event.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use handoff_core::delivery::PublishErrorKind;
+    ///
+    /// assert!(PublishErrorKind::Misconfigured.is_destination_wide());
+    /// assert!(!PublishErrorKind::Transient.is_destination_wide(), "the relay decides");
+    /// ```
     pub fn is_destination_wide(self) -> bool {
         matches!(
             self,
-            PublishErrorKind::Unavailable | PublishErrorKind::Throttled
+            PublishErrorKind::Unavailable
+                | PublishErrorKind::Throttled
+                | PublishErrorKind::Misconfigured
         )
     }
 
@@ -300,6 +321,7 @@ impl PublishErrorKind {
             PublishErrorKind::Transient => "transient",
             PublishErrorKind::Throttled => "throttled",
             PublishErrorKind::Rejected => "rejected",
+            PublishErrorKind::Misconfigured => "misconfigured",
         }
     }
 }

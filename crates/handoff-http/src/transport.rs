@@ -57,8 +57,9 @@ pub enum BuildError {
 /// | answer | result |
 /// |---|---|
 /// | 2xx | published; the receipt records the answer: a [`RecordedResponse`](crate::RecordedResponse) (status, a few headers, the body's first 4 KiB, its length and SHA-256) as one line of JSON |
-/// | 429, 503 | `Throttled`: the relay pauses the whole destination (at least `Retry-After`), charging no event |
+/// | 429, 503 | `Transient` with its `Retry-After`: the event's aggregate waits at least that long; charged only while other events get through (one tenant refused), otherwise the destination pauses (everyone refused) |
 /// | 408, 409, other 5xx | `Transient`: retried with backoff; charged only while other events get through, otherwise the destination pauses |
+/// | 401, 403, 407, 404, 410 | `Misconfigured`: credentials refused or no such endpoint, whatever the event: the relay pauses the destination, charges nothing, and resumes once a probe gets through |
 /// | 3xx | `Unavailable`: redirects are not followed, the endpoint is misconfigured |
 /// | other 4xx | `Rejected`: the event is quarantined |
 /// | connection refused, DNS or TLS failure, no request slot free within half the timeout | `Unavailable` (not charged to the event; nothing sent) |
@@ -414,13 +415,14 @@ impl Transport for HttpTransport {
     }
 }
 
-/// How a non-2xx status counts. 429 and 503 are the endpoint asking every sender to back off:
-/// the relay pauses the destination and charges no event. Other 5xx, 408 and 409 may be the
-/// event's or the endpoint's; the relay charges them only while other events get through.
+/// How a non-2xx status counts. 5xx, 429, 408 and 409 may be the event's (an endpoint that
+/// refuses one tenant) or the endpoint's (down, or throttling everyone); the relay tells them
+/// apart by what other events meet. 401, 403 and 407 (credentials), 404 and 410 (no such
+/// endpoint) are the relay's setup, never the event's.
 fn classify(status: StatusCode) -> PublishErrorKind {
     match status.as_u16() {
-        429 | 503 => PublishErrorKind::Throttled,
-        408 | 409 | 500..=599 => PublishErrorKind::Transient,
+        401 | 403 | 407 | 404 | 410 => PublishErrorKind::Misconfigured,
+        408 | 409 | 429 | 500..=599 => PublishErrorKind::Transient,
         300..=399 => PublishErrorKind::Unavailable,
         400..=499 => PublishErrorKind::Rejected,
         _ => PublishErrorKind::Transient,
@@ -514,16 +516,19 @@ mod tests {
         for (status, kind) in [
             (408, Transient),
             (409, Transient),
-            (429, Throttled),
+            (429, Transient),
             (500, Transient),
             (502, Transient),
-            (503, Throttled),
+            (503, Transient),
             (599, Transient),
             (301, Unavailable),
             (308, Unavailable),
             (400, Rejected),
-            (401, Rejected),
-            (404, Rejected),
+            (401, Misconfigured),
+            (403, Misconfigured),
+            (404, Misconfigured),
+            (410, Misconfigured),
+            (413, Rejected),
             (422, Rejected),
         ] {
             assert_eq!(

@@ -123,16 +123,16 @@ async fn answers_sort_into_retry_quarantine_and_pause() {
             String::new(),
         ),
     ];
-    // 429 and 503 are the endpoint asking every sender to back off: the relay pauses the
-    // destination instead of charging the event.
+    // 429 and 503 may refuse one tenant or everyone: the relay tells which from the other
+    // events. 404 is no such endpoint, whatever the event: the relay's setup.
     let expected = [
         PublishErrorKind::Rejected,
-        PublishErrorKind::Rejected,
+        PublishErrorKind::Misconfigured,
         PublishErrorKind::Transient,
         PublishErrorKind::Transient,
-        PublishErrorKind::Throttled,
         PublishErrorKind::Transient,
-        PublishErrorKind::Throttled,
+        PublishErrorKind::Transient,
+        PublishErrorKind::Transient,
         PublishErrorKind::Unavailable,
     ];
     let mut endpoint = Endpoint::start(replies, Reply::status(200)).await;

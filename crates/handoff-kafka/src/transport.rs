@@ -655,6 +655,13 @@ pub(crate) fn classify(
         | C::UnknownTopicOrPartition
         | C::UnknownTopic
         | C::UnknownPartition => PublishErrorKind::Unavailable,
+        // The relay's principal may not write the topic, or its login is refused: no event
+        // gets through until an operator fixes the setup.
+        C::TopicAuthorizationFailed
+        | C::ClusterAuthorizationFailed
+        | C::TransactionalIdAuthorizationFailed
+        | C::SaslAuthenticationFailed
+        | C::Authentication => PublishErrorKind::Misconfigured,
         _ => PublishErrorKind::Transient,
     }
 }
@@ -683,6 +690,8 @@ mod tests {
             (C::MessageTimedOut, PublishErrorKind::Timeout),
             (C::AllBrokersDown, PublishErrorKind::Unavailable),
             (C::UnknownTopicOrPartition, PublishErrorKind::Unavailable),
+            (C::TopicAuthorizationFailed, PublishErrorKind::Misconfigured),
+            (C::SaslAuthenticationFailed, PublishErrorKind::Misconfigured),
             (C::QueueFull, PublishErrorKind::Transient),
             (C::NotEnoughReplicas, PublishErrorKind::Transient),
             (C::OutOfOrderSequenceNumber, PublishErrorKind::Transient),

@@ -201,8 +201,11 @@ fn redis_publish_kind(error: &RedisError) -> PublishErrorKind {
             // maxmemory reached with a no-eviction policy: every write is refused until memory
             // is freed, so the relay pauses the destination.
             Some("OOM") => PublishErrorKind::Throttled,
-            // Anything else (a script busy, WRONGTYPE, NOPERM) concerns the destination, not
-            // one event: transient, charged only while other events get through.
+            // The relay's user lost its password or its rights (an ACL change): no event
+            // gets through until an operator fixes the setup.
+            Some("NOAUTH" | "NOPERM" | "WRONGPASS") => PublishErrorKind::Misconfigured,
+            // Anything else (a script busy, WRONGTYPE) concerns the destination, not one
+            // event: transient, charged only while other events get through.
             _ => PublishErrorKind::Transient,
         },
     }
@@ -219,6 +222,14 @@ mod tests {
             Some("command not allowed when used memory > 'maxmemory'".to_owned()),
         );
         assert_eq!(redis_publish_kind(&oom), PublishErrorKind::Throttled);
+        for code in ["NOAUTH", "NOPERM", "WRONGPASS"] {
+            let refused = redis::make_extension_error(code.to_owned(), None);
+            assert_eq!(
+                redis_publish_kind(&refused),
+                PublishErrorKind::Misconfigured,
+                "{code}"
+            );
+        }
         let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
         assert_eq!(redis_publish_kind(&io), PublishErrorKind::Unavailable);
         let timed_out = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));

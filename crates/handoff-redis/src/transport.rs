@@ -77,7 +77,8 @@ pub fn replay_dedup_id(event_id: EventId, marker: &str) -> String {
 /// within [`RedisConfig::publish_timeout`] with [`PublishErrorKind::Timeout`] (ambiguous: the
 /// script may have run, and the retry under the same id is absorbed by the dedup key); a server
 /// out of memory (`OOM`) with [`PublishErrorKind::Throttled`]; other server errors
-/// (`WRONGTYPE`, `READONLY`, `NOPERM`) with [`PublishErrorKind::Transient`]. A connection that
+/// (`WRONGTYPE`, `READONLY`) with [`PublishErrorKind::Transient`]; a refused login or command
+/// (`NOAUTH`, `WRONGPASS`, `NOPERM`) with [`PublishErrorKind::Misconfigured`]. A connection that
 /// failed or went silent is dropped, and the next call opens a new one.
 ///
 /// Durability is the server's: an acknowledged append is in the primary's memory, and on disk

@@ -31,4 +31,4 @@ mod relay;
 mod trace;
 
 pub use config::{Backoff, OrderMode, RelayConfig, RelayConfigError};
-pub use relay::{Relay, RelayError, RelayErrorKind, RelayReport};
+pub use relay::{DestinationPause, Relay, RelayError, RelayErrorKind, RelayReport, RelayStatus};

@@ -56,11 +56,12 @@ pub(crate) fn describe() {
     describe_counter!(SOURCE_ERRORS, "Failed source operations, by operation");
     describe_gauge!(
         DESTINATION_PAUSED,
-        "1 while publishing is paused because the destination is down, throttling or failing \
-         every publish (no attempts are charged meanwhile), else 0"
+        "1 for the reason of the pause in force (the destination is down, throttling, failing \
+         for different events, or refusing the relay's setup; no attempts are charged \
+         meanwhile), else 0"
     );
     describe_counter!(
         DESTINATION_PAUSES,
-        "Pauses of the destination, by reason (unavailable, throttled, failing)"
+        "Pauses of the destination, by reason (unavailable, throttled, failing, misconfigured)"
     );
 }

@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch, Notify, Semaphore};
 use tracing::{debug, error, info, warn};
 
 use crate::failpoints::{self as fp, freeze_if_fired};
+pub use crate::health::{DestinationPause, RelayStatus};
 use crate::health::{Health, PauseReason, Verdict};
 use crate::metrics as m;
 use crate::{OrderMode, RelayConfig, RelayConfigError};
@@ -56,6 +57,7 @@ pub struct Relay<S, T> {
     source: Arc<S>,
     transport: Arc<T>,
     config: RelayConfig,
+    health: Arc<Health>,
 }
 
 /// What a relay did before it stopped.
@@ -124,7 +126,7 @@ struct Shared {
     in_flight: Mutex<HashSet<EventId>>,
     /// The destination's health, apart from each event's: who is charged for a failure, and
     /// whether publishing is paused.
-    health: Health,
+    health: Arc<Health>,
     /// Woken after every batch of outcomes is written: predecessors got marked, so events the
     /// last claim had to leave behind may be claimable now.
     progress: Notify,
@@ -200,11 +202,40 @@ impl<S: Source, T: Transport> Relay<S, T> {
     ) -> Result<Self, RelayConfigError> {
         config.validate()?;
         m::describe();
+        let health = Arc::new(Health::new(config.health_window, config.outage_backoff));
         Ok(Relay {
             source,
             transport,
             config,
+            health,
         })
+    }
+
+    /// A handle that tells, while the relay runs, whether it paused its destination and why:
+    /// for a readiness probe or a status page. Take it before [`run`](Self::run).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use handoff_relay::{Relay, RelayConfig};
+    /// # use handoff_core::delivery::{Source, Transport};
+    ///
+    /// # async fn example(source: impl Source, transport: impl Transport) -> Result<(), Box<dyn std::error::Error>> {
+    /// let relay = Relay::new(source, transport, RelayConfig::default())?;
+    /// let status = relay.status();
+    /// tokio::spawn(async move {
+    ///     if let Some(pause) = status.destination_pause() {
+    ///         eprintln!("destination paused ({}): {}", pause.reason, pause.cause);
+    ///     }
+    /// });
+    /// relay.run(async { tokio::signal::ctrl_c().await.ok(); }).await;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn status(&self) -> RelayStatus {
+        RelayStatus {
+            health: self.health.clone(),
+        }
     }
 
     /// Runs until `shutdown` completes, then stops claiming, lets in-flight publishes finish
@@ -261,7 +292,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
     ) -> Result<RelayReport, RelayError> {
         let shared = Arc::new(Shared {
             in_flight: Mutex::new(HashSet::new()),
-            health: Health::new(self.config.health_window, self.config.outage_backoff),
+            health: self.health.clone(),
             progress: Notify::new(),
             hurry: Notify::new(),
             published: AtomicU64::new(0),
@@ -275,7 +306,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
         // Up until a publish says otherwise, so the gauge exists from the start rather than from
         // the first outage (a dashboard panel and `absent()` need the series).
         metrics::gauge!(m::BROKER_UP).set(1.0);
-        metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
+        show_pause(None);
         let (stop_tx, stop_rx) = watch::channel(false);
         let (outcome_tx, outcome_rx) = mpsc::unbounded_channel();
         let (claim_tx, mut claim_rx) = mpsc::channel::<Claim>(1);
@@ -386,7 +417,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
         if let Some((event, error, verdict)) = end.failed {
             let kind = error.kind();
             metrics::counter!(m::PUBLISH_FAILURES, "kind" => kind.as_str()).increment(1);
-            let failure = self.decide(&event, &error, verdict.charged);
+            let failure = self.decide(&event, &error, verdict);
             if failure.retry_after.is_none() {
                 shared.held.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!(m::HELD).increment(1);
@@ -421,10 +452,18 @@ impl<S: Source, T: Transport> Relay<S, T> {
         }
     }
 
-    /// The retry decision for one failed publish (brief P3, P8); `charged` is the health
-    /// verdict: whether the failure concerns the event or the destination.
-    fn decide(&self, event: &OutboxEvent, error: &PublishError, charged: bool) -> Failure {
+    /// The retry decision for one failed publish (brief P3, P8), given the health verdict:
+    /// whether the failure concerns the event or the destination, and how long the
+    /// destination's pause still lasts.
+    ///
+    /// A charged failure waits its backoff; an uncharged one waits out the pause and a little
+    /// more, so the probe that ends the pause is another event where there is one (a probe of
+    /// the event that just failed would tell nothing new). Either way a `Retry-After` the
+    /// destination named delays the event, and so its aggregate, at least that long, up to the
+    /// longest retry delay ([`RelayConfig::retry_backoff`]'s `max`).
+    fn decide(&self, event: &OutboxEvent, error: &PublishError, verdict: Verdict) -> Failure {
         let kind = error.kind();
+        let charged = verdict.charged;
         let attempts = event.attempt_count.saturating_add(i32::from(charged));
         let hold_reason = if !kind.is_retryable() {
             Some("rejected")
@@ -439,10 +478,14 @@ impl<S: Source, T: Transport> Relay<S, T> {
             Some(self.config.retry_backoff.delay(attempts.max(1) as u32))
         } else {
             // The destination's fault: its pause paces the retry, not the event.
-            Some(self.config.outage_backoff.delay(1))
+            Some(verdict.pause_left + self.config.outage_backoff.delay(1))
         }
-        // A destination that named its own delay (HTTP Retry-After) gets at least that.
-        .map(|delay| error.retry_after().map_or(delay, |asked| asked.max(delay)));
+        .map(|delay| {
+            let asked = error
+                .retry_after()
+                .map(|asked| asked.min(self.config.retry_backoff.max));
+            asked.map_or(delay, |asked| asked.max(delay))
+        });
         Failure {
             event_id: event.event_id,
             error: error.to_string(),
@@ -450,6 +493,15 @@ impl<S: Source, T: Transport> Relay<S, T> {
             counts_as_attempt: charged,
             hold_reason,
         }
+    }
+}
+
+/// `handoff_destination_paused{reason}`: 1 for the reason of the pause in force, 0 for the
+/// others, so every series exists from the start.
+fn show_pause(reason: Option<PauseReason>) {
+    for each in PauseReason::ALL {
+        let paused = if Some(each) == reason { 1.0 } else { 0.0 };
+        metrics::gauge!(m::DESTINATION_PAUSED, "reason" => each.as_str()).set(paused);
     }
 }
 
@@ -543,13 +595,13 @@ async fn run_lane<T: Transport>(
         );
         match publish.await {
             Ok(receipt) => {
-                if let Some(pause) = shared.health.succeeded(Instant::now()) {
+                if let Some(pause) = shared.health.succeeded(event.event_id, Instant::now()) {
                     info!(
                         reason = pause.reason.as_str(),
                         paused_rounds = pause.rounds,
                         "destination accepts events again: claiming"
                     );
-                    metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
+                    show_pause(None);
                     metrics::gauge!(m::BROKER_UP).set(1.0);
                 }
                 freeze_if_fired(fp::AFTER_ACK).await;
@@ -566,10 +618,13 @@ async fn run_lane<T: Transport>(
                 }));
             }
             Err(error) => {
-                let verdict =
-                    shared
-                        .health
-                        .failed(error.kind(), error.retry_after(), Instant::now());
+                let verdict = shared.health.failed(
+                    event.event_id,
+                    error.kind(),
+                    error.retry_after(),
+                    &error.to_string(),
+                    Instant::now(),
+                );
                 let unstarted = events.map(|e| e.event_id).collect();
                 return (
                     LaneEnd {
@@ -617,11 +672,27 @@ async fn claim_loop<S: Source, T: Transport>(
         if let Some(pause) = shared.health.pause() {
             if pause.serial != announced {
                 announced = pause.serial;
-                if pause.rounds == 1 && pause.reason == PauseReason::Throttled {
+                if pause.rounds == 1 && pause.reason == PauseReason::Misconfigured {
+                    error!(
+                        reason = pause.reason.as_str(),
+                        cause = %pause.cause,
+                        "the destination refuses the relay's credentials or address: \
+                         destination paused, no claims and no attempts charged; it resumes by \
+                         itself once a probe event gets through"
+                    );
+                } else if pause.rounds == 1 && pause.reason == PauseReason::Throttled {
                     warn!(
                         reason = pause.reason.as_str(),
+                        cause = %pause.cause,
                         "destination throttling: destination paused, no claims and no attempts \
                          charged until a probe event gets through"
+                    );
+                } else if pause.rounds == 1 && pause.reason == PauseReason::Failing {
+                    warn!(
+                        reason = pause.reason.as_str(),
+                        cause = %pause.cause,
+                        "different events failed one after another: destination paused, no \
+                         claims and no attempts charged until a probe event gets through"
                     );
                 } else if pause.rounds == 1 {
                     warn!(
@@ -638,10 +709,13 @@ async fn claim_loop<S: Source, T: Transport>(
                 }
                 metrics::counter!(m::DESTINATION_PAUSES, "reason" => pause.reason.as_str())
                     .increment(1);
-                metrics::gauge!(m::DESTINATION_PAUSED).set(1.0);
-                // A throttling destination answers; one that is down or fails everything
-                // does not.
-                if pause.reason != PauseReason::Throttled {
+                show_pause(Some(pause.reason));
+                // A throttling or misconfigured destination answers; one that is down or
+                // fails everything does not.
+                if matches!(
+                    pause.reason,
+                    PauseReason::Unavailable | PauseReason::Failing
+                ) {
                     metrics::gauge!(m::BROKER_UP).set(0.0);
                 }
             }
@@ -753,7 +827,7 @@ async fn claim_loop<S: Source, T: Transport>(
             // Nothing to probe with: the next claim is a full one, and its failures, if any,
             // pause again.
             probing = false;
-            metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
+            show_pause(None);
             metrics::gauge!(m::BROKER_UP).set(1.0);
         }
         let isolated = claim.isolate && claimed > 0;
@@ -791,7 +865,7 @@ async fn claim_loop<S: Source, T: Transport>(
             probing = false;
             if !shared.health.is_paused() {
                 info!("probe event accepted: destination resumed, claiming");
-                metrics::gauge!(m::DESTINATION_PAUSED).set(0.0);
+                show_pause(None);
                 metrics::gauge!(m::BROKER_UP).set(1.0);
             }
             continue;
