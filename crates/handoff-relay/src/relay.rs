@@ -917,8 +917,9 @@ async fn bookkeep<S: Source>(
     }
 }
 
-/// Counts the outcomes a write left alone because their lease had moved on (a claim took the
-/// event again since): the relay's bookkeeping lagged past a lease.
+/// Counts the outcomes a write left alone because their event is no longer held under their
+/// lease (a claim took it again since, or it was settled already): the relay's bookkeeping
+/// lagged past a lease.
 fn count_stale(op: &'static str, settled: Option<Settled>) {
     let Some(Settled { stale }) = settled else {
         return;
@@ -927,8 +928,8 @@ fn count_stale(op: &'static str, settled: Option<Settled>) {
         warn!(
             stale,
             op,
-            "outcomes written after their lease ran out changed nothing: the events were \
-             claimed again since (the relay's writes lag its leases)"
+            "outcomes written after their lease ran out changed nothing: their events were \
+             claimed again or settled since (the relay's writes lag its leases)"
         );
         metrics::counter!(m::STALE_WRITES, "op" => op).increment(stale as u64);
     }
