@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, Published, Source, SourceError, SourceErrorKind,
+    Claim, Failure, OutboxEvent, Published, Released, Settled, Source, SourceError, SourceErrorKind,
 };
 use handoff_core::{Backoff, EventId};
 use handoff_postgres::source_error;
@@ -450,7 +450,10 @@ impl Source for LogicalSource {
         let events = self.inner.state().claim(max, Instant::now());
         Ok(Claim {
             events,
-            // No lease: the slot is exclusive, so no other relay holds these events.
+            // No lease: the slot is exclusive, so no other relay holds these events, and a
+            // claim of this source never hands out an event whose earlier outcome is still
+            // unwritten. Nothing to fence: outcomes carry no lease and none is checked.
+            lease: None,
             lease_deadline: None,
             taken_over: 0,
             held: 0,
@@ -492,7 +495,7 @@ impl Source for LogicalSource {
         Ok(())
     }
 
-    async fn record_failures(&self, failures: &[Failure]) -> Result<(), SourceError> {
+    async fn record_failures(&self, failures: &[Failure]) -> Result<Settled, SourceError> {
         for failure in failures {
             match failure.retry_after {
                 Some(delay) => {
@@ -558,17 +561,17 @@ impl Source for LogicalSource {
             }
         }
         self.inner.work.notify_one();
-        Ok(())
+        Ok(Settled::default())
     }
 
-    async fn release(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
+    async fn release(&self, released: &[Released]) -> Result<Settled, SourceError> {
         let mut state = self.inner.state();
-        for event_id in event_ids {
-            state.unclaim(event_id, None);
+        for given_back in released {
+            state.unclaim(&given_back.event_id, None);
         }
         drop(state);
         self.inner.work.notify_one();
-        Ok(())
+        Ok(Settled::default())
     }
 
     async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {

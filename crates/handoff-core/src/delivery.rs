@@ -44,11 +44,48 @@ pub struct OutboxEvent {
     pub attempt_count: i32,
 }
 
+/// The lease a [`Source`] holds a claim's events under, as a token its writes are fenced by.
+///
+/// Opaque to the relay: it copies the token of the [`Claim`] into every outcome of the claim's
+/// events ([`Published`], [`Failure`], [`Released`]), and the source writes an outcome only
+/// while the event is still held under that very lease. A relay whose bookkeeping lagged past
+/// its lease, and which (or another relay that) has claimed the event again since, then
+/// changes nothing with its late write: the new lease is not the one the outcome was decided
+/// under. The polling source's token is the claim's `claim_until` in microseconds since the
+/// Unix epoch, PostgreSQL's own precision, so it compares exactly.
+///
+/// # Examples
+///
+/// ```
+/// use handoff_core::delivery::Lease;
+///
+/// let lease = Lease::new(1_765_000_000_123_456);
+/// assert_eq!(lease.token(), 1_765_000_000_123_456);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Lease(i64);
+
+impl Lease {
+    /// A lease whose token is `token`, in the source's own terms.
+    pub fn new(token: i64) -> Lease {
+        Lease(token)
+    }
+
+    /// The token, as the source made it.
+    pub fn token(self) -> i64 {
+        self.0
+    }
+}
+
 /// Events a [`Source`] leased to one relay.
 #[derive(Debug, Default)]
 pub struct Claim {
     /// The leased events, in claim order; the events of one aggregate are in sequence order.
     pub events: Vec<OutboxEvent>,
+    /// The lease all of [`events`](Self::events) are held under (one claim, one lease): the
+    /// relay carries it into each event's outcome, which the source writes only while the
+    /// event is still held under it. `None` from a source without leases.
+    pub lease: Option<Lease>,
     /// The local instant by which the lease ends (measured from before the claim was sent, so
     /// it is never later than the database's `claim_until`). An event must not be published
     /// after it: another relay may own it by then.
@@ -89,6 +126,30 @@ pub struct Failure {
     /// (the attempt cap was reached) or `"rejected"` (the destination refused it for good).
     /// Shown by `handoff quarantine`; ignored for a retry.
     pub hold_reason: Option<&'static str>,
+    /// The lease the event was claimed under ([`Claim::lease`]): the failure is written only
+    /// while the event is still held under it.
+    pub lease: Option<Lease>,
+}
+
+/// A leased event the relay gives back unpublished, as it hands it to [`Source::release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// The event given back.
+    pub event_id: EventId,
+    /// The lease it was claimed under ([`Claim::lease`]): the release is written only while
+    /// the event is still held under it.
+    pub lease: Option<Lease>,
+}
+
+/// What a [`Source`] did with a write of outcomes ([`Source::record_failures`],
+/// [`Source::release`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Settled {
+    /// Outcomes that changed nothing because their event is no longer held under the lease
+    /// they carry: the lease ran out and a claim (of this relay or another) took the event
+    /// since, or it was settled already. The relay counts them in
+    /// `handoff_relay_stale_writes_total`.
+    pub stale: usize,
 }
 
 /// The kind of a [`SourceError`], which decides whether the relay tries again.
@@ -213,7 +274,9 @@ pub trait Source: Send + Sync + 'static {
         published: &[Published],
     ) -> impl Future<Output = Result<(), SourceError>> + Send;
 
-    /// Records failed publishes and when each may be retried (brief P3).
+    /// Records failed publishes and when each may be retried (brief P3), each only while its
+    /// event is still held under the failure's [`lease`](Failure::lease); says how many were
+    /// not.
     ///
     /// # Errors
     ///
@@ -221,17 +284,19 @@ pub trait Source: Send + Sync + 'static {
     fn record_failures(
         &self,
         failures: &[Failure],
-    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+    ) -> impl Future<Output = Result<Settled, SourceError>> + Send;
 
-    /// Gives back leased events that were not published, so another relay can take them at once.
+    /// Gives back leased events that were not published, so another relay can take them at
+    /// once, each only while it is still held under its [`lease`](Released::lease); says how
+    /// many were not.
     ///
     /// # Errors
     ///
     /// The store could not be reached; the leases expire on their own.
     fn release(
         &self,
-        event_ids: &[EventId],
-    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+        released: &[Released],
+    ) -> impl Future<Output = Result<Settled, SourceError>> + Send;
 
     /// Waits until new events may be ready, or `at_most` has passed.
     ///
@@ -434,10 +499,15 @@ pub struct Published {
     pub event_id: EventId,
     /// What the destination answered.
     pub receipt: Receipt,
+    /// The lease the event was claimed under ([`Claim::lease`]). The polling source does not
+    /// fence the mark with it: the destination holds the event whichever relay holds its lease
+    /// now, so marking it published is right under any lease (a relay holding it since only
+    /// publishes a duplicate, which the destination's dedup drops).
+    pub lease: Option<Lease>,
 }
 
 impl Published {
-    /// An acknowledgement of `event_id` with no receipt.
+    /// An acknowledgement of `event_id` with no receipt and no lease.
     ///
     /// # Examples
     ///
@@ -451,6 +521,7 @@ impl Published {
         Published {
             event_id,
             receipt: Receipt::none(),
+            lease: None,
         }
     }
 }

@@ -2,10 +2,11 @@
 -- delay: held until an operator acts, for the reason given), optionally charged one attempt,
 -- with the error kept.
 --
--- Fenced by the lease, not only by the relay id: the row must still carry the very lease this
--- relay's claim wrote ($6, each event's claim_until). If the lease ran out and another relay (or
--- this one, in a later claim) took the row over, that lease wins and this write changes nothing,
--- even when two relays share an id.
+-- Fenced by the lease, not only by the relay id: the row must still carry the very lease the
+-- failure was decided under ($6, each event's claim_until as the claim that leased it wrote it,
+-- carried by the relay from that claim). If the lease ran out and another relay (or this one, in
+-- a later claim) took the row over, that lease wins and this write changes nothing, even when two
+-- relays share an id; the source counts such rows as stale writes.
 UPDATE {schema}outbox o
 SET available_at = CASE
         WHEN f.delay_ms IS NULL THEN 'infinity'::timestamptz

@@ -1,7 +1,7 @@
 -- Relay $1 gives back leased events it did not publish (shutdown, a lease too close to its end,
 -- a paused destination): available at once to any relay, with no attempt charged.
 --
--- Fenced by the lease ($3, each event's claim_until as this relay's claim wrote it), as
+-- Fenced by the lease ($3, each event's claim_until as the claim that leased it wrote it), as
 -- record_failures.sql: a row another claim has taken over since is left alone.
 UPDATE {schema}outbox o
 SET claimed_by = NULL,

@@ -1,13 +1,13 @@
 //! The polling source: committed outbox rows, leased to relays in short claim statements.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use chrono::{DateTime, Utc};
 use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, Published, Source, SourceError, SourceErrorKind,
+    Claim, Failure, Lease, OutboxEvent, Published, Released, Settled, Source, SourceError,
+    SourceErrorKind,
 };
 use handoff_core::EventId;
 use sqlx::pool::PoolConnection;
@@ -501,9 +501,6 @@ pub struct PollingSource {
     config: PollingConfig,
     sql: Sql,
     wake: Mutex<Wake>,
-    /// Each leased event's `claim_until` as this source's claim wrote it: the fence of its
-    /// failure and release writes. std mutex: never held across an `.await`.
-    leases: std::sync::Mutex<HashMap<EventId, DateTime<Utc>>>,
     /// When a claim last found work: until [`LINGER`] after it, the relay polls instead of
     /// sleeping on LISTEN, so writers of a steady stream never pay for notifying it.
     last_work: std::sync::Mutex<Option<Instant>>,
@@ -635,7 +632,6 @@ impl PollingSource {
             config,
             sql,
             wake: Mutex::new(Wake::default()),
-            leases: std::sync::Mutex::new(HashMap::new()),
             last_work: std::sync::Mutex::new(None),
             scan: std::sync::Mutex::new(ScanFrom::default()),
             claim_costs: std::sync::Mutex::new(([Duration::ZERO; CLAIM_COSTS], 0)),
@@ -916,25 +912,6 @@ impl PollingSource {
         Some(scan_from)
     }
 
-    /// The leases of `event_ids`, in the same order (`None` for an event this source holds no
-    /// lease of: its write then changes nothing, and the lease runs out on its own).
-    fn leases_of(&self, event_ids: &[EventId]) -> Vec<Option<DateTime<Utc>>> {
-        let leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-        event_ids.iter().map(|id| leases.get(id).copied()).collect()
-    }
-
-    /// Forgets the leases of settled events (after their write succeeded, so a retried write
-    /// still carries its fence). Only the lease the write used: a claim may have leased an event
-    /// again since a release was written.
-    fn forget_leases(&self, event_ids: &[EventId], used: &[Option<DateTime<Utc>>]) {
-        let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-        for (id, used) in event_ids.iter().zip(used) {
-            if leases.get(id) == used.as_ref() {
-                leases.remove(id);
-            }
-        }
-    }
-
     /// Whether statements may be cached under a name (not behind a transaction pooler).
     fn named_statements(&self) -> bool {
         self.config.pooling.named_statements()
@@ -1157,50 +1134,51 @@ impl Source for PollingSource {
         let mut held = 0;
         let mut taken_over = 0;
         let mut isolate = false;
-        {
-            let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-            for row in &rows {
-                let read = |row: &PgRow| -> Result<_, sqlx::Error> {
-                    let event = read_outbox_event(row)?;
-                    let held: bool = row.try_get("held")?;
-                    let taken_over: bool = row.try_get("taken_over")?;
-                    let lease: Option<DateTime<Utc>> = row.try_get("claim_until")?;
-                    let isolate: bool = row.try_get("isolate")?;
-                    Ok((event, held, taken_over, lease, isolate))
-                };
-                let (event, is_held, is_taken_over, lease, is_suspect) =
-                    read(row).map_err(|e| source_error("while reading a claimed row", e))?;
-                if is_held {
-                    held += 1;
-                    tracing::error!(
-                        event_id = %event.event_id,
-                        aggregate_type = %event.aggregate_type,
-                        aggregate_id = %event.aggregate_id,
-                        sequence = event.aggregate_sequence,
-                        max_takeovers = self.config.max_takeovers,
-                        "event held for an operator (crash_loop): every relay that leased it \
-                         died or stalled before settling it; the later events of its aggregate \
-                         wait behind it (`handoff quarantine show`)"
-                    );
-                    continue;
-                }
-                taken_over += usize::from(is_taken_over);
-                if is_suspect {
-                    isolate = true;
-                    tracing::warn!(
-                        event_id = %event.event_id,
-                        aggregate_type = %event.aggregate_type,
-                        aggregate_id = %event.aggregate_id,
-                        sequence = event.aggregate_sequence,
-                        "event leased alone: relays holding it died before settling it, so it \
-                         is published with nothing else in flight"
-                    );
-                }
-                if let Some(lease) = lease {
-                    leases.insert(event.event_id, lease);
-                }
-                events.push(event);
+        // Every row a claim leases gets the same `claim_until` (one statement: one `now()`).
+        let mut lease: Option<DateTime<Utc>> = None;
+        for row in &rows {
+            let read = |row: &PgRow| -> Result<_, sqlx::Error> {
+                let event = read_outbox_event(row)?;
+                let held: bool = row.try_get("held")?;
+                let taken_over: bool = row.try_get("taken_over")?;
+                let lease: Option<DateTime<Utc>> = row.try_get("claim_until")?;
+                let isolate: bool = row.try_get("isolate")?;
+                Ok((event, held, taken_over, lease, isolate))
+            };
+            let (event, is_held, is_taken_over, row_lease, is_suspect) =
+                read(row).map_err(|e| source_error("while reading a claimed row", e))?;
+            if is_held {
+                held += 1;
+                tracing::error!(
+                    event_id = %event.event_id,
+                    aggregate_type = %event.aggregate_type,
+                    aggregate_id = %event.aggregate_id,
+                    sequence = event.aggregate_sequence,
+                    max_takeovers = self.config.max_takeovers,
+                    "event held for an operator (crash_loop): every relay that leased it \
+                     died or stalled before settling it; the later events of its aggregate \
+                     wait behind it (`handoff quarantine show`)"
+                );
+                continue;
             }
+            taken_over += usize::from(is_taken_over);
+            if is_suspect {
+                isolate = true;
+                tracing::warn!(
+                    event_id = %event.event_id,
+                    aggregate_type = %event.aggregate_type,
+                    aggregate_id = %event.aggregate_id,
+                    sequence = event.aggregate_sequence,
+                    "event leased alone: relays holding it died before settling it, so it \
+                     is published with nothing else in flight"
+                );
+            }
+            debug_assert!(
+                lease.is_none() || lease == row_lease,
+                "one claim, one lease: {lease:?} and {row_lease:?}"
+            );
+            lease = lease.or(row_lease);
+            events.push(event);
         }
 
         // A full batch means a backlog: this relay will not sleep soon, so writers need not
@@ -1214,6 +1192,7 @@ impl Source for PollingSource {
         }
         Ok(Claim {
             events,
+            lease: lease.map(lease_token),
             lease_deadline: Some(started + self.config.lease),
             taken_over,
             held,
@@ -1223,8 +1202,8 @@ impl Source for PollingSource {
     }
 
     async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
+        // Not fenced by the lease (see `Published::lease`): the destination holds the event.
         let ids: Vec<EventId> = published.iter().map(|p| p.event_id).collect();
-        let leases = self.leases_of(&ids);
         let receipts: Vec<Option<&str>> = published.iter().map(|p| p.receipt.detail()).collect();
         let what = "while marking events published";
         if self.keeps_mark_plan() {
@@ -1249,11 +1228,10 @@ impl Source for PollingSource {
             })
             .await?;
         }
-        self.forget_leases(&ids, &leases);
         Ok(())
     }
 
-    async fn record_failures(&self, failures: &[Failure]) -> Result<(), SourceError> {
+    async fn record_failures(&self, failures: &[Failure]) -> Result<Settled, SourceError> {
         let ids: Vec<EventId> = failures.iter().map(|f| f.event_id).collect();
         let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
         let delays: Vec<Option<i64>> = failures
@@ -1265,43 +1243,50 @@ impl Source for PollingSource {
             .collect();
         let charged: Vec<bool> = failures.iter().map(|f| f.counts_as_attempt).collect();
         let hold_reasons: Vec<Option<&str>> = failures.iter().map(|f| f.hold_reason).collect();
-        let leases = self.leases_of(&ids);
+        let leases: Vec<Option<DateTime<Utc>>> = failures
+            .iter()
+            .map(|f| f.lease.and_then(claim_until))
+            .collect();
         let what = "while recording failed publishes";
-        self.on_pooled_connection(what, async |conn| {
-            sqlx::query(&self.sql.record_failures)
-                .persistent(self.named_statements())
-                .bind(&self.config.relay_id)
-                .bind(&ids)
-                .bind(errors)
-                .bind(delays)
-                .bind(charged)
-                .bind(&leases)
-                .bind(hold_reasons)
-                .execute(conn)
-                .await
-                .map(drop)
-        })
-        .await?;
-        self.forget_leases(&ids, &leases);
-        Ok(())
+        let written = self
+            .on_pooled_connection(what, async |conn| {
+                sqlx::query(&self.sql.record_failures)
+                    .persistent(self.named_statements())
+                    .bind(&self.config.relay_id)
+                    .bind(&ids)
+                    .bind(errors)
+                    .bind(delays)
+                    .bind(charged)
+                    .bind(&leases)
+                    .bind(hold_reasons)
+                    .execute(conn)
+                    .await
+                    .map(|done| done.rows_affected())
+            })
+            .await?;
+        Ok(stale(failures.len(), written))
     }
 
-    async fn release(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
-        let leases = self.leases_of(event_ids);
+    async fn release(&self, released: &[Released]) -> Result<Settled, SourceError> {
+        let ids: Vec<EventId> = released.iter().map(|r| r.event_id).collect();
+        let leases: Vec<Option<DateTime<Utc>>> = released
+            .iter()
+            .map(|r| r.lease.and_then(claim_until))
+            .collect();
         let what = "while releasing leases";
-        self.on_pooled_connection(what, async |conn| {
-            sqlx::query(&self.sql.release)
-                .persistent(self.named_statements())
-                .bind(&self.config.relay_id)
-                .bind(event_ids)
-                .bind(&leases)
-                .execute(conn)
-                .await
-                .map(drop)
-        })
-        .await?;
-        self.forget_leases(event_ids, &leases);
-        Ok(())
+        let written = self
+            .on_pooled_connection(what, async |conn| {
+                sqlx::query(&self.sql.release)
+                    .persistent(self.named_statements())
+                    .bind(&self.config.relay_id)
+                    .bind(&ids)
+                    .bind(&leases)
+                    .execute(conn)
+                    .await
+                    .map(|done| done.rows_affected())
+            })
+            .await?;
+        Ok(stale(released.len(), written))
     }
 
     async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
@@ -1400,9 +1385,36 @@ impl Source for PollingSource {
     }
 }
 
+/// A claim's `claim_until` as the [`Lease`] its outcomes carry: microseconds since the Unix
+/// epoch, the precision PostgreSQL keeps, so [`claim_until`] gives back the very value.
+fn lease_token(claim_until: DateTime<Utc>) -> Lease {
+    Lease::new(claim_until.timestamp_micros())
+}
+
+/// The `claim_until` a [`Lease`] of [`lease_token`] stands for; `None` (the write then fences
+/// itself out) for a token no claim of this source made.
+fn claim_until(lease: Lease) -> Option<DateTime<Utc>> {
+    DateTime::from_timestamp_micros(lease.token())
+}
+
+/// What a fenced write of `given` outcomes that updated `written` rows did: the rest found
+/// their event no longer held under the lease they carried (or settled already).
+fn stale(given: usize, written: u64) -> Settled {
+    Settled {
+        stale: given.saturating_sub(usize::try_from(written).unwrap_or(usize::MAX)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_token_gives_back_the_exact_claim_until() {
+        let at = DateTime::from_timestamp_micros(1_765_000_000_123_457).unwrap();
+        assert_eq!(claim_until(lease_token(at)), Some(at));
+        assert_eq!(lease_token(at).token(), 1_765_000_000_123_457);
+    }
 
     #[test]
     fn headers_keep_strings_and_pass_other_values_as_json() {

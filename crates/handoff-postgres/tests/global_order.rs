@@ -205,6 +205,7 @@ async fn the_global_lane_goes_to_one_relay_at_a_time_from_its_front() {
         retry_after: Some(Duration::from_secs(3600)),
         counts_as_attempt: true,
         hold_reason: None,
+        lease: first.lease,
     }])
     .await
     .unwrap();
@@ -244,6 +245,7 @@ async fn a_held_front_blocks_the_lane_and_says_so() {
             retry_after: None,
             counts_as_attempt: true,
             hold_reason: None,
+            lease: claim.lease,
         }])
         .await
         .unwrap();

@@ -88,7 +88,7 @@ async fn a_hole_behind_a_held_event_is_not_overtaken_until_an_operator_skips_it(
     // a#1 is held (the destination refused it for good).
     let first = relay.claim(100).await.unwrap();
     assert_eq!(claimed(&first), vec![("a".into(), 1)]);
-    hold(&relay, first.events[0].event_id).await;
+    hold(&relay, &first, first.events[0].event_id).await;
     assert_eq!(relay.backlog().await.unwrap().held, 1);
 
     // An outside writer writes a#3; a#2 never comes. Another aggregate keeps flowing.

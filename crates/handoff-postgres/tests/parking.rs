@@ -67,7 +67,7 @@ async fn hold_first_event(db: &TestDb, relay: &PollingSource, aggregate: &str) -
     append(db, aggregate, 1).await;
     let first = relay.claim(BATCH).await.unwrap();
     let event_id = first.events[0].event_id;
-    hold(relay, event_id).await;
+    hold(relay, &first, event_id).await;
     event_id
 }
 

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use handoff_core::delivery::{Failure, Published, Receipt, Source};
+use handoff_core::delivery::{Failure, Published, Receipt, Released, Source};
 use handoff_postgres::{Outbox, PollingConfig, PollingSource, Schema};
 use handoff_test::{eventually, factory, TestDb};
 
@@ -92,6 +92,7 @@ async fn a_later_event_is_never_claimed_while_an_earlier_one_is_unpublished() {
     a.mark_published(&[Published {
         event_id: x1,
         receipt: Receipt::new("test ack 1"),
+        lease: first.lease,
     }])
     .await
     .unwrap();
@@ -138,8 +139,10 @@ async fn an_expired_lease_lets_another_relay_take_the_rows_over() {
         retry_after: Some(Duration::from_secs(60)),
         counts_as_attempt: true,
         hold_reason: None,
+        lease: first.lease,
     };
-    a.record_failures(&[failure]).await.unwrap();
+    let settled = a.record_failures(&[failure]).await.unwrap();
+    assert_eq!(settled.stale, 1, "the late write is counted stale");
     let owners: Vec<String> =
         sqlx::query_scalar("SELECT claimed_by FROM outbox ORDER BY aggregate_sequence")
             .fetch_all(&db.pool)
@@ -159,11 +162,14 @@ async fn a_failure_backs_off_counts_the_attempt_and_blocks_the_aggregate() {
         .iter()
         .find(|e| e.aggregate_id == "a" && e.aggregate_sequence == 1);
     let a1 = a1.unwrap().event_id;
-    let rest: Vec<_> = claim
+    let rest: Vec<Released> = claim
         .events
         .iter()
-        .map(|e| e.event_id)
-        .filter(|id| *id != a1)
+        .filter(|e| e.event_id != a1)
+        .map(|e| Released {
+            event_id: e.event_id,
+            lease: claim.lease,
+        })
         .collect();
 
     relay
@@ -173,10 +179,12 @@ async fn a_failure_backs_off_counts_the_attempt_and_blocks_the_aggregate() {
             retry_after: Some(Duration::from_secs(3600)),
             counts_as_attempt: true,
             hold_reason: None,
+            lease: claim.lease,
         }])
         .await
         .unwrap();
-    relay.release(&rest).await.unwrap();
+    let settled = relay.release(&rest).await.unwrap();
+    assert_eq!(settled.stale, 0, "every release held its lease");
 
     let (attempts, error, later): (i32, Option<String>, bool) = sqlx::query_as(
         "SELECT attempt_count, last_error, available_at > now() + interval '59 minutes' \
@@ -213,6 +221,7 @@ async fn a_held_event_stays_out_of_every_claim() {
         retry_after: None,
         counts_as_attempt: true,
         hold_reason: None,
+        lease: claim.lease,
     };
     relay.record_failures(&[failure]).await.unwrap();
     assert!(relay.claim(100).await.unwrap().events.is_empty());
@@ -284,6 +293,7 @@ async fn events_stuck_behind_a_failed_head_never_starve_other_aggregates() {
             retry_after: Some(Duration::from_secs(3600)),
             counts_as_attempt: true,
             hold_reason: None,
+            lease: head.lease,
         }])
         .await
         .unwrap();

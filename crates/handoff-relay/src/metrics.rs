@@ -15,6 +15,7 @@ pub(crate) const BROKER_UP: &str = "handoff_relay_broker_up";
 pub(crate) const SOURCE_ERRORS: &str = "handoff_relay_source_errors_total";
 pub(crate) const DESTINATION_PAUSED: &str = "handoff_destination_paused";
 pub(crate) const DESTINATION_PAUSES: &str = "handoff_destination_pauses_total";
+pub(crate) const STALE_WRITES: &str = "handoff_relay_stale_writes_total";
 
 /// The histograms, for exporters that need bucket settings per metric.
 pub const HISTOGRAMS: &[&str] = &[CLAIM_SECONDS, ACK_SECONDS, COMMIT_TO_ACK_SECONDS];
@@ -54,6 +55,12 @@ pub(crate) fn describe() {
         "1 while the broker answers, 0 while claims are paused"
     );
     describe_counter!(SOURCE_ERRORS, "Failed source operations, by operation");
+    describe_counter!(
+        STALE_WRITES,
+        "Failures and releases that changed nothing because the event was no longer held under \
+         the lease it was claimed under (the lease ran out and a claim took the event again \
+         before the write landed), by operation (record_failures, release)"
+    );
     describe_gauge!(
         DESTINATION_PAUSED,
         "1 for the reason of the pause in force (the destination is down, throttling, failing \

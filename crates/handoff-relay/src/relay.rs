@@ -1,6 +1,6 @@
 //! The relay loop: claim, publish in ordered lanes, record outcomes, shut down cleanly.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -8,8 +8,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, PublishError, Published, Source, SourceError, SourceErrorKind,
-    Transport,
+    Claim, Failure, Lease, OutboxEvent, PublishError, Published, Released, Settled, Source,
+    SourceError, SourceErrorKind, Transport,
 };
 use handoff_core::EventId;
 use tokio::sync::{mpsc, watch, Notify, Semaphore};
@@ -112,18 +112,20 @@ impl RelayError {
     }
 }
 
-/// An event's fate, written back to the source by the bookkeeper.
+/// An event's fate, written back to the source by the bookkeeper; each carries the lease the
+/// event was claimed under, which fences its write.
 enum Outcome {
     Published(Published),
     Failed(Failure),
-    Released(EventId),
+    Released(Released),
 }
 
 /// State the claim loop, the lanes and the bookkeeper share. std mutex: never held across an
 /// `.await`.
 struct Shared {
-    /// Leased events whose outcome is not decided yet; released on shutdown.
-    in_flight: Mutex<HashSet<EventId>>,
+    /// Leased events whose outcome is not decided yet, with the lease each was claimed under;
+    /// released on shutdown.
+    in_flight: Mutex<HashMap<EventId, Option<Lease>>>,
     /// The destination's health, apart from each event's: who is charged for a failure, and
     /// whether publishing is paused.
     health: Arc<Health>,
@@ -163,11 +165,13 @@ impl Shared {
         }
     }
 
-    fn finish(&self, event_id: &EventId) {
-        self.in_flight
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(event_id);
+    /// Forgets an event whose outcome is decided, if it is still in flight under `lease`: a
+    /// lane that outlived its lease must not forget the event a later claim leased again.
+    fn finish(&self, event_id: &EventId, lease: Option<Lease>) {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        if in_flight.get(event_id) == Some(&lease) {
+            in_flight.remove(event_id);
+        }
     }
 }
 
@@ -177,6 +181,8 @@ struct LaneEnd {
     failed: Option<(OutboxEvent, PublishError, Verdict)>,
     /// Events after the failure, or left because the lease ran short, in sequence order.
     unstarted: Vec<EventId>,
+    /// The lease the lane's events were claimed under.
+    lease: Option<Lease>,
 }
 
 impl<S: Source, T: Transport> Relay<S, T> {
@@ -291,7 +297,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<RelayReport, RelayError> {
         let shared = Arc::new(Shared {
-            in_flight: Mutex::new(HashSet::new()),
+            in_flight: Mutex::new(HashMap::new()),
             health: self.health.clone(),
             progress: Notify::new(),
             hurry: Notify::new(),
@@ -356,6 +362,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
                             lanes.push(run_lane(
                                 lane,
                                 self.transport.clone(),
+                                claim.lease,
                                 claim.lease_deadline,
                                 self.config.lease_margin,
                                 outcome_tx.clone(),
@@ -381,14 +388,14 @@ impl<S: Source, T: Transport> Relay<S, T> {
 
         // Whatever is still leased was not acknowledged (or its publish was cut short and may
         // or may not have reached the broker: a later republish is deduplicated).
-        let leftovers: Vec<EventId> = shared
+        let leftovers: Vec<(EventId, Option<Lease>)> = shared
             .in_flight
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .drain()
             .collect();
-        for event_id in leftovers {
-            let _ = outcome_tx.send(Outcome::Released(event_id));
+        for (event_id, lease) in leftovers {
+            let _ = outcome_tx.send(Outcome::Released(Released { event_id, lease }));
         }
         drop(outcome_tx);
         let _ = bookkeeper.await;
@@ -417,7 +424,10 @@ impl<S: Source, T: Transport> Relay<S, T> {
         if let Some((event, error, verdict)) = end.failed {
             let kind = error.kind();
             metrics::counter!(m::PUBLISH_FAILURES, "kind" => kind.as_str()).increment(1);
-            let failure = self.decide(&event, &error, verdict);
+            let failure = Failure {
+                lease: end.lease,
+                ..self.decide(&event, &error, verdict)
+            };
             if failure.retry_after.is_none() {
                 shared.held.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!(m::HELD).increment(1);
@@ -443,12 +453,15 @@ impl<S: Source, T: Transport> Relay<S, T> {
                 shared.retried.fetch_add(1, Ordering::Relaxed);
                 debug!(event_id = %event.event_id, error = %error, "publish failed; will retry");
             }
-            shared.finish(&event.event_id);
+            shared.finish(&event.event_id, end.lease);
             let _ = outcomes.send(Outcome::Failed(failure));
         }
         for event_id in end.unstarted {
-            shared.finish(&event_id);
-            let _ = outcomes.send(Outcome::Released(event_id));
+            shared.finish(&event_id, end.lease);
+            let _ = outcomes.send(Outcome::Released(Released {
+                event_id,
+                lease: end.lease,
+            }));
         }
     }
 
@@ -492,6 +505,8 @@ impl<S: Source, T: Transport> Relay<S, T> {
             retry_after,
             counts_as_attempt: charged,
             hold_reason,
+            // The claim's, set by `settle`.
+            lease: None,
         }
     }
 }
@@ -560,6 +575,7 @@ fn lanes_of(mut events: Vec<OutboxEvent>, order: OrderMode) -> Vec<Vec<OutboxEve
 async fn run_lane<T: Transport>(
     lane: Vec<OutboxEvent>,
     transport: Arc<T>,
+    lease: Option<Lease>,
     lease_deadline: Option<Instant>,
     lease_margin: Duration,
     outcomes: mpsc::UnboundedSender<Outcome>,
@@ -581,6 +597,7 @@ async fn run_lane<T: Transport>(
                 LaneEnd {
                     failed: None,
                     unstarted,
+                    lease,
                 },
                 size,
             );
@@ -611,10 +628,11 @@ async fn run_lane<T: Transport>(
                 }
                 metrics::counter!(m::PUBLISHED).increment(1);
                 shared.published.fetch_add(1, Ordering::Relaxed);
-                shared.finish(&event.event_id);
+                shared.finish(&event.event_id, lease);
                 let _ = outcomes.send(Outcome::Published(Published {
                     event_id: event.event_id,
                     receipt,
+                    lease,
                 }));
             }
             Err(error) => {
@@ -630,6 +648,7 @@ async fn run_lane<T: Transport>(
                     LaneEnd {
                         failed: Some((event, error, verdict)),
                         unstarted,
+                        lease,
                     },
                     size,
                 );
@@ -640,6 +659,7 @@ async fn run_lane<T: Transport>(
         LaneEnd {
             failed: None,
             unstarted: Vec::new(),
+            lease,
         },
         size,
     )
@@ -847,7 +867,7 @@ async fn claim_loop<S: Source, T: Transport>(
                 .in_flight
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .extend(claim.events.iter().map(|e| e.event_id));
+                .extend(claim.events.iter().map(|e| (e.event_id, claim.lease)));
             shared.unsettled.fetch_add(claimed, Ordering::Relaxed);
             metrics::gauge!(m::IN_FLIGHT).set(in_flight(&shared) as f64);
             if claims.send(claim).await.is_err() {
@@ -933,9 +953,9 @@ async fn bookkeep<S: Source>(
         let mut released = Vec::new();
         for outcome in buffer.drain(..) {
             match outcome {
-                Outcome::Published(id) => published.push(id),
+                Outcome::Published(acked) => published.push(acked),
                 Outcome::Failed(failure) => failures.push(failure),
-                Outcome::Released(id) => released.push(id),
+                Outcome::Released(given_back) => released.push(given_back),
             }
         }
         if !published.is_empty() {
@@ -945,19 +965,21 @@ async fn bookkeep<S: Source>(
             .await;
         }
         if !failures.is_empty() {
-            persist("record_failures", &config, &stop, &shared, || {
+            let settled = persist("record_failures", &config, &stop, &shared, || {
                 source.record_failures(&failures)
             })
             .await;
+            count_stale("record_failures", settled);
         }
         if !released.is_empty() {
             shared
                 .released
                 .fetch_add(released.len() as u64, Ordering::Relaxed);
-            persist("release", &config, &stop, &shared, || {
+            let settled = persist("release", &config, &stop, &shared, || {
                 source.release(&released)
             })
             .await;
+            count_stale("release", settled);
         }
         shared
             .unsettled
@@ -969,32 +991,51 @@ async fn bookkeep<S: Source>(
     }
 }
 
+/// Counts the outcomes a write left alone because their event is no longer held under their
+/// lease (a claim took it again since, or it was settled already): the relay's bookkeeping
+/// lagged past a lease.
+fn count_stale(op: &'static str, settled: Option<Settled>) {
+    let Some(Settled { stale }) = settled else {
+        return;
+    };
+    if stale > 0 {
+        warn!(
+            stale,
+            op,
+            "outcomes written after their lease ran out changed nothing: their events were \
+             claimed again or settled since (the relay's writes lag its leases)"
+        );
+        metrics::counter!(m::STALE_WRITES, "op" => op).increment(stale as u64);
+    }
+}
+
 /// Retries one write with backoff: for as long as it takes while running (an unwritten mark
 /// only costs a duplicate publish later, but a bounded number of them is better), a few times
 /// once shutdown began. A write that retrying cannot cure is not retried: it ends the run
-/// ([`Shared::fail`]) and the leases expire instead.
-async fn persist<F, Fut>(
+/// ([`Shared::fail`]) and the leases expire instead. What the write returned, if it landed.
+async fn persist<F, Fut, T>(
     op: &'static str,
     config: &RelayConfig,
     stop: &watch::Receiver<bool>,
     shared: &Shared,
     write: F,
-) where
+) -> Option<T>
+where
     F: Fn() -> Fut,
-    Fut: Future<Output = Result<(), SourceError>>,
+    Fut: Future<Output = Result<T, SourceError>>,
 {
     for attempt in 1u32.. {
         match write().await {
-            Ok(()) => return,
+            Ok(written) => return Some(written),
             Err(error) => {
                 metrics::counter!(m::SOURCE_ERRORS, "op" => op).increment(1);
                 if !error.kind().is_retryable() {
                     shared.fail(op, error);
-                    return;
+                    return None;
                 }
                 if *stop.borrow() && attempt >= 3 {
                     error!(error = %error, op, "giving up at shutdown; the leases expire instead");
-                    return;
+                    return None;
                 }
                 let delay = config.outage_backoff.delay(attempt);
                 warn!(error = %error, op, retry_in = ?delay, "write-back failed");
@@ -1002,6 +1043,7 @@ async fn persist<F, Fut>(
             }
         }
     }
+    None
 }
 
 #[cfg(test)]

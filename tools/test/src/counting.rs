@@ -5,8 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use handoff_core::delivery::{Claim, Failure, Published, Source, SourceError};
-use handoff_core::EventId;
+use handoff_core::delivery::{Claim, Failure, Published, Released, Settled, Source, SourceError};
 
 /// A [`Source`] that passes every call to `inner` and counts the calls, the events they
 /// carried, and the errors they returned.
@@ -85,12 +84,12 @@ impl<S: Source> Source for CountingSource<S> {
         self.count(self.inner.mark_published(published).await)
     }
 
-    async fn record_failures(&self, failures: &[Failure]) -> Result<(), SourceError> {
+    async fn record_failures(&self, failures: &[Failure]) -> Result<Settled, SourceError> {
         self.count(self.inner.record_failures(failures).await)
     }
 
-    async fn release(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
-        self.count(self.inner.release(event_ids).await)
+    async fn release(&self, released: &[Released]) -> Result<Settled, SourceError> {
+        self.count(self.inner.release(released).await)
     }
 
     async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {

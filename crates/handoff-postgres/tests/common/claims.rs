@@ -23,13 +23,14 @@ pub async fn mark_published(source: &PollingSource, claim: &Claim) {
         .map(|e| Published {
             event_id: e.event_id,
             receipt: Receipt::new("test ack"),
+            lease: claim.lease,
         })
         .collect();
     source.mark_published(&acks).await.unwrap();
 }
 
-/// Holds `event_id` for an operator: the destination refused it for good.
-pub async fn hold(source: &PollingSource, event_id: EventId) {
+/// Holds `event_id` of `claim` for an operator: the destination refused it for good.
+pub async fn hold(source: &PollingSource, claim: &Claim, event_id: EventId) {
     source
         .record_failures(&[Failure {
             event_id,
@@ -37,6 +38,7 @@ pub async fn hold(source: &PollingSource, event_id: EventId) {
             retry_after: None,
             counts_as_attempt: true,
             hold_reason: Some("rejected"),
+            lease: claim.lease,
         }])
         .await
         .unwrap();

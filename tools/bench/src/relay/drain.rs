@@ -193,6 +193,7 @@ pub async fn naive(
             .mark_published(&[Published {
                 event_id: event.event_id,
                 receipt,
+                lease: claim.lease,
             }])
             .await?;
         moved += 1;

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use handoff_core::delivery::{
-    Claim, Failure, OutboxEvent, PublishError, Published, Receipt, Source, SourceError, Transport,
+    Claim, Failure, OutboxEvent, PublishError, Published, Receipt, Released, Settled, Source,
+    SourceError, Transport,
 };
 use handoff_core::EventId;
 use hdrhistogram::Histogram;
@@ -204,12 +205,12 @@ impl<S: Source> Source for ProbeSource<S> {
         Ok(())
     }
 
-    async fn record_failures(&self, failures: &[Failure]) -> Result<(), SourceError> {
+    async fn record_failures(&self, failures: &[Failure]) -> Result<Settled, SourceError> {
         self.inner.record_failures(failures).await
     }
 
-    async fn release(&self, event_ids: &[EventId]) -> Result<(), SourceError> {
-        self.inner.release(event_ids).await
+    async fn release(&self, released: &[Released]) -> Result<Settled, SourceError> {
+        self.inner.release(released).await
     }
 
     async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
