@@ -28,6 +28,8 @@ use crate::{row, StartError};
 const SWEEP_SQL: &str = include_str!("../queries/sweep.sql");
 const BACKLOG_KEYS_SQL: &str = include_str!("../queries/backlog_keys.sql");
 const MARK_SQL: &str = include_str!("../queries/mark_published.sql");
+/// Frees what a polling relay parked behind the marked events.
+const UNPARK_SQL: &str = include_str!("../queries/unpark.sql");
 const VISIBLE_SQL: &str = include_str!("../queries/visible.sql");
 const PARK_SQL: &str = include_str!("../queries/park.sql");
 
@@ -179,6 +181,7 @@ struct Inner {
     backlog_sql: String,
     visible_sql: String,
     mark_sql: String,
+    unpark_sql: String,
     park_sql: String,
 }
 
@@ -231,6 +234,7 @@ impl LogicalSource {
             backlog_sql: BACKLOG_KEYS_SQL.replace("{outbox}", &outbox),
             visible_sql: VISIBLE_SQL.replace("{outbox}", &outbox),
             mark_sql: MARK_SQL.replace("{outbox}", &outbox),
+            unpark_sql: UNPARK_SQL.replace("{outbox}", &outbox),
             park_sql: PARK_SQL.replace("{outbox}", &outbox),
             config,
         });
@@ -339,7 +343,25 @@ impl Inner {
     /// row the update could not see are tried again, briefly; one still missing after that
     /// (its row deleted meanwhile, say the rows mode was switched) is left with a warning: the
     /// event itself is published.
-    async fn mark(&self, mut missing: Vec<&Published>) -> Result<(), SourceError> {
+    ///
+    /// Then frees the events a polling relay parked right behind the marked ones (see
+    /// `queries/unpark.sql`): one more statement per mark, so that an outbox relayed by polling
+    /// again finds them claimable.
+    async fn mark(&self, missing: Vec<&Published>) -> Result<(), SourceError> {
+        let ids: Vec<EventId> = missing.iter().map(|p| p.event_id).collect();
+        // A failure of either is retried with the same ids, which the mark then finds
+        // published already, and the unpark frees behind them.
+        self.mark_rows(missing).await?;
+        self.bounded(
+            "while freeing the events parked behind marked ones",
+            sqlx::query(&self.unpark_sql).bind(&ids).execute(&self.pool),
+        )
+        .await
+        .map(drop)
+    }
+
+    /// The marking of [`mark`](Self::mark).
+    async fn mark_rows(&self, mut missing: Vec<&Published>) -> Result<(), SourceError> {
         for attempt in 1..=MARK_ATTEMPTS {
             let ids: Vec<EventId> = missing.iter().map(|p| p.event_id).collect();
             let receipts: Vec<Option<&str>> = missing.iter().map(|p| p.receipt.detail()).collect();

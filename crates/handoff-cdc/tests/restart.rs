@@ -200,3 +200,88 @@ async fn a_second_relay_on_the_same_slot_stands_by_and_takes_over_when_the_first
     );
     second.stop().await;
 }
+
+/// `blocked` and `published_at IS NOT NULL` of `aggregate`'s event `sequence`.
+async fn parked_and_published(fx: &Fixture, aggregate: &str, sequence: i64) -> (bool, bool) {
+    sqlx::query_as(
+        "SELECT blocked, published_at IS NOT NULL FROM outbox
+         WHERE aggregate_id = $1 AND aggregate_sequence = $2",
+    )
+    .bind(aggregate)
+    .bind(sequence)
+    .fetch_one(&fx.db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_the_polling_relay_parked_is_freed_by_the_logical_sources_mark() {
+    use handoff_core::delivery::{Failure, Source};
+    use handoff_postgres::{PollingConfig, PollingSource};
+
+    let fx = Fixture::start("cdc_restart_unparks", RowMode::Keep, &[]).await;
+    let polling = PollingSource::new(
+        fx.db.pool.clone(),
+        PollingConfig {
+            schema: fx.schema(),
+            relay_id: "polling-relay".into(),
+            ..PollingConfig::default()
+        },
+    )
+    .unwrap();
+
+    // Polling: p#1 fails and backs off for an hour; p#2, written meanwhile, is parked behind
+    // it by the next claim.
+    fx.enqueue("p", 1, 1).await;
+    let leased = polling.claim(10).await.unwrap();
+    assert_eq!(leased.events.len(), 1);
+    polling
+        .record_failures(&[Failure {
+            event_id: leased.events[0].event_id,
+            error: "broker unavailable".into(),
+            retry_after: Some(Duration::from_secs(3600)),
+            counts_as_attempt: true,
+            hold_reason: None,
+        }])
+        .await
+        .unwrap();
+    fx.enqueue("p", 2, 1).await;
+    assert!(polling.claim(10).await.unwrap().events.is_empty());
+    assert_eq!(parked_and_published(&fx, "p", 2).await, (true, false));
+
+    // The logical source publishes and marks p#1; p#2's publish reaches the broker and never
+    // returns, so it is neither marked nor settled when the relay is stopped.
+    let p2 = sqlx::query_scalar(
+        "SELECT event_id FROM outbox WHERE aggregate_id = 'p' AND aggregate_sequence = 2",
+    )
+    .fetch_one(&fx.db.pool)
+    .await
+    .unwrap();
+    let stall = handoff_test::faults::Poison::default();
+    stall.lock().unwrap().insert(p2);
+    let stats = Arc::new(FaultStats::default());
+    let logical = fx
+        .relay_over(|inner| {
+            Faulty::new(inner)
+                .for_ids(stall.clone(), Fault::Stall)
+                .with_stats(stats.clone())
+        })
+        .await;
+    eventually(
+        "p#1 marked and p#2's publish stalled",
+        Duration::from_secs(15),
+        || async { parked_and_published(&fx, "p", 1).await.1 && stats.stalled() >= 1 },
+    )
+    .await;
+    logical.abort().await;
+
+    // Back to polling: p#2 is claimable, not parked behind a predecessor published for good.
+    assert_eq!(parked_and_published(&fx, "p", 2).await, (false, false));
+    let claim = polling.claim(10).await.unwrap();
+    let claimed: Vec<_> = claim
+        .events
+        .iter()
+        .map(|e| (e.aggregate_id.as_str(), e.aggregate_sequence))
+        .collect();
+    assert_eq!(claimed, [("p", 2)]);
+}

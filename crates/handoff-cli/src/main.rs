@@ -47,7 +47,7 @@ enum Command {
     /// The outbox at a glance: backlog, quarantine, stuck aggregates, table sizes, last cleanup.
     /// Exits 2 when an alert condition holds.
     Status(status::StatusArgs),
-    /// Events held for an operator: list, show, retry, repair, skip.
+    /// Events held for an operator: list, show, retry, repair, skip; hold a pending one.
     Quarantine(quarantine::QuarantineArgs),
     /// A consumer's side, in its own database: `consumer quarantine list|show|retry|skip`.
     Consumer(consumer::ConsumerArgs),

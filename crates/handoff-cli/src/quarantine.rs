@@ -1,6 +1,7 @@
 //! `handoff quarantine`: the events the relay held for an operator (brief P8). `list` and
 //! `show` read; `retry`, `repair` and `skip` release one event each, resuming its aggregate in
-//! order, and record who did what in `outbox_quarantine_actions`.
+//! order; `hold` holds a pending event the relay has not held. Each records who did what in
+//! `outbox_quarantine_actions`.
 
 use std::path::PathBuf;
 
@@ -91,6 +92,23 @@ enum QuarantineCommand {
         #[arg(long, requires = "sequence")]
         aggregate_id: Option<String>,
         /// Why; kept in the audit and sent to consumers in the marker. Required.
+        #[arg(long)]
+        reason: String,
+        #[command(flatten)]
+        actor: ActorArgs,
+    },
+    /// Hold a pending event the relay has not held (it keeps failing, or keeps killing
+    /// relays): it is not published and its aggregate waits behind it, as behind any held
+    /// event, until you retry, repair or skip it.
+    ///
+    /// Refused for a published event, an event already held, or one a relay holds a live
+    /// lease on right now.
+    Hold {
+        #[command(flatten)]
+        database: DatabaseArgs,
+        /// The event id.
+        event_id: Uuid,
+        /// Why; kept in the audit. Required.
         #[arg(long)]
         reason: String,
         #[command(flatten)]
@@ -231,6 +249,22 @@ pub async fn run(args: QuarantineArgs) -> Result<()> {
                     "give an event id, or --aggregate-type, --aggregate-id and --sequence"
                 ),
             }
+        }
+        QuarantineCommand::Hold {
+            database,
+            event_id,
+            reason,
+            actor,
+        } => {
+            let mut conn = database.connect_migrated("handoff-quarantine").await?;
+            let record = Quarantine::new(&database.schema()?)
+                .hold(&mut conn, event_id, &reason, &actor.name())
+                .await?;
+            println!(
+                "held {event_id}: its aggregate waits behind it until it is retried, repaired \
+                 or skipped (action {})",
+                record.action_id
+            );
         }
     }
     Ok(())

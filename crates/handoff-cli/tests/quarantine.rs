@@ -541,3 +541,121 @@ async fn a_hole_behind_a_held_event_is_not_overtaken_and_a_skip_of_the_missing_s
     assert_eq!(a[1].payload, b"null");
     assert_eq!(a[2].payload, br#"{"n": 3}"#);
 }
+
+#[tokio::test]
+async fn an_operator_holds_a_pending_event_then_skips_it_and_both_are_audited() {
+    use handoff_core::delivery::Source;
+    use handoff_postgres::{PollingConfig, PollingSource};
+
+    let (db, outbox) = migrated("quarantine_operator_hold").await;
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(
+            &mut tx,
+            &[
+                factory::event("a", 1),
+                factory::event("a", 2),
+                factory::event("b", 1),
+            ],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let a1 = event_id(&db, "a", 1).await;
+    let id = a1.to_string();
+    let hold = |event: &str, reason: &str| {
+        handoff(&db, &["quarantine", "hold", event, "--reason", reason])
+    };
+
+    // Refused, and nothing written: an unknown event, a reason that is no reason.
+    common::assert_refused(&hold(&Uuid::now_v7().to_string(), "stuck"), "in the outbox");
+    common::assert_refused(&hold(&id, " "), "needs a reason");
+    let audit = || async {
+        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_quarantine_actions")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        count
+    };
+    assert_eq!(audit().await, 0);
+
+    let out = hold(&id, "times out at the partner's gateway");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        common::stdout(&out).contains(&format!("held {id}")),
+        "{}",
+        common::stdout(&out)
+    );
+    // Held once: a second hold is refused.
+    common::assert_refused(&hold(&id, "again"), "is quarantined");
+
+    // It is listed as any held event, a#2 waiting behind it.
+    let listed = stdout_json(&handoff(&db, &["quarantine", "list", "--json"]));
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["event_id"], id);
+    assert_eq!(listed[0]["hold_reason"], "operator");
+    assert_eq!(listed[0]["held_behind"], 1);
+
+    // A relay's claim takes b#1 only: a#1 is held and a#2 waits behind it.
+    let relay = PollingSource::new(
+        db.pool.clone(),
+        PollingConfig {
+            relay_id: "hold-relay".into(),
+            ..PollingConfig::default()
+        },
+    )
+    .unwrap();
+    let claim = relay.claim(100).await.unwrap();
+    let claimed: Vec<_> = claim
+        .events
+        .iter()
+        .map(|e| (e.aggregate_id.as_str(), e.aggregate_sequence))
+        .collect();
+    assert_eq!(claimed, [("b", 1)]);
+    // Leased by a relay right now: refused. Published: refused.
+    let b1 = event_id(&db, "b", 1).await.to_string();
+    common::assert_refused(&hold(&b1, "stuck"), "is leased");
+    let acks: Vec<_> = claim
+        .events
+        .iter()
+        .map(|e| handoff_core::delivery::Published {
+            event_id: e.event_id,
+            receipt: handoff_core::delivery::Receipt::new("test ack"),
+        })
+        .collect();
+    relay.mark_published(&acks).await.unwrap();
+    common::assert_refused(&hold(&b1, "stuck"), "is published");
+    assert_eq!(audit().await, 1, "only the hold was recorded");
+
+    // Skip works on it as on any held event; the relay then takes it (a skip marker).
+    let out = handoff(
+        &db,
+        &["quarantine", "skip", &id, "--reason", "cancelled by phone"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let listed = stdout_json(&handoff(&db, &["quarantine", "list", "--json"]));
+    assert_eq!(listed.as_array().unwrap().len(), 0, "{listed}");
+    let claim = relay.claim(100).await.unwrap();
+    assert!(
+        claim.events.iter().any(|e| e.event_id == a1),
+        "{:?}",
+        claim.events
+    );
+
+    // The audit: the hold, then the skip, each with the actor and the reason.
+    let shown = stdout_json(&handoff(&db, &["quarantine", "show", &id, "--json"]));
+    let actions = shown["actions"].as_array().unwrap();
+    assert_eq!(actions.len(), 2, "{shown}");
+    assert_eq!(actions[0]["action"], "hold");
+    assert_eq!(actions[0]["actor"], "test-operator");
+    assert_eq!(actions[0]["reason"], "times out at the partner's gateway");
+    assert_eq!(actions[0]["before"]["hold_reason"], Value::Null);
+    assert_eq!(actions[0]["after"]["hold_reason"], "operator");
+    assert_eq!(actions[0]["after"]["available_at"], "infinity");
+    assert_eq!(actions[1]["action"], "skip");
+    assert_eq!(actions[1]["actor"], "test-operator");
+    assert_eq!(actions[1]["reason"], "cancelled by phone");
+    assert_eq!(actions[1]["before"]["hold_reason"], "operator");
+    assert_eq!(actions[1]["after"]["skip_reason"], "cancelled by phone");
+}

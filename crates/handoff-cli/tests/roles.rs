@@ -369,6 +369,23 @@ async fn services_and_operators_run_under_the_printed_roles_and_nothing_more() {
             .await
             .unwrap();
     assert_eq!(audited, 1);
+    // A pending event held by the operator (quarantine hold writes the lease and park columns
+    // too), then skipped.
+    let mut tx = db.pool.begin().await.unwrap();
+    let stuck = outbox
+        .enqueue(&mut tx, &[factory::event("stuck-1", 1)])
+        .await
+        .unwrap()[0]
+        .event_id
+        .to_string();
+    tx.commit().await.unwrap();
+    for args in [
+        ["quarantine", "hold", &stuck, "--reason", "stuck"],
+        ["quarantine", "skip", &stuck, "--reason", "never"],
+    ] {
+        let acted = handoff(&operator_url, &args);
+        assert!(acted.status.success(), "{args:?}: {}", text(&acted));
+    }
     let status = handoff(&operator_url, &["status"]);
     // 0: all well; 2: an alert holds (the retried event is pending). 1 would be an error.
     assert!(
@@ -397,8 +414,8 @@ async fn services_and_operators_run_under_the_printed_roles_and_nothing_more() {
     assert_eq!(db.count("outbox_archive").await, 7, "{}", text(&cleanup));
     assert_eq!(
         db.count("outbox").await,
-        1,
-        "only the retried event is left"
+        2,
+        "only the retried and the skipped events are left"
     );
     let consumer_list = handoff(
         &operator_url,

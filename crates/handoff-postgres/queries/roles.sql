@@ -104,7 +104,7 @@ GRANT SELECT ON {schema_name}.outbox_global_head TO {relay};
 GRANT SELECT ON {schema_name}.outbox_watermarks TO {relay};
 
 -- ---------------------------------------------------------------------------------------------
--- operator: `handoff status`, `quarantine list|show|retry|repair|skip`, `replay`,
+-- operator: `handoff status`, `quarantine list|show|retry|repair|skip|hold`, `replay`,
 -- `reconcile`, `cleanup [--archive]`, `consumer quarantine ...` (in a consumer's database),
 -- `saga list|show|resume|resolve`. Reads everything handoff keeps; writes what those commands
 -- write, each audited in its actions table.
@@ -119,9 +119,10 @@ GRANT SELECT ON
     {schema_name}.saga_operator_actions, {schema_name}.saga_participant_steps
     TO {operator};
 -- Quarantine retry / repair / skip (queries/quarantine/act.sql): repair replaces a held
--- event's payload, which is why this role, and only this one, may.
+-- event's payload, which is why this role, and only this one, may. Quarantine hold
+-- (queries/quarantine/hold.sql) also ends a lease that ran out and unparks the event.
 GRANT UPDATE (available_at, quarantined_at, attempt_count, takeover_count, hold_reason,
-              payload, skip_reason)
+              payload, skip_reason, claimed_by, claim_until, blocked)
     ON {schema_name}.outbox TO {operator};
 GRANT INSERT ON {schema_name}.outbox_quarantine_actions TO {operator};
 -- Quarantine skip of a missing sequence (queries/quarantine/skip_missing.sql) writes a skip

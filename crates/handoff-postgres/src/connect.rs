@@ -102,6 +102,57 @@ pub(crate) fn is_rustls(error: &std::io::Error) -> bool {
         .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some())
 }
 
+/// Why [`connect_options`] refuses a URL that sqlx parses: sqlx would panic on it later.
+///
+/// Carried in [`sqlx::Error::Configuration`] (downcast its source to match on it). Its message
+/// never quotes the URL.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DatabaseUrlError {
+    /// The host or user name the URL comes to cannot be written back into a URL: an empty host
+    /// (`postgres:///db`, or `postgresql:/@db.internal/app` with a slash lost), something that
+    /// is not a host name (`?host=a b`, `?host=[::1`), or a user name that reads as a host
+    /// (`?user=a:b/c`). sqlx writes the options back into a URL to read them, and panics there
+    /// on such a URL.
+    #[error(
+        "the database url names no usable host or user ({reason}); is it written \
+         postgres://host:port/database, two slashes after the scheme?"
+    )]
+    Unusable {
+        /// What the URL parser said of the URL sqlx would write (never the URL itself).
+        #[source]
+        reason: url::ParseError,
+    },
+}
+
+/// Checks that `options` can be written back into a URL as sqlx writes it
+/// (`PgConnectOptions::to_url_lossy`, which [`tls_files`] reads). sqlx parses
+/// `postgres://<user>@<host>:<port>` there and panics when that fails; the password and the
+/// database are set on the parsed URL, which cannot fail.
+fn check_writable(options: &PgConnectOptions) -> Result<(), DatabaseUrlError> {
+    // sqlx writes a Unix socket directory percent-encoded: letters, digits and `%XX` only,
+    // which any URL carries as a host.
+    let host = match options.get_socket() {
+        Some(_) => "socket",
+        None => options.get_host(),
+    };
+    let probe = format!(
+        "postgres://{}@{host}:{}",
+        options.get_username(),
+        options.get_port()
+    );
+    match url::Url::parse(&probe) {
+        Ok(_) => Ok(()),
+        Err(reason) => Err(DatabaseUrlError::Unusable { reason }),
+    }
+}
+
+/// `options`, or the configuration error of an options that sqlx could not write back.
+fn writable(options: PgConnectOptions) -> Result<PgConnectOptions, sqlx::Error> {
+    check_writable(&options).map_err(sqlx::Error::config)?;
+    Ok(options)
+}
+
 /// Connection options for `url`, read as libpq reads them.
 ///
 /// `sslmode`, `sslrootcert`, `sslcert` and `sslkey` come from the URL (or `PGSSLMODE`, ...).
@@ -111,12 +162,16 @@ pub(crate) fn is_rustls(error: &std::io::Error) -> bool {
 /// # Errors
 ///
 /// sqlx's [`sqlx::Error::Configuration`] when the URL does not parse; its message may quote the
-/// URL, password included, so callers redact it before showing it.
+/// URL, password included, so callers redact it before showing it. A URL that parses but names
+/// no usable host (`postgresql:/@host/db`, a slash lost) is refused the same way, with a
+/// [`DatabaseUrlError`] as the configuration error, instead of making sqlx panic later.
 pub fn connect_options(url: &str) -> Result<PgConnectOptions, sqlx::Error> {
     let Some(url) = without_system_root(url)? else {
-        return PgConnectOptions::from_str(url).map(libpq_tls);
+        return PgConnectOptions::from_str(url)
+            .and_then(writable)
+            .map(libpq_tls);
     };
-    let options = PgConnectOptions::from_str(&url)?;
+    let options = writable(PgConnectOptions::from_str(&url)?)?;
     // libpq: with the system's roots, only verify-full is allowed, and it is the default.
     match options.get_ssl_mode() {
         PgSslMode::VerifyFull => Ok(options),
@@ -179,7 +234,13 @@ pub struct TlsFile {
 
 /// The certificate and key files `options` name (certificates given inline through the
 /// environment are not files and are left out).
+///
+/// None for options sqlx cannot write back into a URL (see [`DatabaseUrlError`];
+/// [`connect_options`] refuses those): it would panic writing the URL this reads.
 pub fn tls_files(options: &PgConnectOptions) -> Vec<TlsFile> {
+    if check_writable(options).is_err() {
+        return Vec::new();
+    }
     // sqlx has no getters for these; its lossy URL carries them, a file as `file: <path>`.
     // Only the parameters are read here: nothing of the URL is kept or shown.
     let url = options.to_url_lossy();
@@ -290,6 +351,45 @@ mod tests {
         assert_eq!(full.get_application_name(), Some("x"));
         let weaker = connect_options("postgres://u@h/db?sslmode=require&sslrootcert=system");
         assert!(matches!(weaker, Err(sqlx::Error::Configuration(_))));
+    }
+
+    #[test]
+    fn a_url_sqlx_cannot_write_back_is_refused_instead_of_a_panic() {
+        for url in [
+            // A slash lost in a template.
+            "postgresql:/@127.0.0.1:5432/db",
+            "postgres:db",
+            "postgres:///db",
+            "postgres://localhost/db?host=",
+            "postgres://localhost/db?host=a%20b",
+            "postgres://localhost/db?host=[::1",
+            "postgres://localhost/db?user=a:b/c",
+            "postgres://u:s3cret@localhost/db?host=&sslrootcert=system",
+        ] {
+            let error = connect_options(url).unwrap_err();
+            let sqlx::Error::Configuration(source) = &error else {
+                panic!("{url}: {error:?}");
+            };
+            assert!(
+                source.downcast_ref::<DatabaseUrlError>().is_some(),
+                "{url}: {source:?}"
+            );
+            let message = error.to_string();
+            assert!(message.contains("no usable host"), "{url}: {message}");
+            assert!(!message.contains("s3cret"), "{message}");
+            // Options built elsewhere (PgConnectOptions::from_str) do not panic here either.
+            if let Ok(options) = PgConnectOptions::from_str(url) {
+                assert!(tls_files(&options).is_empty());
+                let _ = libpq_tls(options);
+            }
+        }
+        for url in [
+            "postgres://u@%2Fvar%2Frun%2Fpostgresql/db",
+            "postgres://[::1]:5433/db",
+            "postgres://u:p%40ss@db.internal/app?user=a%40b",
+        ] {
+            assert!(connect_options(url).is_ok(), "{url}");
+        }
     }
 
     #[test]

@@ -82,7 +82,7 @@ pub use cleanup::{
 };
 pub use connect::{
     check_tls_files, connect_error_kind, connect_options, libpq_tls, tls_files, ConnectErrorKind,
-    TlsFile, TlsFileError,
+    DatabaseUrlError, TlsFile, TlsFileError,
 };
 pub use consumer_quarantine::{
     ConsumerQuarantine, ConsumerQuarantineCount, ConsumerQuarantineDetail, ConsumerQuarantineError,

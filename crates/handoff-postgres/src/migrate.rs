@@ -149,6 +149,18 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0017_mark_published_session_plans.up.sql"),
         down: include_str!("../migrations/0017_mark_published_session_plans.down.sql"),
     },
+    Migration {
+        version: 18,
+        name: "sequences_in_order",
+        up: include_str!("../migrations/0018_sequences_in_order.up.sql"),
+        down: include_str!("../migrations/0018_sequences_in_order.down.sql"),
+    },
+    Migration {
+        version: 19,
+        name: "operator_hold",
+        up: include_str!("../migrations/0019_operator_hold.up.sql"),
+        down: include_str!("../migrations/0019_operator_hold.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

@@ -102,6 +102,14 @@ pub enum EnqueueError {
     /// lock rule, or events written through another path.
     #[error("enqueue_versioned would leave a hole in the aggregate's sequence: {0}")]
     SequenceGap(#[source] DriverError),
+    /// [`Outbox::enqueue_versioned`] (or a statement running an [`EnqueueCall`]) was given a
+    /// first sequence below one the aggregate already holds (written, or published and cleaned
+    /// up), though not that sequence itself (that is [`SequenceTaken`](Self::SequenceTaken)):
+    /// the caller writes the aggregate's sequences backwards. Nothing was written; accepted, the
+    /// event would be published after the later ones (migration 0018). Not retryable: a lower
+    /// sequence never becomes valid. Roll the transaction back.
+    #[error("enqueue_versioned was given a sequence behind one the aggregate already holds: {0}")]
+    SequenceBackwards(#[source] DriverError),
     /// The outbox tables do not exist in the configured schema.
     #[error("the outbox tables are missing; run `handoff migrate` (schema {schema})")]
     NotMigrated {
@@ -145,6 +153,8 @@ pub enum EnqueueErrorKind {
     SequenceTaken,
     /// See [`EnqueueError::SequenceGap`]: the caller's version skips a sequence.
     SequenceGap,
+    /// See [`EnqueueError::SequenceBackwards`]: the caller's version goes back.
+    SequenceBackwards,
     /// See [`EnqueueError::NotMigrated`].
     NotMigrated,
     /// See [`EnqueueError::Conflict`]; retrying the transaction can succeed.
@@ -162,6 +172,7 @@ impl EnqueueError {
             Self::MixedAggregates | Self::InvalidSequence(_) => EnqueueErrorKind::Misuse,
             Self::SequenceTaken => EnqueueErrorKind::SequenceTaken,
             Self::SequenceGap(_) => EnqueueErrorKind::SequenceGap,
+            Self::SequenceBackwards(_) => EnqueueErrorKind::SequenceBackwards,
             Self::NotMigrated { .. } => EnqueueErrorKind::NotMigrated,
             Self::Conflict(_) => EnqueueErrorKind::Conflict,
             Self::Database(_) => EnqueueErrorKind::Database,
@@ -376,7 +387,10 @@ impl Outbox {
     /// aggregate or `first_sequence < 1`; [`EnqueueError::SequenceTaken`] when a sequence is
     /// already used (the caller's version was stale: its lock rule is broken);
     /// [`EnqueueError::SequenceGap`] when `first_sequence - 1` was never written to the
-    /// aggregate (nothing is written: a hole would hold every later event); database errors
+    /// aggregate (nothing is written: a hole would hold every later event);
+    /// [`EnqueueError::SequenceBackwards`] when the aggregate already holds a sequence above
+    /// `first_sequence`, or cleaned one at or above it (nothing is written: the event would be
+    /// published after the later ones); database errors
     /// as [`enqueue`](Self::enqueue). An aggregate the outbox has never seen (no row, no
     /// cleanup watermark) may start at any sequence: its earlier history may have been cleaned
     /// before migration 0011.
@@ -505,8 +519,8 @@ impl Outbox {
     }
 
     /// Sorts a database error from a statement that ran an [`EnqueueCall`] into an
-    /// [`EnqueueError`] (`SequenceTaken`, `SequenceGap`, `DuplicateEventId`, `NotMigrated`,
-    /// `Conflict`, or `Database`).
+    /// [`EnqueueError`] (`SequenceTaken`, `SequenceGap`, `SequenceBackwards`, `DuplicateEventId`,
+    /// `NotMigrated`, `Conflict`, or `Database`).
     pub fn classify(&self, error: sqlx::Error) -> EnqueueError {
         self.classify_sqlx(error)
     }
@@ -667,6 +681,8 @@ impl Outbox {
             (Some("23505"), Some("outbox_aggregate_sequence_key")) => EnqueueError::SequenceTaken,
             // Raised by handoff_check_no_hole (migration 0011).
             (Some("HO001"), _) => EnqueueError::SequenceGap(error),
+            // Raised by handoff_check_no_hole (migration 0018).
+            (Some("HO002"), _) => EnqueueError::SequenceBackwards(error),
             // undefined_table; undefined_function (global order mode before migration 0006)
             (Some("42P01" | "42883"), _) => EnqueueError::NotMigrated {
                 schema: self

@@ -15,6 +15,11 @@
 //!   marker in its place (no payload, header `Handoff-Skipped` with the reason) so consumers
 //!   record it and move on instead of waiting for a sequence that never comes.
 //!
+//! An operator can also hold a pending event the relay has not held ([`hold`](Quarantine::hold):
+//! it keeps failing with backoff, or its publish keeps killing relays before the crash-loop
+//! count holds it). It is then held like any other, with the hold reason `operator`, until one
+//! of the three decisions above.
+//!
 //! Every statement lives in `queries/quarantine/`.
 
 use chrono::{DateTime, Utc};
@@ -30,6 +35,7 @@ const SHOW_SQL: &str = include_str!("../queries/quarantine/show.sql");
 const ACTIONS_SQL: &str = include_str!("../queries/quarantine/actions.sql");
 const ACT_SQL: &str = include_str!("../queries/quarantine/act.sql");
 const SKIP_MISSING_SQL: &str = include_str!("../queries/quarantine/skip_missing.sql");
+const HOLD_SQL: &str = include_str!("../queries/quarantine/hold.sql");
 
 /// Longest skip reason, in bytes: it travels as a message header.
 pub const MAX_SKIP_REASON_BYTES: usize = 500;
@@ -63,6 +69,7 @@ pub struct Quarantine {
     actions_sql: String,
     act_sql: String,
     skip_missing_sql: String,
+    hold_sql: String,
 }
 
 /// A held event, as `handoff quarantine list` shows it.
@@ -83,8 +90,9 @@ pub struct QuarantinedEvent {
     /// Why it is held: the last publish error.
     pub reason: Option<String>,
     /// What held it: `attempts` (the attempt cap), `rejected` (the destination refused it for
-    /// good) or `crash_loop` (its lease ran out unsettled more than `--max-takeovers` times);
-    /// `None` for an event held before migration 0008, or not held.
+    /// good), `crash_loop` (its lease ran out unsettled more than `--max-takeovers` times) or
+    /// `operator` ([`Quarantine::hold`]); `None` for an event held before migration 0008, or
+    /// not held.
     pub hold_reason: Option<String>,
     /// Claims that took it over from a lease that ran out unsettled.
     pub takeovers: i32,
@@ -155,11 +163,11 @@ pub struct EventDetail {
 pub struct QuarantineAction {
     /// Increasing id of the action.
     pub action_id: i64,
-    /// `retry`, `repair` or `skip`.
+    /// `retry`, `repair`, `skip` or `hold`.
     pub action: String,
     /// Who acted.
     pub actor: String,
-    /// The operator's reason (required for `skip`).
+    /// The operator's reason (required for `skip` and `hold`).
     pub reason: Option<String>,
     /// When.
     pub acted_at: DateTime<Utc>,
@@ -196,8 +204,24 @@ pub enum QuarantineError {
     /// The repaired payload fails the checks every enqueue passes.
     #[error("the repaired payload is refused: {0}; nothing changed")]
     InvalidPayload(#[source] ValidationError),
-    /// A skip needs a reason: one printable line of at most [`MAX_SKIP_REASON_BYTES`].
-    #[error("a skip needs a reason: one line of 1 to {MAX_SKIP_REASON_BYTES} printable bytes")]
+    /// [`hold`](Quarantine::hold) found the event published, already held, or leased by a
+    /// relay right now (which may be publishing it): only a pending event can be held.
+    #[error(
+        "event {event_id} is {}: only a pending event (not published, not held, not leased by \
+         a relay right now) can be held; nothing changed",
+        state.as_str()
+    )]
+    NotHoldable {
+        /// The event.
+        event_id: EventId,
+        /// Where it stands.
+        state: EventState,
+    },
+    /// A skip or a hold needs a reason: one printable line of at most
+    /// [`MAX_SKIP_REASON_BYTES`].
+    #[error(
+        "a skip or a hold needs a reason: one line of 1 to {MAX_SKIP_REASON_BYTES} printable bytes"
+    )]
     InvalidReason,
     /// The actor name is empty, too long or holds control characters.
     #[error("actor {0:?} must be 1 to {MAX_ACTOR_BYTES} printable bytes")]
@@ -231,6 +255,8 @@ pub enum QuarantineErrorKind {
     NotQuarantined,
     /// [`QuarantineError::InvalidPayload`].
     InvalidPayload,
+    /// [`QuarantineError::NotHoldable`].
+    NotHoldable,
     /// [`QuarantineError::InvalidReason`].
     InvalidReason,
     /// [`QuarantineError::InvalidActor`].
@@ -248,6 +274,7 @@ impl QuarantineError {
             QuarantineError::UnknownEvent(_) => QuarantineErrorKind::UnknownEvent,
             QuarantineError::NotQuarantined { .. } => QuarantineErrorKind::NotQuarantined,
             QuarantineError::InvalidPayload(_) => QuarantineErrorKind::InvalidPayload,
+            QuarantineError::NotHoldable { .. } => QuarantineErrorKind::NotHoldable,
             QuarantineError::InvalidReason => QuarantineErrorKind::InvalidReason,
             QuarantineError::InvalidActor(_) => QuarantineErrorKind::InvalidActor,
             QuarantineError::NotAHole { .. } => QuarantineErrorKind::NotAHole,
@@ -296,6 +323,7 @@ impl Quarantine {
             actions_sql: sql(ACTIONS_SQL),
             act_sql: sql(ACT_SQL),
             skip_missing_sql: sql(SKIP_MISSING_SQL),
+            hold_sql: sql(HOLD_SQL),
         }
     }
 
@@ -513,6 +541,72 @@ impl Quarantine {
                 aggregate_type: aggregate_type.to_owned(),
                 aggregate_id: aggregate_id.to_owned(),
                 sequence,
+            }),
+        }
+    }
+
+    /// Holds a pending event for an operator, as the relay holds one it gave up on: it is not
+    /// published, its aggregate's later events wait behind it, and it shows in
+    /// [`list`](Self::list) with the hold reason `operator`. Audited as the action `hold`, with
+    /// `reason`. Then [`retry`](Self::retry), [`repair`](Self::repair) or [`skip`](Self::skip)
+    /// it as any held event.
+    ///
+    /// For an event that is stuck but not held: it keeps failing with backoff under the attempt
+    /// cap, or its publish kills relays and its lease runs out (a lease that ran out is ended
+    /// here; a relay that comes back late with it changes nothing, except that an event the
+    /// broker did take is still marked published).
+    ///
+    /// # Errors
+    ///
+    /// [`QuarantineError::InvalidReason`], [`QuarantineError::InvalidActor`] as
+    /// [`skip`](Self::skip); [`QuarantineError::UnknownEvent`] when neither the outbox nor the
+    /// audit knows the id; [`QuarantineError::NotHoldable`] when the event is published,
+    /// already held, gone, or leased by a relay right now; nothing changed.
+    ///
+    /// # Cancel safety
+    ///
+    /// One statement: it ran or not.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # use handoff_postgres::{Quarantine, Schema};
+    /// # async fn example(conn: &mut sqlx::PgConnection, event_id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
+    /// let quarantine = Quarantine::new(&Schema::default());
+    /// quarantine
+    ///     .hold(conn, event_id, "times out at the partner's gateway, ticket OPS-7", "alice")
+    ///     .await?;
+    /// // Later: never apply it.
+    /// quarantine.skip(conn, event_id, "partner cancelled the order by phone", "alice").await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn hold(
+        &self,
+        conn: &mut PgConnection,
+        event_id: EventId,
+        reason: &str,
+        actor: &str,
+    ) -> Result<ActionRecord, QuarantineError> {
+        let reason = check_reason(reason)?;
+        check_actor(actor)?;
+        let mut tx = conn.begin().await?;
+        let row = sqlx::query(&self.hold_sql)
+            .persistent(false)
+            .bind(event_id)
+            .bind(actor)
+            .bind(reason)
+            .fetch_optional(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        match row {
+            Some(row) => Ok(ActionRecord {
+                action_id: row.try_get("action_id")?,
+                acted_at: row.try_get("acted_at")?,
+            }),
+            None => Err(QuarantineError::NotHoldable {
+                event_id,
+                state: self.show(conn, event_id).await?.state,
             }),
         }
     }

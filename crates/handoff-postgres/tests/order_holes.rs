@@ -229,6 +229,156 @@ async fn enqueue_versioned_refuses_a_first_sequence_that_leaves_a_hole() {
     assert_eq!(error.kind(), EnqueueErrorKind::SequenceGap, "{error}");
 }
 
+/// The sequences of `aggregate` in the outbox, in order.
+async fn sequences(db: &TestDb, aggregate: &str) -> Vec<i64> {
+    sqlx::query_scalar("SELECT aggregate_sequence FROM outbox WHERE aggregate_id = $1 ORDER BY 1")
+        .bind(aggregate)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// `enqueue_versioned` of `sequences` (one event each, from the first) for `aggregate` in a
+/// transaction that is refused with `kind`, then rolled back.
+async fn refused(
+    db: &TestDb,
+    outbox: &Outbox,
+    aggregate: &str,
+    sequences: &[u64],
+    kind: EnqueueErrorKind,
+) {
+    let events: Vec<_> = sequences
+        .iter()
+        .map(|&sequence| factory::event(aggregate, sequence))
+        .collect();
+    let mut tx = db.pool.begin().await.unwrap();
+    let error = outbox
+        .enqueue_versioned(&mut tx, sequences[0] as i64, &events)
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), kind, "{aggregate} {sequences:?}: {error}");
+    tx.rollback().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_sequence_behind_one_already_written_is_refused_and_nothing_of_it_is_written() {
+    let (db, outbox) = common::migrated("sequences_backwards").await;
+
+    // A new aggregate may start at 2; 1 then comes after it.
+    versioned(&db, &outbox, "a", 2).await;
+    for writer in [outbox.clone(), global_outbox()] {
+        let mut tx = db.pool.begin().await.unwrap();
+        let error = writer
+            .enqueue_versioned(&mut tx, 1, &[factory::event("a", 1)])
+            .await
+            .unwrap_err();
+        assert_eq!(error.kind(), EnqueueErrorKind::SequenceBackwards, "{error}");
+        assert!(!error.is_retryable());
+        assert!(
+            error.to_string().contains("behind sequence 2"),
+            "the message says which: {error}"
+        );
+        tx.rollback().await.unwrap();
+    }
+    // Also spliced into the caller's own statement.
+    let call = outbox.versioned_call(1, &[factory::event("a", 1)]).unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let error = call
+        .bind(sqlx::query_scalar::<_, i64>(&format!(
+            "SELECT {}",
+            call.sql(1)
+        )))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| outbox.classify(e))
+        .unwrap_err();
+    assert_eq!(error.kind(), EnqueueErrorKind::SequenceBackwards, "{error}");
+    tx.rollback().await.unwrap();
+    assert_eq!(sequences(&db, "a").await, [2]);
+    let global_head: i64 = sqlx::query_scalar("SELECT last_sequence FROM outbox_global_head")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        global_head, 0,
+        "the refused global call took no global sequence"
+    );
+
+    // 3 (a new aggregate), then 4 and 5 (a batch), then below them: a free sequence, a batch,
+    // a batch that reaches a taken one.
+    versioned(&db, &outbox, "b", 3).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue_versioned(
+            &mut tx,
+            4,
+            &[factory::event("b", 4), factory::event("b", 5)],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    refused(&db, &outbox, "b", &[1], EnqueueErrorKind::SequenceBackwards).await;
+    refused(
+        &db,
+        &outbox,
+        "b",
+        &[1, 2],
+        EnqueueErrorKind::SequenceBackwards,
+    )
+    .await;
+    refused(
+        &db,
+        &outbox,
+        "b",
+        &[2, 3],
+        EnqueueErrorKind::SequenceBackwards,
+    )
+    .await;
+    // A taken first sequence is a stale version, as before: retryable.
+    refused(&db, &outbox, "b", &[4], EnqueueErrorKind::SequenceTaken).await;
+    refused(&db, &outbox, "b", &[5, 6], EnqueueErrorKind::SequenceTaken).await;
+    assert_eq!(sequences(&db, "b").await, [3, 4, 5]);
+
+    // Forward still works.
+    versioned(&db, &outbox, "a", 3).await;
+    versioned(&db, &outbox, "b", 6).await;
+    assert_eq!(sequences(&db, "a").await, [2, 3]);
+    assert_eq!(sequences(&db, "b").await, [3, 4, 5, 6]);
+}
+
+#[tokio::test]
+async fn a_sequence_published_and_cleaned_up_is_not_written_again() {
+    let (db, outbox) = common::migrated("sequences_cleaned_not_again").await;
+    let relay = source(&db, OrderMode::Aggregate);
+    versioned(&db, &outbox, "v", 1).await;
+    versioned(&db, &outbox, "v", 2).await;
+    let claim = relay.claim(100).await.unwrap();
+    mark_published(&relay, &claim).await;
+    sqlx::query("UPDATE outbox SET published_at = now() - interval '30 days'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let (_stop_tx, stop) = watch::channel(false);
+    let config = CleanupConfig {
+        schema: Schema::named(db.schema()).unwrap(),
+        ..CleanupConfig::default()
+    };
+    Cleanup::new(config)
+        .unwrap()
+        .run(&mut conn, stop, |_| {})
+        .await
+        .unwrap();
+    assert_eq!(db.count("outbox").await, 0);
+
+    // 2 and 1 were published and cleaned: written again they would be published again, after 2.
+    refused(&db, &outbox, "v", &[2], EnqueueErrorKind::SequenceBackwards).await;
+    refused(&db, &outbox, "v", &[1], EnqueueErrorKind::SequenceBackwards).await;
+    assert_eq!(db.count("outbox").await, 0);
+    versioned(&db, &outbox, "v", 3).await;
+    assert_eq!(sequences(&db, "v").await, [3]);
+}
+
 #[tokio::test]
 async fn a_global_event_waits_for_its_per_aggregate_predecessor() {
     let (db, outbox) = common::migrated("holes_global_waits").await;

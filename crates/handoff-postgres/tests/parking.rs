@@ -14,7 +14,9 @@ use std::time::Duration;
 use claims::{claimed, hold, mark_published};
 use handoff_core::delivery::Source;
 use handoff_core::EventId;
-use handoff_postgres::{Migrator, PollingConfig, PollingSource, Quarantine, Schema};
+use handoff_postgres::{
+    Migrator, PollingConfig, PollingSource, Quarantine, QuarantineErrorKind, Schema,
+};
 use handoff_test::{factory, TestDb};
 use sqlx::Row;
 
@@ -291,6 +293,69 @@ async fn a_held_aggregate_with_a_growing_tail_does_not_raise_what_a_claim_reads(
         .await
         .unwrap();
     assert_eq!(left, 0, "nothing is left parked");
+}
+
+#[tokio::test]
+async fn a_parked_event_an_operator_holds_stays_held_when_its_predecessor_is_published() {
+    let (db, _outbox) = common::migrated("parking_operator_hold").await;
+    let relay = source(&db);
+    let quarantine = Quarantine::new(&Schema::named(db.schema()).unwrap());
+    let mut conn = db.pool.acquire().await.unwrap();
+
+    // p#1 held by the relay; p#2 behind it, parked by the next claim.
+    let first = hold_first_event(&db, &relay, "p").await;
+    append(&db, "p", 1).await;
+    assert!(relay.claim(BATCH).await.unwrap().events.is_empty());
+    let second: (EventId, bool) = sqlx::query_as(
+        "SELECT event_id, blocked FROM outbox WHERE aggregate_id = 'p' AND aggregate_sequence = 2",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(second.1, "p#2 is parked");
+
+    // The operator holds p#2, then releases p#1, which is published: p#2 stays held (the mark
+    // frees a parked successor by making it available now).
+    quarantine
+        .hold(&mut conn, second.0, "bad data, fix pending", "op")
+        .await
+        .unwrap();
+    quarantine.retry(&mut conn, first, "op").await.unwrap();
+    let claim = relay.claim(BATCH).await.unwrap();
+    assert_eq!(claimed(&claim), [("p".to_owned(), 1)]);
+    mark_published(&relay, &claim).await;
+    assert!(relay.claim(BATCH).await.unwrap().events.is_empty());
+    let listed = quarantine.list(&mut conn, 10).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].event_id, second.0);
+    assert_eq!(listed[0].hold_reason.as_deref(), Some("operator"));
+
+    // Held already, and published: refused, nothing changed.
+    for (event_id, state) in [(second.0, "quarantined"), (first, "published")] {
+        let error = quarantine
+            .hold(&mut conn, event_id, "again", "op")
+            .await
+            .unwrap_err();
+        assert_eq!(error.kind(), QuarantineErrorKind::NotHoldable, "{error}");
+        assert!(error.to_string().contains(state), "{error}");
+    }
+    let unknown = quarantine
+        .hold(&mut conn, uuid::Uuid::now_v7(), "stuck", "op")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        unknown.kind(),
+        QuarantineErrorKind::UnknownEvent,
+        "{unknown}"
+    );
+
+    // Skipped, it goes out as a skip marker.
+    quarantine
+        .skip(&mut conn, second.0, "never apply", "op")
+        .await
+        .unwrap();
+    let claim = relay.claim(BATCH).await.unwrap();
+    assert_eq!(claimed(&claim), [("p".to_owned(), 2)]);
 }
 
 #[tokio::test]
