@@ -242,6 +242,7 @@ async fn an_event_the_polling_relay_parked_is_freed_by_the_logical_sources_mark(
             retry_after: Some(Duration::from_secs(3600)),
             counts_as_attempt: true,
             hold_reason: None,
+            lease: leased.lease,
         }])
         .await
         .unwrap();

@@ -622,6 +622,7 @@ async fn an_operator_holds_a_pending_event_then_skips_it_and_both_are_audited() 
         .map(|e| handoff_core::delivery::Published {
             event_id: e.event_id,
             receipt: handoff_core::delivery::Receipt::new("test ack"),
+            lease: claim.lease,
         })
         .collect();
     relay.mark_published(&acks).await.unwrap();
