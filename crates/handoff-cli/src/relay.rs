@@ -676,6 +676,13 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
 /// held event.
 async fn report_other_lane(source: std::sync::Arc<PollingSource>) {
     let order = source.config().order;
+    if order == OrderMode::Global {
+        metrics::describe_gauge!(
+            "handoff_global_lane_blocked",
+            "1 while the global lane waits on an event held for an operator (its front, or an \
+             earlier event of the front's aggregate), else 0; read every 30 s"
+        );
+    }
     let mut tick = tokio::time::interval(Duration::from_secs(30));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -708,6 +715,20 @@ async fn report_other_lane(source: std::sync::Arc<PollingSource>) {
                 "the global lane is blocked by an event held for an operator: nothing after \
                  it is published until it is retried or skipped (`handoff quarantine`)"
             );
+        } else if order == OrderMode::Global && lane.global_front_behind_held {
+            tracing::error!(
+                global_sequence = lane.global_front,
+                "the global lane is blocked: its front waits behind a held event of its own \
+                 aggregate, and nothing after it is published until that event is retried or \
+                 skipped (`handoff quarantine list`)"
+            );
+        }
+        if order == OrderMode::Global {
+            metrics::gauge!("handoff_global_lane_blocked").set(if lane.global_lane_blocked() {
+                1.0
+            } else {
+                0.0
+            });
         }
     }
 }

@@ -199,8 +199,9 @@ fn alerts(
         alerts.push(Alert {
             name: "global_lane_blocked",
             message: format!(
-                "the global lane is blocked: global sequence {} is held for an operator and \
-                 no later global event is published until it is retried or skipped",
+                "the global lane is blocked: global sequence {} is held for an operator, or \
+                 waits behind a held event of its aggregate, and no later global event is \
+                 published until that event is retried or skipped (`handoff quarantine list`)",
                 report.global_front.unwrap_or_default()
             ),
         });
@@ -278,7 +279,7 @@ fn print_report(report: &StatusReport, args: &StatusArgs) {
                 .global_front
                 .map_or_else(|| "-".to_owned(), |f| f.to_string()),
             if report.global_lane_blocked {
-                " (BLOCKED: held for an operator)"
+                " (BLOCKED: it or an earlier event of its aggregate is held for an operator)"
             } else {
                 ""
             }

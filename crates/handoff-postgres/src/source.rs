@@ -575,6 +575,18 @@ pub struct OtherLane {
     /// Whether that event is held for an operator (quarantined): the whole global lane waits
     /// behind it until it is retried or skipped (`handoff quarantine`).
     pub global_front_held: bool,
+    /// Whether that event waits behind an earlier event of its own aggregate that is held
+    /// (written in aggregate order mode, then quarantined): the whole global lane waits
+    /// behind that one until it is retried or skipped.
+    pub global_front_behind_held: bool,
+}
+
+impl OtherLane {
+    /// Whether nothing of the global lane can be published until an operator acts: its front
+    /// is held, or waits behind a held event of its aggregate.
+    pub fn global_lane_blocked(&self) -> bool {
+        self.global_front_held || self.global_front_behind_held
+    }
 }
 
 /// Where a claim starts reading the claim index (aggregate order; see [`LOOKBACK`]).
@@ -700,6 +712,7 @@ impl PollingSource {
                     OrderMode::Global => unnumbered,
                 },
                 global_front_held: row.try_get("global_front_held")?,
+                global_front_behind_held: row.try_get("global_front_behind_held")?,
                 global_front: row.try_get("global_front")?,
             })
         };

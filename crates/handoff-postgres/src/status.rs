@@ -89,8 +89,9 @@ pub struct StatusReport {
     pub global_pending: i64,
     /// The lowest unpublished global sequence: where a `--order global` relay is.
     pub global_front: Option<i64>,
-    /// Whether that event is held for an operator. A held event blocks the whole global lane:
-    /// nothing after it is published until it is retried or skipped.
+    /// Whether that event is held for an operator, or waits behind a held event of its own
+    /// aggregate. Either blocks the whole global lane: nothing after it is published until the
+    /// held event is retried or skipped.
     pub global_lane_blocked: bool,
 }
 
@@ -240,7 +241,8 @@ impl Status {
             last_cleanup,
             global_pending: global.try_get("global_pending")?,
             global_front: global.try_get("global_front")?,
-            global_lane_blocked: global.try_get("global_front_held")?,
+            global_lane_blocked: global.try_get::<bool, _>("global_front_held")?
+                || global.try_get::<bool, _>("global_front_behind_held")?,
         })
     }
 }

@@ -229,6 +229,50 @@ async fn the_global_lane_goes_to_one_relay_at_a_time_from_its_front() {
 }
 
 #[tokio::test]
+async fn a_front_behind_a_held_event_of_its_aggregate_blocks_the_lane_and_says_so() {
+    let db = TestDb::migrated("global_behind_held").await;
+    // a#1 is written in aggregate order mode and held; a#2, written in global order mode, is
+    // the global lane's front and waits behind it.
+    db.enqueue_alone(
+        &factory::outbox(OrderMode::Aggregate),
+        factory::event("a", 0),
+    )
+    .await;
+    let aggregate = source(&db, "relay-aggregate", OrderMode::Aggregate);
+    let claim = aggregate.claim(10).await.unwrap();
+    assert_eq!(claim.events.len(), 1);
+    aggregate
+        .record_failures(&[Failure {
+            event_id: claim.events[0].event_id,
+            error: "refused".into(),
+            retry_after: None,
+            counts_as_attempt: true,
+            hold_reason: Some("rejected"),
+            lease: claim.lease,
+        }])
+        .await
+        .unwrap();
+    let global = factory::outbox(OrderMode::Global);
+    db.enqueue_alone(&global, factory::event("a", 1)).await;
+    db.enqueue_alone(&global, factory::event("b", 2)).await;
+
+    let relay = source(&db, "relay-global", OrderMode::Global);
+    assert!(relay.claim(100).await.unwrap().events.is_empty());
+    let lane = relay.other_lane().await.unwrap();
+    assert_eq!(lane.global_front, Some(1));
+    assert!(!lane.global_front_held, "the front itself is not held");
+    assert!(lane.global_front_behind_held);
+    assert!(lane.global_lane_blocked());
+
+    let mut conn = db.pool.acquire().await.unwrap();
+    let report = handoff_postgres::Status::new(&Schema::default())
+        .read(&mut conn, Duration::from_secs(60), 5)
+        .await
+        .unwrap();
+    assert!(report.global_lane_blocked);
+}
+
+#[tokio::test]
 async fn a_held_front_blocks_the_lane_and_says_so() {
     let db = TestDb::migrated("global_held").await;
     let global = factory::outbox(OrderMode::Global);
