@@ -72,11 +72,11 @@ pub struct RelayArgs {
     /// accepts other events; an outage or throttling pauses the destination instead.
     #[arg(long, env = "HANDOFF_MAX_ATTEMPTS")]
     max_attempts: Option<i32>,
-    /// Longest wait between two attempts of one event, e.g. 5m [default: 5m]. A destination's
-    /// Retry-After delays the event's aggregate at least that long, up to this.
-    #[arg(long, env = "HANDOFF_MAX_RETRY_DELAY", value_parser = humantime::parse_duration)]
+    /// Longest a destination's Retry-After delays an event and its aggregate, e.g. 10m
+    /// [default: 1h]; other aggregates flow meanwhile.
+    #[arg(long, env = "HANDOFF_MAX_RETRY_AFTER", value_parser = humantime::parse_duration)]
     #[serde(default, with = "humantime_serde")]
-    max_retry_delay: Option<Duration>,
+    max_retry_after: Option<Duration>,
     /// Takeovers of an event's unsettled lease (its relay died or stalled holding it) before
     /// the event is held for an operator with reason crash_loop [default: 5].
     #[arg(long, env = "HANDOFF_MAX_TAKEOVERS")]
@@ -244,10 +244,7 @@ impl Settings {
             poll_interval: args.poll_interval.unwrap_or(base.poll_interval),
             mark_interval: args.mark_interval.unwrap_or(base.mark_interval),
             max_attempts: args.max_attempts.unwrap_or(base.max_attempts),
-            retry_backoff: Backoff {
-                max: args.max_retry_delay.unwrap_or(base.retry_backoff.max),
-                ..base.retry_backoff
-            },
+            max_retry_after: args.max_retry_after.unwrap_or(base.max_retry_after),
             order,
             ..base
         };

@@ -315,7 +315,7 @@ async fn one_tenant_refused_with_503_retry_after_600_delays_only_itself_and_is_h
         &db,
         "tenant-503",
         &url,
-        &["--max-attempts", "3", "--max-retry-delay", "2s"],
+        &["--max-attempts", "3", "--max-retry-after", "2s"],
     );
 
     // Twenty healthy aggregates at 50 events/s, and the refused tenant's at one a second,

@@ -1,5 +1,6 @@
 //! A broker outage: the relay must not hammer PostgreSQL while nats-server is down, and must
-//! publish everything once it is back (brief P3).
+//! publish everything once it is back (brief P3). A relay that freezes while its claim is on
+//! the wire holds nothing past its lease.
 
 mod common;
 
@@ -7,9 +8,13 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use common::{check_stream, enqueue_spread, wait_drained, RelayProcess, Target};
+use handoff_core::NewEvent;
 use handoff_postgres::{Migrator, Outbox, OutboxConfig, Schema};
-use handoff_test::nats::{read_stream, unique_name, NatsServer};
-use handoff_test::{database_url, factory, TestDb};
+use handoff_test::nats::{
+    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop, NatsServer,
+};
+use handoff_test::proxy::FaultProxy;
+use handoff_test::{database_url, eventually, factory, TestDb};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection};
@@ -134,4 +139,82 @@ async fn a_broker_outage_pauses_claims_and_everything_is_published_after_it() {
         .execute(&mut admin)
         .await
         .unwrap();
+}
+
+/// Relay A freezes (a stalled network, then SIGSTOP) while a claim of large events is on its
+/// way to it; relay B starts. Every event is published within A's lease and a margin, in
+/// order: A's freeze holds no row lock and no uncommitted lease, whatever it froze in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_frozen_while_its_claim_is_on_the_wire_holds_nothing_past_its_lease() {
+    const EVENTS: u64 = 1_000;
+    const AGGREGATES: u64 = 50;
+    let (db, outbox) = common::migrated("freeze_claim").await;
+    let client = prepare_shared_server().await;
+    let stream = unique_name("freeze");
+    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
+
+    // Relay A reaches PostgreSQL through a proxy that, like a frozen client, stops reading
+    // once 1 MiB more went A's way: the claim of 16 KB events (or what A reads after it) stalls
+    // there, with PostgreSQL's writes blocked on the full socket.
+    let options = PgConnectOptions::from_str(&database_url()).unwrap();
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = FaultProxy::start(upstream.parse().unwrap()).await.unwrap();
+    // A frozen client's socket buffer, not loopback's autotuned tens of megabytes: past it (and
+    // the server's own send buffer, a few MB) PostgreSQL's writes block.
+    proxy.limit_upstream_receive_buffer(64 * 1024);
+    let proxied = db.url().replacen(&upstream, &proxy.addr().to_string(), 1);
+    assert_ne!(proxied, db.url(), "the test URL names {upstream}");
+    let target = Target {
+        database_url: db.url(),
+        nats_url: shared_url(),
+        stream: stream.clone(),
+        prefix: stream.clone(),
+    };
+    let frozen_target = Target {
+        database_url: proxied,
+        ..target.clone()
+    };
+    let padding = "x".repeat(16 * 1024);
+    for chunk in 0..EVENTS / 100 {
+        let mut tx = db.pool.begin().await.unwrap();
+        let events: Vec<NewEvent> = (chunk * 100..(chunk + 1) * 100)
+            .map(|n| {
+                NewEvent::new(
+                    factory::AGGREGATE_TYPE,
+                    format!("agg-{}", n % AGGREGATES),
+                    factory::EVENT_TYPE,
+                    1,
+                    format!(r#"{{"n":{n},"padding":"{padding}"}}"#),
+                )
+            })
+            .collect();
+        outbox.enqueue(&mut tx, &events).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    // Lease 4 s (RelayProcess's default for tests). A's first claim is a full batch of 500
+    // events, 8 MB: far more than the buffers between PostgreSQL and the frozen proxy hold.
+    proxy.freeze_after(1 << 20);
+    let a = RelayProcess::start(&frozen_target, "relay-a", &[], &[]);
+    eventually(
+        "relay A's reads frozen",
+        Duration::from_secs(30),
+        async || a.log_unless(proxy.is_frozen()),
+    )
+    .await;
+    a.freeze();
+    let frozen_at = Instant::now();
+
+    let mut b = RelayProcess::start(&target, "relay-b", &[], &[]);
+    // Lease 4 s, then 15 s to publish what A held and everything behind it.
+    wait_drained(&db.pool, Duration::from_secs(4 + 15), || {
+        format!("relay B:\n{}\nrelay A:\n{}", b.log(), a.log())
+    })
+    .await;
+    let took = frozen_at.elapsed();
+    assert!(b.terminate().success(), "{}", b.log());
+    let messages = read_stream(&client, &stream).await;
+    let check = check_stream(&db.pool, &messages).await;
+    assert!(check.messages >= EVENTS as usize, "{check:?}");
+    eprintln!("drained {took:?} after relay A froze: {check:?}");
+    drop(a);
 }

@@ -322,15 +322,13 @@ leased AS (
         blocked = false
     FROM picked
     WHERE o.event_id = picked.event_id
-    -- A skipped event (`handoff quarantine skip`) goes out as a marker in its place: no payload, and
-    -- a Handoff-Skipped header with the operator's reason, so consumers advance past its sequence.
+    -- Without payloads or headers (claimed_payloads.sql reads them once this has committed): a
+    -- result this small fits the socket's buffers, so the statement ends, and its lease commits
+    -- and its row locks go, even when the relay froze (SIGSTOP, a paused container, a stalled
+    -- network) while the rows were on their way. A claim that returned payloads could stall in
+    -- ClientWrite with the rows locked and the lease not committed, for as long as the freeze.
     RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
-              o.schema_version,
-              CASE WHEN o.skip_reason IS NULL THEN o.payload::text ELSE 'null' END AS payload,
-              CASE WHEN o.skip_reason IS NULL THEN o.headers::text
-                   ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
-              END AS headers,
-              o.occurred_at, o.attempt_count,
+              o.schema_version, o.occurred_at, o.attempt_count,
               -- A claimable row that still names a holder is one whose lease ran out unsettled.
               picked.claimed_by IS NOT NULL AS taken_over,
               -- Held, not leased: the relay publishes nothing of it and reports it.

@@ -120,12 +120,10 @@ SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
 FROM picked
 WHERE o.event_id = picked.event_id
 -- As claim.sql, with the global sequence; the relay publishes the rows in that order.
+-- Without payloads or headers, which claimed_payloads.sql reads once this has committed (see
+-- claim.sql's leased).
 RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
           o.global_sequence, o.event_type, o.schema_version,
-          CASE WHEN o.skip_reason IS NULL THEN o.payload::text ELSE 'null' END AS payload,
-          CASE WHEN o.skip_reason IS NULL THEN o.headers::text
-               ELSE (o.headers || jsonb_build_object('Handoff-Skipped', o.skip_reason))::text
-          END AS headers,
           o.occurred_at, o.attempt_count,
           picked.claimed_by IS NOT NULL AS taken_over,
           picked.crash_loop AS held,

@@ -1,5 +1,6 @@
 //! The polling source: committed outbox rows, leased to relays in short claim statements.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -23,6 +24,7 @@ use handoff_core::OrderMode;
 
 const CLAIM_SQL: &str = include_str!("../queries/claim.sql");
 const CLAIM_GLOBAL_SQL: &str = include_str!("../queries/claim_global.sql");
+const CLAIMED_PAYLOADS_SQL: &str = include_str!("../queries/claimed_payloads.sql");
 const GLOBAL_PENDING_SQL: &str = include_str!("../queries/global_pending.sql");
 const MARK_PUBLISHED_SQL: &str = include_str!("../queries/mark_published.sql");
 const MARK_PUBLISHED_KEPT_SQL: &str = include_str!("../queries/mark_published_kept.sql");
@@ -530,6 +532,7 @@ struct KeptSession {
 
 struct Sql {
     claim: String,
+    claimed_payloads: String,
     mark_published: String,
     mark_published_kept: String,
     record_failures: String,
@@ -628,6 +631,7 @@ impl PollingSource {
                 OrderMode::Aggregate => CLAIM_SQL,
                 OrderMode::Global => CLAIM_GLOBAL_SQL,
             }),
+            claimed_payloads: sql(CLAIMED_PAYLOADS_SQL),
             mark_published: sql(MARK_PUBLISHED_SQL),
             mark_published_kept: sql(MARK_PUBLISHED_KEPT_SQL),
             record_failures: sql(RECORD_FAILURES_SQL),
@@ -828,7 +832,15 @@ impl PollingSource {
     }
 
     /// Runs `claim.sql` (or `claim_global.sql`) on `conn`: named and cached when `cached`,
-    /// else an unnamed statement planned with the real batch size.
+    /// else an unnamed statement planned with the real batch size; then, once it committed,
+    /// `claimed_payloads.sql` for the payloads and headers of what it leased.
+    ///
+    /// Two statements, so that the one that locks rows and writes the lease returns little: a
+    /// relay that freezes while rows are on their way (SIGSTOP, a paused container, a stalled
+    /// network) stops reading, and a statement whose result no longer fits the socket's buffers
+    /// waits in `ClientWrite`, where no statement timeout fires. The claim's result fits, so its
+    /// lease commits and its locks go whatever the relay does next; a freeze during the second
+    /// statement holds no lock, and the lease runs out for another relay to take the events.
     async fn run_claim(
         &self,
         conn: &mut PgConnection,
@@ -836,7 +848,7 @@ impl PollingSource {
         max: i64,
         scan_from: Option<DateTime<Utc>>,
         front_rows: Option<i64>,
-    ) -> Result<Vec<PgRow>, sqlx::Error> {
+    ) -> Result<(Vec<PgRow>, Payloads), sqlx::Error> {
         let mut scope = Scoped::begin(conn, self.config.pooling).await?;
         if self.config.pooling == Pooling::Transaction {
             sqlx::query(CLAIM_WITHOUT_JIT)
@@ -859,7 +871,31 @@ impl PollingSource {
         };
         let rows = query.fetch_all(scope.conn()).await?;
         scope.finish().await?;
-        Ok(rows)
+        let mut leased = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let id: Option<EventId> = row.try_get("event_id")?;
+            let held: Option<bool> = row.try_get("held")?;
+            if let (Some(id), Some(false)) = (id, held) {
+                leased.push(id);
+            }
+        }
+        let mut payloads = Payloads::with_capacity(leased.len());
+        if !leased.is_empty() {
+            let mut scope = Scoped::begin(conn, self.config.pooling).await?;
+            let found = sqlx::query(&self.sql.claimed_payloads)
+                .persistent(cached)
+                .bind(&leased)
+                .fetch_all(scope.conn())
+                .await?;
+            scope.finish().await?;
+            for row in &found {
+                payloads.insert(
+                    row.try_get("event_id")?,
+                    (row.try_get("payload")?, row.try_get("headers")?),
+                );
+            }
+        }
+        Ok((rows, payloads))
     }
 
     /// The pause between claims while lingering: [`BUSY_POLL`], or the quickest of the last
@@ -1045,6 +1081,33 @@ pub fn read_outbox_event(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
     })
 }
 
+/// Payloads and headers (as JSON text) of leased events, by event id.
+type Payloads = HashMap<EventId, (String, String)>;
+
+/// Reads one row of `claim.sql`'s result: an event without its payload and headers, which
+/// `claimed_payloads.sql` reads after the claim.
+fn read_claimed_row(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
+    let occurred_at: chrono::DateTime<chrono::Utc> = row.try_get("occurred_at")?;
+    Ok(OutboxEvent {
+        event_id: row.try_get("event_id")?,
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        aggregate_sequence: row.try_get("aggregate_sequence")?,
+        global_sequence: match row.try_get("global_sequence") {
+            Ok(global) => global,
+            // claim.sql (per aggregate) does not name the column.
+            Err(sqlx::Error::ColumnNotFound(_)) => None,
+            Err(e) => return Err(e),
+        },
+        event_type: row.try_get("event_type")?,
+        schema_version: row.try_get("schema_version")?,
+        payload: String::new(),
+        headers: Vec::new(),
+        occurred_at: SystemTime::from(occurred_at),
+        attempt_count: row.try_get("attempt_count")?,
+    })
+}
+
 /// The `headers` jsonb object as name/value pairs. Values that outside writers stored as
 /// non-strings are passed on as their JSON text rather than dropped.
 ///
@@ -1079,7 +1142,7 @@ impl Source for PollingSource {
             .unwrap_or_else(|e| e.into_inner())
             .front_rows;
         let what = "while claiming";
-        let rows = if self.keeps_claim_plan() {
+        let (rows, mut payloads) = if self.keeps_claim_plan() {
             self.on_kept_session(&self.claim_session, what, async |conn| {
                 self.run_claim(conn, true, max, scan_from, front_rows).await
             })
@@ -1151,14 +1214,14 @@ impl Source for PollingSource {
         let mut lease: Option<DateTime<Utc>> = None;
         for row in &rows {
             let read = |row: &PgRow| -> Result<_, sqlx::Error> {
-                let event = read_outbox_event(row)?;
+                let event = read_claimed_row(row)?;
                 let held: bool = row.try_get("held")?;
                 let taken_over: bool = row.try_get("taken_over")?;
                 let lease: Option<DateTime<Utc>> = row.try_get("claim_until")?;
                 let isolate: bool = row.try_get("isolate")?;
                 Ok((event, held, taken_over, lease, isolate))
             };
-            let (event, is_held, is_taken_over, row_lease, is_suspect) =
+            let (mut event, is_held, is_taken_over, row_lease, is_suspect) =
                 read(row).map_err(|e| source_error("while reading a claimed row", e))?;
             if is_held {
                 held += 1;
@@ -1191,6 +1254,17 @@ impl Source for PollingSource {
                 "one claim, one lease: {lease:?} and {row_lease:?}"
             );
             lease = lease.or(row_lease);
+            let Some((payload, headers)) = payloads.remove(&event.event_id) else {
+                // Not found after its own claim: nothing deletes an unpublished row, so this
+                // is a row an outside hand removed. Its lease simply runs out.
+                tracing::warn!(
+                    event_id = %event.event_id,
+                    "a leased event's row was gone when its payload was read: left to its lease"
+                );
+                continue;
+            };
+            event.payload = payload;
+            event.headers = header_pairs(&headers);
             events.push(event);
         }
 

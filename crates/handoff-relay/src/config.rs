@@ -54,6 +54,10 @@ pub struct RelayConfig {
     /// whatever arrived as soon as the previous write ends; at most half of
     /// [`lease_margin`](Self::lease_margin) ([`validate`](Self::validate)).
     pub mark_interval: Duration,
+    /// The longest a destination's own `Retry-After` delays an event (and so its aggregate):
+    /// the relay waits at least what the destination asked, up to this. A per-event refusal
+    /// delays only its aggregate; other aggregates flow meanwhile (docs/relay.md).
+    pub max_retry_after: Duration,
 }
 
 impl Default for RelayConfig {
@@ -76,6 +80,7 @@ impl Default for RelayConfig {
             shutdown_grace: Duration::from_secs(10),
             order: OrderMode::Aggregate,
             mark_interval: Duration::from_millis(25),
+            max_retry_after: Duration::from_secs(3600),
         }
     }
 }

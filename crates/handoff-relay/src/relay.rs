@@ -472,8 +472,8 @@ impl<S: Source, T: Transport> Relay<S, T> {
     /// A charged failure waits its backoff; an uncharged one waits out the pause and a little
     /// more, so the probe that ends the pause is another event where there is one (a probe of
     /// the event that just failed would tell nothing new). Either way a `Retry-After` the
-    /// destination named delays the event, and so its aggregate, at least that long, up to the
-    /// longest retry delay ([`RelayConfig::retry_backoff`]'s `max`).
+    /// destination named delays the event, and so its aggregate, at least that long, up to
+    /// [`RelayConfig::max_retry_after`].
     fn decide(&self, event: &OutboxEvent, error: &PublishError, verdict: Verdict) -> Failure {
         let kind = error.kind();
         let charged = verdict.charged;
@@ -496,7 +496,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
         .map(|delay| {
             let asked = error
                 .retry_after()
-                .map(|asked| asked.min(self.config.retry_backoff.max));
+                .map(|asked| asked.min(self.config.max_retry_after));
             asked.map_or(delay, |asked| asked.max(delay))
         });
         Failure {
@@ -711,8 +711,9 @@ async fn claim_loop<S: Source, T: Transport>(
                     warn!(
                         reason = pause.reason.as_str(),
                         cause = %pause.cause,
-                        "different events failed one after another: destination paused, no \
-                         claims and no attempts charged until a probe event gets through"
+                        "broker unreachable: different events failed one after another; \
+                         destination paused, no claims and no attempts charged until a probe \
+                         event gets through"
                     );
                 } else if pause.rounds == 1 {
                     warn!(

@@ -19,6 +19,8 @@
 //! proxy.black_hole(); // live connections go silent; new ones are swallowed too
 //! proxy.heal(); // new connections pass again (the swallowed ones stay dead)
 //! proxy.cut(); // every live connection closed now
+//! proxy.freeze_after(1 << 20); // stop reading, both ways, after 1 MiB more toward the client
+//! proxy.thaw();
 //! assert!(proxy.accepted() >= 1, "{url} was used");
 //! # Ok(())
 //! # }
@@ -26,7 +28,7 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -76,6 +78,10 @@ struct State {
 ///   and dropped, and neither side hears of the other closing. Nothing tells a client its
 ///   connection is dead: only its own timeouts or keepalives can;
 /// - [`refuse`](Self::refuse): new connections are closed as soon as they are accepted;
+/// - [`freeze_after`](Self::freeze_after): a frozen client. Once that many more bytes went
+///   toward the client, the proxy stops reading from both sides, so TCP's flow control pushes
+///   back on the server as a client would that stopped reading (SIGSTOP, a paused container):
+///   its writes block once the socket buffers are full. [`thaw`](Self::thaw) reads again;
 /// - [`heal`](Self::heal): back to pass-through for new connections. A connection caught in the
 ///   black hole stays silent for good (as after a failover or a NAT that lost its state): the
 ///   client must notice and reconnect, which is what the black hole is there to test.
@@ -94,10 +100,28 @@ pub struct FaultProxy {
     acceptor: tokio::task::JoinHandle<()>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Counters {
     accepted: AtomicU64,
     live: AtomicUsize,
+    /// Bytes still forwarded toward clients before the proxy freezes ([`FaultProxy::freeze_after`]).
+    downstream_left: AtomicI64,
+    /// No socket is read while set.
+    frozen: AtomicBool,
+    /// SO_RCVBUF of the sockets toward the upstream opened from now on (0: the system's).
+    upstream_receive_buffer: AtomicU32,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters {
+            accepted: AtomicU64::new(0),
+            live: AtomicUsize::new(0),
+            downstream_left: AtomicI64::new(i64::MAX),
+            frozen: AtomicBool::new(false),
+            upstream_receive_buffer: AtomicU32::new(0),
+        }
+    }
 }
 
 impl FaultProxy {
@@ -188,6 +212,39 @@ impl FaultProxy {
         self.delay(Duration::ZERO);
     }
 
+    /// Stops reading from every socket, both ways, once `bytes` more have been forwarded toward
+    /// the clients (at once for 0): the clients hear nothing more and, as the socket buffers
+    /// fill, the servers' writes block, as with a client that stopped reading. Until
+    /// [`thaw`](Self::thaw).
+    pub fn freeze_after(&self, bytes: u64) {
+        let bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
+        self.counters.downstream_left.store(bytes, Ordering::SeqCst);
+        self.counters.frozen.store(bytes == 0, Ordering::SeqCst);
+    }
+
+    /// Gives the sockets toward the upstream that open from now on a receive buffer of `bytes`
+    /// (the kernel's autotuning off), so that a [`freeze_after`](Self::freeze_after) pushes
+    /// back on the server after about that much, as a client's own small buffer would, rather
+    /// than after the tens of megabytes loopback autotuning allows.
+    pub fn limit_upstream_receive_buffer(&self, bytes: u32) {
+        self.counters
+            .upstream_receive_buffer
+            .store(bytes, Ordering::SeqCst);
+    }
+
+    /// Whether a [`freeze_after`](Self::freeze_after) has set in.
+    pub fn is_frozen(&self) -> bool {
+        self.counters.frozen.load(Ordering::SeqCst)
+    }
+
+    /// Reads again after [`freeze_after`](Self::freeze_after).
+    pub fn thaw(&self) {
+        self.counters
+            .downstream_left
+            .store(i64::MAX, Ordering::SeqCst);
+        self.counters.frozen.store(false, Ordering::SeqCst);
+    }
+
     /// Connections accepted so far, refused and swallowed ones included: after a fault, a
     /// count above the number of clients means they reconnected.
     pub fn accepted(&self) -> u64 {
@@ -229,7 +286,7 @@ async fn accept(
                 }
                 let _ = client.set_nodelay(true);
                 let live = Live::new(counters.clone());
-                connections.spawn(serve(client, upstream, state.clone(), now.cuts, live));
+                connections.spawn(serve(client, upstream, state.clone(), now.cuts, live, counters.clone()));
             }
             // Reap finished connections so the set does not grow.
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -260,6 +317,7 @@ async fn serve(
     mut state: watch::Receiver<State>,
     born: u64,
     _live: Live,
+    counters: Arc<Counters>,
 ) {
     let cut = |state: &State| state.cuts > born;
     // Swallowed: nothing is forwarded any more, for the rest of the connection's life.
@@ -275,7 +333,7 @@ async fn serve(
         return;
     }
     let server = tokio::select! {
-        connected = TcpStream::connect(upstream) => match connected {
+        connected = connect(upstream, counters.upstream_receive_buffer.load(Ordering::SeqCst)) => match connected {
             Ok(server) => server,
             // The upstream is down: the client sees its connection closed, as through a
             // real proxy.
@@ -285,8 +343,20 @@ async fn serve(
     };
     let _ = server.set_nodelay(true);
     let (server_read, server_write) = server.into_split();
-    let upstream_way = direction(client_read, server_write, state.clone(), dead.clone());
-    let downstream_way = direction(server_read, client_write, state.clone(), dead.clone());
+    let upstream_way = direction(
+        client_read,
+        server_write,
+        state.clone(),
+        dead.clone(),
+        (counters.clone(), false),
+    );
+    let downstream_way = direction(
+        server_read,
+        client_write,
+        state.clone(),
+        dead.clone(),
+        (counters, true),
+    );
     // A failed socket ends the whole connection, as it would end a real one.
     let both = async {
         let _ = tokio::try_join!(upstream_way, downstream_way);
@@ -312,6 +382,20 @@ async fn serve(
     }
 }
 
+/// Connects to `upstream`, with a receive buffer of `receive_buffer` bytes unless 0.
+async fn connect(upstream: SocketAddr, receive_buffer: u32) -> io::Result<TcpStream> {
+    if receive_buffer == 0 {
+        return TcpStream::connect(upstream).await;
+    }
+    let socket = if upstream.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_recv_buffer_size(receive_buffer)?;
+    socket.connect(upstream).await
+}
+
 /// Completes once `done` holds for the state, or the proxy is gone.
 async fn until(state: &mut watch::Receiver<State>, done: impl Fn(&State) -> bool) {
     let _ = state.wait_for(|s| done(s)).await;
@@ -331,25 +415,36 @@ async fn swallow(mut from: OwnedReadHalf) {
 }
 
 /// Forwards `from` to `to`, each chunk after the delay current when it was read; once `dead`,
-/// reads and drops instead. `Ok` when the end of stream was passed on, `Err` when either socket
-/// failed (the whole connection is then closed).
+/// reads and drops instead. Reads nothing while the proxy is frozen; toward the client
+/// (`downstream`), counts the bytes down to the freeze. `Ok` when the end of stream was passed
+/// on, `Err` when either socket failed (the whole connection is then closed).
 async fn direction(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     state: watch::Receiver<State>,
     dead: Arc<AtomicBool>,
+    (counters, downstream): (Arc<Counters>, bool),
 ) -> Result<(), ()> {
     let (queue, mut queued) = mpsc::channel::<(Instant, Vec<u8>)>(QUEUE);
     let dead_reader = dead.clone();
     let reader = async move {
         let mut buf = vec![0u8; CHUNK];
         loop {
+            while counters.frozen.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
             let n = match from.read(&mut buf).await {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(_) if dead_reader.load(Ordering::Relaxed) => break,
                 Err(_) => return Err(()),
             };
+            if downstream {
+                let n = i64::try_from(n).unwrap_or(i64::MAX);
+                if counters.downstream_left.fetch_sub(n, Ordering::SeqCst) <= n {
+                    counters.frozen.store(true, Ordering::SeqCst);
+                }
+            }
             if dead_reader.load(Ordering::Relaxed) {
                 continue;
             }

@@ -169,6 +169,14 @@ impl RelayProcess {
         }
     }
 
+    /// SIGSTOP: the process freezes where it is (its sockets stay open, unread), as in a
+    /// paused container or a VM stall. SIGKILL on drop still ends it.
+    pub fn freeze(&self) {
+        // SAFETY: kill(2) on our own child's pid.
+        let sent = unsafe { libc::kill(self.pid(), libc::SIGSTOP) };
+        assert_eq!(sent, 0, "SIGSTOP to relay {}", self.id);
+    }
+
     /// Whether it exited, and how.
     pub fn try_status(&mut self) -> Option<ExitStatus> {
         self.child.try_wait().unwrap()
