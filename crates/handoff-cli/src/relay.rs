@@ -77,8 +77,8 @@ pub struct RelayArgs {
     #[arg(long, env = "HANDOFF_MAX_RETRY_AFTER", value_parser = humantime::parse_duration)]
     #[serde(default, with = "humantime_serde")]
     max_retry_after: Option<Duration>,
-    /// Takeovers of an event's unsettled lease (its relay died or stalled holding it) before
-    /// the event is held for an operator with reason crash_loop [default: 5].
+    /// Takeovers of an event's unsettled lease whose relay was gone (died or restarted holding
+    /// it) before the event is held for an operator with reason crash_loop [default: 5].
     #[arg(long, env = "HANDOFF_MAX_TAKEOVERS")]
     max_takeovers: Option<i32>,
     /// CloudEvents ce-source of the published events [default: handoff].

@@ -1,6 +1,6 @@
--- Lease up to $2 publishable events to relay $1 for $3 seconds (brief P1, P2, P5); hold for an
--- operator, instead, an event whose lease ran out unsettled more than $4 times (a crash loop);
--- lease alone an event whose lease ran out unsettled $5 times or more (a suspect).
+-- Lease up to $2 publishable events to relay $1, session $8, for $3 seconds (brief P1, P2, P5);
+-- hold for an operator, instead, an event whose relay died holding it more than $4 times (a
+-- crash loop); lease alone an event whose relay died holding it $5 times or more (a suspect).
 --
 -- One statement, so one short transaction: the row locks (on the rows it leases, and the
 -- predecessors of those it parks) live only until it returns, and the lease written into the
@@ -24,14 +24,24 @@
 -- behind held or in-flight events.
 --
 -- Crash loops: a claimable row that still names a holder was left unsettled by a lease that ran
--- out (its relay died or stalled holding it). Such a claim is a takeover, counted in
--- takeover_count. An event whose publish kills every relay that tries never fails, so attempts
--- never reach the cap; the takeover count does. Past $4 takeovers the row is held ('crash_loop':
--- available_at 'infinity', like any quarantined event) in this same statement instead of being
--- leased, and the rows behind it in its lane are not leased either. Taken over $5 times or
--- more (the relay passes min(2, $4)), an event is a suspect: leased alone and published with
--- nothing else in flight, so that only the culprit, not its innocent neighbours of a batch,
--- keeps counting takeovers.
+-- out. Such a claim is a takeover (the relay's handoff_relay_leases_taken_over_total). An event
+-- whose publish kills every relay that tries never fails, so attempts never reach the cap; the
+-- takeover count does. But a lease also runs out unsettled when its relay lives on: a claim
+-- that committed after the relay's client gave up on it, marks held up by a slow database, a
+-- relay frozen for a while. So a takeover is counted in takeover_count (charged, below) only
+-- when the lease's relay is gone (migration 0020): the session the lease names
+-- (claimed_session, this claim's $8) is unknown (a lease written before 0020, or by a relay
+-- that does not register), its last heartbeat no longer vouches for it (alive_until passed:
+-- the source heartbeats every quarter lease, at most every 5 s, each beat vouching for three
+-- intervals, so a relay that died publishing is past it before its lease runs out), or it is
+-- not the latest session of its relay id (the relay restarted). A takeover from a live session
+-- re-leases the row and counts nothing. A successful mark clears the count (0020).
+--
+-- Past $4 counted takeovers the row is held ('crash_loop': available_at 'infinity', like any
+-- quarantined event) in this same statement instead of being leased, and the rows behind it in
+-- its lane are not leased either. Counted $5 times or more with this claim (the relay passes
+-- min(2, $4)), an event is a suspect: leased alone and published with nothing else in flight,
+-- so that only the culprit, not its innocent neighbours of a batch, keeps counting takeovers.
 WITH front AS MATERIALIZED (
     -- The oldest claimable events on outbox_ready_idx, read from its front: available, not
     -- parked, not in the global lane (claim_global.sql's, published here in parallel lanes they
@@ -95,7 +105,8 @@ head AS MATERIALIZED (
     -- read in that order by primary key, and locked one by one until $2 are held: a relay
     -- claiming beside another takes the next heads, not none.
     SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
-           o.available_at, o.occurred_at, o.claimed_by, o.takeover_count, f.place
+           o.available_at, o.occurred_at, o.claimed_by, o.claimed_session, o.takeover_count,
+           f.place
     FROM (
         -- place: the row's rank in the front, heads or not (see next_front). Ranked here, not
         -- in front: a window there would have the planner join and sort every claimable row
@@ -129,14 +140,14 @@ run AS MATERIALIZED (
     -- its lane (a busy aggregate then moves a run per claim, not one event). Only the unbroken
     -- prefix counts: the first missing, unavailable or locked sequence ends the run.
     SELECT n.event_id, h.available_at, h.occurred_at, n.aggregate_type, n.aggregate_id,
-           n.aggregate_sequence, n.claimed_by, n.takeover_count,
+           n.aggregate_sequence, n.claimed_by, n.claimed_session, n.takeover_count,
            n.aggregate_sequence - h.aggregate_sequence
                = row_number() OVER (PARTITION BY h.event_id ORDER BY n.aggregate_sequence)
                AS unbroken
     FROM head h
     CROSS JOIN LATERAL (
         SELECT s.event_id, s.aggregate_type, s.aggregate_id, s.aggregate_sequence, s.claimed_by,
-               s.takeover_count
+               s.claimed_session, s.takeover_count
         FROM {schema}outbox s
         WHERE s.aggregate_type = h.aggregate_type
           AND s.aggregate_id = h.aggregate_id
@@ -151,22 +162,45 @@ run AS MATERIALIZED (
 ),
 candidate AS (
     -- Heads and unbroken runs, each marked:
-    -- crash_loop: this claim would be one takeover too many, so the row is held instead;
-    -- suspect:    its lease has run out unsettled at least $5 times with this claim, so it may
-    --             be what kills its relays. A suspect is leased alone (see picked).
+    -- crash_loop: this claim would be one counted takeover too many, so the row is held instead;
+    -- suspect:    its relay died holding it at least $5 times with this claim, so it may be
+    --             what kills its relays. A suspect is leased alone (see picked).
     SELECT c.*,
-           c.claimed_by IS NOT NULL AND c.takeover_count >= $4 AS crash_loop,
-           NOT (c.claimed_by IS NOT NULL AND c.takeover_count >= $4)
-               AND c.takeover_count + (c.claimed_by IS NOT NULL)::int >= $5 AS suspect
+           c.charged AND c.takeover_count >= $4 AS crash_loop,
+           NOT (c.charged AND c.takeover_count >= $4)
+               AND c.takeover_count + c.charged::int >= $5 AS suspect
     FROM (
-        SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
-               aggregate_sequence, claimed_by, takeover_count, true AS is_head
-        FROM head
-        UNION ALL
-        SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
-               aggregate_sequence, claimed_by, takeover_count, false AS is_head
-        FROM run
-        WHERE unbroken
+        -- charged: a takeover whose lease's relay is gone (see "Crash loops" above). Probed
+        -- only for rows taken over: one primary-key read of outbox_relays, and one probe of
+        -- outbox_relays_relay_idx for a later session of the same relay id.
+        SELECT u.*,
+               u.claimed_by IS NOT NULL AND NOT EXISTS (
+                   SELECT 1
+                   FROM {schema}outbox_relays s
+                   WHERE s.session_id = u.claimed_session
+                     -- Of the relay the lease names: an older relay that took the row over
+                     -- without a session (during a rolling upgrade) leaves someone else's.
+                     AND s.relay_id = u.claimed_by
+                     AND s.alive_until >= now()
+                     AND NOT EXISTS (
+                         SELECT 1
+                         FROM {schema}outbox_relays r
+                         WHERE r.relay_id = s.relay_id
+                           AND r.started_at > s.started_at
+                     )
+               ) AS charged
+        FROM (
+            SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
+                   aggregate_sequence, claimed_by, claimed_session, takeover_count,
+                   true AS is_head
+            FROM head
+            UNION ALL
+            SELECT event_id, available_at, occurred_at, aggregate_type, aggregate_id,
+                   aggregate_sequence, claimed_by, claimed_session, takeover_count,
+                   false AS is_head
+            FROM run
+            WHERE unbroken
+        ) u
     ) c
 ),
 eligible AS MATERIALIZED (
@@ -188,7 +222,7 @@ solo AS MATERIALIZED (
     -- Isolation: when a process dies, every event it held is taken over, the innocent ones
     -- with the culprit. So a suspect head is leased alone, and the relay publishes it with
     -- nothing else in flight: if it kills the relay again, it alone is charged the takeover.
-    SELECT e.event_id, e.claimed_by, e.crash_loop, e.suspect
+    SELECT e.event_id, e.claimed_by, e.charged, e.crash_loop, e.suspect
     FROM eligible e
     WHERE e.suspect AND e.is_head
     ORDER BY e.available_at, e.occurred_at
@@ -198,13 +232,13 @@ picked AS (
     -- The suspect alone, with the rows to hold; or else heads and runs cut to $2 events. The
     -- order keeps each aggregate's events together and in sequence, so the cut leaves every
     -- lane an unbroken prefix.
-    SELECT event_id, claimed_by, crash_loop, suspect FROM solo
+    SELECT event_id, claimed_by, charged, crash_loop, suspect FROM solo
     UNION ALL
-    SELECT e.event_id, e.claimed_by, e.crash_loop, e.suspect
+    SELECT e.event_id, e.claimed_by, e.charged, e.crash_loop, e.suspect
     FROM eligible e
     WHERE e.crash_loop AND EXISTS (SELECT 1 FROM solo)
     UNION ALL
-    SELECT n.event_id, n.claimed_by, n.crash_loop, n.suspect
+    SELECT n.event_id, n.claimed_by, n.charged, n.crash_loop, n.suspect
     FROM (
         SELECT e.*
         FROM eligible e
@@ -303,17 +337,18 @@ hole AS (
 leased AS (
     UPDATE {schema}outbox o
     SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
+        claimed_session = CASE WHEN picked.crash_loop THEN NULL ELSE $8::uuid END,
         claim_until = CASE WHEN picked.crash_loop THEN NULL
                            ELSE now() + make_interval(secs => $3) END,
         available_at = CASE WHEN picked.crash_loop THEN 'infinity'::timestamptz
                             ELSE now() + make_interval(secs => $3) END,
-        takeover_count = o.takeover_count + (picked.claimed_by IS NOT NULL)::int,
+        takeover_count = o.takeover_count + picked.charged::int,
         quarantined_at = CASE WHEN picked.crash_loop THEN now() ELSE o.quarantined_at END,
         hold_reason = CASE WHEN picked.crash_loop THEN 'crash_loop' ELSE o.hold_reason END,
         last_error = CASE
             WHEN picked.crash_loop THEN format(
-                'crash_loop: its lease ran out unsettled %s times (the relay holding it died or '
-                'stalled each time, last %s); held after --max-takeovers %s',
+                'crash_loop: its lease ran out unsettled %s times with the relay holding it gone '
+                '(died or restarted; last %s); held after --max-takeovers %s',
                 o.takeover_count + 1, picked.claimed_by, $4)
             ELSE o.last_error
         END,
@@ -329,7 +364,8 @@ leased AS (
     -- ClientWrite with the rows locked and the lease not committed, for as long as the freeze.
     RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
               o.schema_version, o.occurred_at, o.attempt_count,
-              -- A claimable row that still names a holder is one whose lease ran out unsettled.
+              -- A claimable row that still names a holder is one whose lease ran out unsettled:
+              -- a takeover, whether counted (charged) or not.
               picked.claimed_by IS NOT NULL AS taken_over,
               -- Held, not leased: the relay publishes nothing of it and reports it.
               picked.crash_loop AS held,

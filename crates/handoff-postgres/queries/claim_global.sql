@@ -1,4 +1,4 @@
--- Lease to relay $1 for $3 seconds the front of the global lane: up to $2 events with
+-- Lease to relay $1, session $6, for $3 seconds the front of the global lane: up to $2 events with
 -- consecutive global sequences, starting at the lowest unpublished one (brief F3, global order
 -- mode; docs/global-order.md).
 --
@@ -12,6 +12,9 @@
 -- event behind an unpublished per-aggregate event, or behind a hole, stops the lane.
 --
 -- Per-aggregate events (global_sequence IS NULL) are not this query's: claim.sql takes them.
+--
+-- Takeovers are counted towards a crash loop as in claim.sql ("Crash loops"): only when the
+-- lease's session ($6 of the claim that wrote it) is gone.
 WITH front AS MATERIALIZED (
     -- The lowest unpublished global event, read from the front of outbox_global_pending_idx.
     SELECT o.event_id
@@ -37,13 +40,13 @@ run AS MATERIALIZED (
     -- missing, unavailable or locked global sequence ends the run, and so does the first event
     -- whose per-aggregate predecessor may not go before it (pred_ok below): the lane waits for
     -- it, front included.
-    SELECT n.event_id, n.global_sequence, n.claimed_by, n.takeover_count,
+    SELECT n.event_id, n.global_sequence, n.claimed_by, n.claimed_session, n.takeover_count,
            n.global_sequence - h.global_sequence + 1
                = row_number() OVER (ORDER BY n.global_sequence)
                AND bool_and(n.pred_ok) OVER (ORDER BY n.global_sequence) AS unbroken
     FROM head h
     CROSS JOIN LATERAL (
-        SELECT s.event_id, s.global_sequence, s.claimed_by, s.takeover_count,
+        SELECT s.event_id, s.global_sequence, s.claimed_by, s.claimed_session, s.takeover_count,
                -- Order fails closed across the lanes (as claim.sql): the event's per-aggregate
                -- predecessor is published; or is a global event earlier in this run (the front
                -- is the lowest unpublished global event, and the run is unbroken up to here,
@@ -80,16 +83,34 @@ marked AS (
     -- is held, and a suspect (taken over $5 times or more with this claim) is leased only as
     -- the lane's front, alone; nothing after either is leased (as in claim.sql). A global relay
     -- publishes one claim at a time, so a lone front is published with nothing else in flight.
-    SELECT r.event_id, r.claimed_by, r.global_sequence,
-           r.claimed_by IS NOT NULL AND r.takeover_count >= $4 AS crash_loop,
-           NOT (r.claimed_by IS NOT NULL AND r.takeover_count >= $4)
-               AND r.takeover_count + (r.claimed_by IS NOT NULL)::int >= $5 AS suspect,
+    -- Only charged takeovers count (as in claim.sql).
+    SELECT r.event_id, r.claimed_by, r.global_sequence, r.charged,
+           r.charged AND r.takeover_count >= $4 AS crash_loop,
+           NOT (r.charged AND r.takeover_count >= $4)
+               AND r.takeover_count + r.charged::int >= $5 AS suspect,
            r.global_sequence = min(r.global_sequence) OVER () AS is_front
-    FROM run r
-    WHERE r.unbroken
+    FROM (
+        -- charged: the lease's session is gone, as in claim.sql's candidate.
+        SELECT u.*,
+               u.claimed_by IS NOT NULL AND NOT EXISTS (
+                   SELECT 1
+                   FROM {schema}outbox_relays s
+                   WHERE s.session_id = u.claimed_session
+                     AND s.relay_id = u.claimed_by
+                     AND s.alive_until >= now()
+                     AND NOT EXISTS (
+                         SELECT 1
+                         FROM {schema}outbox_relays l
+                         WHERE l.relay_id = s.relay_id
+                           AND l.started_at > s.started_at
+                     )
+               ) AS charged
+        FROM run u
+        WHERE u.unbroken
+    ) r
 ),
 picked AS (
-    SELECT m.event_id, m.claimed_by, m.crash_loop, m.suspect
+    SELECT m.event_id, m.claimed_by, m.charged, m.crash_loop, m.suspect
     FROM (
         SELECT m.*,
                coalesce(bool_or(m.crash_loop OR m.suspect) OVER (
@@ -103,17 +124,18 @@ picked AS (
 )
 UPDATE {schema}outbox o
 SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
+    claimed_session = CASE WHEN picked.crash_loop THEN NULL ELSE $6::uuid END,
     claim_until = CASE WHEN picked.crash_loop THEN NULL
                        ELSE now() + make_interval(secs => $3) END,
     available_at = CASE WHEN picked.crash_loop THEN 'infinity'::timestamptz
                         ELSE now() + make_interval(secs => $3) END,
-    takeover_count = o.takeover_count + (picked.claimed_by IS NOT NULL)::int,
+    takeover_count = o.takeover_count + picked.charged::int,
     quarantined_at = CASE WHEN picked.crash_loop THEN now() ELSE o.quarantined_at END,
     hold_reason = CASE WHEN picked.crash_loop THEN 'crash_loop' ELSE o.hold_reason END,
     last_error = CASE
         WHEN picked.crash_loop THEN format(
-            'crash_loop: its lease ran out unsettled %s times (the relay holding it died or '
-            'stalled each time, last %s); held after --max-takeovers %s',
+            'crash_loop: its lease ran out unsettled %s times with the relay holding it gone '
+            '(died or restarted; last %s); held after --max-takeovers %s',
             o.takeover_count + 1, picked.claimed_by, $4)
         ELSE o.last_error
     END

@@ -87,8 +87,9 @@ GRANT EXECUTE ON FUNCTION
 -- No UPDATE of payload, headers, the event's identity or its sequence; no INSERT or DELETE.
 
 GRANT SELECT ON {schema_name}.outbox TO {relay};
-GRANT UPDATE (claimed_by, claim_until, available_at, published_at, attempt_count, last_error,
-              delivery_receipt, takeover_count, hold_reason, quarantined_at, blocked)
+GRANT UPDATE (claimed_by, claimed_session, claim_until, available_at, published_at,
+              attempt_count, last_error, delivery_receipt, takeover_count, hold_reason,
+              quarantined_at, blocked)
     ON {schema_name}.outbox TO {relay};
 -- The mark and the unparking of what waited behind (migration 0012), planned per call, and its
 -- body planned as the relay's own session says (migration 0017).
@@ -98,6 +99,10 @@ GRANT EXECUTE ON FUNCTION
     TO {relay};
 -- Its own wait registrations (queries/relay_wait.sql, relay_unwait.sql).
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema_name}.outbox_relay_waits TO {relay};
+-- Its sessions and their heartbeats (queries/relay_heartbeat.sql), which the claim reads to tell
+-- a dead relay's lease from a live one's, and the purge of sessions long gone
+-- (relay_sessions_purge.sql).
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema_name}.outbox_relays TO {relay};
 -- `--order global` checks the lane exists; reading the head is harmless.
 GRANT SELECT ON {schema_name}.outbox_global_head TO {relay};
 -- The claim takes a missing predecessor at or below the cleanup watermark as published.
@@ -111,7 +116,8 @@ GRANT SELECT ON {schema_name}.outbox_watermarks TO {relay};
 
 GRANT SELECT ON
     {schema_name}.outbox, {schema_name}.outbox_heads, {schema_name}.outbox_global_head,
-    {schema_name}.outbox_watermarks, {schema_name}.outbox_relay_waits, {schema_name}.outbox_quarantine_actions,
+    {schema_name}.outbox_watermarks, {schema_name}.outbox_relay_waits, {schema_name}.outbox_relays,
+    {schema_name}.outbox_quarantine_actions,
     {schema_name}.outbox_archive, {schema_name}.handoff_cleanup_runs,
     {schema_name}.processed_events, {schema_name}.consumer_sequences,
     {schema_name}.consumer_quarantine, {schema_name}.consumer_quarantine_actions,

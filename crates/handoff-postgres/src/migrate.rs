@@ -161,6 +161,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0019_operator_hold.up.sql"),
         down: include_str!("../migrations/0019_operator_hold.down.sql"),
     },
+    Migration {
+        version: 20,
+        name: "relay_sessions",
+        up: include_str!("../migrations/0020_relay_sessions.up.sql"),
+        down: include_str!("../migrations/0020_relay_sessions.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

@@ -34,6 +34,8 @@ const RELAY_WAIT_SQL: &str = include_str!("../queries/relay_wait.sql");
 const RELAY_UNWAIT_SQL: &str = include_str!("../queries/relay_unwait.sql");
 const BACKLOG_SQL: &str = include_str!("../queries/backlog.sql");
 const SWEEP_STRAGGLERS_SQL: &str = include_str!("../queries/sweep_stragglers.sql");
+const RELAY_HEARTBEAT_SQL: &str = include_str!("../queries/relay_heartbeat.sql");
+const RELAY_SESSIONS_PURGE_SQL: &str = include_str!("../queries/relay_sessions_purge.sql");
 
 /// The channel migration 0002's trigger notifies; its payload is the outbox's schema.
 pub const WAKE_CHANNEL: &str = "handoff_outbox";
@@ -139,6 +141,62 @@ async fn sweep_once(
         conn.close_on_drop();
     }
     outcome
+}
+
+/// How often a source renews its session in `outbox_relays` (migration 0020): a quarter of its
+/// lease, between [`HEARTBEAT_MIN`] and [`HEARTBEAT_MAX`].
+///
+/// Each heartbeat vouches for the session for [`HEARTBEAT_VOUCHES`] intervals (`alive_until`),
+/// so a missed or late beat does not make a live relay look gone, and a relay that died is seen
+/// gone at most three quarters of a lease after its last beat: before a lease it took just
+/// before dying runs out, so the takeover of its events is counted as a crash (`claim.sql`,
+/// "Crash loops"). A relay that dies late in its lease (more than a quarter of it after its
+/// claim) may still look alive when its lease runs out, and that takeover is not counted.
+fn heartbeat_every(lease: Duration) -> Duration {
+    (lease / 4).clamp(HEARTBEAT_MIN, HEARTBEAT_MAX)
+}
+
+/// The shortest heartbeat interval (a lease of a second, the shortest allowed, gets it).
+const HEARTBEAT_MIN: Duration = Duration::from_millis(250);
+
+/// The longest heartbeat interval, whatever the lease: a relay that died is seen gone within
+/// 15 seconds of its last beat.
+const HEARTBEAT_MAX: Duration = Duration::from_secs(5);
+
+/// How many heartbeat intervals one heartbeat vouches for a session (see [`heartbeat_every`]).
+const HEARTBEAT_VOUCHES: u32 = 3;
+
+/// Renews `beat`'s session every `every` for as long as it runs (until its source drops it).
+/// A beat that fails or outlives `timeout` is logged and the next one tried: off the relay's
+/// path, a connection of the pool for one short statement at a time.
+async fn heartbeats(pool: PgPool, beat: Beat, every: Duration, timeout: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is at once, and the session was registered just now.
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let mut conn = match tokio::time::timeout(timeout, pool.acquire()).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "relay heartbeat failed: no connection");
+                continue;
+            }
+            Err(_) => {
+                tracing::warn!(?timeout, "relay heartbeat failed: no connection in time");
+                continue;
+            }
+        };
+        match tokio::time::timeout(timeout, beat.query().execute(&mut *conn)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "relay heartbeat failed"),
+            Err(_) => {
+                // Its state is unknown, as in PollingSource::bounded.
+                conn.close_on_drop();
+                tracing::warn!(?timeout, "relay heartbeat did not finish in time");
+            }
+        }
+    }
 }
 
 /// The poll interval while lingering, as long as claims are quick: what it adds to
@@ -249,11 +307,15 @@ pub struct PollingConfig {
     /// event on, to one relay at a time (needs migration 0006); per-aggregate events are left
     /// alone.
     pub order: OrderMode,
-    /// Takeovers after which an event is held for an operator (reason `crash_loop`) instead of
-    /// leased again. A takeover is a claim of an event whose earlier lease ran out unsettled:
-    /// the relay holding it died or stalled. An event whose publish kills the relay (a panic,
-    /// an out-of-memory) never fails and so never reaches the attempt cap; this bound stops it
-    /// from crash-looping every relay for ever. Default: 5.
+    /// Counted takeovers after which an event is held for an operator (reason `crash_loop`)
+    /// instead of leased again. A takeover is a claim of an event whose earlier lease ran out
+    /// unsettled; it is counted only when the relay that held the lease is gone: its session
+    /// stopped heartbeating, or the relay restarted (see [`PollingSource::session_id`]). A
+    /// lease that ran out under a live relay (a claim its client gave up on, slow marks, a short
+    /// freeze) is taken over without counting, and a successful publish clears the count. An
+    /// event whose publish kills the relay (a panic, an out-of-memory) never fails and so never
+    /// reaches the attempt cap; this bound stops it from crash-looping every relay for ever.
+    /// Default: 5.
     pub max_takeovers: i32,
     /// [`Pooling::Transaction`] when the pool goes through a transaction pooler: every
     /// statement is then unnamed and runs in a transaction of its own, and without a listen
@@ -305,17 +367,7 @@ impl Default for PollingConfig {
 /// `/proc/sys/kernel/hostname`, else `$HOSTNAME`; left out when neither is set) keeps the id
 /// readable; the random suffix (from a UUIDv7's random bits) makes it unique per start.
 fn default_relay_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|name| {
-            name.trim()
-                .chars()
-                .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
-                .take(64)
-                .collect::<String>()
-        })
-        .unwrap_or_default();
+    let host = host_name();
     let uuid = uuid::Uuid::now_v7().simple().to_string();
     // The last 32 bits of a UUIDv7 are random (the counter and the time are before them).
     let suffix = &uuid[uuid.len() - 8..];
@@ -325,6 +377,22 @@ fn default_relay_id() -> String {
     } else {
         format!("relay-{host}-{pid}-{suffix}")
     }
+}
+
+/// This host's name, from `/proc/sys/kernel/hostname`, else `$HOSTNAME`, cut to 64 of the
+/// characters a relay id may hold; empty when neither is set.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|name| {
+            name.trim()
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'))
+                .take(64)
+                .collect::<String>()
+        })
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -517,6 +585,47 @@ pub struct PollingSource {
     /// The session marks run on, with the plans of the mark's statements cached (see
     /// [`REPLAN_EVERY`]); none until the first mark, and after a mark failed on it.
     mark_session: Mutex<Option<KeptSession>>,
+    /// This run's session in `outbox_relays` (see [`PollingSource::session_id`]).
+    session: uuid::Uuid,
+    /// The task renewing [`PollingSource::session`]: none until the first claim registered it.
+    /// std Mutex: never held across `.await`.
+    heartbeat: std::sync::Mutex<Option<Heartbeat>>,
+}
+
+/// The task that renews a source's session ([`heartbeat_every`]); stopped when the source is
+/// dropped, so a dropped source's session lapses as a dead relay's does.
+struct Heartbeat(tokio::task::JoinHandle<()>);
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What one heartbeat writes (`queries/relay_heartbeat.sql`).
+#[derive(Clone)]
+struct Beat {
+    sql: Arc<str>,
+    session: uuid::Uuid,
+    relay_id: String,
+    host: Option<String>,
+    pid: i32,
+    /// How long the beat vouches for the session, in seconds.
+    vouch_secs: f64,
+}
+
+impl Beat {
+    /// The heartbeat statement, bound; unnamed, so it also runs through a transaction pooler.
+    fn query(&self) -> sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments> {
+        sqlx::query(&self.sql)
+            .persistent(false)
+            .bind(self.session)
+            .bind(&self.relay_id)
+            .bind(&self.host)
+            .bind(self.pid)
+            .bind(env!("CARGO_PKG_VERSION"))
+            .bind(self.vouch_secs)
+    }
 }
 
 /// A connection of the pool kept for one statement (the claim, or the mark), whose plans it
@@ -542,6 +651,8 @@ struct Sql {
     backlog: String,
     global_pending: String,
     sweep_stragglers: Arc<str>,
+    heartbeat: Arc<str>,
+    purge_sessions: String,
 }
 
 /// The unpublished part of the outbox, as [`PollingSource::backlog`] reads it.
@@ -641,6 +752,8 @@ impl PollingSource {
             backlog: sql(BACKLOG_SQL),
             global_pending: sql(GLOBAL_PENDING_SQL),
             sweep_stragglers: sql(SWEEP_STRAGGLERS_SQL).into(),
+            heartbeat: sql(RELAY_HEARTBEAT_SQL).into(),
+            purge_sessions: sql(RELAY_SESSIONS_PURGE_SQL),
         };
         Ok(PollingSource {
             pool,
@@ -653,7 +766,78 @@ impl PollingSource {
             claim_costs: std::sync::Mutex::new(([Duration::ZERO; CLAIM_COSTS], 0)),
             claim_session: Mutex::new(None),
             mark_session: Mutex::new(None),
+            session: uuid::Uuid::now_v7(),
+            heartbeat: std::sync::Mutex::new(None),
         })
+    }
+
+    /// This source's session: a UUIDv7, new for every source, which its claims write with
+    /// their leases (`outbox.claimed_session`) and which it registers in `outbox_relays` at its
+    /// first claim and renews from then on, every quarter lease (at most every 5 s), for as
+    /// long as it lives (migration 0020).
+    ///
+    /// A claim that takes over an expired lease counts it towards a crash loop
+    /// ([`PollingConfig::max_takeovers`]) only when the lease's session is gone: unknown (a
+    /// lease written before migration 0020), its last heartbeat older than three intervals,
+    /// or not the latest session of its relay id (the relay restarted under the same id).
+    pub fn session_id(&self) -> uuid::Uuid {
+        self.session
+    }
+
+    /// Registers [`PollingSource::session_id`] in `outbox_relays` and starts its heartbeat, a
+    /// task on the current tokio runtime that the source stops when dropped. Once: later calls
+    /// do nothing. The first claim calls it, before its lease names the session, so a claim
+    /// never finds a lease of a live relay whose session is unknown; call it earlier to keep
+    /// its statements off the first claim. Also forgets sessions gone for a day.
+    ///
+    /// # Errors
+    ///
+    /// The database could not be reached, or migration 0020 is missing; nothing is started,
+    /// and the next call (or claim) tries again.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: cancelled before it registered, it starts nothing; after, the session is
+    /// registered again by the next call, harmlessly.
+    pub async fn register(&self) -> Result<(), SourceError> {
+        if self
+            .heartbeat
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            return Ok(());
+        }
+        let every = heartbeat_every(self.config.lease);
+        let host = host_name();
+        let beat = Beat {
+            sql: Arc::clone(&self.sql.heartbeat),
+            session: self.session,
+            relay_id: self.config.relay_id.clone(),
+            host: (!host.is_empty()).then_some(host),
+            pid: i32::try_from(std::process::id()).unwrap_or(i32::MAX),
+            vouch_secs: (every * HEARTBEAT_VOUCHES).as_secs_f64(),
+        };
+        let what = "while registering the relay's session";
+        self.on_pooled_connection(what, async |conn| {
+            sqlx::query(&self.sql.purge_sessions)
+                .persistent(false)
+                .execute(&mut *conn)
+                .await?;
+            beat.query().execute(&mut *conn).await.map(drop)
+        })
+        .await?;
+        let mut heartbeat = self.heartbeat.lock().unwrap_or_else(|e| e.into_inner());
+        if heartbeat.is_none() {
+            let task = tokio::spawn(heartbeats(
+                self.pool.clone(),
+                beat,
+                every,
+                self.config.query_timeout,
+            ));
+            *heartbeat = Some(Heartbeat(task));
+        }
+        Ok(())
     }
 
     /// The settings this source runs with.
@@ -869,6 +1053,8 @@ impl PollingSource {
             OrderMode::Aggregate => query.bind(scan_from).bind(front_rows),
             OrderMode::Global => query,
         };
+        // The session the lease names ($8, or $6 in global order).
+        let query = query.bind(self.session);
         let rows = query.fetch_all(scope.conn()).await?;
         scope.finish().await?;
         let mut leased = Vec::with_capacity(rows.len());
@@ -1132,6 +1318,7 @@ pub fn header_pairs(json: &str) -> Vec<(String, String)> {
 impl Source for PollingSource {
     async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
         let started = Instant::now();
+        self.register().await?;
         let max = i64::try_from(max).unwrap_or(i64::MAX);
         // Where the claim reads the claim index from (see LOOKBACK).
         let scan_from = self.scan_from();
@@ -1565,6 +1752,25 @@ mod tests {
 
         source.record_claim_cost(ms(1));
         assert_eq!(source.busy_poll(), BUSY_POLL, "one quick claim is enough");
+    }
+
+    /// A relay that dies right after its claim is seen gone before its lease runs out, so the
+    /// takeover of what it held counts (`handoff relay --lease 4s` in the CLI's crash-loop test:
+    /// a beat every second, vouching for three).
+    #[test]
+    fn a_heartbeat_vouches_for_less_than_the_lease() {
+        for secs in [1, 2, 4, 10, 30, 60, 3600] {
+            let lease = Duration::from_secs(secs);
+            let every = heartbeat_every(lease);
+            assert!(
+                every * HEARTBEAT_VOUCHES < lease,
+                "{lease:?}: every {every:?}"
+            );
+        }
+        assert_eq!(
+            heartbeat_every(Duration::from_secs(4)),
+            Duration::from_secs(1)
+        );
     }
 
     #[test]

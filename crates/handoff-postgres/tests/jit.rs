@@ -293,7 +293,9 @@ async fn plans_of_claims(
             assert!(claim.events.is_empty());
         }
     };
-    plans_of(db, notices, (pooling, sessions), async |_| (), claim_all).await
+    // The session's registration plans statements of its own; it is the first claim's step.
+    let register = async |source: &PollingSource| source.register().await.unwrap();
+    plans_of(db, notices, (pooling, sessions), register, claim_all).await
 }
 
 #[tokio::test]

@@ -112,6 +112,8 @@ fn bind_claim<'q>(
         // A full scan of the index, not only its last seconds: the tail is older.
         .bind(None::<chrono::DateTime<chrono::Utc>>)
         .bind(front)
+        // No session: leases as a relay that does not register writes them.
+        .bind(None::<uuid::Uuid>)
 }
 
 /// What one claim of `BATCH` reads, run under EXPLAIN (ANALYZE, BUFFERS) in a transaction that
@@ -163,12 +165,13 @@ async fn cached_plan_reads(db: &TestDb) -> i64 {
         .await
         .unwrap();
     let prepare = format!(
-        "PREPARE cached_claim (text, bigint, float8, int, int, timestamptz, bigint) AS {}",
+        "PREPARE cached_claim (text, bigint, float8, int, int, timestamptz, bigint, uuid) AS {}",
         CLAIM_SQL.replace("{schema}", "")
     );
     sqlx::raw_sql(&prepare).execute(&mut *tx).await.unwrap();
     let explain = format!(
-        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE cached_claim('probe', {BATCH}, 30, 5, 2, NULL, NULL)"
+        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE cached_claim('probe', {BATCH}, 30, 5, 2, NULL, NULL, \
+         NULL)"
     );
     let plan: serde_json::Value = sqlx::query_scalar(&explain)
         .fetch_one(&mut *tx)

@@ -128,9 +128,12 @@ pub fn lock_lease_claim() -> Result<String> {
     let claim = format!("{}{}{}", &CLAIM_SQL[..start], read, &CLAIM_SQL[end..]);
     let last = "SELECT l.*, c.parked";
     anyhow::ensure!(claim.contains(last), "claim.sql's last SELECT changed");
+    // The session the relay's lease would name ($8), read back so that the statement takes the
+    // same parameters as the relay's claim.
     Ok(claim.replace(
         last,
-        "SELECT l.*, pg_current_xact_id()::text AS lease_xid, c.parked",
+        "SELECT l.*, pg_current_xact_id()::text AS lease_xid, $8::uuid AS lease_session, \
+         c.parked",
     ))
 }
 
@@ -180,6 +183,9 @@ fn claim<'q>(
         .bind(config.max_takeovers.min(2))
         .bind(front.scan_from())
         .bind(front.rows)
+        // The lease's session: none, as a relay that does not register (the bench keeps no
+        // heartbeat; its takeovers, if any, all count).
+        .bind(None::<uuid::Uuid>)
 }
 
 /// Marks `ids` published (no receipts).
