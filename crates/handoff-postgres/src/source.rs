@@ -821,6 +821,7 @@ impl PollingSource {
         conn: &mut PgConnection,
         cached: bool,
         max: i64,
+        max_bytes: i64,
         scan_from: Option<DateTime<Utc>>,
         front_rows: Option<i64>,
     ) -> Result<Vec<PgRow>, sqlx::Error> {
@@ -841,8 +842,8 @@ impl PollingSource {
             // single one is any relay crash's fate for everything in flight, a second is rare.
             .bind(self.config.max_takeovers.min(2));
         let query = match self.config.order {
-            OrderMode::Aggregate => query.bind(scan_from).bind(front_rows),
-            OrderMode::Global => query,
+            OrderMode::Aggregate => query.bind(scan_from).bind(front_rows).bind(max_bytes),
+            OrderMode::Global => query.bind(max_bytes),
         };
         let rows = query.fetch_all(scope.conn()).await?;
         scope.finish().await?;
@@ -1054,9 +1055,10 @@ pub fn header_pairs(json: &str) -> Vec<(String, String)> {
 }
 
 impl Source for PollingSource {
-    async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
+    async fn claim(&self, max: usize, max_bytes: usize) -> Result<Claim, SourceError> {
         let started = Instant::now();
         let max = i64::try_from(max).unwrap_or(i64::MAX);
+        let max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
         // Where the claim reads the claim index from (see LOOKBACK).
         let scan_from = self.scan_from();
         // How deep its front is (see next_front in claim.sql).
@@ -1068,14 +1070,15 @@ impl Source for PollingSource {
         let what = "while claiming";
         let rows = if self.keeps_claim_plan() {
             self.on_kept_session(&self.claim_session, what, async |conn| {
-                self.run_claim(conn, true, max, scan_from, front_rows).await
+                self.run_claim(conn, true, max, max_bytes, scan_from, front_rows)
+                    .await
             })
             .await?
         } else {
             // An unnamed statement, planned at every call: through a transaction pooler
             // nothing lives in the session, and the global lane's claim reads one short queue.
             let mut conn = self.connection(what).await?;
-            let query = self.run_claim(&mut conn, false, max, scan_from, front_rows);
+            let query = self.run_claim(&mut conn, false, max, max_bytes, scan_from, front_rows);
             let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
             self.bounded(&mut conn, outcome, what)?
         };
@@ -1087,6 +1090,14 @@ impl Source for PollingSource {
                 .try_get("parked")
                 .map_err(|e| source_error("while reading a claim", e))?,
             None => 0,
+        };
+        // Every row carries it too: the byte budget cut events the batch had room for.
+        let bytes_full: bool = match rows.first() {
+            Some(row) => row
+                .try_get::<Option<bool>, _>("bytes_full")
+                .map_err(|e| source_error("while reading a claim", e))?
+                .unwrap_or(false),
+            None => false,
         };
         // The global lane is one queue: whatever waits in it waits on the events in flight.
         let mut waiting_on_in_flight = self.config.order == OrderMode::Global;
@@ -1183,7 +1194,7 @@ impl Source for PollingSource {
 
         // A full batch means a backlog: this relay will not sleep soon, so writers need not
         // pay for notifying it. (Not under the wake lock's wait: claims never overlap waits.)
-        if rows.len() as i64 == max {
+        if rows.len() as i64 == max || bytes_full {
             if let Ok(mut wake) = self.wake.try_lock() {
                 if wake.registered_until.is_some() {
                     self.unwait(&mut wake).await?;
@@ -1198,6 +1209,7 @@ impl Source for PollingSource {
             held,
             isolate,
             waiting_on_in_flight,
+            bytes_full,
         })
     }
 

@@ -4,6 +4,10 @@ use std::time::Duration;
 
 pub use handoff_core::{Backoff, OrderMode};
 
+/// [`RelayConfig::max_in_flight_bytes`] by default: 64 MiB, which keeps a relay well under
+/// 256 MB of memory even when every event is near a broker's 1 MB limit.
+pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
+
 /// Settings of a [`Relay`](crate::Relay). `Default` is what `handoff relay` runs with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RelayConfig {
@@ -13,6 +17,15 @@ pub struct RelayConfig {
     /// relay claims again only when a whole batch fits under it, so this bounds memory, the
     /// broker's outstanding acknowledgements, and the rows a crash leaves leased.
     pub max_in_flight: usize,
+    /// Most bytes of events (payload and headers, [`OutboxEvent::size_bytes`]) the relay holds
+    /// at once: claimed and not yet published or given back. Each claim asks the source for no
+    /// more than the room left, and the relay claims only when at least a quarter of this is
+    /// free. An event larger than the room still goes (alone), so the relay holds at most this
+    /// plus one event; memory stays bounded when events are large, where
+    /// [`max_in_flight`](Self::max_in_flight) alone would let thousands of them in.
+    ///
+    /// [`OutboxEvent::size_bytes`]: handoff_core::delivery::OutboxEvent::size_bytes
+    pub max_in_flight_bytes: usize,
     /// Longest sleep while idle before polling again, whatever the notifications say (brief P7:
     /// about one query per interval while nothing happens).
     pub poll_interval: Duration,
@@ -61,6 +74,7 @@ impl Default for RelayConfig {
         RelayConfig {
             batch_size: 500,
             max_in_flight: 2_000,
+            max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
             poll_interval: Duration::from_secs(1),
             lease_margin: Duration::from_secs(10),
             max_attempts: 20,
@@ -95,6 +109,9 @@ pub enum RelayConfigError {
         /// The configured batch size.
         batch_size: usize,
     },
+    /// A zero byte bound: nothing could ever be claimed.
+    #[error("max in-flight bytes must be at least 1")]
+    ZeroInFlightBytes,
     /// A poll interval of zero would spin.
     #[error("poll interval must be at least 10ms, got {0:?}")]
     PollTooShort(Duration),
@@ -133,6 +150,8 @@ impl RelayConfig {
     /// assert!(RelayConfig::default().validate().is_ok());
     /// let config = RelayConfig { batch_size: 0, ..RelayConfig::default() };
     /// assert!(config.validate().is_err());
+    /// let config = RelayConfig { max_in_flight_bytes: 0, ..RelayConfig::default() };
+    /// assert!(config.validate().is_err(), "nothing could be claimed");
     /// let config = RelayConfig {
     ///     mark_interval: Duration::from_secs(30),
     ///     ..RelayConfig::default()
@@ -148,6 +167,9 @@ impl RelayConfig {
                 max_in_flight: self.max_in_flight,
                 batch_size: self.batch_size,
             });
+        }
+        if self.max_in_flight_bytes == 0 {
+            return Err(RelayConfigError::ZeroInFlightBytes);
         }
         if self.poll_interval < Duration::from_millis(10) {
             return Err(RelayConfigError::PollTooShort(self.poll_interval));
