@@ -487,7 +487,8 @@ const CLAIM_WITHOUT_JIT: &str = "SET LOCAL jit = off";
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let config = PollingConfig { relay_id: "relay-a".into(), ..PollingConfig::default() };
 /// let source = PollingSource::new(pool, config)?;
-/// let claim = source.claim(500).await?;
+/// // Up to 500 events, and no more than 16 MiB of them.
+/// let claim = source.claim(500, 16 * 1024 * 1024).await?;
 /// // ... publish claim.events, then:
 /// let acked: Vec<_> = claim.events.iter().map(|e| Published::id(e.event_id)).collect();
 /// source.mark_published(&acked).await?;
