@@ -50,8 +50,9 @@ pub struct RelayArgs {
     max_in_flight: Option<usize>,
     /// Most bytes of events (payload and headers) held at once: claimed and not yet published
     /// or given back. A claim asks for no more than the room left; an event larger than that
-    /// still goes alone, so memory stays under this plus one event. In bytes, e.g. 67108864
-    /// [default: 67108864, 64 MiB].
+    /// still goes alone, so the events held stay under this plus one event; the process takes
+    /// about three to four times this at most. In bytes, e.g. 16777216 [default: 33554432,
+    /// 32 MiB].
     #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT_BYTES")]
     max_in_flight_bytes: Option<usize>,
     /// Lease length, e.g. 30s [default: 30s].

@@ -4,9 +4,11 @@ use std::time::Duration;
 
 pub use handoff_core::{Backoff, OrderMode};
 
-/// [`RelayConfig::max_in_flight_bytes`] by default: 64 MiB, which keeps a relay well under
-/// 256 MB of memory even when every event is near a broker's 1 MB limit.
-pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
+/// [`RelayConfig::max_in_flight_bytes`] by default: 32 MiB. A relay's resident set grows up to
+/// about three to four times its bound (the events, the broker client's copies of those being
+/// published, the rows of a claim being read): 32 MiB kept a relay draining events near a
+/// broker's 1 MB limit at about 170 MB (`handoff-bench relay-memory`), 64 MiB at about 260 MB.
+pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 32 * 1024 * 1024;
 
 /// Settings of a [`Relay`](crate::Relay). `Default` is what `handoff relay` runs with.
 #[derive(Debug, Clone, PartialEq)]
