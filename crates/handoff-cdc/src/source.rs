@@ -468,8 +468,14 @@ impl ParkColumns {
 }
 
 impl Source for LogicalSource {
-    async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
-        let events = self.inner.state().claim(max, Instant::now());
+    /// Hands out events of its own memory, decoded from the replication stream: `max_bytes`
+    /// bounds what one claim hands out (and so, through the relay, what is in flight), not
+    /// what the source holds decoded and not yet claimed.
+    async fn claim(&self, max: usize, max_bytes: usize) -> Result<Claim, SourceError> {
+        let (events, bytes_full) = self
+            .inner
+            .state()
+            .claim_within(max, max_bytes, Instant::now());
         Ok(Claim {
             events,
             // No lease: the slot is exclusive, so no other relay holds these events, and a
@@ -482,6 +488,7 @@ impl Source for LogicalSource {
             isolate: false,
             // Claims read memory, not the database: claiming after every settle costs nothing.
             waiting_on_in_flight: true,
+            bytes_full,
         })
     }
 

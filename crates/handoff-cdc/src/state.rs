@@ -304,8 +304,23 @@ impl State {
 
     /// Hands out up to `max` events: unclaimed runs at the front of aggregate queues of which
     /// nothing is in flight.
+    #[cfg(test)]
     pub(crate) fn claim(&mut self, max: usize, now: Instant) -> Vec<OutboxEvent> {
+        self.claim_within(max, usize::MAX, now).0
+    }
+
+    /// As [`claim`](Self::claim), and no more than `max_bytes` of events by
+    /// [`OutboxEvent::size_bytes`], the first one whatever its size; a run cut by the budget
+    /// keeps its aggregate ready for the next claim. Also says whether the budget cut it.
+    pub(crate) fn claim_within(
+        &mut self,
+        max: usize,
+        max_bytes: usize,
+        now: Instant,
+    ) -> (Vec<OutboxEvent>, bool) {
         let mut out = Vec::new();
+        let mut bytes = 0usize;
+        let mut bytes_full = false;
         let mut later = Vec::new();
         let mut handed: Vec<(Key, i64, u64)> = Vec::new();
         while out.len() < max {
@@ -334,9 +349,15 @@ impl State {
                 if out.len() >= max || entry.claimed {
                     break;
                 }
+                let size = entry.event.size_bytes();
+                if !out.is_empty() && bytes.saturating_add(size) > max_bytes {
+                    bytes_full = true;
+                    break;
+                }
                 if entry.not_before.is_some_and(|t| t > now) {
                     break;
                 }
+                bytes = bytes.saturating_add(size);
                 entry.claimed = true;
                 queue.claimed += 1;
                 let bound = top.map_or(0, |(_, b)| b);
@@ -353,6 +374,9 @@ impl State {
                 // The rest of the run waits for room in the next claim.
                 later.push(key);
             }
+            if bytes_full {
+                break;
+            }
         }
         for (key, sequence, bound) in handed {
             self.raise_floor(key, sequence, bound);
@@ -360,7 +384,7 @@ impl State {
         for key in later {
             self.enqueue_ready(key);
         }
-        out
+        (out, bytes_full)
     }
 
     /// When the earliest delayed event becomes claimable.
@@ -624,6 +648,31 @@ mod tests {
         assert_eq!(state.confirmable(), 100);
         state.published(&a1.event_id);
         assert_eq!(state.confirmable(), 300);
+        assert!(state.is_idle());
+    }
+
+    #[test]
+    fn a_claim_stops_at_its_byte_budget_and_an_event_over_it_goes_alone() {
+        let mut state = State::new(0);
+        let big = |aggregate: &str, sequence: u64| {
+            let mut event = outbox_event(aggregate, sequence);
+            event.payload = "x".repeat(100);
+            event
+        };
+        let (a1, a2, b1) = (big("a", 1), big("a", 2), big("b", 1));
+        state.commit(vec![a1.clone(), a2.clone(), b1.clone()], 10, 0, true);
+        let now = Instant::now();
+        // 250 bytes hold two events of 100: a's run; b's would pass the budget and waits.
+        let (claimed, bytes_full) = state.claim_within(10, 250, now);
+        assert_eq!(ids(&claimed), vec![("a".into(), 1), ("a".into(), 2)]);
+        assert!(bytes_full);
+        // A budget under one event still hands one out.
+        let (claimed, bytes_full) = state.claim_within(10, 1, now);
+        assert_eq!(ids(&claimed), vec![("b".into(), 1)]);
+        assert!(!bytes_full, "nothing else was ready");
+        state.published(&a1.event_id);
+        state.published(&a2.event_id);
+        state.published(&b1.event_id);
         assert!(state.is_idle());
     }
 

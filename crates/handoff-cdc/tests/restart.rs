@@ -233,7 +233,7 @@ async fn an_event_the_polling_relay_parked_is_freed_by_the_logical_sources_mark(
     // Polling: p#1 fails and backs off for an hour; p#2, written meanwhile, is parked behind
     // it by the next claim.
     fx.enqueue("p", 1, 1).await;
-    let leased = polling.claim(10).await.unwrap();
+    let leased = polling.claim(10, usize::MAX).await.unwrap();
     assert_eq!(leased.events.len(), 1);
     polling
         .record_failures(&[Failure {
@@ -247,7 +247,12 @@ async fn an_event_the_polling_relay_parked_is_freed_by_the_logical_sources_mark(
         .await
         .unwrap();
     fx.enqueue("p", 2, 1).await;
-    assert!(polling.claim(10).await.unwrap().events.is_empty());
+    assert!(polling
+        .claim(10, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
     assert_eq!(parked_and_published(&fx, "p", 2).await, (true, false));
 
     // The logical source publishes and marks p#1; p#2's publish reaches the broker and never
@@ -278,7 +283,7 @@ async fn an_event_the_polling_relay_parked_is_freed_by_the_logical_sources_mark(
 
     // Back to polling: p#2 is claimable, not parked behind a predecessor published for good.
     assert_eq!(parked_and_published(&fx, "p", 2).await, (false, false));
-    let claim = polling.claim(10).await.unwrap();
+    let claim = polling.claim(10, usize::MAX).await.unwrap();
     let claimed: Vec<_> = claim
         .events
         .iter()

@@ -48,6 +48,13 @@ pub struct RelayArgs {
     /// Most events leased and unsettled at once [default: 2000].
     #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT")]
     max_in_flight: Option<usize>,
+    /// Most bytes of events (payload and headers) held at once: claimed and not yet published
+    /// or given back. A claim asks for no more than the room left; an event larger than that
+    /// still goes alone, so the events held stay under this plus one event; the process takes
+    /// about three to four times this at most. In bytes, e.g. 16777216 [default: 33554432,
+    /// 32 MiB].
+    #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT_BYTES")]
+    max_in_flight_bytes: Option<usize>,
     /// Lease length, e.g. 30s [default: 30s].
     #[arg(long, env = "HANDOFF_LEASE", value_parser = humantime::parse_duration)]
     #[serde(default, with = "humantime_serde")]
@@ -241,6 +248,7 @@ impl Settings {
         let relay = RelayConfig {
             batch_size: args.batch_size.unwrap_or(base.batch_size),
             max_in_flight: args.max_in_flight.unwrap_or(base.max_in_flight),
+            max_in_flight_bytes: args.max_in_flight_bytes.unwrap_or(base.max_in_flight_bytes),
             poll_interval: args.poll_interval.unwrap_or(base.poll_interval),
             mark_interval: args.mark_interval.unwrap_or(base.mark_interval),
             max_attempts: args.max_attempts.unwrap_or(base.max_attempts),

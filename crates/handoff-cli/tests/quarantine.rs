@@ -606,7 +606,7 @@ async fn an_operator_holds_a_pending_event_then_skips_it_and_both_are_audited() 
         },
     )
     .unwrap();
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     let claimed: Vec<_> = claim
         .events
         .iter()
@@ -637,7 +637,7 @@ async fn an_operator_holds_a_pending_event_then_skips_it_and_both_are_audited() 
     assert!(out.status.success(), "{}", stderr(&out));
     let listed = stdout_json(&handoff(&db, &["quarantine", "list", "--json"]));
     assert_eq!(listed.as_array().unwrap().len(), 0, "{listed}");
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     assert!(
         claim.events.iter().any(|e| e.event_id == a1),
         "{:?}",

@@ -44,6 +44,29 @@ pub struct OutboxEvent {
     pub attempt_count: i32,
 }
 
+impl OutboxEvent {
+    /// What the event weighs against a byte budget ([`Source::claim`]'s `max_bytes`, the
+    /// relay's bytes in flight): its payload's bytes and its headers' names and values.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use handoff_core::delivery::OutboxEvent;
+    /// # fn example(event: &OutboxEvent) {
+    /// let weight = event.size_bytes();
+    /// assert!(weight >= event.payload.len());
+    /// # }
+    /// ```
+    pub fn size_bytes(&self) -> usize {
+        self.payload.len()
+            + self
+                .headers
+                .iter()
+                .map(|(name, value)| name.len() + value.len())
+                .sum::<usize>()
+    }
+}
+
 /// The lease a [`Source`] holds a claim's events under, as a token its writes are fenced by.
 ///
 /// Opaque to the relay: it copies the token of the [`Claim`] into every outcome of the claim's
@@ -106,6 +129,10 @@ pub struct Claim {
     /// every mark would only cost a query: the relay waits for its poll or a writer instead. A
     /// source that cannot tell says true.
     pub waiting_on_in_flight: bool,
+    /// The claim's byte budget stopped it before its event count: more events were ready, and
+    /// the relay claims again as soon as it has bytes in flight back rather than at its next
+    /// poll. Always false for a claim without a byte budget (`max_bytes` of `usize::MAX`).
+    pub bytes_full: bool,
 }
 
 /// What the relay tells a [`Source`] about one event it could not publish.
@@ -256,12 +283,20 @@ impl SourceError {
 /// aggregate is unpublished and not part of the same claim (brief P5); the relay relies on it
 /// to keep per-aggregate order across relays.
 pub trait Source: Send + Sync + 'static {
-    /// Leases up to `max` publishable events to this relay.
+    /// Leases up to `max` publishable events to this relay, and no more than `max_bytes` of
+    /// them by [`OutboxEvent::size_bytes`]: the source stops adding events once the next one
+    /// would go over, but always leases at least one when one is ready (an event larger than
+    /// the budget goes alone), so a budget never blocks progress. A cut keeps every
+    /// aggregate's events an unbroken run from its head. `usize::MAX` means no byte budget.
     ///
     /// # Errors
     ///
     /// The store could not be reached or refused the claim; nothing was leased.
-    fn claim(&self, max: usize) -> impl Future<Output = Result<Claim, SourceError>> + Send;
+    fn claim(
+        &self,
+        max: usize,
+        max_bytes: usize,
+    ) -> impl Future<Output = Result<Claim, SourceError>> + Send;
 
     /// Records that the broker acknowledged these events, with each one's [`Receipt`].
     ///

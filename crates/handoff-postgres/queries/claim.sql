@@ -1,6 +1,7 @@
--- Lease up to $2 publishable events to relay $1, session $8, for $3 seconds (brief P1, P2, P5);
--- hold for an operator, instead, an event whose relay died holding it more than $4 times (a
--- crash loop); lease alone an event whose relay died holding it $5 times or more (a suspect).
+-- Lease up to $2 publishable events, and up to $9 bytes of them, to relay $1, session $8, for
+-- $3 seconds (brief P1, P2, P5); hold for an operator, instead, an event whose relay died
+-- holding it more than $4 times (a crash loop); lease alone an event whose relay died holding it
+-- $5 times or more (a suspect).
 --
 -- One statement, so one short transaction: the row locks (on the rows it leases, and the
 -- predecessors of those it parks) live only until it returns, and the lease written into the
@@ -42,6 +43,11 @@
 -- its lane are not leased either. Counted $5 times or more with this claim (the relay passes
 -- min(2, $4)), an event is a suspect: leased alone and published with nothing else in flight,
 -- so that only the culprit, not its innocent neighbours of a batch, keeps counting takeovers.
+--
+-- And no more than $9 bytes of payload and headers (the relay's room in memory): the batch is
+-- cut where the running sum of its events' bytes would pass $9, in the same order as the cut to
+-- $2 events, so every lane keeps an unbroken prefix; the first event goes whatever its size, so
+-- a budget never blocks progress.
 WITH front AS MATERIALIZED (
     -- The oldest claimable events on outbox_ready_idx, read from its front: available, not
     -- parked, not in the global lane (claim_global.sql's, published here in parallel lanes they
@@ -228,26 +234,46 @@ solo AS MATERIALIZED (
     ORDER BY e.available_at, e.occurred_at
     LIMIT 1
 ),
+budget AS MATERIALIZED (
+    -- Heads and runs cut to $2 events, then to $9 bytes (fits). The order keeps each
+    -- aggregate's events together and in sequence, and the running sum only grows along it, so
+    -- either cut leaves every lane an unbroken prefix. The first event fits whatever its size.
+    --
+    -- An event's bytes are its payload's and headers' text, as leased returns them: read here,
+    -- by primary key, for the $2 rows of the cut only (heads and runs may lock more), since it
+    -- takes detoasting the payload. The relay asks for fewer events when they are large, so
+    -- that few are read only to be cut.
+    SELECT n.event_id, n.claimed_by, n.charged, n.crash_loop, n.suspect,
+           sum(n.bytes) OVER w <= $9::bigint OR row_number() OVER w = 1 AS fits
+    FROM (
+        SELECT c.*,
+               (SELECT octet_length(o.payload::text) + octet_length(o.headers::text)
+                FROM {schema}outbox o
+                WHERE o.event_id = c.event_id) AS bytes
+        FROM (
+            SELECT e.*
+            FROM eligible e
+            WHERE NOT e.suspect
+            ORDER BY e.available_at, e.occurred_at, e.aggregate_type, e.aggregate_id,
+                     e.aggregate_sequence
+            LIMIT $2
+        ) c
+    ) n
+    WINDOW w AS (ORDER BY n.available_at, n.occurred_at, n.aggregate_type, n.aggregate_id,
+                          n.aggregate_sequence
+                 ROWS UNBOUNDED PRECEDING)
+),
 picked AS (
-    -- The suspect alone, with the rows to hold; or else heads and runs cut to $2 events. The
-    -- order keeps each aggregate's events together and in sequence, so the cut leaves every
-    -- lane an unbroken prefix.
+    -- The suspect alone, with the rows to hold; or else the budget's events that fit.
     SELECT event_id, claimed_by, charged, crash_loop, suspect FROM solo
     UNION ALL
     SELECT e.event_id, e.claimed_by, e.charged, e.crash_loop, e.suspect
     FROM eligible e
     WHERE e.crash_loop AND EXISTS (SELECT 1 FROM solo)
     UNION ALL
-    SELECT n.event_id, n.claimed_by, n.charged, n.crash_loop, n.suspect
-    FROM (
-        SELECT e.*
-        FROM eligible e
-        WHERE NOT e.suspect
-        ORDER BY e.available_at, e.occurred_at, e.aggregate_type, e.aggregate_id,
-                 e.aggregate_sequence
-        LIMIT $2
-    ) n
-    WHERE NOT EXISTS (SELECT 1 FROM solo)
+    SELECT b.event_id, b.claimed_by, b.charged, b.crash_loop, b.suspect
+    FROM budget b
+    WHERE b.fits AND NOT EXISTS (SELECT 1 FROM solo)
 ),
 park AS MATERIALIZED (
     -- Front rows this claim does not lease, waiting behind an unpublished predecessor that is
@@ -389,8 +415,14 @@ leased AS (
 -- least 64 rows and at most four batches. Heads that did not fill the batch (rows waiting behind
 -- held or in-flight events, heads another relay held, or no more work) send the next claim back
 -- to four batches, which parks what can be parked and reaches the heads behind it.
-SELECT l.*, c.parked, c.waiting, c.front_at, c.next_front
+--
+-- And bytes_full: $9 cut events the batch had room for, so more is claimable at once (the
+-- relay claims again when it has bytes back, not at its next poll).
+SELECT l.*, c.parked, c.waiting, c.front_at, c.next_front, c.bytes_full
 FROM (SELECT (SELECT count(*) FROM park) AS parked,
+             (SELECT count(*) > 0
+              FROM budget b
+              WHERE NOT b.fits AND NOT EXISTS (SELECT 1 FROM solo)) AS bytes_full,
              (SELECT CASE WHEN count(*) >= $2
                           THEN least(greatest(max(h.place) * 5 / 4 + 16, 64), greatest(4 * $2, 64))
                           ELSE greatest(4 * $2, 64)

@@ -1,6 +1,6 @@
 -- Lease to relay $1, session $6, for $3 seconds the front of the global lane: up to $2 events with
 -- consecutive global sequences, starting at the lowest unpublished one (brief F3, global order
--- mode; docs/global-order.md).
+-- mode; docs/global-order.md), and no more than $7 bytes of them (see picked).
 --
 -- One statement, so one short transaction, as claim.sql. The lane has one front, so at most one
 -- relay publishes it at a time: the claim starts at the lowest unpublished global event or
@@ -41,12 +41,15 @@ run AS MATERIALIZED (
     -- whose per-aggregate predecessor may not go before it (pred_ok below): the lane waits for
     -- it, front included.
     SELECT n.event_id, n.global_sequence, n.claimed_by, n.claimed_session, n.takeover_count,
+           n.bytes,
            n.global_sequence - h.global_sequence + 1
                = row_number() OVER (ORDER BY n.global_sequence)
                AND bool_and(n.pred_ok) OVER (ORDER BY n.global_sequence) AS unbroken
     FROM head h
     CROSS JOIN LATERAL (
         SELECT s.event_id, s.global_sequence, s.claimed_by, s.claimed_session, s.takeover_count,
+               -- What the event weighs against $7 (see picked).
+               octet_length(s.payload::text) + octet_length(s.headers::text) AS bytes,
                -- Order fails closed across the lanes (as claim.sql): the event's per-aggregate
                -- predecessor is published; or is a global event earlier in this run (the front
                -- is the lowest unpublished global event, and the run is unbroken up to here,
@@ -84,7 +87,7 @@ marked AS (
     -- the lane's front, alone; nothing after either is leased (as in claim.sql). A global relay
     -- publishes one claim at a time, so a lone front is published with nothing else in flight.
     -- Only charged takeovers count (as in claim.sql).
-    SELECT r.event_id, r.claimed_by, r.global_sequence, r.charged,
+    SELECT r.event_id, r.claimed_by, r.global_sequence, r.charged, r.bytes,
            r.charged AND r.takeover_count >= $4 AS crash_loop,
            NOT (r.charged AND r.takeover_count >= $4)
                AND r.takeover_count + r.charged::int >= $5 AS suspect,
@@ -110,17 +113,29 @@ marked AS (
     ) r
 ),
 picked AS (
-    SELECT m.event_id, m.claimed_by, m.charged, m.crash_loop, m.suspect
+    -- Cut to $7 bytes of payload and headers as claim.sql's budget: the lane's front goes
+    -- whatever its size, and the cut leaves an unbroken prefix (the running sum only grows).
+    -- bytes_full: the cut left events out.
+    SELECT q.event_id, q.claimed_by, q.charged, q.crash_loop, q.suspect, q.bytes_full
     FROM (
-        SELECT m.*,
-               coalesce(bool_or(m.crash_loop OR m.suspect) OVER (
-                   ORDER BY m.global_sequence
-                   ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
-               ), false) AS blocked
-        FROM marked m
-    ) m
-    WHERE NOT m.blocked
-      AND (NOT m.suspect OR m.is_front)
+        SELECT p.*, bool_or(NOT p.fits) OVER () AS bytes_full
+        FROM (
+            SELECT m.*,
+                   sum(m.bytes) OVER w <= $7::bigint OR row_number() OVER w = 1 AS fits
+            FROM (
+                SELECT m.*,
+                       coalesce(bool_or(m.crash_loop OR m.suspect) OVER (
+                           ORDER BY m.global_sequence
+                           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
+                       ), false) AS blocked
+                FROM marked m
+            ) m
+            WHERE NOT m.blocked
+              AND (NOT m.suspect OR m.is_front)
+            WINDOW w AS (ORDER BY m.global_sequence ROWS UNBOUNDED PRECEDING)
+        ) p
+    ) q
+    WHERE q.fits
 )
 UPDATE {schema}outbox o
 SET claimed_by = CASE WHEN picked.crash_loop THEN NULL ELSE $1 END,
@@ -152,4 +167,5 @@ RETURNING o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence,
           picked.suspect AS isolate,
           o.claim_until,
           -- The global lane parks nothing (claim.sql does, in the per-aggregate lanes).
-          0::bigint AS parked
+          0::bigint AS parked,
+          picked.bytes_full

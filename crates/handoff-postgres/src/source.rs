@@ -557,7 +557,8 @@ const CLAIM_WITHOUT_JIT: &str = "SET LOCAL jit = off";
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let config = PollingConfig { relay_id: "relay-a".into(), ..PollingConfig::default() };
 /// let source = PollingSource::new(pool, config)?;
-/// let claim = source.claim(500).await?;
+/// // Up to 500 events, and no more than 16 MiB of them.
+/// let claim = source.claim(500, 16 * 1024 * 1024).await?;
 /// // ... publish claim.events, then:
 /// let acked: Vec<_> = claim.events.iter().map(|e| Published::id(e.event_id)).collect();
 /// source.mark_published(&acked).await?;
@@ -1030,6 +1031,7 @@ impl PollingSource {
         conn: &mut PgConnection,
         cached: bool,
         max: i64,
+        max_bytes: i64,
         scan_from: Option<DateTime<Utc>>,
         front_rows: Option<i64>,
     ) -> Result<(Vec<PgRow>, Payloads), sqlx::Error> {
@@ -1053,8 +1055,9 @@ impl PollingSource {
             OrderMode::Aggregate => query.bind(scan_from).bind(front_rows),
             OrderMode::Global => query,
         };
-        // The session the lease names ($8, or $6 in global order).
-        let query = query.bind(self.session);
+        // The session the lease names ($8, or $6 in global order), then the byte budget ($9,
+        // or $7).
+        let query = query.bind(self.session).bind(max_bytes);
         let rows = query.fetch_all(scope.conn()).await?;
         scope.finish().await?;
         let mut leased = Vec::with_capacity(rows.len());
@@ -1316,10 +1319,11 @@ pub fn header_pairs(json: &str) -> Vec<(String, String)> {
 }
 
 impl Source for PollingSource {
-    async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
+    async fn claim(&self, max: usize, max_bytes: usize) -> Result<Claim, SourceError> {
         let started = Instant::now();
         self.register().await?;
         let max = i64::try_from(max).unwrap_or(i64::MAX);
+        let max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
         // Where the claim reads the claim index from (see LOOKBACK).
         let scan_from = self.scan_from();
         // How deep its front is (see next_front in claim.sql).
@@ -1331,14 +1335,15 @@ impl Source for PollingSource {
         let what = "while claiming";
         let (rows, mut payloads) = if self.keeps_claim_plan() {
             self.on_kept_session(&self.claim_session, what, async |conn| {
-                self.run_claim(conn, true, max, scan_from, front_rows).await
+                self.run_claim(conn, true, max, max_bytes, scan_from, front_rows)
+                    .await
             })
             .await?
         } else {
             // An unnamed statement, planned at every call: through a transaction pooler
             // nothing lives in the session, and the global lane's claim reads one short queue.
             let mut conn = self.connection(what).await?;
-            let query = self.run_claim(&mut conn, false, max, scan_from, front_rows);
+            let query = self.run_claim(&mut conn, false, max, max_bytes, scan_from, front_rows);
             let outcome = tokio::time::timeout(self.config.query_timeout, query).await;
             self.bounded(&mut conn, outcome, what)?
         };
@@ -1350,6 +1355,14 @@ impl Source for PollingSource {
                 .try_get("parked")
                 .map_err(|e| source_error("while reading a claim", e))?,
             None => 0,
+        };
+        // Every row carries it too: the byte budget cut events the batch had room for.
+        let bytes_full: bool = match rows.first() {
+            Some(row) => row
+                .try_get::<Option<bool>, _>("bytes_full")
+                .map_err(|e| source_error("while reading a claim", e))?
+                .unwrap_or(false),
+            None => false,
         };
         // The global lane is one queue: whatever waits in it waits on the events in flight.
         let mut waiting_on_in_flight = self.config.order == OrderMode::Global;
@@ -1457,7 +1470,7 @@ impl Source for PollingSource {
 
         // A full batch means a backlog: this relay will not sleep soon, so writers need not
         // pay for notifying it. (Not under the wake lock's wait: claims never overlap waits.)
-        if rows.len() as i64 == max {
+        if rows.len() as i64 == max || bytes_full {
             if let Ok(mut wake) = self.wake.try_lock() {
                 if wake.registered_until.is_some() {
                     self.unwait(&mut wake).await?;
@@ -1472,6 +1485,7 @@ impl Source for PollingSource {
             held,
             isolate,
             waiting_on_in_flight,
+            bytes_full,
         })
     }
 

@@ -44,7 +44,7 @@ async fn claim_once_expired(relay: &PollingSource) -> Claim {
         "a claim after the lease ran out",
         Duration::from_secs(10),
         async || {
-            let claim = relay.claim(100).await.unwrap();
+            let claim = relay.claim(100, usize::MAX).await.unwrap();
             if claim.events.is_empty() && claim.held == 0 {
                 Err("nothing claimable yet")
             } else {
@@ -80,7 +80,7 @@ async fn leases_of_a_relay_that_still_heartbeats_are_taken_over_without_counting
     let (db, outbox) = common::migrated("crash_loop_live_relay").await;
     enqueue_x(&db, &outbox, 3).await;
     let (a, b) = (source(&db, "relay-a"), source(&db, "relay-b"));
-    let first = a.claim(100).await.unwrap();
+    let first = a.claim(100, usize::MAX).await.unwrap();
     assert_eq!(first.events.len(), 3);
 
     // Two rounds more than the bound: a, then b, then a ... each leaving its lease to run out.
@@ -114,7 +114,7 @@ async fn leases_of_a_relay_that_is_gone_count_until_the_event_is_held_as_a_crash
     let (db, outbox) = common::migrated("crash_loop_gone_relay").await;
     enqueue_x(&db, &outbox, 2).await;
     let first = source(&db, "relay-0");
-    assert_eq!(first.claim(100).await.unwrap().events.len(), 2);
+    assert_eq!(first.claim(100, usize::MAX).await.unwrap().events.len(), 2);
     drop(first);
 
     for round in 1..=MAX_TAKEOVERS {
@@ -159,7 +159,7 @@ async fn leases_of_an_earlier_session_of_a_restarted_relay_count() {
     enqueue_x(&db, &outbox, 1).await;
     // Kept alive (heartbeating) on purpose: only the restart makes its session gone.
     let before = source(&db, "relay-r");
-    assert_eq!(before.claim(100).await.unwrap().events.len(), 1);
+    assert_eq!(before.claim(100, usize::MAX).await.unwrap().events.len(), 1);
     let after = source(&db, "relay-r");
     let claim = claim_once_expired(&after).await;
     assert_eq!(claim.taken_over, 1);
@@ -174,7 +174,7 @@ async fn a_successful_mark_clears_the_takeover_count() {
     let (db, outbox) = common::migrated("crash_loop_mark_clears").await;
     enqueue_x(&db, &outbox, 2).await;
     let first = source(&db, "relay-0");
-    assert_eq!(first.claim(100).await.unwrap().events.len(), 2);
+    assert_eq!(first.claim(100, usize::MAX).await.unwrap().events.len(), 2);
     drop(first);
     let relay = source(&db, "relay-1");
     let claim = claim_once_expired(&relay).await;
@@ -225,7 +225,7 @@ async fn leases_written_before_the_upgrade_count_as_before() {
     assert_eq!(sessions, vec![None, None], "no session on existing rows");
 
     let (a, b) = (source(&db, "relay-a"), source(&db, "relay-b"));
-    let claim = a.claim(100).await.unwrap();
+    let claim = a.claim(100, usize::MAX).await.unwrap();
     assert_eq!((claim.events.len(), claim.taken_over), (2, 2));
     assert_eq!(counts(&db).await, vec![(1, None), (1, None)], "counted");
 
@@ -253,7 +253,7 @@ async fn the_global_lane_counts_only_the_takeovers_of_relays_that_are_gone() {
         source_in(&db, "relay-a", OrderMode::Global),
         source_in(&db, "relay-b", OrderMode::Global),
     );
-    assert_eq!(a.claim(100).await.unwrap().events.len(), 2);
+    assert_eq!(a.claim(100, usize::MAX).await.unwrap().events.len(), 2);
     let claim = claim_once_expired(&b).await;
     assert_eq!((claim.events.len(), claim.taken_over), (2, 2));
     assert_eq!(

@@ -46,14 +46,14 @@ async fn claimed_twice(db: &TestDb, outbox: &Outbox, source: &PollingSource) -> 
     for aggregate in ["a", "b"] {
         db.enqueue_alone(outbox, factory::event(aggregate, 0)).await;
     }
-    let first = source.claim(100).await.unwrap();
+    let first = source.claim(100, usize::MAX).await.unwrap();
     assert_eq!(first.events.len(), 2);
     assert!(first.lease.is_some(), "a polling claim carries its lease");
     let second = eventually(
         "the first lease runs out and the same source claims the events again",
         Duration::from_secs(10),
         async || {
-            let claim = source.claim(100).await.unwrap();
+            let claim = source.claim(100, usize::MAX).await.unwrap();
             (claim.events.len() == 2).then_some(claim)
         },
     )

@@ -144,7 +144,7 @@ async fn aggregate_mode_events_stay_unnumbered_and_each_source_takes_only_its_ow
     );
 
     let per_aggregate = source(&db, "relay-a", OrderMode::Aggregate);
-    let claim = per_aggregate.claim(100).await.unwrap();
+    let claim = per_aggregate.claim(100, usize::MAX).await.unwrap();
     let claimed: Vec<(&str, Option<i64>)> = claim
         .events
         .iter()
@@ -158,7 +158,7 @@ async fn aggregate_mode_events_stay_unnumbered_and_each_source_takes_only_its_ow
     );
 
     let global = source(&db, "relay-g", OrderMode::Global);
-    let claim = global.claim(100).await.unwrap();
+    let claim = global.claim(100, usize::MAX).await.unwrap();
     assert_eq!(claim.events.len(), 1);
     assert_eq!(claim.events[0].aggregate_id, "g");
     assert_eq!(claim.events[0].global_sequence, Some(1));
@@ -181,15 +181,15 @@ async fn the_global_lane_goes_to_one_relay_at_a_time_from_its_front() {
         source(&db, "relay-b", OrderMode::Global),
     );
 
-    let first = a.claim(4).await.unwrap();
+    let first = a.claim(4, usize::MAX).await.unwrap();
     let globals: Vec<Option<i64>> = first.events.iter().map(|e| e.global_sequence).collect();
     assert_eq!(globals, [Some(1), Some(2), Some(3), Some(4)]);
     assert!(
-        b.claim(100).await.unwrap().events.is_empty(),
+        b.claim(100, usize::MAX).await.unwrap().events.is_empty(),
         "the front is leased: nobody else may take any of the lane"
     );
     assert!(
-        a.claim(100).await.unwrap().events.is_empty(),
+        a.claim(100, usize::MAX).await.unwrap().events.is_empty(),
         "not even the holder, until its earlier claim is settled"
     );
 
@@ -210,7 +210,7 @@ async fn the_global_lane_goes_to_one_relay_at_a_time_from_its_front() {
     .await
     .unwrap();
     assert!(
-        b.claim(100).await.unwrap().events.is_empty(),
+        b.claim(100, usize::MAX).await.unwrap().events.is_empty(),
         "a front backing off holds the whole lane"
     );
 
@@ -219,7 +219,7 @@ async fn the_global_lane_goes_to_one_relay_at_a_time_from_its_front() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let rest = b.claim(100).await.unwrap();
+    let rest = b.claim(100, usize::MAX).await.unwrap();
     let globals: Vec<i64> = rest
         .events
         .iter()
@@ -239,7 +239,7 @@ async fn a_front_behind_a_held_event_of_its_aggregate_blocks_the_lane_and_says_s
     )
     .await;
     let aggregate = source(&db, "relay-aggregate", OrderMode::Aggregate);
-    let claim = aggregate.claim(10).await.unwrap();
+    let claim = aggregate.claim(10, usize::MAX).await.unwrap();
     assert_eq!(claim.events.len(), 1);
     aggregate
         .record_failures(&[Failure {
@@ -257,7 +257,12 @@ async fn a_front_behind_a_held_event_of_its_aggregate_blocks_the_lane_and_says_s
     db.enqueue_alone(&global, factory::event("b", 2)).await;
 
     let relay = source(&db, "relay-global", OrderMode::Global);
-    assert!(relay.claim(100).await.unwrap().events.is_empty());
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
     let lane = relay.other_lane().await.unwrap();
     assert_eq!(lane.global_front, Some(1));
     assert!(!lane.global_front_held, "the front itself is not held");
@@ -280,7 +285,7 @@ async fn a_held_front_blocks_the_lane_and_says_so() {
         db.enqueue_alone(&global, factory::event("a", n)).await;
     }
     let relay = source(&db, "relay-a", OrderMode::Global);
-    let claim = relay.claim(1).await.unwrap();
+    let claim = relay.claim(1, usize::MAX).await.unwrap();
     assert_eq!(claim.events[0].global_sequence, Some(1));
     relay
         .record_failures(&[Failure {
@@ -294,7 +299,12 @@ async fn a_held_front_blocks_the_lane_and_says_so() {
         .await
         .unwrap();
 
-    assert!(relay.claim(100).await.unwrap().events.is_empty());
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
     let lane = relay.other_lane().await.unwrap();
     assert!(lane.global_front_held);
     assert_eq!(lane.global_front, Some(1));

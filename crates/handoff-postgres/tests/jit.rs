@@ -134,7 +134,7 @@ async fn claim_and_mark(
     let (pool, source) = source_on(options, relay_config(db, "relay-jit", pooling), 3).await;
     // Drops what connecting sent, so that only this claim and mark are looked at.
     notices.plans_of("");
-    let claim = source.claim(10).await.unwrap();
+    let claim = source.claim(10, usize::MAX).await.unwrap();
     assert!(!claim.events.is_empty(), "the claim leased nothing");
     // The claim's own text (claim.sql's last SELECT).
     let claim_plans = notices.plans_of("next_front");
@@ -289,7 +289,7 @@ async fn plans_of_claims(
 ) -> (usize, Duration) {
     let claim_all = async |source: &PollingSource, ()| {
         for _ in 0..claims {
-            let claim = source.claim(10).await.unwrap();
+            let claim = source.claim(10, usize::MAX).await.unwrap();
             assert!(claim.events.is_empty());
         }
     };
@@ -334,7 +334,7 @@ async fn a_claim_plan_made_on_an_empty_outbox_is_made_again_once_the_outbox_has_
     let (pool, source) = relay_on_empty_outbox(&db, "relay-replan", 3).await;
 
     notices.plans_of("");
-    source.claim(100).await.unwrap();
+    source.claim(100, usize::MAX).await.unwrap();
     let on_empty = notices.plans_of("next_front");
     // What the planner makes of an empty table: read it whole, for every row of the front.
     // This is why the plan is not kept for ever (it would be until the next ANALYZE).
@@ -347,7 +347,7 @@ async fn a_claim_plan_made_on_an_empty_outbox_is_made_again_once_the_outbox_has_
     tokio::time::sleep(REPLAN_EVERY).await;
     // (On the plan made on the empty outbox, this claim outlives the query timeout.)
     let claim = source
-        .claim(100)
+        .claim(100, usize::MAX)
         .await
         .expect("a claim a second after the outbox grew");
     assert_eq!(claim.events.len(), 100);
@@ -372,7 +372,7 @@ async fn plans_of_marks(
     marks: usize,
 ) -> (usize, Duration) {
     let claim = async |source: &PollingSource| {
-        let claim = source.claim(marks).await.unwrap();
+        let claim = source.claim(marks, usize::MAX).await.unwrap();
         assert_eq!(claim.events.len(), marks, "events to mark");
         claim.events
     };
@@ -433,7 +433,7 @@ async fn a_mark_plan_made_on_an_empty_outbox_is_made_again_once_the_outbox_has_g
     // The mark's first statement, as auto_explain reports it from inside the function.
     let mark_statement = "delivery_receipt = acked.receipt";
     let mark_all = async |source: &PollingSource, events: usize| {
-        let claim = source.claim(events).await.unwrap();
+        let claim = source.claim(events, usize::MAX).await.unwrap();
         assert_eq!(claim.events.len(), events);
         let acks: Vec<Published> = claim
             .events

@@ -86,7 +86,7 @@ async fn a_hole_behind_a_held_event_is_not_overtaken_until_an_operator_skips_it(
     versioned(&db, &outbox, "a", 1).await;
 
     // a#1 is held (the destination refused it for good).
-    let first = relay.claim(100).await.unwrap();
+    let first = relay.claim(100, usize::MAX).await.unwrap();
     assert_eq!(claimed(&first), vec![("a".into(), 1)]);
     hold(&relay, &first, first.events[0].event_id).await;
     assert_eq!(relay.backlog().await.unwrap().held, 1);
@@ -94,7 +94,7 @@ async fn a_hole_behind_a_held_event_is_not_overtaken_until_an_operator_skips_it(
     // An outside writer writes a#3; a#2 never comes. Another aggregate keeps flowing.
     outside_insert(&db, "a", 3).await;
     versioned(&db, &outbox, "b", 1).await;
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     assert_eq!(
         claimed(&claim),
         vec![("b".into(), 1)],
@@ -144,7 +144,12 @@ async fn a_hole_behind_a_held_event_is_not_overtaken_until_an_operator_skips_it(
     assert_eq!(audited, 1, "the skip of the missing sequence is audited");
 
     // The marker waits behind the held a#1 like any event.
-    assert!(relay.claim(100).await.unwrap().events.is_empty());
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
 
     // Released, a#1 goes first, then the marker at a#2, then a#3.
     quarantine
@@ -152,7 +157,7 @@ async fn a_hole_behind_a_held_event_is_not_overtaken_until_an_operator_skips_it(
         .await
         .unwrap();
     // One claim; the relay's lane publishes it in sequence order.
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     let mut got = claimed(&claim);
     got.sort();
     assert_eq!(got, vec![("a".into(), 1), ("a".into(), 2), ("a".into(), 3)]);
@@ -208,7 +213,7 @@ async fn enqueue_versioned_refuses_a_first_sequence_that_leaves_a_hole() {
     // cleaned before migration 0011), and is then published.
     versioned(&db, &outbox, "w", 5).await;
     let relay = source(&db, OrderMode::Aggregate);
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     let mut got = claimed(&claim);
     got.sort();
     assert_eq!(
@@ -352,7 +357,7 @@ async fn a_sequence_published_and_cleaned_up_is_not_written_again() {
     let relay = source(&db, OrderMode::Aggregate);
     versioned(&db, &outbox, "v", 1).await;
     versioned(&db, &outbox, "v", 2).await;
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     mark_published(&relay, &claim).await;
     sqlx::query("UPDATE outbox SET published_at = now() - interval '30 days'")
         .execute(&db.pool)
@@ -391,17 +396,27 @@ async fn a_global_event_waits_for_its_per_aggregate_predecessor() {
     enqueued(&db, &global_outbox(), &[factory::event("g", 2)]).await;
 
     assert!(
-        global_relay.claim(100).await.unwrap().events.is_empty(),
+        global_relay
+            .claim(100, usize::MAX)
+            .await
+            .unwrap()
+            .events
+            .is_empty(),
         "the global lane published g#2 before g#1"
     );
 
-    let first = aggregate_relay.claim(100).await.unwrap();
+    let first = aggregate_relay.claim(100, usize::MAX).await.unwrap();
     assert_eq!(claimed(&first), vec![("g".into(), 1)]);
     // Leased is not published: still waiting.
-    assert!(global_relay.claim(100).await.unwrap().events.is_empty());
+    assert!(global_relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
     mark_published(&aggregate_relay, &first).await;
 
-    let second = global_relay.claim(100).await.unwrap();
+    let second = global_relay.claim(100, usize::MAX).await.unwrap();
     assert_eq!(claimed(&second), vec![("g".into(), 2)]);
     assert_eq!(second.events[0].global_sequence, Some(1));
 }
@@ -419,7 +434,7 @@ async fn a_cleaned_aggregate_takes_new_events_through_its_watermark() {
     .await;
     versioned(&db, &outbox, "v", 1).await;
     versioned(&db, &outbox, "v", 2).await;
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     assert_eq!(claim.events.len(), 4);
     mark_published(&relay, &claim).await;
 
@@ -445,7 +460,7 @@ async fn a_cleaned_aggregate_takes_new_events_through_its_watermark() {
     // The next event of each is accepted and claimable: its missing predecessor was cleaned.
     enqueued(&db, &outbox, &[factory::event("c", 3)]).await;
     versioned(&db, &outbox, "v", 3).await;
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     let mut got = claimed(&claim);
     got.sort();
     assert_eq!(got, vec![("c".into(), 3), ("v".into(), 3)]);
@@ -486,7 +501,7 @@ async fn a_database_of_the_previous_release_upgrades_with_its_rows_flowing() {
     enqueued(&db, &outbox, &[factory::event("gone", 6)]).await;
     versioned(&db, &outbox, "old", 5).await;
     let relay = source(&db, OrderMode::Aggregate);
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     let mut got = claimed(&claim);
     got.sort();
     assert_eq!(

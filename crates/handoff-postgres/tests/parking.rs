@@ -55,7 +55,7 @@ async fn append(db: &TestDb, aggregate: &str, count: i64) {
 
 /// One claim, marked published at once; returns what it published, in claim order.
 async fn publish_one_claim(relay: &PollingSource) -> Vec<(String, i64)> {
-    let claim = relay.claim(BATCH).await.unwrap();
+    let claim = relay.claim(BATCH, usize::MAX).await.unwrap();
     mark_published(relay, &claim).await;
     // A relay publishes each aggregate's events in sequence order.
     let mut published = claimed(&claim);
@@ -67,7 +67,7 @@ async fn publish_one_claim(relay: &PollingSource) -> Vec<(String, i64)> {
 /// whatever is appended behind it waits; returns its id.
 async fn hold_first_event(db: &TestDb, relay: &PollingSource, aggregate: &str) -> EventId {
     append(db, aggregate, 1).await;
-    let first = relay.claim(BATCH).await.unwrap();
+    let first = relay.claim(BATCH, usize::MAX).await.unwrap();
     let event_id = first.events[0].event_id;
     hold(relay, &first, event_id).await;
     event_id
@@ -114,6 +114,8 @@ fn bind_claim<'q>(
         .bind(front)
         // No session: leases as a relay that does not register writes them.
         .bind(None::<uuid::Uuid>)
+        // No byte budget ($9).
+        .bind(i64::MAX)
 }
 
 /// What one claim of `BATCH` reads, run under EXPLAIN (ANALYZE, BUFFERS) in a transaction that
@@ -165,13 +167,15 @@ async fn cached_plan_reads(db: &TestDb) -> i64 {
         .await
         .unwrap();
     let prepare = format!(
-        "PREPARE cached_claim (text, bigint, float8, int, int, timestamptz, bigint, uuid) AS {}",
+        "PREPARE cached_claim (text, bigint, float8, int, int, timestamptz, bigint, uuid, bigint) \
+         AS {}",
         CLAIM_SQL.replace("{schema}", "")
     );
     sqlx::raw_sql(&prepare).execute(&mut *tx).await.unwrap();
     let explain = format!(
         "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE cached_claim('probe', {BATCH}, 30, 5, 2, NULL, NULL, \
-         NULL)"
+         NULL, {})",
+        i64::MAX
     );
     let plan: serde_json::Value = sqlx::query_scalar(&explain)
         .fetch_one(&mut *tx)
@@ -214,7 +218,7 @@ fn cte_rows(node: &serde_json::Value) -> i64 {
 /// table's size, so both measurements start alike.
 async fn settle(db: &TestDb, relay: &PollingSource) {
     loop {
-        let claim = relay.claim(BATCH).await.unwrap();
+        let claim = relay.claim(BATCH, usize::MAX).await.unwrap();
         assert!(
             claim.events.is_empty(),
             "only the held aggregate has events: {:?}",
@@ -308,7 +312,12 @@ async fn a_parked_event_an_operator_holds_stays_held_when_its_predecessor_is_pub
     // p#1 held by the relay; p#2 behind it, parked by the next claim.
     let first = hold_first_event(&db, &relay, "p").await;
     append(&db, "p", 1).await;
-    assert!(relay.claim(BATCH).await.unwrap().events.is_empty());
+    assert!(relay
+        .claim(BATCH, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
     let second: (EventId, bool) = sqlx::query_as(
         "SELECT event_id, blocked FROM outbox WHERE aggregate_id = 'p' AND aggregate_sequence = 2",
     )
@@ -324,10 +333,15 @@ async fn a_parked_event_an_operator_holds_stays_held_when_its_predecessor_is_pub
         .await
         .unwrap();
     quarantine.retry(&mut conn, first, "op").await.unwrap();
-    let claim = relay.claim(BATCH).await.unwrap();
+    let claim = relay.claim(BATCH, usize::MAX).await.unwrap();
     assert_eq!(claimed(&claim), [("p".to_owned(), 1)]);
     mark_published(&relay, &claim).await;
-    assert!(relay.claim(BATCH).await.unwrap().events.is_empty());
+    assert!(relay
+        .claim(BATCH, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
     let listed = quarantine.list(&mut conn, 10).await.unwrap();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].event_id, second.0);
@@ -357,7 +371,7 @@ async fn a_parked_event_an_operator_holds_stays_held_when_its_predecessor_is_pub
         .skip(&mut conn, second.0, "never apply", "op")
         .await
         .unwrap();
-    let claim = relay.claim(BATCH).await.unwrap();
+    let claim = relay.claim(BATCH, usize::MAX).await.unwrap();
     assert_eq!(claimed(&claim), [("p".to_owned(), 2)]);
 }
 
@@ -370,7 +384,7 @@ async fn a_claim_tells_whether_anything_waits_on_the_events_in_flight() {
 
     append(&db, "x", 1).await;
     append(&db, "y", 1).await;
-    let first = relay.claim(BATCH).await.unwrap();
+    let first = relay.claim(BATCH, usize::MAX).await.unwrap();
     assert_eq!(first.events.len(), 2);
     assert!(
         !first.waiting_on_in_flight,
@@ -379,13 +393,13 @@ async fn a_claim_tells_whether_anything_waits_on_the_events_in_flight() {
 
     // x#2 arrives while x#1 is in flight: not claimable, not parked, waiting on it.
     append(&db, "x", 1).await;
-    let second = relay.claim(BATCH).await.unwrap();
+    let second = relay.claim(BATCH, usize::MAX).await.unwrap();
     assert!(second.events.is_empty());
     assert!(second.waiting_on_in_flight, "x#2 waits on x#1 in flight");
 
     // Settled, x#1 frees x#2, and then nothing waits any more.
     mark_published(&relay, &first).await;
-    let third = relay.claim(BATCH).await.unwrap();
+    let third = relay.claim(BATCH, usize::MAX).await.unwrap();
     assert_eq!(claimed(&third), [("x".to_string(), 2)]);
     assert!(!third.waiting_on_in_flight);
 }
@@ -563,7 +577,7 @@ async fn the_cached_claim_plan_parks_a_blocked_front_without_rereading_it_for_ev
         "the claim read {read} rows of its own parts for a front of {front}"
     );
     // And a claim by the relay, on its cached plan, parks that front.
-    let claim = relay.claim(BATCH).await.unwrap();
+    let claim = relay.claim(BATCH, usize::MAX).await.unwrap();
     assert!(claim.events.is_empty(), "{:?}", claim.events);
     let parked: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE blocked")
         .fetch_one(&db.pool)

@@ -68,7 +68,7 @@ async fn enqueue_inbox_and_source_work_through_a_transaction_pooler() {
     assert!(!source.listens(), "LISTEN needs a direct connection");
     let mut claimed = 0;
     loop {
-        let claim = source.claim(100).await.unwrap();
+        let claim = source.claim(100, usize::MAX).await.unwrap();
         if claim.events.is_empty() {
             break;
         }

@@ -48,7 +48,7 @@ async fn a_claim_leases_rows_that_other_relays_then_skip() {
     enqueue(&db, &outbox, &["a", "b", "c"], 2).await;
     let (a, b) = (source(&db, "relay-a"), source(&db, "relay-b"));
 
-    let claim = a.claim(100).await.unwrap();
+    let claim = a.claim(100, usize::MAX).await.unwrap();
     assert_eq!(claim.events.len(), 6);
     assert!(claim.lease_deadline.is_some());
     let leased: i64 = sqlx::query_scalar(
@@ -59,7 +59,7 @@ async fn a_claim_leases_rows_that_other_relays_then_skip() {
     .unwrap();
     assert_eq!(leased, 6, "every claimed row carries relay-a's lease");
     assert!(
-        b.claim(100).await.unwrap().events.is_empty(),
+        b.claim(100, usize::MAX).await.unwrap().events.is_empty(),
         "leased rows are not claimable"
     );
 }
@@ -71,11 +71,11 @@ async fn a_later_event_is_never_claimed_while_an_earlier_one_is_unpublished() {
     let (a, b) = (source(&db, "relay-a"), source(&db, "relay-b"));
 
     // The two oldest rows: x#1 and y#1.
-    let first = a.claim(2).await.unwrap();
+    let first = a.claim(2, usize::MAX).await.unwrap();
     assert_eq!(sequences_of(&first.events, "x"), vec![1]);
     assert_eq!(sequences_of(&first.events, "y"), vec![1]);
     // relay-b sees x#2.. and y#2.., whose predecessors relay-a holds: it must take none.
-    let second = b.claim(100).await.unwrap();
+    let second = b.claim(100, usize::MAX).await.unwrap();
     assert!(
         second.events.is_empty(),
         "claimed past a leased predecessor: {:?}",
@@ -104,7 +104,7 @@ async fn a_later_event_is_never_claimed_while_an_earlier_one_is_unpublished() {
             .await
             .unwrap();
     assert_eq!(receipt.as_deref(), Some("test ack 1"));
-    let third = b.claim(100).await.unwrap();
+    let third = b.claim(100, usize::MAX).await.unwrap();
     assert_eq!(sequences_of(&third.events, "x"), vec![2, 3]);
     assert!(sequences_of(&third.events, "y").is_empty());
 }
@@ -114,7 +114,7 @@ async fn an_expired_lease_lets_another_relay_take_the_rows_over() {
     let (db, outbox) = common::migrated("source_expiry").await;
     enqueue(&db, &outbox, &["a"], 2).await;
     let (a, b) = (source(&db, "relay-a"), source(&db, "relay-b"));
-    let first = a.claim(100).await.unwrap();
+    let first = a.claim(100, usize::MAX).await.unwrap();
     assert_eq!(first.events.len(), 2);
     assert_eq!(first.taken_over, 0, "fresh rows are not a takeover");
 
@@ -126,7 +126,7 @@ async fn an_expired_lease_lets_another_relay_take_the_rows_over() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let taken = b.claim(100).await.unwrap();
+    let taken = b.claim(100, usize::MAX).await.unwrap();
     assert_eq!(sequences_of(&taken.events, "a"), vec![1, 2]);
     assert_eq!(
         taken.taken_over, 2,
@@ -156,7 +156,7 @@ async fn a_failure_backs_off_counts_the_attempt_and_blocks_the_aggregate() {
     let (db, outbox) = common::migrated("source_failure").await;
     enqueue(&db, &outbox, &["a", "b"], 2).await;
     let relay = source(&db, "relay-a");
-    let claim = relay.claim(100).await.unwrap();
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
     let a1 = claim
         .events
         .iter()
@@ -200,7 +200,7 @@ async fn a_failure_backs_off_counts_the_attempt_and_blocks_the_aggregate() {
     );
 
     // b's events come back at once; a#2 stays behind a#1's backoff.
-    let again = relay.claim(100).await.unwrap();
+    let again = relay.claim(100, usize::MAX).await.unwrap();
     assert_eq!(sequences_of(&again.events, "b"), vec![1, 2]);
     assert!(sequences_of(&again.events, "a").is_empty());
 
@@ -214,7 +214,7 @@ async fn a_held_event_stays_out_of_every_claim() {
     let (db, outbox) = common::migrated("source_held").await;
     enqueue(&db, &outbox, &["a"], 2).await;
     let relay = source(&db, "relay-a");
-    let claim = relay.claim(1).await.unwrap();
+    let claim = relay.claim(1, usize::MAX).await.unwrap();
     let failure = Failure {
         event_id: claim.events[0].event_id,
         error: "payload refused".into(),
@@ -224,7 +224,12 @@ async fn a_held_event_stays_out_of_every_claim() {
         lease: claim.lease,
     };
     relay.record_failures(&[failure]).await.unwrap();
-    assert!(relay.claim(100).await.unwrap().events.is_empty());
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
     let backlog = relay.backlog().await.unwrap();
     assert_eq!((backlog.pending, backlog.held), (2, 1));
 }
@@ -239,7 +244,7 @@ async fn rolled_back_events_are_never_claimed() {
         .unwrap();
     tx.rollback().await.unwrap();
     assert!(source(&db, "relay-a")
-        .claim(100)
+        .claim(100, usize::MAX)
         .await
         .unwrap()
         .events
@@ -275,7 +280,7 @@ async fn a_commit_wakes_a_waiting_relay() {
         started.elapsed() < Duration::from_secs(30),
         "woken by the commit, not the timeout"
     );
-    assert_eq!(relay.claim(100).await.unwrap().events.len(), 1);
+    assert_eq!(relay.claim(100, usize::MAX).await.unwrap().events.len(), 1);
 }
 
 #[tokio::test]
@@ -284,7 +289,7 @@ async fn events_stuck_behind_a_failed_head_never_starve_other_aggregates() {
     enqueue(&db, &outbox, &["a"], 3).await;
     enqueue(&db, &outbox, &["b"], 1).await;
     let relay = source(&db, "relay-a");
-    let head = relay.claim(1).await.unwrap();
+    let head = relay.claim(1, usize::MAX).await.unwrap();
     assert_eq!(sequences_of(&head.events, "a"), vec![1]);
     relay
         .record_failures(&[Failure {
@@ -299,7 +304,7 @@ async fn events_stuck_behind_a_failed_head_never_starve_other_aggregates() {
         .unwrap();
     // a#2 and a#3 are the oldest available rows, but wait behind a#1: a batch of one must
     // still reach b#1 past them.
-    let next = relay.claim(1).await.unwrap();
+    let next = relay.claim(1, usize::MAX).await.unwrap();
     assert_eq!(
         sequences_of(&next.events, "b"),
         vec![1],
@@ -316,14 +321,14 @@ async fn a_busy_aggregate_moves_a_whole_run_per_claim_in_order() {
     outbox.enqueue(&mut tx, &events).await.unwrap();
     tx.commit().await.unwrap();
     let relay = source(&db, "relay-a");
-    let claim = relay.claim(20).await.unwrap();
+    let claim = relay.claim(20, usize::MAX).await.unwrap();
     assert_eq!(
         sequences_of(&claim.events, "hot"),
         (1..=20).collect::<Vec<_>>()
     );
     // The rest waits behind the leased run, for this relay and any other.
     assert!(source(&db, "relay-b")
-        .claim(100)
+        .claim(100, usize::MAX)
         .await
         .unwrap()
         .events
@@ -346,7 +351,7 @@ async fn a_row_whose_writer_kept_its_transaction_open_past_the_front_is_claimed_
             .fetch_one(&db.pool)
             .await
             .unwrap();
-    let front = relay.claim(10).await.unwrap();
+    let front = relay.claim(10, usize::MAX).await.unwrap();
     assert_eq!(sequences_of(&front.events, "front"), vec![1]);
     let acks: Vec<Published> = front
         .events
@@ -356,7 +361,7 @@ async fn a_row_whose_writer_kept_its_transaction_open_past_the_front_is_claimed_
     relay.mark_published(&acks).await.unwrap();
     // Claims of an empty outbox: the deep one due first among them is spent here.
     for _ in 0..3 {
-        assert!(relay.claim(10).await.unwrap().events.is_empty());
+        assert!(relay.claim(10, usize::MAX).await.unwrap().events.is_empty());
     }
 
     // Committed now, available from 1.5 s before the front began: its writer's transaction
@@ -382,7 +387,7 @@ async fn a_row_whose_writer_kept_its_transaction_open_past_the_front_is_claimed_
         "the row 1.5 s behind the front claimed",
         Duration::from_secs(5),
         async || {
-            let claim = relay.claim(10).await.unwrap();
+            let claim = relay.claim(10, usize::MAX).await.unwrap();
             (!claim.events.is_empty()).then_some(claim)
         },
     )

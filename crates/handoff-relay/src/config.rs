@@ -4,6 +4,12 @@ use std::time::Duration;
 
 pub use handoff_core::{Backoff, OrderMode};
 
+/// [`RelayConfig::max_in_flight_bytes`] by default: 32 MiB. A relay's resident set grows up to
+/// about three to four times its bound (the events, the broker client's copies of those being
+/// published, the rows of a claim being read): 32 MiB kept a relay draining events near a
+/// broker's 1 MB limit at about 170 MB (`handoff-bench relay-memory`), 64 MiB at about 260 MB.
+pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 32 * 1024 * 1024;
+
 /// Settings of a [`Relay`](crate::Relay). `Default` is what `handoff relay` runs with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RelayConfig {
@@ -13,6 +19,15 @@ pub struct RelayConfig {
     /// relay claims again only when a whole batch fits under it, so this bounds memory, the
     /// broker's outstanding acknowledgements, and the rows a crash leaves leased.
     pub max_in_flight: usize,
+    /// Most bytes of events (payload and headers, [`OutboxEvent::size_bytes`]) the relay holds
+    /// at once: claimed and not yet published or given back. Each claim asks the source for no
+    /// more than the room left, and the relay claims only when at least a quarter of this is
+    /// free. An event larger than the room still goes (alone), so the relay holds at most this
+    /// plus one event; memory stays bounded when events are large, where
+    /// [`max_in_flight`](Self::max_in_flight) alone would let thousands of them in.
+    ///
+    /// [`OutboxEvent::size_bytes`]: handoff_core::delivery::OutboxEvent::size_bytes
+    pub max_in_flight_bytes: usize,
     /// Longest sleep while idle before polling again, whatever the notifications say (brief P7:
     /// about one query per interval while nothing happens).
     pub poll_interval: Duration,
@@ -65,6 +80,7 @@ impl Default for RelayConfig {
         RelayConfig {
             batch_size: 500,
             max_in_flight: 2_000,
+            max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
             poll_interval: Duration::from_secs(1),
             lease_margin: Duration::from_secs(10),
             max_attempts: 20,
@@ -100,6 +116,9 @@ pub enum RelayConfigError {
         /// The configured batch size.
         batch_size: usize,
     },
+    /// A zero byte bound: nothing could ever be claimed.
+    #[error("max in-flight bytes must be at least 1")]
+    ZeroInFlightBytes,
     /// A poll interval of zero would spin.
     #[error("poll interval must be at least 10ms, got {0:?}")]
     PollTooShort(Duration),
@@ -138,6 +157,8 @@ impl RelayConfig {
     /// assert!(RelayConfig::default().validate().is_ok());
     /// let config = RelayConfig { batch_size: 0, ..RelayConfig::default() };
     /// assert!(config.validate().is_err());
+    /// let config = RelayConfig { max_in_flight_bytes: 0, ..RelayConfig::default() };
+    /// assert!(config.validate().is_err(), "nothing could be claimed");
     /// let config = RelayConfig {
     ///     mark_interval: Duration::from_secs(30),
     ///     ..RelayConfig::default()
@@ -153,6 +174,9 @@ impl RelayConfig {
                 max_in_flight: self.max_in_flight,
                 batch_size: self.batch_size,
             });
+        }
+        if self.max_in_flight_bytes == 0 {
+            return Err(RelayConfigError::ZeroInFlightBytes);
         }
         if self.poll_interval < Duration::from_millis(10) {
             return Err(RelayConfigError::PollTooShort(self.poll_interval));

@@ -30,5 +30,5 @@ pub mod metrics;
 mod relay;
 mod trace;
 
-pub use config::{Backoff, OrderMode, RelayConfig, RelayConfigError};
+pub use config::{Backoff, OrderMode, RelayConfig, RelayConfigError, DEFAULT_MAX_IN_FLIGHT_BYTES};
 pub use relay::{DestinationPause, Relay, RelayError, RelayErrorKind, RelayReport, RelayStatus};

@@ -11,6 +11,7 @@ pub(crate) const HELD: &str = "handoff_relay_held_events_total";
 pub(crate) const ACK_SECONDS: &str = "handoff_relay_ack_seconds";
 pub(crate) const COMMIT_TO_ACK_SECONDS: &str = "handoff_relay_commit_to_ack_seconds";
 pub(crate) const IN_FLIGHT: &str = "handoff_relay_in_flight_events";
+pub(crate) const IN_FLIGHT_BYTES: &str = "handoff_relay_in_flight_bytes";
 pub(crate) const BROKER_UP: &str = "handoff_relay_broker_up";
 pub(crate) const SOURCE_ERRORS: &str = "handoff_relay_source_errors_total";
 pub(crate) const DESTINATION_PAUSED: &str = "handoff_destination_paused";
@@ -50,6 +51,10 @@ pub(crate) fn describe() {
         "Event occurred_at (writer's commit) to broker acknowledgement"
     );
     describe_gauge!(IN_FLIGHT, "Events leased by this relay and not yet settled");
+    describe_gauge!(
+        IN_FLIGHT_BYTES,
+        "Bytes of payload and headers of the events this relay holds: claimed, not yet published or given back"
+    );
     describe_gauge!(
         BROKER_UP,
         "1 while the broker answers, 0 while claims are paused"

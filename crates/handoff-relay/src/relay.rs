@@ -25,7 +25,7 @@ use crate::{OrderMode, RelayConfig, RelayConfigError};
 /// aggregate (brief P1-P6).
 ///
 /// - Claims are leased batches; while one batch is being published the next is claimed, up to
-///   [`RelayConfig::max_in_flight`] events.
+///   [`RelayConfig::max_in_flight`] events and [`RelayConfig::max_in_flight_bytes`] bytes.
 /// - Each claim is split into one lane per aggregate. Lanes run concurrently; inside a lane an
 ///   event is published only after its predecessor's acknowledgement. The source never leases an
 ///   event whose predecessor is unpublished and outside the claim, so no relay, this one or
@@ -135,6 +135,10 @@ struct Shared {
     /// Asks the bookkeeper to write what it holds now instead of at the end of its
     /// [`mark_interval`](RelayConfig::mark_interval): something waits on its next write.
     hurry: Notify,
+    /// Bytes of the events claimed and not yet published or given back
+    /// ([`OutboxEvent::size_bytes`]), against [`RelayConfig::max_in_flight_bytes`]: the claim
+    /// loop waits on it for room.
+    bytes: watch::Sender<usize>,
     /// Claimed events whose outcome is not written back yet (the bookkeeper lags the lanes).
     /// Until it is 0, a claim may still find events blocked behind this relay's own unwritten
     /// outcomes; in global order mode the lane's front is this relay's own lease.
@@ -150,6 +154,24 @@ struct Shared {
 }
 
 impl Shared {
+    /// Takes `bytes` of claimed events into the in-flight bytes.
+    fn hold_bytes(&self, bytes: usize) {
+        self.bytes
+            .send_modify(|held| *held = held.saturating_add(bytes));
+        metrics::gauge!(m::IN_FLIGHT_BYTES).set(*self.bytes.borrow() as f64);
+    }
+
+    /// Gives back `bytes` of events that were published, failed or given back: the lane no
+    /// longer holds them.
+    fn return_bytes(&self, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        self.bytes
+            .send_modify(|held| *held = held.saturating_sub(bytes));
+        metrics::gauge!(m::IN_FLIGHT_BYTES).set(*self.bytes.borrow() as f64);
+    }
+
     /// Records a source error retrying cannot cure and asks the run to end; the first one wins.
     fn fail(&self, op: &'static str, error: SourceError) {
         error!(
@@ -306,12 +328,14 @@ impl<S: Source, T: Transport> Relay<S, T> {
             held: AtomicU64::new(0),
             released: AtomicU64::new(0),
             unsettled: AtomicUsize::new(0),
+            bytes: watch::Sender::new(0),
             fatal: Mutex::new(None),
             fatal_set: Notify::new(),
         });
         // Up until a publish says otherwise, so the gauge exists from the start rather than from
         // the first outage (a dashboard panel and `absent()` need the series).
         metrics::gauge!(m::BROKER_UP).set(1.0);
+        metrics::gauge!(m::IN_FLIGHT_BYTES).set(0.0);
         show_pause(None);
         let (stop_tx, stop_rx) = watch::channel(false);
         let (outcome_tx, outcome_rx) = mpsc::unbounded_channel();
@@ -582,6 +606,8 @@ async fn run_lane<T: Transport>(
     shared: Arc<Shared>,
 ) -> (LaneEnd, usize) {
     let size = lane.len();
+    // What the lane holds of the in-flight bytes; given back as events leave it.
+    let mut held: usize = lane.iter().map(OutboxEvent::size_bytes).sum();
     let mut events = lane.into_iter();
     while let Some(event) = events.next() {
         // Past this point another relay may own the event: leave it to that relay rather than
@@ -593,6 +619,7 @@ async fn run_lane<T: Transport>(
         {
             let mut unstarted = vec![event.event_id];
             unstarted.extend(events.map(|e| e.event_id));
+            shared.return_bytes(held);
             return (
                 LaneEnd {
                     failed: None,
@@ -634,6 +661,10 @@ async fn run_lane<T: Transport>(
                     receipt,
                     lease,
                 }));
+                let weight = event.size_bytes();
+                drop(event);
+                held = held.saturating_sub(weight);
+                shared.return_bytes(weight);
             }
             Err(error) => {
                 let verdict = shared.health.failed(
@@ -644,6 +675,8 @@ async fn run_lane<T: Transport>(
                     Instant::now(),
                 );
                 let unstarted = events.map(|e| e.event_id).collect();
+                // The failed event is kept for its outcome only until `settle`, right after.
+                shared.return_bytes(held);
                 return (
                     LaneEnd {
                         failed: Some((event, error, verdict)),
@@ -685,6 +718,11 @@ async fn claim_loop<S: Source, T: Transport>(
     let mut unready = 0u32;
     // Said once: a lease shorter than the margin is a configuration error, not a passing state.
     let mut lease_warned = false;
+    let mut bytes_held = shared.bytes.subscribe();
+    // Bytes of an event of the recent claims, on average: large events are asked for in
+    // claims of about what the byte room holds, since a claim reads the size of every event
+    // it could lease before it cuts to the budget.
+    let mut event_bytes: Option<usize> = None;
     loop {
         if *stop.borrow() {
             break;
@@ -777,6 +815,35 @@ async fn claim_loop<S: Source, T: Transport>(
                 () = shared.progress.notified() => continue,
             }
         }
+        // A claim waits for a quarter of the byte bound to be free (a probe for any room), so
+        // that large events still go in claims of several, not one claim per event returned.
+        let bytes_wanted = if probing {
+            1
+        } else {
+            (config.max_in_flight_bytes / 4).max(1)
+        };
+        let room = |held: usize| config.max_in_flight_bytes.saturating_sub(held);
+        if room(*bytes_held.borrow()) < bytes_wanted {
+            debug!(
+                in_flight_bytes = *bytes_held.borrow(),
+                "in-flight byte bound reached: waiting for room"
+            );
+            tokio::select! {
+                _ = stop.changed() => break,
+                freed = async {
+                    bytes_held.wait_for(|held| room(*held) >= bytes_wanted).await.map(|_| ())
+                } => if freed.is_err() {
+                    break;
+                },
+            }
+        }
+        let batch = match event_bytes {
+            Some(each) if each > 0 => {
+                let fits = room(*bytes_held.borrow()) / each;
+                batch.min(fits.saturating_add(fits / 4).saturating_add(1))
+            }
+            _ => batch,
+        };
         if capacity.available_permits() < batch {
             debug!(
                 in_flight = in_flight(&shared),
@@ -792,8 +859,11 @@ async fn claim_loop<S: Source, T: Transport>(
         };
         permits.forget();
 
+        // Only lanes change it meanwhile, and they only give bytes back: the room can only grow
+        // between this read and the claim.
+        let max_bytes = room(*shared.bytes.borrow());
         let started = Instant::now();
-        let result = source.claim(batch).await;
+        let result = source.claim(batch, max_bytes).await;
         metrics::histogram!(m::CLAIM_SECONDS).record(started.elapsed().as_secs_f64());
         let claim = match result {
             Ok(claim) => claim,
@@ -815,11 +885,20 @@ async fn claim_loop<S: Source, T: Transport>(
         };
         source_failures = 0;
         let claimed = claim.events.len();
+        // Held from here: the lanes give the bytes back as events leave them.
+        let claimed_bytes: usize = claim.events.iter().map(OutboxEvent::size_bytes).sum();
+        shared.hold_bytes(claimed_bytes);
+        if let Some(each) = claimed_bytes.checked_div(claimed) {
+            event_bytes = Some(event_bytes.map_or(each, |before| {
+                before.saturating_mul(3).saturating_add(each) / 4
+            }));
+        }
+        let bytes_full = claim.bytes_full;
         if claimed > 0 {
             freeze_if_fired(fp::CLAIM).await;
         }
         capacity.add_permits(batch - claimed);
-        debug!(claimed, "claimed");
+        debug!(claimed, bytes_full, "claimed");
         metrics::counter!(m::CLAIMS).increment(1);
         metrics::counter!(m::CLAIMED).increment(claimed as u64);
         if claim.taken_over > 0 {
@@ -891,7 +970,9 @@ async fn claim_loop<S: Source, T: Transport>(
             }
             continue;
         }
-        if claimed < batch {
+        if claimed < batch && !bytes_full {
+            // (A claim the byte bound cut leaves a backlog: the next waits for bytes back
+            // above, not for a writer.)
             // No backlog, or the rest of it waits behind events in flight: sleep until a
             // writer commits, our own outcomes unblock something (only when the claim saw
             // events waiting on them: at steady load a claim after every mark would cost a

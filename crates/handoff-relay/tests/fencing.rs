@@ -89,8 +89,8 @@ impl LaggingSource {
 }
 
 impl Source for LaggingSource {
-    async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
-        let claim = self.inner.claim(max).await?;
+    async fn claim(&self, max: usize, max_bytes: usize) -> Result<Claim, SourceError> {
+        let claim = self.inner.claim(max, max_bytes).await?;
         if !claim.events.is_empty() {
             let ids = claim.events.iter().map(|e| e.event_id).collect();
             self.claims.lock().unwrap().push((claim.lease, ids));

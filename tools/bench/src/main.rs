@@ -43,6 +43,7 @@ mod http;
 mod kafka;
 mod machine;
 mod relay;
+mod relay_memory;
 mod saga;
 mod write_path;
 
@@ -87,6 +88,8 @@ enum Command {
     /// One relay's drain vs the claim+mark SQL bound, the JetStream async bound and the peer,
     /// oxide-outbox at its best tuning.
     DrainBound(hot_path::bound::BoundArgs),
+    /// A relay's resident-set growth draining near-1 MB events with its byte bound vs none.
+    RelayMemory(relay_memory::RelayMemoryArgs),
 }
 
 #[tokio::main]
@@ -114,6 +117,7 @@ async fn main() -> std::process::ExitCode {
         Command::HeldXmin(args) => hot_path::xmin::held_xmin(args).await,
         Command::Writers(args) => hot_path::writers::writers(args).await,
         Command::DrainBound(args) => hot_path::bound::drain_bound(args).await,
+        Command::RelayMemory(args) => relay_memory::relay_memory(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

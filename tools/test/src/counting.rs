@@ -72,9 +72,9 @@ impl<S> CountingSource<S> {
 }
 
 impl<S: Source> Source for CountingSource<S> {
-    async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
+    async fn claim(&self, max: usize, max_bytes: usize) -> Result<Claim, SourceError> {
         self.claims.fetch_add(1, Ordering::Relaxed);
-        self.count(self.inner.claim(max).await)
+        self.count(self.inner.claim(max, max_bytes).await)
     }
 
     async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {

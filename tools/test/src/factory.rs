@@ -36,6 +36,25 @@ pub fn event(aggregate_id: &str, n: u64) -> NewEvent {
     )
 }
 
+/// As [`event`], with a payload of about `bytes` bytes (`{"n":n,"pad":"xx..."}`): large
+/// events for byte budgets.
+///
+/// ```
+/// let event = handoff_test::factory::event_of_size("a-1", 3, 1000);
+/// assert!(event.payload().len().abs_diff(1000) < 32);
+/// ```
+pub fn event_of_size(aggregate_id: &str, n: u64, bytes: usize) -> NewEvent {
+    let head = format!(r#"{{"n":{n},"pad":""#);
+    let pad = "x".repeat(bytes.saturating_sub(head.len() + 2));
+    NewEvent::new(
+        AGGREGATE_TYPE,
+        aggregate_id,
+        EVENT_TYPE,
+        1,
+        format!(r#"{head}{pad}"}}"#),
+    )
+}
+
 /// A committed event as a source hands it to a transport: aggregate `aggregate_id`, sequence
 /// `n`, payload `{"n":n}`, a fresh UUIDv7 id, enqueued now, no headers and no attempts yet.
 ///

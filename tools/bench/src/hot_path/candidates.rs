@@ -186,6 +186,8 @@ fn claim<'q>(
         // The lease's session: none, as a relay that does not register (the bench keeps no
         // heartbeat; its takeovers, if any, all count).
         .bind(None::<uuid::Uuid>)
+        // No byte budget ($9): the candidates compare claim statements, not memory bounds.
+        .bind(i64::MAX)
 }
 
 /// Marks `ids` published (no receipts).

@@ -184,7 +184,7 @@ pub async fn naive(
     let source = ProbeSource::new(Arc::new(polling), started, marked.clone());
     let mut moved = 0;
     while started.elapsed() < run_for {
-        let claim = source.claim(1).await?;
+        let claim = source.claim(1, usize::MAX).await?;
         let Some(event) = claim.events.first() else {
             break;
         };
@@ -232,7 +232,7 @@ pub async fn sql_bound(bench: &Bench, admin: &mut PgConnection, round: usize) ->
     // loop only once nothing is pending; a run of them with events pending is a stuck claim.
     let mut empty_claims = 0;
     loop {
-        let claim = source.claim(SQL_BATCH).await?;
+        let claim = source.claim(SQL_BATCH, usize::MAX).await?;
         if claim.events.is_empty() {
             if workload::unpublished(admin).await? == 0 {
                 break;

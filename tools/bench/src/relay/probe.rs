@@ -189,9 +189,9 @@ impl<S> ProbeSource<S> {
 }
 
 impl<S: Source> Source for ProbeSource<S> {
-    async fn claim(&self, max: usize) -> Result<Claim, SourceError> {
+    async fn claim(&self, max: usize, max_bytes: usize) -> Result<Claim, SourceError> {
         let started = Instant::now();
-        let claim = self.inner.claim(max).await?;
+        let claim = self.inner.claim(max, max_bytes).await?;
         self.log(&self.claims, started, claim.events.len());
         Ok(claim)
     }
