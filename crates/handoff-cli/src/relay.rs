@@ -492,7 +492,9 @@ async fn serve<T: Transport>(
     let watch_lanes = tokio::spawn(report_other_lane(source.clone()));
     let relay = Relay::from_shared(source.clone(), transport, settings.relay)?;
     let _ = RELAY_STATUS.set(relay.status());
+    let report_pause = tokio::spawn(report_pause(source.clone(), relay.status()));
     let outcome = relay.try_run(shutdown).await;
+    report_pause.abort();
     watch_lanes.abort();
     if let Err(error) = source.unregister().await {
         warn!(error = %error, "could not unregister the wait; it expires by itself");
@@ -735,6 +737,22 @@ async fn report_other_lane(source: std::sync::Arc<PollingSource>) {
                 0.0
             });
         }
+    }
+}
+
+/// Hands the relay's destination pause to the source's heartbeat every second, for `handoff
+/// status` to show beside the relay (`outbox_relays`).
+async fn report_pause(source: std::sync::Arc<PollingSource>, status: handoff_relay::RelayStatus) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let pause = status.destination_pause();
+        let cause = pause.as_ref().map(|p| redact(&p.cause));
+        source.report_destination_pause(
+            pause
+                .as_ref()
+                .map(|p| (p.reason, cause.as_deref().unwrap_or(""))),
+        );
     }
 }
 

@@ -133,6 +133,19 @@ fn alerts(
     args: &StatusArgs,
 ) -> Vec<Alert> {
     let mut alerts = Vec::new();
+    for relay in report.relays.iter().filter(|r| r.alive) {
+        if let Some(reason) = &relay.paused_reason {
+            alerts.push(Alert {
+                name: "destination_paused",
+                message: format!(
+                    "relay {} has paused its destination ({reason}): {}; it resumes by itself \
+                     once a probe event gets through",
+                    relay.relay_id,
+                    relay.paused_cause.as_deref().unwrap_or("")
+                ),
+            });
+        }
+    }
     if sagas.stuck_count > 0 {
         alerts.push(Alert {
             name: "stuck_sagas",
@@ -259,7 +272,39 @@ fn print_consumer_quarantine(consumers: &[ConsumerQuarantineCount]) {
     }
 }
 
+/// The relays: alive ones first (and why one paused its destination), then stopped ones, each
+/// with when it was last seen.
+fn print_relays(report: &StatusReport) {
+    let alive = report.relays.iter().filter(|r| r.alive).count();
+    println!(
+        "relays               {alive} alive, {} stopped",
+        report.relays.len() - alive
+    );
+    let now = chrono::Utc::now();
+    for relay in &report.relays {
+        let seen = (now - relay.last_seen).num_milliseconds().max(0) as f64 / 1000.0;
+        let state = match (&relay.paused_reason, relay.alive) {
+            (_, false) => "STOPPED".to_owned(),
+            (Some(reason), true) => format!(
+                "alive, destination PAUSED ({reason}: {})",
+                relay.paused_cause.as_deref().unwrap_or("")
+            ),
+            (None, true) => "alive".to_owned(),
+        };
+        println!(
+            "  {}  {}  last seen {} ago  host {} pid {} version {}",
+            relay.relay_id,
+            state,
+            age(seen),
+            relay.host.as_deref().unwrap_or("-"),
+            relay.pid.map_or_else(|| "-".to_owned(), |p| p.to_string()),
+            relay.version.as_deref().unwrap_or("-"),
+        );
+    }
+}
+
 fn print_report(report: &StatusReport, args: &StatusArgs) {
+    print_relays(report);
     println!("pending              {}", report.pending);
     println!(
         "oldest pending age   {}",

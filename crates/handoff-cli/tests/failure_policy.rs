@@ -121,6 +121,19 @@ async fn held(db: &TestDb) -> i64 {
     .unwrap()
 }
 
+/// Waits until the outbox is drained, stops the relay (exit 0), and checks that nothing is held
+/// and every event was applied once, in order; returns the most attempts charged to an event.
+async fn drain_and_check(db: &TestDb, endpoint: &Endpoint, relay: &mut RelayProcess) -> i64 {
+    wait_drained(&db.pool, Duration::from_secs(60), || relay.log()).await;
+    assert!(relay.terminate().success(), "exit 0:\n{}", relay.log());
+    assert_eq!(held(db).await, 0);
+    assert_applied_once_in_order(db, endpoint).await;
+    sqlx::query_scalar("SELECT coalesce(max(attempt_count), 0)::int8 FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
 /// Every committed event applied exactly once, and per aggregate in sequence order.
 async fn assert_applied_once_in_order(db: &TestDb, endpoint: &Endpoint) {
     assert_applied_once_in_order_but(db, endpoint, "").await;
@@ -188,15 +201,7 @@ async fn outage_costs_nothing(name: &str, mode: u8, outage: Duration) -> usize {
     endpoint.mode.store(ACCEPT, Ordering::SeqCst);
     let refusals = endpoint.refused.lock().unwrap().len();
 
-    wait_drained(&db.pool, Duration::from_secs(60), || relay.log()).await;
-    assert!(relay.terminate().success(), "exit 0:\n{}", relay.log());
-    assert_eq!(held(&db).await, 0);
-    assert_applied_once_in_order(&db, &endpoint).await;
-    let charged: i64 =
-        sqlx::query_scalar("SELECT coalesce(max(attempt_count), 0)::int8 FROM outbox")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+    let charged = drain_and_check(&db, &endpoint, &mut relay).await;
     // The first refusal after a success may still look like the event's; nothing after it.
     assert!(charged <= 1, "an event was charged {charged} attempts");
     let log = relay.log();
@@ -507,19 +512,41 @@ async fn an_endpoint_answering_401_for_20s_holds_nothing_and_readyz_says_why() {
         exposition.contains(r#"handoff_destination_paused{reason="misconfigured"} 1"#),
         "{exposition}"
     );
+    // ... and so does `handoff status`, beside the live relay, from its heartbeat.
+    let status = eventually(
+        "handoff status names the pause",
+        Duration::from_secs(15),
+        async || {
+            let output = handoff(&db, &["status", "--json"]);
+            let json = stdout_json(&output);
+            let relay = json["relays"]
+                .as_array()
+                .and_then(|relays| relays.iter().find(|r| r["relay_id"] == "unauthorized"))
+                .cloned();
+            match relay {
+                Some(r) if r["alive"] == true && r["paused_reason"] == "misconfigured" => {
+                    Ok((output.status.code(), json))
+                }
+                _ => Err(Verbatim(json.to_string())),
+            }
+        },
+    )
+    .await;
+    assert_eq!(status.0, Some(2), "needs attention: {}", status.1);
+    assert!(
+        status.1["alerts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["name"] == "destination_paused"),
+        "{}",
+        status.1
+    );
     tokio::time::sleep_until(token_renewed.into()).await;
     assert_eq!(held(&db).await, 0, "held while refused:\n{}", relay.log());
     endpoint.mode.store(ACCEPT, Ordering::SeqCst);
 
-    wait_drained(&db.pool, Duration::from_secs(60), || relay.log()).await;
-    assert!(relay.terminate().success(), "exit 0:\n{}", relay.log());
-    assert_eq!(held(&db).await, 0);
-    assert_applied_once_in_order(&db, &endpoint).await;
-    let charged: i64 =
-        sqlx::query_scalar("SELECT coalesce(max(attempt_count), 0)::int8 FROM outbox")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+    let charged = drain_and_check(&db, &endpoint, &mut relay).await;
     assert_eq!(charged, 0, "a refused setup is no event's fault");
     assert!(
         relay.log().contains("refuses the relay's credentials"),

@@ -114,8 +114,11 @@ async fn a_broker_outage_pauses_claims_and_everything_is_published_after_it() {
         during - before,
         window.elapsed()
     );
+    // Nothing per event or per claim: what is left is background, above all the relay's session
+    // heartbeat (a beat every quarter of its lease: once a second at the tests' 4 s lease,
+    // every 5 s at the default 30 s), which a relay keeps whatever its broker does.
     assert!(
-        per_second <= 2.0,
+        per_second <= 3.0,
         "{per_second:.1} transactions/s while the broker was down:\n{}",
         relay.log()
     );

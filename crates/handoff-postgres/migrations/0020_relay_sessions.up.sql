@@ -31,6 +31,11 @@ CREATE TABLE outbox_relays (
     heartbeat_at timestamptz NOT NULL DEFAULT now(),
     -- Until when the last heartbeat vouches for the session: after it, the session is gone.
     alive_until  timestamptz NOT NULL,
+    -- Why the relay has paused its destination, as of its last heartbeat (the reason label of
+    -- handoff_destination_paused, and the destination's answer), for `handoff status`; NULL
+    -- while it publishes.
+    paused_reason text,
+    paused_cause  text,
     CONSTRAINT outbox_relays_pkey PRIMARY KEY (session_id)
 );
 

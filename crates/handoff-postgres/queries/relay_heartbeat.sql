@@ -1,12 +1,15 @@
 -- Session $1 of relay $2 is alive, and vouches for itself for $6 more seconds (alive_until,
 -- migration 0020): registered at the source's first claim, renewed by its heartbeat. $3, $4 and
--- $5 (host, process id, handoff version) are for an operator reading outbox_relays.
+-- $5 (host, process id, handoff version) are for an operator reading outbox_relays, and so are
+-- $7 and $8: why the relay has paused its destination, if it has (`handoff status`).
 --
 -- One statement for both: a heartbeat that finds its row gone (deleted by hand, or purged after
 -- a long outage) registers it again, with a started_at that makes it the relay's latest.
 INSERT INTO {schema}outbox_relays AS r
-    (session_id, relay_id, host, pid, version, alive_until)
-VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6))
+    (session_id, relay_id, host, pid, version, alive_until, paused_reason, paused_cause)
+VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7, $8)
 ON CONFLICT ON CONSTRAINT outbox_relays_pkey DO UPDATE
 SET heartbeat_at = now(),
-    alive_until = excluded.alive_until
+    alive_until = excluded.alive_until,
+    paused_reason = excluded.paused_reason,
+    paused_cause = excluded.paused_cause

@@ -118,4 +118,4 @@ pub use source::{
     PollingSource, WAKE_CHANNEL,
 };
 pub use source_error::{source_error, source_error_kind};
-pub use status::{CleanupRun, Status, StatusReport, StuckAggregate, TableSize};
+pub use status::{CleanupRun, RelaySeen, Status, StatusReport, StuckAggregate, TableSize};

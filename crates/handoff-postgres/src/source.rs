@@ -168,8 +168,15 @@ const HEARTBEAT_VOUCHES: u32 = 3;
 
 /// Renews `beat`'s session every `every` for as long as it runs (until its source drops it).
 /// A beat that fails or outlives `timeout` is logged and the next one tried: off the relay's
-/// path, a connection of the pool for one short statement at a time.
-async fn heartbeats(pool: PgPool, beat: Beat, every: Duration, timeout: Duration) {
+/// path, a connection of the pool for one short statement at a time (in a transaction of its
+/// own through a transaction pooler, as every statement of the source: [`Scoped`]).
+async fn heartbeats(
+    pool: PgPool,
+    beat: Beat,
+    every: Duration,
+    timeout: Duration,
+    pooling: Pooling,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick is at once, and the session was registered just now.
@@ -187,7 +194,12 @@ async fn heartbeats(pool: PgPool, beat: Beat, every: Duration, timeout: Duration
                 continue;
             }
         };
-        match tokio::time::timeout(timeout, beat.query().execute(&mut *conn)).await {
+        let once = async {
+            let mut scope = Scoped::begin(&mut conn, pooling).await?;
+            beat.query().execute(scope.conn()).await?;
+            scope.finish().await
+        };
+        match tokio::time::timeout(timeout, once).await {
             Ok(Ok(_)) => {}
             Ok(Err(error)) => tracing::warn!(%error, "relay heartbeat failed"),
             Err(_) => {
@@ -591,6 +603,8 @@ pub struct PollingSource {
     /// The task renewing [`PollingSource::session`]: none until the first claim registered it.
     /// std Mutex: never held across `.await`.
     heartbeat: std::sync::Mutex<Option<Heartbeat>>,
+    /// What the heartbeat says of the destination ([`PollingSource::report_destination_pause`]).
+    pause: Arc<std::sync::Mutex<Option<(String, String)>>>,
 }
 
 /// The task that renews a source's session ([`heartbeat_every`]); stopped when the source is
@@ -613,11 +627,15 @@ struct Beat {
     pid: i32,
     /// How long the beat vouches for the session, in seconds.
     vouch_secs: f64,
+    /// Why the relay paused its destination, if it did: reason and cause
+    /// ([`PollingSource::report_destination_pause`]).
+    pause: Arc<std::sync::Mutex<Option<(String, String)>>>,
 }
 
 impl Beat {
     /// The heartbeat statement, bound; unnamed, so it also runs through a transaction pooler.
     fn query(&self) -> sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments> {
+        let pause = self.pause.lock().unwrap_or_else(|e| e.into_inner()).clone();
         sqlx::query(&self.sql)
             .persistent(false)
             .bind(self.session)
@@ -626,6 +644,8 @@ impl Beat {
             .bind(self.pid)
             .bind(env!("CARGO_PKG_VERSION"))
             .bind(self.vouch_secs)
+            .bind(pause.as_ref().map(|(reason, _)| reason.clone()))
+            .bind(pause.map(|(_, cause)| cause))
     }
 }
 
@@ -769,6 +789,7 @@ impl PollingSource {
             mark_session: Mutex::new(None),
             session: uuid::Uuid::now_v7(),
             heartbeat: std::sync::Mutex::new(None),
+            pause: Arc::new(std::sync::Mutex::new(None)),
         })
     }
 
@@ -818,6 +839,7 @@ impl PollingSource {
             host: (!host.is_empty()).then_some(host),
             pid: i32::try_from(std::process::id()).unwrap_or(i32::MAX),
             vouch_secs: (every * HEARTBEAT_VOUCHES).as_secs_f64(),
+            pause: Arc::clone(&self.pause),
         };
         let what = "while registering the relay's session";
         self.on_pooled_connection(what, async |conn| {
@@ -835,10 +857,28 @@ impl PollingSource {
                 beat,
                 every,
                 self.config.query_timeout,
+                self.config.pooling,
             ));
             *heartbeat = Some(Heartbeat(task));
         }
         Ok(())
+    }
+
+    /// Tells the next heartbeats that the relay has paused its destination (`reason`, such as
+    /// `misconfigured`, and the destination's answer), or that it publishes again (`None`):
+    /// `handoff status` shows it for each live relay. Never a secret in `cause`.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn example(source: &handoff_postgres::PollingSource) {
+    /// source.report_destination_pause(Some(("misconfigured", "answered 401 Unauthorized")));
+    /// source.report_destination_pause(None);
+    /// # }
+    /// ```
+    pub fn report_destination_pause(&self, pause: Option<(&str, &str)>) {
+        *self.pause.lock().unwrap_or_else(|e| e.into_inner()) =
+            pause.map(|(reason, cause)| (reason.to_owned(), cause.to_owned()));
     }
 
     /// The settings this source runs with.

@@ -18,6 +18,7 @@ const STUCK_SQL: &str = include_str!("../queries/status/stuck.sql");
 const TABLES_SQL: &str = include_str!("../queries/status/tables.sql");
 const LAST_CLEANUP_SQL: &str = include_str!("../queries/status/last_cleanup.sql");
 const GLOBAL_PENDING_SQL: &str = include_str!("../queries/global_pending.sql");
+const RELAYS_SQL: &str = include_str!("../queries/status/relays.sql");
 
 /// The tables whose size the report shows: the outbox's, then the consumer side's, which live
 /// in the same database only when a consumer shares it.
@@ -58,6 +59,7 @@ pub struct Status {
     stuck_sql: String,
     last_cleanup_sql: String,
     global_pending_sql: String,
+    relays_sql: String,
     tables: Vec<String>,
 }
 
@@ -93,6 +95,35 @@ pub struct StatusReport {
     /// aggregate. Either blocks the whole global lane: nothing after it is published until the
     /// held event is retried or skipped.
     pub global_lane_blocked: bool,
+    /// The relays that ran on this outbox (the latest session of each relay id), live ones
+    /// first: which are alive, when each was last seen, and why a live one paused its
+    /// destination.
+    pub relays: Vec<RelaySeen>,
+}
+
+/// A relay that ran on this outbox: the latest session of its relay id.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RelaySeen {
+    /// Its relay id (`claimed_by` of its leases).
+    pub relay_id: String,
+    /// The host it runs on, as it said.
+    pub host: Option<String>,
+    /// Its process id on that host.
+    pub pid: Option<i32>,
+    /// Its handoff version.
+    pub version: Option<String>,
+    /// When this session started.
+    pub started_at: DateTime<Utc>,
+    /// Its last heartbeat.
+    pub last_seen: DateTime<Utc>,
+    /// Whether its last heartbeat still vouches for it: false for a relay that stopped or
+    /// died.
+    pub alive: bool,
+    /// Why a live relay has paused its destination (`unavailable`, `throttled`, `failing`,
+    /// `misconfigured`), as of its last heartbeat; `None` while it publishes.
+    pub paused_reason: Option<String>,
+    /// The destination's answer that paused it.
+    pub paused_cause: Option<String>,
 }
 
 /// An aggregate whose first unpublished event has waited too long.
@@ -162,6 +193,7 @@ impl Status {
             stuck_sql: sql(STUCK_SQL),
             last_cleanup_sql: sql(LAST_CLEANUP_SQL),
             global_pending_sql: sql(GLOBAL_PENDING_SQL),
+            relays_sql: sql(RELAYS_SQL),
             tables: TABLES.iter().map(|t| schema.qualify(t)).collect(),
         }
     }
@@ -228,6 +260,13 @@ impl Status {
             .persistent(false)
             .fetch_one(&mut *conn)
             .await?;
+        let relays = sqlx::query(&self.relays_sql)
+            .persistent(false)
+            .fetch_all(&mut *conn)
+            .await?
+            .iter()
+            .map(read_relay)
+            .collect::<Result<_, _>>()?;
         tx.commit().await?;
         Ok(StatusReport {
             pending: backlog.pending,
@@ -243,8 +282,23 @@ impl Status {
             global_front: global.try_get("global_front")?,
             global_lane_blocked: global.try_get::<bool, _>("global_front_held")?
                 || global.try_get::<bool, _>("global_front_behind_held")?,
+            relays,
         })
     }
+}
+
+fn read_relay(row: &PgRow) -> Result<RelaySeen, sqlx::Error> {
+    Ok(RelaySeen {
+        relay_id: row.try_get("relay_id")?,
+        host: row.try_get("host")?,
+        pid: row.try_get("pid")?,
+        version: row.try_get("version")?,
+        started_at: row.try_get("started_at")?,
+        last_seen: row.try_get("heartbeat_at")?,
+        alive: row.try_get("alive")?,
+        paused_reason: row.try_get("paused_reason")?,
+        paused_cause: row.try_get("paused_cause")?,
+    })
 }
 
 fn read_stuck(row: &PgRow) -> Result<StuckAggregate, sqlx::Error> {
