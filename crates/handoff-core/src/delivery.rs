@@ -372,8 +372,8 @@ pub enum PublishErrorKind {
     /// The destination refuses every event because of how the relay is set up, not because of
     /// the event: credentials expired or revoked (HTTP 401/403, Kafka
     /// `SASL_AUTHENTICATION_FAILED`, AMQP `ACCESS_REFUSED`, Redis `NOAUTH`/`NOPERM`), a
-    /// permission missing (`TOPIC_AUTHORIZATION_FAILED`), an endpoint that does not exist (HTTP
-    /// 404/410). The relay pauses the whole destination, charges nothing, says why, and
+    /// permission missing (`TOPIC_AUTHORIZATION_FAILED`, a NATS permissions violation), an
+    /// endpoint that does not exist (HTTP 404/410). The relay pauses the whole destination, charges nothing, says why, and
     /// resumes by itself once a probe event gets through (an operator fixed the setup).
     Misconfigured,
 }

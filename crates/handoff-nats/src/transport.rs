@@ -1,7 +1,8 @@
 //! [`JetStreamTransport`]: the relay's [`Transport`] onto one JetStream stream.
 
 use std::str::FromStr;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
 use async_nats::jetstream::context::{
@@ -64,6 +65,10 @@ pub struct JetStreamTransport {
     /// Stream management, with the client's (longer) request timeout.
     admin: jetstream::Context,
     config: JetStreamConfig,
+    /// What the server last refused this client's publishes with, and when: a `Permissions
+    /// Violation for Publish to "<subject>"` (or an authorization violation), which the server
+    /// sends as an error of its own while the publish itself only goes unanswered.
+    refusals: Arc<std::sync::Mutex<Option<(Instant, String)>>>,
 }
 
 /// The stream [`JetStreamTransport::ensure_stream`] found or created.
@@ -147,7 +152,13 @@ impl JetStreamTransport {
             Some(Credentials::Token(token)) => options.token(token),
             None => options,
         };
+        let refusals = Arc::new(std::sync::Mutex::new(None));
+        let seen = Arc::clone(&refusals);
         let client = options
+            .event_callback(move |event| {
+                let seen = Arc::clone(&seen);
+                async move { remember_refusal(&seen, &event) }
+            })
             .name(CLIENT_NAME)
             // The default already, stated because the relay depends on it: a relay must outlive
             // any broker outage instead of ending up with a dead client.
@@ -166,6 +177,7 @@ impl JetStreamTransport {
             publisher,
             admin,
             config,
+            refusals,
         })
     }
 
@@ -457,7 +469,10 @@ impl Transport for JetStreamTransport {
                     ack.stream, ack.sequence
                 )))
             }
-            Ok(Err(error)) => Err(publish_error(error, &subject, self.is_connected())),
+            Ok(Err(error)) => Err(self.refused_or(
+                publish_error(error, &subject, self.is_connected()),
+                &subject,
+            )),
             Err(_elapsed) => {
                 // The client's own ack wait has the same length, so this rarely fires; it bounds
                 // the wait for an ack permit and for the client's command queue as well.
@@ -466,9 +481,9 @@ impl Transport for JetStreamTransport {
                 } else {
                     PublishErrorKind::Unavailable
                 };
-                Err(PublishError::new(
-                    kind,
-                    format!("no ack for {subject} within {timeout:?}"),
+                Err(self.refused_or(
+                    PublishError::new(kind, format!("no ack for {subject} within {timeout:?}")),
+                    &subject,
                 ))
             }
         }
@@ -637,6 +652,60 @@ struct PublishFailure {
     subject: String,
     #[source]
     source: NatsPublishError,
+}
+
+/// Keeps a server error that refuses this client's publishes: a permissions violation for a
+/// publish (the relay's user may not write the stream's subjects), or an authorization
+/// violation (its credentials were refused on a reconnect).
+fn remember_refusal(seen: &std::sync::Mutex<Option<(Instant, String)>>, event: &async_nats::Event) {
+    let message = match event {
+        async_nats::Event::ServerError(async_nats::ServerError::AuthorizationViolation) => {
+            "authorization violation".to_owned()
+        }
+        async_nats::Event::ServerError(async_nats::ServerError::Other(message))
+            if message
+                .to_ascii_lowercase()
+                .contains("permissions violation for publish") =>
+        {
+            message.clone()
+        }
+        _ => return,
+    };
+    *seen.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), message));
+}
+
+impl JetStreamTransport {
+    /// `error`, or [`PublishErrorKind::Misconfigured`] when it went unanswered because the
+    /// server refused the relay's setup: a permissions violation for `subject`, or an
+    /// authorization violation, within the last two publish timeouts. The server tells that
+    /// apart from a slow stream only in an error of its own, not in the publish's answer.
+    fn refused_or(&self, error: PublishError, subject: &str) -> PublishError {
+        if !matches!(
+            error.kind(),
+            PublishErrorKind::Timeout | PublishErrorKind::Transient | PublishErrorKind::Unavailable
+        ) {
+            return error;
+        }
+        let refusal = self
+            .refusals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let Some((at, message)) = refusal else {
+            return error;
+        };
+        let recent = at.elapsed() <= 2 * self.config.publish_timeout;
+        let ours =
+            message.contains(&format!("\"{subject}\"")) || message == "authorization violation";
+        if recent && ours {
+            PublishError::new(
+                PublishErrorKind::Misconfigured,
+                format!("the nats server refused the relay's user: {message} ({error})"),
+            )
+        } else {
+            error
+        }
+    }
 }
 
 pub(crate) fn publish_error(

@@ -215,3 +215,49 @@ async fn a_created_stream_gets_the_configured_replicas_on_a_cluster() {
     assert!(!summary.created);
     assert_eq!(summary.replicas, 1);
 }
+
+#[tokio::test]
+async fn a_user_the_server_will_not_let_publish_is_misconfigured_not_slow() {
+    let server = NatsServer::start_with_config(
+        r#"authorization { users = [
+            { user: admin, password: adm1n }
+            { user: relay, password: r3lay, permissions: { publish: { deny: ["locked.>"] } } }
+        ] }"#,
+        &[],
+    )
+    .expect("start");
+    let config = JetStreamConfig {
+        stream: "LOCKED".into(),
+        subject_prefix: "locked".into(),
+        publish_timeout: std::time::Duration::from_secs(1),
+        ..JetStreamConfig::default()
+    };
+    // The stream exists; the relay's user may read it but not write its subjects.
+    let admin = format!("nats://admin:adm1n@127.0.0.1:{}", server.port());
+    JetStreamTransport::connect(&admin, config.clone())
+        .await
+        .expect("connect as admin")
+        .ensure_stream()
+        .await
+        .expect("stream");
+    let relay = format!("nats://relay:r3lay@127.0.0.1:{}", server.port());
+    let transport = JetStreamTransport::connect(&relay, config)
+        .await
+        .expect("connect as relay");
+    // The server answers the publish with an error of its own and never acks it: the relay's
+    // setup, not a slow stream, so the relay pauses instead of charging the event.
+    let error = transport
+        .publish(&factory::outbox_event("a", 1))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error.kind(),
+        handoff_core::delivery::PublishErrorKind::Misconfigured,
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("Permissions Violation"),
+        "{error}"
+    );
+    assert!(!error.to_string().contains("r3lay"), "{error}");
+}
