@@ -620,20 +620,7 @@ async fn an_event_that_kills_every_relay_is_held_as_a_crash_loop_and_others_flow
     assert_eq!(aborts, 3, "{}", relay.log());
 
     // Every other aggregate flows: only `poison` waits.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (left,): (i64,) = sqlx::query_as(
-            "SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id <> 'poison'",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-        if left == 0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{left} left:\n{}", relay.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_drained_but_poison(&db, &relay).await;
     assert!(relay.terminate().success(), "{}", relay.log());
     let row: (Option<String>, i32, i32, Option<String>) = sqlx::query_as(
         "SELECT hold_reason, takeover_count, attempt_count, last_error FROM outbox \
