@@ -168,14 +168,16 @@ impl Health {
     }
 
     /// The destination accepted `event_id`: it is healthy, and a probe's success ends a pause.
-    /// Returns the pause that ended, if any.
+    /// Returns the pause that ended, if any: the one in force, or the last one if no event got
+    /// through since it ran out.
     pub(crate) fn succeeded(&self, event_id: EventId, now: Instant) -> Option<Pause> {
         let mut state = self.state();
         state.last_success = Some(now);
         state.failures.remove(&event_id);
         state.rounds = 0;
-        state.ended = None;
-        state.pause.take()
+        // A pause that ended without a success (its probe found nothing to send) ends here.
+        let ended = state.ended.take();
+        state.pause.take().or(ended)
     }
 
     /// Judges one failed publish of `event_id`, of `kind` (with the destination's own

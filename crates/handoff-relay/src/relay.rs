@@ -925,10 +925,9 @@ async fn claim_loop<S: Source, T: Transport>(
         }
         if probing && claimed == 0 {
             // Nothing to probe with: the next claim is a full one, and its failures, if any,
-            // pause again.
+            // pause again. The pause is still reported (gauge, /readyz) until an event gets
+            // through: the events it held back wait for their retry time, unproven.
             probing = false;
-            show_pause(None);
-            metrics::gauge!(m::BROKER_UP).set(1.0);
         }
         let isolated = claim.isolate && claimed > 0;
         let waiting_on_in_flight = claim.waiting_on_in_flight;
