@@ -513,8 +513,13 @@ impl<S: Source, T: Transport> Relay<S, T> {
             None
         } else if charged {
             Some(self.config.retry_backoff.delay(attempts.max(1) as u32))
+        } else if kind.is_destination_wide() {
+            // Down, throttling or refusing the setup, whatever the event: its pause paces the
+            // retry, and the probe may as well be this event.
+            Some(self.config.outage_backoff.delay(1))
         } else {
-            // The destination's fault: its pause paces the retry, not the event.
+            // Ambiguous, and judged the destination's for now: retried only after the probe,
+            // so that the probe is another event and tells whose fault it was.
             Some(verdict.pause_left + self.config.outage_backoff.delay(1))
         }
         .map(|delay| {
