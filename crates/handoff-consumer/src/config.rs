@@ -158,6 +158,16 @@ pub struct ConsumerConfig {
     pub schema: Schema,
     /// Most events applied at once (each on its own connection), across aggregates. Default 16.
     pub max_concurrency: usize,
+    /// Most bytes (payloads, headers and ids) of deliveries taken from the intake and not yet
+    /// settled: queued in their aggregates' lanes, held by the gap policy, in a batch or being
+    /// applied. At the bound the consumer takes nothing more from the intake until some are
+    /// settled; one delivery is always let in below it, so an event larger than the bound
+    /// still flows, alone. Default 32 MiB.
+    ///
+    /// The intake's own read-ahead comes on top, bounded by its settings: JetStream's
+    /// `max_batch_bytes`, Kafka's `queued.max.messages.kbytes`, Redis's read count, AMQP's
+    /// prefetch (RabbitMQ has no byte-sized prefetch: prefetch × the largest message).
+    pub max_in_flight_bytes: usize,
     /// Deliveries after which an event that still fails goes to the quarantine: a retryable
     /// handler error, a handler panic, the apply timeout, a database error on the event's own
     /// statements, or a gap still open. Every failure counts toward this one cap. The broker's
@@ -215,6 +225,7 @@ impl Default for ConsumerConfig {
             name: String::new(),
             schema: Schema::default(),
             max_concurrency: 16,
+            max_in_flight_bytes: 32 << 20,
             max_deliveries: 10,
             retry_backoff: Backoff {
                 initial: Duration::from_millis(500),
@@ -255,6 +266,9 @@ pub enum ConfigError {
     /// `max_concurrency` is 0.
     #[error("max concurrency must be at least 1")]
     NoConcurrency,
+    /// `max_in_flight_bytes` is 0.
+    #[error("max in-flight bytes must be at least 1")]
+    NoInFlightBytes,
     /// `max_deliveries` is 0.
     #[error("max deliveries must be at least 1")]
     NoDeliveries,
@@ -281,8 +295,8 @@ impl ConsumerConfig {
     /// # Errors
     ///
     /// [`ConfigError`]: an invalid name, a dedup retention shorter than the replay horizon,
-    /// zero concurrency, deliveries or progress interval, a broken backoff, buffer or batch
-    /// bound.
+    /// zero concurrency, in-flight bytes, deliveries or progress interval, a broken backoff,
+    /// buffer or batch bound.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_consumer_name(&self.name)?;
         if self.dedup_retention < self.replay_horizon {
@@ -293,6 +307,9 @@ impl ConsumerConfig {
         }
         if self.max_concurrency == 0 {
             return Err(ConfigError::NoConcurrency);
+        }
+        if self.max_in_flight_bytes == 0 {
+            return Err(ConfigError::NoInFlightBytes);
         }
         if self.max_deliveries == 0 {
             return Err(ConfigError::NoDeliveries);

@@ -19,6 +19,7 @@ use tokio::task::JoinSet;
 use tracing::{debug, error, info, warn};
 
 use crate::failpoints::{self as fp, freeze_if_fired};
+use crate::in_flight::{self, HeldBytes, InFlightBytes};
 use crate::metrics::ConsumerMetrics;
 use crate::HandlerErrorKind::Permanent;
 use crate::{ConfigError, ConsumerConfig, Gap, GapDecision, GapPolicy, Handler, HandlerError};
@@ -97,6 +98,8 @@ struct Shared<H> {
     permits: Semaphore,
     /// Events held by the buffer gap policy, across lanes.
     buffered: AtomicUsize,
+    /// Bytes of the deliveries taken and not yet settled.
+    in_flight: Arc<InFlightBytes>,
     metrics: ConsumerMetrics,
     /// Benchmarks only: apply without the inbox, to measure what it costs.
     bypass_inbox: AtomicBool,
@@ -117,6 +120,8 @@ struct Item<S> {
     event: ReceivedEvent,
     deliveries: u64,
     settle: S,
+    /// Counted in [`Shared::in_flight`] until the item is dropped.
+    _bytes: HeldBytes,
 }
 
 /// The events of one aggregate, applied by one task at a time.
@@ -171,10 +176,15 @@ impl<H: Handler> Consumer<H> {
     pub fn new(config: ConsumerConfig, pool: PgPool, handler: H) -> Result<Self, ConfigError> {
         config.validate()?;
         let inbox = Inbox::new(config.schema.clone(), &config.name)?.with_pooling(config.pooling);
+        let metrics = ConsumerMetrics::new(&config.name);
         Ok(Self {
             shared: Arc::new(Shared {
                 permits: Semaphore::new(config.max_concurrency),
-                metrics: ConsumerMetrics::new(&config.name),
+                in_flight: InFlightBytes::new(
+                    config.max_in_flight_bytes,
+                    metrics.in_flight_bytes.clone(),
+                ),
+                metrics,
                 config,
                 pool,
                 inbox,
@@ -229,6 +239,12 @@ impl<H: Handler> Consumer<H> {
             max_deliveries = self.shared.config.max_deliveries, broker_backstop = backstop,
             "consumer running");
         loop {
+            // Nothing more is taken while the deliveries held fill the byte bound.
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                () = self.shared.in_flight.room() => {}
+            }
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,
@@ -281,11 +297,17 @@ impl<H: Handler> Consumer<H> {
             delivery_count,
             settle,
         } = delivery;
+        let bytes = match &event {
+            Ok(event) => in_flight::event_bytes(event),
+            Err(malformed) => in_flight::malformed_bytes(malformed),
+        };
+        let held = self.shared.in_flight.hold(bytes);
         let event = match event {
             Ok(event) => event,
             Err(malformed) => {
                 let shared = self.shared.clone();
                 tasks.spawn(async move {
+                    let _held = held;
                     shared
                         .quarantine(
                             Err(&malformed),
@@ -304,6 +326,7 @@ impl<H: Handler> Consumer<H> {
             event,
             deliveries: delivery_count,
             settle,
+            _bytes: held,
         };
         let mut map = lanes.lock();
         if let Some(lane) = map.get_mut(&key) {

@@ -68,6 +68,7 @@ mod consumer;
 mod external;
 pub mod failpoints;
 mod handler;
+mod in_flight;
 mod metrics;
 mod retry;
 mod trace;

@@ -15,6 +15,7 @@
 //! | `handoff_consumer_handler_errors_total{kind}` | counter | handler failures, `retryable` or `permanent` |
 //! | `handoff_consumer_quarantined_total{reason}` | counter | events put in the consumer quarantine |
 //! | `handoff_consumer_buffered_events` | gauge | events held by the buffer gap policy |
+//! | `handoff_consumer_in_flight_bytes` | gauge | bytes of deliveries taken and not yet settled (bounded by `max_in_flight_bytes`) |
 //! | `handoff_consumer_apply_seconds` | histogram | from taking a delivery to its acknowledgement |
 //! | `handoff_consumer_batch_events` | histogram | batch mode: events per committed batch (applied and duplicates) |
 //! | `handoff_consumer_batch_fallbacks_total` | counter | batch mode: batches rolled back whose events were then applied one per transaction |
@@ -35,6 +36,7 @@ pub(crate) struct ConsumerMetrics {
     pub(crate) retries: Counter,
     pub(crate) abandoned: Counter,
     pub(crate) buffered: Gauge,
+    pub(crate) in_flight_bytes: Gauge,
     pub(crate) apply_seconds: Histogram,
     pub(crate) batch_events: Histogram,
     pub(crate) batch_fallbacks: Counter,
@@ -73,6 +75,10 @@ impl ConsumerMetrics {
             ),
             buffered: gauge!(
                 "handoff_consumer_buffered_events",
+                std::slice::from_ref(&label)
+            ),
+            in_flight_bytes: gauge!(
+                "handoff_consumer_in_flight_bytes",
                 std::slice::from_ref(&label)
             ),
             apply_seconds: histogram!(

@@ -5,16 +5,20 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use common::{event, Setup, WAIT};
-use handoff_consumer::{ConsumerConfig, Handler, HandlerError};
+use common::{event, Running, Setup, WAIT};
+use handoff_consumer::{Consumer, ConsumerConfig, Handler, HandlerError};
 use handoff_core::contract::{self, header};
 use handoff_core::delivery::{OutboxEvent, Transport};
-use handoff_core::intake::{broker_backstop, ReceivedEvent};
+use handoff_core::intake::{broker_backstop, Delivery, Intake, IntakeError, ReceivedEvent};
+use handoff_nats::{IntakeConfig, JetStreamIntake};
 use handoff_test::eventually;
 use handoff_test::inbox;
+use handoff_test::nats::shared_url;
 use sqlx::PgConnection;
 
 const CAP: u64 = 3;
@@ -290,4 +294,112 @@ async fn a_commit_that_always_fails_is_quarantined_as_database_at_the_cap() {
         applied.iter().any(|(id, _, _)| *id == other.event_id),
         "{applied:?}"
     );
+}
+
+/// An intake that counts the deliveries the consumer took from it.
+struct Counted<I> {
+    inner: I,
+    taken: Arc<AtomicUsize>,
+}
+
+impl<I: Intake> Intake for Counted<I> {
+    type Settle = I::Settle;
+
+    async fn next(&mut self) -> Result<Delivery<I::Settle>, IntakeError> {
+        let delivery = self.inner.next().await?;
+        self.taken.fetch_add(1, Ordering::SeqCst);
+        Ok(delivery)
+    }
+}
+
+/// Records each event once the test opens its gate; counts the handlers waiting at it.
+struct Gated {
+    gate: Arc<tokio::sync::RwLock<()>>,
+    entered: Arc<AtomicUsize>,
+}
+
+impl Handler for Gated {
+    async fn handle(
+        &self,
+        tx: &mut PgConnection,
+        event: &ReceivedEvent,
+    ) -> Result<(), HandlerError> {
+        self.entered.fetch_add(1, Ordering::SeqCst);
+        let _open = self.gate.read().await;
+        inbox::record(tx, event).await
+    }
+}
+
+#[tokio::test]
+async fn a_consumer_of_large_events_takes_no_more_than_its_byte_bound() {
+    const EVENTS: usize = 60;
+    const EVENT_BYTES: usize = 200 * 1024;
+    const BOUND: usize = 1 << 20;
+    let setup = Setup::new("bounded_bytes").await;
+    for n in 0..EVENTS {
+        let mut large = event(&format!("doc-{n}"), 1);
+        large.payload = format!(r#"{{"pad":"{}"}}"#, "x".repeat(EVENT_BYTES));
+        setup.publish(&large).await;
+    }
+    let gate = Arc::new(tokio::sync::RwLock::new(()));
+    let closed = gate.clone().write_owned().await;
+    let entered = Arc::new(AtomicUsize::new(0));
+    let taken = Arc::new(AtomicUsize::new(0));
+    let config = ConsumerConfig {
+        max_concurrency: 2,
+        max_in_flight_bytes: BOUND,
+        ..setup.config("bounded_bytes")
+    };
+    let intake = JetStreamIntake::connect(
+        &shared_url(),
+        IntakeConfig {
+            stream: setup.stream.clone(),
+            subject_prefix: setup.stream.clone(),
+            durable_name: config.name.clone(),
+            ..IntakeConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let handler = Gated {
+        gate: gate.clone(),
+        entered: entered.clone(),
+    };
+    let consumer = Consumer::new(config, setup.db.pool.clone(), handler).unwrap();
+    let running = Running::spawn(
+        consumer,
+        std::future::ready(Counted {
+            inner: intake,
+            taken: taken.clone(),
+        }),
+    );
+
+    // Both permits taken, their handlers waiting at the gate: the rest of what the consumer
+    // took waits in the lanes. Unbounded, it would take every message of the stream at once
+    // (1000 may be unacknowledged); bounded, the bytes of what it took stop it.
+    eventually("two handlers at the gate", WAIT, async || {
+        let n = entered.load(Ordering::SeqCst);
+        if n >= 2 {
+            Ok(())
+        } else {
+            Err(n)
+        }
+    })
+    .await;
+    // The negative needs a window: anything the consumer would take, it takes from a local
+    // server within it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let most = BOUND / EVENT_BYTES + 1;
+    let held = taken.load(Ordering::SeqCst);
+    assert!(
+        held <= most,
+        "took {held} deliveries of {EVENT_BYTES} bytes under a bound of {BOUND} (at most {most})"
+    );
+
+    drop(closed);
+    setup
+        .wait_count("SELECT count(*) FROM applied", EVENTS as i64)
+        .await;
+    running.stop().await;
+    inbox::assert_applied_once_in_order(&setup.applied().await, EVENTS);
 }

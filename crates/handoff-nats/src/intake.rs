@@ -50,6 +50,12 @@ pub struct IntakeConfig {
     pub max_ack_pending: i64,
     /// Messages asked for per pull request. Default 256.
     pub batch: usize,
+    /// Most bytes asked for per pull request: with [`batch`](Self::batch), the bound on what
+    /// the client reads ahead of the consumer (the consumer's own bound,
+    /// `ConsumerConfig::max_in_flight_bytes`, covers what it took). Raised to the server's
+    /// `max_payload` when below it, so that every message fits in one pull; 0 for no byte
+    /// bound. Default 8 MiB.
+    pub max_batch_bytes: usize,
     /// How often the client pings the server, to find a silent connection; see
     /// [`JetStreamConfig::ping_interval`]. Default 10 s.
     pub ping_interval: Duration,
@@ -67,6 +73,7 @@ impl Default for IntakeConfig {
             ack_wait: Duration::from_secs(30),
             max_ack_pending: 1000,
             batch: 256,
+            max_batch_bytes: 8 << 20,
             ping_interval: Duration::from_secs(10),
             security: ConnectSecurity::default(),
         }
@@ -182,6 +189,23 @@ impl JetStreamIntake {
             },
         )
         .await?;
+        // The server answers a pull that a waiting message does not fit in with an error,
+        // again at every pull: that message would stop the consumer for good. So a pull always
+        // has room for the largest message the server takes.
+        let max_payload = transport.client().server_info().max_payload;
+        let max_batch_bytes = match config.max_batch_bytes {
+            0 => 0,
+            asked if asked < max_payload => {
+                tracing::info!(
+                    asked,
+                    max_payload,
+                    "max_batch_bytes raised to the server's \
+                    max_payload, so that every message fits in a pull"
+                );
+                max_payload
+            }
+            asked => asked,
+        };
         transport.ensure_stream().await?;
         let consumer_error = |message: String| IntakeConnectError::Consumer {
             name: config.durable_name.clone(),
@@ -229,9 +253,11 @@ impl JetStreamIntake {
             tracing::info!(durable = %config.durable_name, ack_wait = ?config.ack_wait,
                 max_ack_pending = config.max_ack_pending, "updated the durable consumer");
         }
-        let messages = consumer
-            .stream()
-            .max_messages_per_batch(config.batch)
+        let mut pulls = consumer.stream().max_messages_per_batch(config.batch);
+        if max_batch_bytes != 0 {
+            pulls = pulls.max_bytes_per_batch(max_batch_bytes);
+        }
+        let messages = pulls
             .messages()
             .await
             .map_err(|e| consumer_error(e.to_string()))?;

@@ -132,6 +132,12 @@ pub struct CommonArgs {
     /// Most events applied at once, across orders (each holds a database connection).
     #[arg(long, env = "HANDOFF_CONSUMER_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,
+    /// Most bytes of deliveries (payload and headers) held at once: taken from the broker and
+    /// not yet settled. At the bound nothing more is taken until some are settled (an event
+    /// larger than the bound still goes, alone). In bytes, e.g. 16777216 [default: 33554432,
+    /// 32 MiB]. The NATS intake also reads ahead no more than 8 MiB per pull.
+    #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT_BYTES")]
+    pub max_in_flight_bytes: Option<usize>,
     /// What to do with an event that arrives before its predecessor: `reject` hands it back
     /// to the broker for a later delivery, `buffer` holds it until the gap fills (bounded).
     #[arg(long, value_enum, default_value_t = GapPolicyArg::Reject)]
@@ -223,6 +229,9 @@ impl CommonArgs {
             // Three times per ack wait: a slow handler is never redelivered while it runs.
             progress_interval: (self.ack_wait / 3).max(std::time::Duration::from_millis(10)),
             apply_timeout: self.apply_timeout,
+            max_in_flight_bytes: self
+                .max_in_flight_bytes
+                .unwrap_or(ConsumerConfig::default().max_in_flight_bytes),
             ..ConsumerConfig::default()
         })
     }
