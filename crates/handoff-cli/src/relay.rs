@@ -29,6 +29,12 @@ pub struct RelayArgs {
     #[arg(long, env = "HANDOFF_CONFIG")]
     #[serde(skip)]
     config: Option<PathBuf>,
+    /// Check the settings (flags, environment and config file, the destination's included)
+    /// and exit: status 0 when the relay would start with them, 1 and the reason otherwise.
+    /// Connects to nothing.
+    #[arg(long)]
+    #[serde(skip)]
+    check_config: bool,
     /// PostgreSQL URL. The password, if any, is never logged.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
@@ -238,8 +244,13 @@ impl Settings {
             )?),
         };
         let database = handoff_postgres::connect_options(&database_url)
-            .map_err(|e| anyhow::anyhow!("invalid database url: {}", redact(&e.to_string())))?
-            .application_name("handoff-relay");
+            .map_err(|e| anyhow::anyhow!("invalid database url: {}", redact(&e.to_string())))?;
+        // `handoff-relay` in pg_stat_activity, unless the URL names the relay itself
+        // (`?application_name=relay-eu-1`), which tells several relays apart there.
+        let database = match database.get_application_name() {
+            Some(_) => database,
+            None => database.application_name("handoff-relay"),
+        };
         let schema = match args.schema {
             Some(name) => Schema::named(name)?,
             None => Schema::default(),
@@ -357,7 +368,7 @@ fn read_file(path: &Path) -> Result<RelayArgs> {
     let known: Vec<&str> = command
         .get_arguments()
         .map(|arg| arg.get_id().as_str())
-        .filter(|id| *id != "config")
+        .filter(|id| !["config", "check_config"].contains(id))
         .collect();
     if let Some(key) = table.keys().find(|key| !known.contains(&key.as_str())) {
         let line = text
@@ -397,6 +408,7 @@ pub async fn run(matches: &clap::ArgMatches) -> Result<()> {
     destination
         .dispatch(Start {
             settings,
+            check_only: matches.get_flag("check_config"),
             shutdown: Box::pin(shutdown),
         })
         .await
@@ -407,6 +419,8 @@ pub async fn run(matches: &clap::ArgMatches) -> Result<()> {
 /// waits), then the relay served.
 struct Start<S> {
     settings: Settings,
+    /// `--check-config`: stop once the settings are checked.
+    check_only: bool,
     shutdown: S,
 }
 
@@ -419,9 +433,18 @@ where
     async fn visit<D: Destination>(self, destination: &D) -> Result<()> {
         let Start {
             mut settings,
+            check_only,
             mut shutdown,
         } = self;
         let config = settings.destination(destination)?;
+        if check_only {
+            println!(
+                "configuration ok: relay {} publishing to {}",
+                settings.polling.relay_id,
+                settings.destination.kind()
+            );
+            return Ok(());
+        }
         // Kept for the whole run: dropping it stops the endpoint.
         let _endpoint = match settings.metrics_addr {
             Some(addr) => Some(install_metrics(addr, &settings).await?),

@@ -8,6 +8,9 @@
 //!   event is held after `--max-attempts`;
 //! - an endpoint that answers 401 for a while: nothing is held, `/readyz` says why, and
 //!   everything is delivered once it accepts again;
+//! - a relay cut off from PostgreSQL for longer than its lease while the endpoint fails: its
+//!   late outcomes change nothing another lease holds (an audit trigger shows it), and no event
+//!   is held by two relays at once;
 //! - an event whose publish kills the relay process every time: after `--max-takeovers` it is
 //!   held with reason `crash_loop`, and every other aggregate is published.
 
@@ -15,6 +18,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,12 +30,16 @@ use common::{enqueue_spread, handoff, migrated, stdout_json, wait_drained, Relay
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
 };
+use handoff_test::proxy::FaultProxy;
 use handoff_test::{eventually, factory, TestDb, Verbatim};
+use sqlx::postgres::PgConnectOptions;
 
 const ACCEPT: u8 = 0;
 const UNAVAILABLE: u8 = 1;
 const TOO_MANY: u8 = 2;
 const UNAUTHORIZED: u8 = 3;
+const FAILING: u8 = 4;
+const SLOW: u8 = 5;
 
 /// An endpoint whose answer the test switches: 200 (applying each `Idempotency-Key` once), 503,
 /// 429 with `Retry-After: 2`, or 401; and which may refuse one aggregate's events (a tenant)
@@ -48,6 +56,8 @@ struct Endpoint {
     applied_at: Mutex<HashMap<String, Instant>>,
     /// When each refusal was answered.
     refused: Mutex<Vec<Instant>>,
+    /// Run once, at the first refusal, before it is answered.
+    on_first_refusal: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 async fn receive(State(endpoint): State<Arc<Endpoint>>, headers: HeaderMap) -> Response {
@@ -80,6 +90,14 @@ async fn receive(State(endpoint): State<Arc<Endpoint>>, headers: HeaderMap) -> R
         UNAUTHORIZED => {
             endpoint.refused.lock().unwrap().push(Instant::now());
             return (StatusCode::UNAUTHORIZED, "token expired").into_response();
+        }
+        SLOW => tokio::time::sleep(Duration::from_secs(10)).await,
+        FAILING => {
+            endpoint.refused.lock().unwrap().push(Instant::now());
+            if let Some(hook) = endpoint.on_first_refusal.lock().unwrap().take() {
+                hook();
+            }
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
         }
         _ => {}
     }
@@ -552,6 +570,211 @@ async fn an_endpoint_answering_401_for_20s_holds_nothing_and_readyz_says_why() {
         relay.log().contains("refuses the relay's credentials"),
         "{}",
         relay.log()
+    );
+}
+
+/// Every update of an outbox row, with who made it (the connection's `application_name`) and
+/// the row's lease before and after.
+const LEASE_AUDIT: &str = r#"
+CREATE TABLE lease_audit (
+    id        bigserial PRIMARY KEY,
+    at        timestamptz NOT NULL DEFAULT clock_timestamp(),
+    writer    text NOT NULL DEFAULT current_setting('application_name'),
+    event_id  uuid NOT NULL,
+    old_until timestamptz,
+    new_until timestamptz,
+    new_by    text,
+    published boolean NOT NULL,
+    held      boolean NOT NULL
+);
+CREATE FUNCTION lease_audit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO lease_audit (event_id, old_until, new_until, new_by, published, held)
+    VALUES (NEW.event_id, OLD.claim_until, NEW.claim_until, NEW.claimed_by,
+            NEW.published_at IS NOT NULL, NEW.available_at = 'infinity');
+    RETURN NEW;
+END $$;
+CREATE TRIGGER lease_audit AFTER UPDATE ON outbox FOR EACH ROW EXECUTE FUNCTION lease_audit();
+"#;
+
+/// One row of `lease_audit`.
+#[derive(sqlx::FromRow, Debug)]
+struct LeaseChange {
+    at: chrono::DateTime<chrono::Utc>,
+    writer: String,
+    event_id: uuid::Uuid,
+    old_until: Option<chrono::DateTime<chrono::Utc>>,
+    new_until: Option<chrono::DateTime<chrono::Utc>>,
+    new_by: Option<String>,
+    published: bool,
+    held: bool,
+}
+
+/// Walks each event's lease changes in order and returns what broke fencing: a lease ended
+/// (without a publish) by another writer than the one it was granted to (a stale outcome took
+/// effect), and a lease granted while another writer's was live (two relays held the event).
+fn fencing_violations(changes: &[LeaseChange]) -> Vec<String> {
+    let mut violations = Vec::new();
+    let mut lease: HashMap<uuid::Uuid, (&str, chrono::DateTime<chrono::Utc>)> = HashMap::new();
+    for change in changes {
+        let granted = change.new_by.is_some()
+            && change.new_until.is_some()
+            && change.new_until != change.old_until
+            && !change.published;
+        let ended = change.old_until.is_some() && change.new_until.is_none();
+        if granted {
+            if let Some((holder, until)) = lease.get(&change.event_id) {
+                if *holder != change.writer && *until > change.at {
+                    violations.push(format!(
+                        "{} leased {} while {holder}'s lease ran until {until}: {change:?}",
+                        change.writer, change.event_id
+                    ));
+                }
+            }
+            lease.insert(
+                change.event_id,
+                (&change.writer, change.new_until.expect("granted")),
+            );
+        } else if ended && !change.published && !change.held {
+            if let Some((holder, _)) = lease.get(&change.event_id) {
+                if *holder != change.writer {
+                    violations.push(format!(
+                        "{} ended {holder}'s lease on {}: {change:?}",
+                        change.writer, change.event_id
+                    ));
+                }
+            }
+            lease.remove(&change.event_id);
+        } else if change.published {
+            lease.remove(&change.event_id);
+        }
+    }
+    violations
+}
+
+/// Relay A loses PostgreSQL (a silent partition) just as the endpoint refuses the events it
+/// publishes, for longer than its lease; relay B, under the same relay id (so nothing but the
+/// lease tells their writes apart), takes the events over and publishes them slowly. When A's
+/// database comes back, its failures (decided under leases long gone) are written: they must
+/// change nothing B holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_written_after_a_database_outage_longer_than_the_lease_change_nothing() {
+    const AGGREGATES: u64 = 20;
+    let (db, outbox) = migrated("lease_lag").await;
+    sqlx::raw_sql(LEASE_AUDIT).execute(&db.pool).await.unwrap();
+    let (endpoint, url) = endpoint().await;
+    enqueue_spread(&db.pool, &outbox, 0, 5 * AGGREGATES, AGGREGATES).await;
+
+    // A reaches PostgreSQL through a proxy, which goes silent at the endpoint's first refusal:
+    // the failures A then decides cannot be written until the partition heals.
+    let options = PgConnectOptions::from_str(&handoff_test::database_url()).unwrap();
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = Arc::new(FaultProxy::start(upstream.parse().unwrap()).await.unwrap());
+    let proxied = db.url().replacen(&upstream, &proxy.addr().to_string(), 1);
+    assert_ne!(proxied, db.url(), "the test URL names {upstream}");
+    let partitioned_at = Arc::new(Mutex::new(None));
+    {
+        let proxy = proxy.clone();
+        let partitioned_at = partitioned_at.clone();
+        let endpoint_for_hook = Arc::downgrade(&endpoint);
+        *endpoint.on_first_refusal.lock().unwrap() = Some(Box::new(move || {
+            proxy.black_hole();
+            *partitioned_at.lock().unwrap() = Some(Instant::now());
+            // From now on every publish is accepted, slowly: B's leases stay live while its
+            // publishes wait, which is when a stale failure would take them away.
+            if let Some(endpoint) = endpoint_for_hook.upgrade() {
+                endpoint.mode.store(SLOW, Ordering::SeqCst);
+            }
+        }));
+    }
+    endpoint.mode.store(FAILING, Ordering::SeqCst);
+    let http = [
+        "--destination",
+        "http",
+        "--endpoint",
+        url.as_str(),
+        "--query-timeout",
+        "2s",
+    ];
+    let a_url = format!("{proxied}&application_name=relay-a");
+    let mut a_flags = http.to_vec();
+    a_flags.extend(["--http-timeout", "1s"]);
+    let mut a = RelayProcess::spawn(
+        &a_url,
+        "shared-id",
+        &a_flags,
+        &[("HANDOFF_HTTP_SECRET", "")],
+    );
+    let partitioned = eventually(
+        "relay A refused and cut off",
+        Duration::from_secs(30),
+        async || match *partitioned_at.lock().unwrap() {
+            Some(at) => Ok(at),
+            None => Err(Verbatim(a.log())),
+        },
+    )
+    .await;
+
+    let b_url = format!("{}&application_name=relay-b", db.url());
+    let mut b_flags = http.to_vec();
+    b_flags.extend([
+        "--http-timeout",
+        "15s",
+        "--publish-timeout",
+        "15s",
+        "--lease",
+        "60s",
+    ]);
+    let mut b = RelayProcess::spawn(
+        &b_url,
+        "shared-id",
+        &b_flags,
+        &[("HANDOFF_HTTP_SECRET", "")],
+    );
+    // A's leases (4 s) run out, B takes the events over and waits on the slow endpoint; then
+    // A's database comes back, while B still holds them.
+    tokio::time::sleep_until((partitioned + Duration::from_secs(7)).into()).await;
+    proxy.heal();
+    eventually(
+        "relay A's late failures written, changing nothing",
+        Duration::from_secs(30),
+        async || {
+            let log = a.log();
+            match log.contains("changed nothing") {
+                true => Ok(()),
+                false => Err(Verbatim(format!("relay A:\n{log}\nrelay B:\n{}", b.log()))),
+            }
+        },
+    )
+    .await;
+    endpoint.mode.store(ACCEPT, Ordering::SeqCst);
+
+    wait_drained(&db.pool, Duration::from_secs(90), || {
+        format!("relay B:\n{}\nrelay A:\n{}", b.log(), a.log())
+    })
+    .await;
+    assert!(a.terminate().success(), "{}", a.log());
+    assert!(b.terminate().success(), "{}", b.log());
+    assert_eq!(held(&db).await, 0);
+    assert_applied_once_in_order(&db, &endpoint).await;
+    let changes: Vec<LeaseChange> = sqlx::query_as(
+        "SELECT at, writer, event_id, old_until, new_until, new_by, published, held \
+         FROM lease_audit ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let taken_over = changes
+        .iter()
+        .filter(|c| c.writer == "relay-b" && c.new_by.is_some() && c.old_until.is_some())
+        .count();
+    assert!(taken_over > 0, "B took nothing over from A: {changes:#?}");
+    let violations = fencing_violations(&changes);
+    assert!(
+        violations.is_empty(),
+        "{}\nrelay A:\n{}",
+        violations.join("\n"),
+        a.log()
     );
 }
 

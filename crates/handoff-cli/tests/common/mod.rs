@@ -112,16 +112,21 @@ impl RelayProcess {
     }
 
     /// Starts `handoff relay` on `database_url` with a short lease and publish timeout (so
-    /// takeovers in tests are quick), plus `args` (the destination's flags and any other) and
-    /// `env`. A `FAILPOINTS` of the test's own environment is not passed on.
+    /// takeovers in tests are quick; `args` may name others), plus `args` (the destination's
+    /// flags and any other) and `env`. A `FAILPOINTS` of the test's own environment is not
+    /// passed on.
     pub fn spawn(database_url: &str, id: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join(format!("{id}.log"));
         let stderr = std::fs::File::create(&log).unwrap();
         let mut command = Command::new(env!("CARGO_BIN_EXE_handoff"));
+        command.args(["relay", "--database-url", database_url, "--relay-id", id]);
+        for (flag, short) in [("--lease", "4s"), ("--publish-timeout", "1s")] {
+            if !args.contains(&flag) {
+                command.args([flag, short]);
+            }
+        }
         command
-            .args(["relay", "--database-url", database_url, "--relay-id", id])
-            .args(["--lease", "4s", "--publish-timeout", "1s"])
             .args(args)
             .env("RUST_LOG", "info,handoff_relay=debug")
             .env_remove("FAILPOINTS")
@@ -175,6 +180,13 @@ impl RelayProcess {
         // SAFETY: kill(2) on our own child's pid.
         let sent = unsafe { libc::kill(self.pid(), libc::SIGSTOP) };
         assert_eq!(sent, 0, "SIGSTOP to relay {}", self.id);
+    }
+
+    /// SIGCONT: a frozen process goes on where it stopped.
+    pub fn thaw(&self) {
+        // SAFETY: kill(2) on our own child's pid.
+        let sent = unsafe { libc::kill(self.pid(), libc::SIGCONT) };
+        assert_eq!(sent, 0, "SIGCONT to relay {}", self.id);
     }
 
     /// Whether it exited, and how.
