@@ -1,5 +1,5 @@
 //! PostgreSQL crashes under a running relay: the relay backs off, reconnects by itself, and
-//! publishes what was committed before and after (brief P3).
+//! publishes what was committed before and after (design P3).
 
 mod common;
 
