@@ -1,4 +1,4 @@
--- Make events durable in the table so the replication position can move past them (brief P8):
+-- Make events durable in the table so the replication position can move past them (design P8):
 -- the held event ($11 true) is quarantined as the polling relay does it; the events behind it
 -- ($11 false) wait as plain pending rows. With kept rows they exist and only the held one
 -- changes; with deleted rows they are written back, marked by a non-null last_error so the

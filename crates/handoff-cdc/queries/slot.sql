@@ -1,4 +1,4 @@
--- The slot's health for metrics and alerts (brief F4): how far behind it is, how much WAL it
+-- The slot's health for metrics and alerts (design F4): how far behind it is, how much WAL it
 -- may still retain before max_slot_wal_keep_size invalidates it (NULL: unlimited), and
 -- wal_status ('reserved', 'extended', 'unreserved', 'lost').
 SELECT s.wal_status,

@@ -1,4 +1,4 @@
-//! `handoff-cdc`: the relay's source over PostgreSQL logical replication (brief P9, F4).
+//! `handoff-cdc`: the relay's source over PostgreSQL logical replication (design P9, F4).
 //!
 //! Instead of polling the outbox, the relay follows a `pgoutput` slot on a publication of the
 //! outbox's inserts: committed transactions arrive whole and in commit order, are published

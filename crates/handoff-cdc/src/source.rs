@@ -121,7 +121,7 @@ impl LogicalConfig {
 }
 
 /// Committed outbox inserts, read from a logical replication slot and confirmed only once the
-/// broker acknowledged them (brief P9, F4).
+/// broker acknowledged them (design P9, F4).
 ///
 /// - Transactions arrive whole and in commit order; each aggregate's events queue in sequence
 ///   order and only a queue's front run is handed out, so many aggregates publish in parallel

@@ -4,7 +4,7 @@
 //! Pure bookkeeping, no I/O, so the ordering and ack-gating rules can be tested without a
 //! server. Two rules carry the guarantees:
 //!
-//! - **Order (brief P5):** an aggregate's events sit in one queue in sequence order; only an
+//! - **Order (design P5):** an aggregate's events sit in one queue in sequence order; only an
 //!   unclaimed run at the front of a queue, and only while none of the queue is claimed, is
 //!   handed out, so an event never leaves while another of its aggregate is in flight.
 //! - **Redelivery:** after a reconnect the server sends again every transaction after the
@@ -13,7 +13,7 @@
 //!   settles). As a second guard, each aggregate keeps the highest sequence handed out until
 //!   the position passes it, and no event at or below it is queued again: a copy of an event
 //!   already published or in flight never goes out a second time, behind its successor.
-//! - **Ack gating (brief P4, F4):** transactions are numbered in commit order. The position may
+//! - **Ack gating (design P4, F4):** transactions are numbered in commit order. The position may
 //!   move to a transaction's `end_lsn` only when that transaction and every earlier one are
 //!   settled: each of their events is acknowledged by the broker or durably parked in the
 //!   table. Never a row's LSN, never `commit_lsn`.

@@ -1,4 +1,4 @@
-//! Per-aggregate order through the CDC source under concurrent writers (brief P5, W3, P9):
+//! Per-aggregate order through the CDC source under concurrent writers (design P5, W3, P9):
 //! eight writers commit small transactions over a shared set of aggregates, so writers of one
 //! aggregate interleave (serialised by its head-row lock), some transactions span several
 //! aggregates and some roll back, while the relay streams. Once with the plain transport, once

@@ -1,4 +1,4 @@
-//! A poison event through the CDC source (brief P8, P9): the broker refuses one event of
+//! A poison event through the CDC source (design P8, P9): the broker refuses one event of
 //! aggregate `a` for good. It is parked in the table as quarantined, `a`'s later events wait
 //! behind it while every other aggregate flows, and the slot's position moves on past it;
 //! after `handoff quarantine retry` (and the cause gone) `a` resumes in order. With rows kept

@@ -1,4 +1,4 @@
-//! Restarts of the CDC relay with work left unconfirmed (brief P4, P9, F4, V3): a graceful stop,
+//! Restarts of the CDC relay with work left unconfirmed (design P4, P9, F4, V3): a graceful stop,
 //! a kill in the middle of publishing (events accepted by the broker, outcomes never written),
 //! events committed while no relay runs, and a hot standby on the same slot. Every event must
 //! end up in the stream exactly once by id (JetStream's dedup absorbs the republishes) and in

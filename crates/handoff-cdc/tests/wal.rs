@@ -1,4 +1,4 @@
-//! An idle outbox in a busy database must not pin WAL (brief P9, F4): while nothing is written
+//! An idle outbox in a busy database must not pin WAL (design P9, F4): while nothing is written
 //! to the outbox, the CDC source confirms the server's keepalive positions, so the slot's
 //! confirmed position follows the WAL other tables write and PostgreSQL can recycle it.
 

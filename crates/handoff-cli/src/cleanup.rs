@@ -1,5 +1,5 @@
 //! `handoff cleanup`: delete or archive published rows (and dedup rows) past retention, in short
-//! batches (brief O2, C5). The batch logic is `handoff_postgres::Cleanup`; this module reads the
+//! batches (design O2, C5). The batch logic is `handoff_postgres::Cleanup`; this module reads the
 //! flags, draws the progress bar, handles SIGINT/SIGTERM and prints the summary.
 
 use std::io::IsTerminal;

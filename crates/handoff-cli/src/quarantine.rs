@@ -1,4 +1,4 @@
-//! `handoff quarantine`: the events the relay held for an operator (brief P8). `list` and
+//! `handoff quarantine`: the events the relay held for an operator (design P8). `list` and
 //! `show` read; `retry`, `repair` and `skip` release one event each, resuming its aggregate in
 //! order; `hold` holds a pending event the relay has not held. Each records who did what in
 //! `outbox_quarantine_actions`.

@@ -874,7 +874,7 @@ async fn install_metrics(
     Ok(serving)
 }
 
-/// Backlog gauges every 5 s (brief O1): one cheap query over the pending index.
+/// Backlog gauges every 5 s (design O1): one cheap query over the pending index.
 async fn report_backlog(source: std::sync::Arc<PollingSource>) {
     use metrics::{describe_gauge, gauge, Unit};
     describe_gauge!("handoff_outbox_pending", "Unpublished outbox events");

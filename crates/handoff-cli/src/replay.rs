@@ -1,4 +1,4 @@
-//! `handoff replay`: republish retained, published events (brief O3) with a replay marker.
+//! `handoff replay`: republish retained, published events (design O3) with a replay marker.
 //!
 //! Rows are read page by page in per-aggregate order (`handoff_postgres::RetainedEvents`) and
 //! published through `republish::Republisher` into the destination (`--destination`, as the

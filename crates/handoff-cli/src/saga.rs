@@ -1,4 +1,4 @@
-//! `handoff saga`: the sagas an orchestrator runs in this database (brief F2). `list` and
+//! `handoff saga`: the sagas an orchestrator runs in this database (design F2). `list` and
 //! `show` read; `resume` and `resolve` act on a stuck saga and record who did what, and why,
 //! in `saga_operator_actions`.
 

@@ -1,4 +1,4 @@
-//! `handoff status`: the outbox at a glance (brief O1, O5), for a person or a script. Exits 2
+//! `handoff status`: the outbox at a glance (design O1, O5), for a person or a script. Exits 2
 //! when an alert condition holds, so a cron job or a health check can act on it.
 
 use std::process::ExitCode;
@@ -46,7 +46,7 @@ struct Output<'a> {
     healthy: bool,
 }
 
-/// The sagas not ended, and the stuck ones in full (brief F2).
+/// The sagas not ended, and the stuck ones in full (design F2).
 #[derive(Serialize)]
 struct Sagas {
     /// Per type and state, of `running`, `compensating` and `stuck`.

@@ -1,5 +1,5 @@
 //! The CDC source (`handoff relay --source logical`) as real processes against a private
-//! logical-replication PostgreSQL and the shared nats-server (brief P9, F4, V1, V2): a relay
+//! logical-replication PostgreSQL and the shared nats-server (design P9, F4, V1, V2): a relay
 //! SIGKILLed between the broker's ack and the slot's confirmation, and the lost-slot drill with
 //! its alert and its recovery (`handoff cdc setup --recreate-lost-slot`).
 //!

@@ -1,5 +1,5 @@
 //! `handoff cleanup`: the binary's flags and refusals, and a million published rows cleaned
-//! in batches beside a loaded relay with short transactions (brief O2, C5, V4).
+//! in batches beside a loaded relay with short transactions (design O2, C5, V4).
 
 mod common;
 

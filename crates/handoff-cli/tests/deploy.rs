@@ -1,4 +1,4 @@
-//! The monitoring files under `deploy/` held against the code (brief O1, O5): the Prometheus
+//! The monitoring files under `deploy/` held against the code (design O1, O5): the Prometheus
 //! rules pass promtool's checks and unit tests, the Grafana dashboard is well formed and its
 //! queries are valid PromQL, every `handoff_*` metric they name is one the code exports, and a
 //! real `handoff relay` serves those metrics over HTTP with the values the backlog has.

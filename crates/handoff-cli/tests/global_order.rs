@@ -1,5 +1,5 @@
 //! `handoff relay --order global` as a real process against the real PostgreSQL and
-//! nats-server (brief F3): one subject, one strictly increasing global sequence with no gap,
+//! nats-server (design F3): one subject, one strictly increasing global sequence with no gap,
 //! through SIGKILLs of the relay; an aggregate-mode relay leaves the lane alone; a schema
 //! without migration 0006 is refused.
 

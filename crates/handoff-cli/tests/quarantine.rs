@@ -1,4 +1,4 @@
-//! Poison events against the real `handoff relay`, PostgreSQL and nats-server (brief P8): a
+//! Poison events against the real `handoff relay`, PostgreSQL and nats-server (design P8): a
 //! stream whose message size limit refuses some events makes the relay hold them; their
 //! aggregates wait while every other aggregate is published; `handoff quarantine retry`,
 //! `repair` and `skip` each resume their aggregate in order, and the audit records each.

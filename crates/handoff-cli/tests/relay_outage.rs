@@ -1,5 +1,5 @@
 //! A broker outage: the relay must not hammer PostgreSQL while nats-server is down, and must
-//! publish everything once it is back (brief P3). A relay that freezes while its claim is on
+//! publish everything once it is back (design P3). A relay that freezes while its claim is on
 //! the wire holds nothing past its lease.
 
 mod common;

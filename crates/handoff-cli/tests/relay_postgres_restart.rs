@@ -1,6 +1,6 @@
 //! PostgreSQL crashes under a running relay: the relay backs off, reconnects by itself, and
-//! publishes what was committed before and after (brief P3); and relays frozen past their lease
-//! around such a crash hold nothing as a crash loop.
+//! publishes what was committed before and after (design P3); and relays frozen past their
+//! lease around such a crash hold nothing as a crash loop.
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! `handoff replay` as a real process against the real PostgreSQL and nats-server (brief O3):
+//! `handoff replay` as a real process against the real PostgreSQL and nats-server (design O3):
 //! a replayed time range reaches a consumer again and its inbox applies nothing twice; bad
 //! requests are refused with nothing published; skip markers replay as the relay sent them.
 

@@ -288,7 +288,7 @@ impl<H: Handler> Shared<H> {
             }
         };
         let settled = verdicts.iter().filter(|v| **v != Verdict::Alone).count();
-        // Every acknowledgement after the one commit (brief C4), sent together.
+        // Every acknowledgement after the one commit (design C4), sent together.
         futures::future::join_all(
             items
                 .iter()

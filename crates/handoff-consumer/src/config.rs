@@ -5,7 +5,7 @@ use std::time::Duration;
 use handoff_core::Backoff;
 use handoff_postgres::{validate_consumer_name, InboxError, Pooling, Schema};
 
-/// What a consumer does with an event that is not next in its aggregate's line (brief C3).
+/// What a consumer does with an event that is not next in its aggregate's line (design C3).
 ///
 /// An event *ahead* of its aggregate (sequence k+2 while k+1 is not applied) is a gap; the
 /// policies differ in how they wait for k+1. An event *behind* it (a new event id at a place
@@ -70,7 +70,7 @@ impl Default for GapPolicy {
 /// [`max_wait`](Self::max_wait) after its first event arrived, whichever comes first. One
 /// multi-row statement writes the dedup rows and advances the sequences, the handler runs for
 /// each event in the same transaction, and only after the single `COMMIT` is each delivery
-/// acknowledged (brief C4). Duplicates are acknowledged without the handler; an event that is not
+/// acknowledged (design C4). Duplicates are acknowledged without the handler; an event that is not
 /// next in its aggregate's line leaves the batch and goes through the gap policy alone.
 ///
 /// When anything in a batch fails (a handler error or panic, the apply timeout, a database
@@ -141,7 +141,7 @@ impl Default for BatchConfig {
 /// };
 /// assert!(config.validate().is_ok());
 ///
-/// // Dedup rows must outlive the replay horizon (brief C5).
+/// // Dedup rows must outlive the replay horizon (design C5).
 /// let short = ConsumerConfig {
 ///     dedup_retention: Duration::from_secs(3600),
 ///     replay_horizon: Duration::from_secs(86_400),
@@ -250,7 +250,7 @@ pub enum ConfigError {
     /// The name breaks the consumer name rules.
     #[error(transparent)]
     Name(#[from] InboxError),
-    /// Dedup rows would be deleted while their events can still be replayed (brief C5).
+    /// Dedup rows would be deleted while their events can still be replayed (design C5).
     #[error(
         "dedup retention {} is shorter than the replay horizon {}: a replayed event could be \
          applied twice",

@@ -31,7 +31,7 @@ mod batch;
 /// How long the loop pauses after the intake failed, before it asks again.
 const INTAKE_RETRY: Duration = Duration::from_secs(1);
 
-/// Applies delivered events exactly once, in order per aggregate (brief C1, C3, C4).
+/// Applies delivered events exactly once, in order per aggregate (design C1, C3, C4).
 ///
 /// For each delivery, in one transaction of the consumer's own database: the event id goes into
 /// `processed_events` (a conflict means a duplicate, acknowledged without applying), the

@@ -1,5 +1,5 @@
 //! [`ExternalCalls`]: calls to an outside API made safe to repeat with an idempotency key
-//! derived from the event (brief C2).
+//! derived from the event (design C2).
 //!
 //! The consumer's transaction cannot include a payment provider's charge. What makes the charge
 //! happen once is the provider's idempotency: every attempt for one event carries the same key,

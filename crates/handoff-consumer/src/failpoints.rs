@@ -1,4 +1,4 @@
-//! Named failpoints at the consumer's crash windows (brief V1).
+//! Named failpoints at the consumer's crash windows (design V1).
 //!
 //! Built with the `failpoints` feature, a process that set up a `fail::FailScenario` reads them
 //! from `FAILPOINTS`, e.g. `FAILPOINTS=consumer.after_commit=return`. A failpoint set to

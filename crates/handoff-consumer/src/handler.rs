@@ -9,7 +9,7 @@ use sqlx::PgConnection;
 ///
 /// [`handle`](Self::handle) runs inside the transaction that also holds the event's dedup row
 /// and its aggregate's sequence, and that transaction commits only when it returns `Ok`: the
-/// effect and the record that it happened are one atomic change (brief C1). It must do all its
+/// effect and the record that it happened are one atomic change (design C1). It must do all its
 /// writes through `tx`; a write through another connection is not undone by a rollback and is
 /// repeated by a redelivery. For a call to an outside API, see
 /// [`ExternalCalls`](crate::ExternalCalls).
@@ -51,7 +51,7 @@ pub trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
     /// Decides about an event *ahead* of its aggregate's line (a gap), under
-    /// [`GapPolicy::Reconcile`](crate::GapPolicy::Reconcile) (brief C3). `tx` is the event's
+    /// [`GapPolicy::Reconcile`](crate::GapPolicy::Reconcile) (design C3). `tx` is the event's
     /// transaction, so the hook can look at (or repair) the consumer's state first, such as
     /// fetching the aggregate's current state from its owner. A stale event (behind the
     /// aggregate) never reaches the hook: it is a duplicate under every policy.

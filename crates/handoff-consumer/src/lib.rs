@@ -1,6 +1,6 @@
 //! `handoff-consumer`: the receiving half of the handoff outbox. The broker delivers at least
 //! once; a consumer built on this crate applies each event's business effect exactly once, in
-//! order per aggregate, and calls outside APIs without double effects (brief C1-C5).
+//! order per aggregate, and calls outside APIs without double effects (design C1-C5).
 //!
 //! - [`Consumer`] takes deliveries from any [`Intake`](handoff_core::intake::Intake) (the
 //!   JetStream pull consumer is `handoff_nats::JetStreamIntake`) and applies each with your

@@ -1,4 +1,4 @@
-//! Outside calls under an idempotency key (brief C2): ambiguous attempts are retried with the
+//! Outside calls under an idempotency key (design C2): ambiguous attempts are retried with the
 //! same key, every attempt and outcome is recorded, a recorded success is not sent again.
 
 mod common;

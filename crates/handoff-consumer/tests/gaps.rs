@@ -1,4 +1,4 @@
-//! Each gap policy on a crafted out-of-order delivery (brief C3): sequence 3 reaches the
+//! Each gap policy on a crafted out-of-order delivery (design C3): sequence 3 reaches the
 //! consumer before 2.
 
 mod common;

@@ -1,4 +1,4 @@
-//! The inbox: every delivery of one event applies its effect once (brief C1, C4, V2.4), and
+//! The inbox: every delivery of one event applies its effect once (design C1, C4, V2.4), and
 //! events of one aggregate apply in order while aggregates run in parallel.
 
 mod common;

@@ -280,7 +280,7 @@ impl SourceError {
 /// Where committed events come from: leases, acknowledgements and wake-ups.
 ///
 /// A source must never hand out an event of an aggregate while an earlier event of the same
-/// aggregate is unpublished and not part of the same claim (brief P5); the relay relies on it
+/// aggregate is unpublished and not part of the same claim (design P5); the relay relies on it
 /// to keep per-aggregate order across relays.
 pub trait Source: Send + Sync + 'static {
     /// Leases up to `max` publishable events to this relay, and no more than `max_bytes` of
@@ -303,13 +303,13 @@ pub trait Source: Send + Sync + 'static {
     /// # Errors
     ///
     /// The store could not be reached; the events stay leased and are published again after
-    /// the lease expires (at least once, brief P4).
+    /// the lease expires (at least once, design P4).
     fn mark_published(
         &self,
         published: &[Published],
     ) -> impl Future<Output = Result<(), SourceError>> + Send;
 
-    /// Records failed publishes and when each may be retried (brief P3), each only while its
+    /// Records failed publishes and when each may be retried (design P3), each only while its
     /// event is still held under the failure's [`lease`](Failure::lease); says how many were
     /// not.
     ///

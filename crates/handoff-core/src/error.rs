@@ -3,7 +3,7 @@
 /// An event that must not be written to the outbox, and why.
 ///
 /// Every variant is found by [`NewEvent::validate`](crate::NewEvent::validate) without touching
-/// the database, so a caller gets it before commit and nothing is half-written (brief W6).
+/// the database, so a caller gets it before commit and nothing is half-written (design W6).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ValidationError {

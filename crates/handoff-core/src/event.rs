@@ -38,7 +38,7 @@ pub trait Event: Serialize {
     const AGGREGATE_TYPE: &'static str;
     /// The event's type name, such as `"OrderCreated"`.
     const EVENT_TYPE: &'static str;
-    /// The version of the payload's shape; bump it when the shape changes (brief O4).
+    /// The version of the payload's shape; bump it when the shape changes (design O4).
     const SCHEMA_VERSION: i32;
 }
 

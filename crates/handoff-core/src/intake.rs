@@ -41,7 +41,7 @@ pub struct ReceivedEvent {
     pub sequence: i64,
     /// The event's type name (`ce-type`).
     pub event_type: String,
-    /// The payload's shape version (`Handoff-Schema-Version`, brief O4).
+    /// The payload's shape version (`Handoff-Schema-Version`, design O4).
     pub schema_version: i32,
     /// The payload, as JSON text.
     pub payload: String,

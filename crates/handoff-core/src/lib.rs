@@ -7,7 +7,7 @@
 //! - [`EventCatalog`], the set of declared `(aggregate type, event type, schema version)` triples
 //!   an outbox accepts;
 //! - [`Limits`] and [`ValidationError`], the checks an event passes *before* anything reaches the
-//!   database (brief W6);
+//!   database (design W6);
 //! - [`subject`], the reversible encoding of aggregate ids into broker subject tokens;
 //! - [`delivery`], the relay's seams: a [`delivery::Source`] of committed events and a
 //!   [`delivery::Transport`] that publishes them;

@@ -1,7 +1,7 @@
 //! The ordering a writer and a relay agree on: per aggregate (the default) or one global lane.
 //!
 //! Per-aggregate order lets the relay publish many aggregates at once and writers of different
-//! aggregates commit without waiting for each other. Global order (brief F3) gives every event a
+//! aggregates commit without waiting for each other. Global order (design F3) gives every event a
 //! place in one sequence over the whole outbox, at the price of one lane: writers serialise on
 //! one counter row and one relay publishes one event at a time. See `docs/global-order.md`.
 

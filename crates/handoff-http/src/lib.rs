@@ -1,4 +1,4 @@
-//! `handoff-http`: the HTTP endpoint (webhook) transport of the handoff relay (brief F1).
+//! `handoff-http`: the HTTP endpoint (webhook) transport of the handoff relay (design F1).
 //!
 //! This is the only handoff crate with an HTTP client. [`HttpTransport`] implements
 //! [`handoff_core::delivery::Transport`]: `handoff-relay` hands it committed outbox events and it

@@ -1,6 +1,6 @@
 //! [`RecordedResponse`]: what an endpoint's 2xx answer leaves in the event's delivery receipt
-//! (`outbox.delivery_receipt`), so an operator can see what the endpoint said (brief F1: "the
-//! response recorded").
+//! (`outbox.delivery_receipt`), so an operator can see what the endpoint said (design F1: the
+//! answer is recorded).
 
 use std::collections::BTreeMap;
 

@@ -48,7 +48,7 @@ pub enum BuildError {
 ///
 /// Every request carries `Idempotency-Key: <event id>`: a retry of the same event (after a
 /// timeout, a reset connection, a relay crash) carries the same key, so an endpoint that
-/// remembers keys applies each event once (brief F1, C2). The layout follows
+/// remembers keys applies each event once (design F1, C2). The layout follows
 /// [`HttpConfig::mode`]; with a [`signing secret`](HttpConfig::signing_secret) every request is
 /// signed the Standard Webhooks way (see [`signature`](crate::signature)).
 ///

@@ -1,4 +1,4 @@
--- The relay's view of the backlog, for metrics and alerts (brief O1, O5). Reads only pending rows,
+-- The relay's view of the backlog, for metrics and alerts (design O1, O5). Reads only pending rows,
 -- through outbox_pending_idx's predicate, so its cost follows the backlog, not the history.
 SELECT count(*) AS pending,
        count(*) FILTER (WHERE available_at = 'infinity') AS held,
@@ -7,7 +7,7 @@ SELECT count(*) AS pending,
        count(DISTINCT (aggregate_type, aggregate_id))
            FILTER (WHERE occurred_at < now() - make_interval(secs => $1)) AS stuck_aggregates,
        extract(epoch FROM now() - min(occurred_at))::float8 AS oldest_age_seconds,
-       -- The whole table with its indexes and TOAST: what cleanup keeps in check (brief O2).
+       -- The whole table with its indexes and TOAST: what cleanup keeps in check (design O2).
        pg_total_relation_size('{schema}outbox'::regclass) AS outbox_bytes,
        -- Holes (order fails closed, migration 0011): pending events whose predecessor was never
        -- written (not in the outbox, not at or below the aggregate's cleanup watermark). Each

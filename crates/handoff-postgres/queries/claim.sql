@@ -1,7 +1,8 @@
 -- Lease up to $2 publishable events, and up to $9 bytes of them, to relay $1, session $8, for
--- $3 seconds (brief P1, P2, P5); hold for an operator, instead, an event whose relay died
--- holding it more than $4 times (a crash loop); lease alone an event whose relay died holding it
--- $5 times or more (a suspect).
+-- $3 seconds (docs/design.md P1, P2, P5); hold for an operator, instead, an event whose relay
+-- died holding it more than $4 times (a crash loop); lease alone an event whose relay died
+-- holding it $5 times or more (a suspect). Terms (head, run, front, parked, suspect, ...):
+-- docs/glossary.md.
 --
 -- One statement, so one short transaction: the row locks (on the rows it leases, and the
 -- predecessors of those it parks) live only until it returns, and the lease written into the
@@ -211,7 +212,8 @@ candidate AS (
 ),
 eligible AS MATERIALIZED (
     -- A row behind a crash-looping or suspect one in its lane is left out: the held row must
-    -- not be overtaken, and the suspect goes first, alone.
+    -- not be overtaken, and the suspect goes first, alone. (This blocked is that verdict, for
+    -- this claim only, not the outbox.blocked column that parked sets below.)
     SELECT l.*
     FROM (
         SELECT c.*,

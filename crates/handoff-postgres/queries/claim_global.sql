@@ -1,5 +1,5 @@
 -- Lease to relay $1, session $6, for $3 seconds the front of the global lane: up to $2 events with
--- consecutive global sequences, starting at the lowest unpublished one (brief F3, global order
+-- consecutive global sequences, starting at the lowest unpublished one (design F3, global order
 -- mode; docs/global-order.md), and no more than $7 bytes of them (see picked).
 --
 -- One statement, so one short transaction, as claim.sql. The lane has one front, so at most one

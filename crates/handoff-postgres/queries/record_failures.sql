@@ -1,4 +1,4 @@
--- Failed publishes of relay $1 (brief P3): each event backs off until now() + its delay (no
+-- Failed publishes of relay $1 (design P3): each event backs off until now() + its delay (no
 -- delay: held until an operator acts, for the reason given), optionally charged one attempt,
 -- with the error kept.
 --

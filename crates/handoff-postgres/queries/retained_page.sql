@@ -1,5 +1,5 @@
 -- One page of retained, published outbox rows, for `handoff replay` and `handoff reconcile`
--- (brief O3).
+-- (design O3).
 --
 -- Keyset order on (aggregate_type, aggregate_id, aggregate_sequence), the columns of
 -- outbox_aggregate_sequence_key: each aggregate's events come in sequence order, and the next

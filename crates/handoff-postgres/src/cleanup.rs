@@ -1,5 +1,5 @@
 //! [`Cleanup`]: deletes (or archives) published outbox rows and consumer dedup rows past their
-//! retention, in short bounded batches (brief O2, C5). `handoff cleanup` is a thin shell around
+//! retention, in short bounded batches (design O2, C5). `handoff cleanup` is a thin shell around
 //! it; every statement lives in `queries/cleanup/`.
 
 use std::time::{Duration, Instant};
@@ -42,7 +42,7 @@ const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// };
 /// assert!(config.validate().is_ok());
 ///
-/// // Dedup rows must outlive the replay horizon (brief C5).
+/// // Dedup rows must outlive the replay horizon (design C5).
 /// let short = CleanupConfig { dedup_retention: Some(Duration::from_secs(3600)), ..config };
 /// assert!(short.validate().is_err());
 /// ```
@@ -59,7 +59,7 @@ pub struct CleanupConfig {
     pub broker_durability_horizon: Duration,
     /// When set, dedup rows (`processed_events`) processed before now minus this are removed
     /// too. Must not be shorter than `retention`: a replayed event must still find its dedup
-    /// row (brief C5).
+    /// row (design C5).
     pub dedup_retention: Option<Duration>,
     /// Move removed outbox rows into `outbox_archive` (in the same statement) instead of
     /// deleting them outright.
@@ -149,7 +149,7 @@ pub enum CleanupError {
         /// The broker durability horizon.
         horizon: Duration,
     },
-    /// `dedup_retention` is shorter than `retention` (brief C5).
+    /// `dedup_retention` is shorter than `retention` (design C5).
     #[error(
         "dedup retention {} is shorter than retention {}: an event replayed from the outbox \
          would no longer find its dedup row and be applied twice",
@@ -794,7 +794,7 @@ struct DedupRow {
 }
 
 /// The failpoint in the middle of an outbox batch: its rows deleted (or moved), the batch's
-/// transaction not committed (brief V1). Built with the `failpoints` feature, `return` freezes
+/// transaction not committed (design V1). Built with the `failpoints` feature, `return` freezes
 /// the cleanup there so a test can SIGKILL it; the batch then rolls back whole.
 pub const BATCH_FAILPOINT: &str = "cleanup.batch";
 

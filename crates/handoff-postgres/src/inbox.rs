@@ -1,4 +1,4 @@
-//! [`Inbox`]: the consumer side's tables (brief C1-C5): dedup rows, the last applied sequence
+//! [`Inbox`]: the consumer side's tables (design C1-C5): dedup rows, the last applied sequence
 //! per aggregate, the consumer quarantine and the record of idempotent outside calls.
 //!
 //! The consumer loop in `handoff-consumer` drives it; an application can also call it from a
@@ -538,7 +538,7 @@ impl Inbox {
 
     /// Deletes at most `batch` dedup rows of this consumer processed before `before`, in one
     /// short statement; returns how many went. Call it in a loop until it returns less than
-    /// `batch`; the caller picks `before` no later than now minus the replay horizon (brief C5).
+    /// `batch`; the caller picks `before` no later than now minus the replay horizon (design C5).
     ///
     /// # Errors
     ///

@@ -1,26 +1,29 @@
 //! `handoff-postgres`: the PostgreSQL side of the handoff outbox.
 //!
+//! Citations such as (design W1, P5) point at the requirements in docs/design.md; terms such as
+//! head, parked or held are defined in docs/glossary.md.
+//!
 //! - [`Migrator`] applies handoff's embedded, versioned migrations (the `outbox`, `outbox_heads`
 //!   and `processed_events` tables) into a configurable [`Schema`].
 //! - [`Outbox`] validates events and enqueues them inside the caller's own transaction, through
 //!   sqlx ([`Outbox::enqueue`]) or, with the `tokio-postgres` feature, through a tokio-postgres
 //!   client or transaction. It never commits: the caller's commit makes the business change and
-//!   its events durable together, and a rollback leaves neither (brief W1, W4).
+//!   its events durable together, and a rollback leaves neither (design W1, W4).
 //!
 //! - [`PollingSource`] is the relay's source of committed events: it leases rows in short
 //!   `FOR UPDATE SKIP LOCKED` claims, records acknowledgements and failures, and wakes an idle
-//!   relay through LISTEN/NOTIFY (brief P1-P3, P7).
+//!   relay through LISTEN/NOTIFY (design P1-P3, P7).
 //!
-//! - [`Inbox`] is the consumer side (brief C1-C5): the dedup row and the per-aggregate sequence
+//! - [`Inbox`] is the consumer side (design C1-C5): the dedup row and the per-aggregate sequence
 //!   written in the consumer's own transaction, the consumer quarantine, and the record of
 //!   outside calls made under an idempotency key. [`ConsumerQuarantine`] is the operator's
 //!   side of that quarantine: list, show, retry (applied again by the consumer) and skip, each
 //!   audited.
 //!
 //! - [`Cleanup`] deletes (or archives) published outbox rows and dedup rows past their
-//!   retention in short keyset batches beside running relays (brief O2, C5).
+//!   retention in short keyset batches beside running relays (design O2, C5).
 //! - [`RetainedEvents`] reads published rows back page by page, each aggregate in sequence
-//!   order, for replays and for reconciling the broker with the outbox (brief O3).
+//!   order, for replays and for reconciling the broker with the outbox (design O3).
 //!
 //! - [`roles_sql`]: least-privilege roles (writer, relay, operator) over these tables;
 //!   [`ReadyProbe`]: the database half of a readiness probe.

@@ -372,7 +372,7 @@ impl Outbox {
     ///
     /// For callers whose aggregate row already carries a version that they lock in the same
     /// transaction (`SELECT ... FOR UPDATE`, or the insert of a new aggregate): the version is
-    /// the sequence, the caller's lock is the aggregate's lock rule (brief W3), and the
+    /// the sequence, the caller's lock is the aggregate's lock rule (design W3), and the
     /// `outbox_heads` row is neither read nor written, which saves a heap and an index write per
     /// transaction. Use one mode per aggregate type: [`enqueue`](Self::enqueue) keeps its own
     /// count in `outbox_heads` and does not see sequences written here.

@@ -1,4 +1,4 @@
-//! [`Quarantine`]: the events the relay held for an operator (brief P8), and the three ways to
+//! [`Quarantine`]: the events the relay held for an operator (design P8), and the three ways to
 //! release one, each recorded in `outbox_quarantine_actions`.
 //!
 //! The relay holds an event (sets `available_at = 'infinity'`) when the broker refuses it for

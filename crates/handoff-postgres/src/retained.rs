@@ -1,5 +1,5 @@
 //! Retained, published outbox rows, read back page by page for replays and reconciliation
-//! (brief O3).
+//! (design O3).
 
 use chrono::{DateTime, Utc};
 use handoff_core::delivery::OutboxEvent;

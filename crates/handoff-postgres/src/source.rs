@@ -550,7 +550,7 @@ const CLAIM_WITHOUT_JIT: &str = "SET LOCAL jit = off";
 
 /// Committed outbox rows as a relay [`Source`]: claims lease rows with `FOR UPDATE SKIP LOCKED`
 /// in one short statement each, acknowledgements set `published_at`, and LISTEN/NOTIFY wakes an
-/// idle relay (brief P1, P2, P7).
+/// idle relay (docs/design.md P1, P2, P7).
 ///
 /// It uses several connections of the pool at once: the listener keeps one; claims,
 /// acknowledgements (which the relay runs concurrently), the sweep for stragglers and backlog

@@ -1,4 +1,4 @@
-//! [`Status`]: the outbox at a glance for an operator (brief O1, O5): backlog, quarantine,
+//! [`Status`]: the outbox at a glance for an operator (design O1, O5): backlog, quarantine,
 //! stuck aggregates, table sizes and the last cleanup, in a handful of cheap queries that read
 //! the pending rows and the catalog, never the retained history.
 

@@ -1,5 +1,5 @@
 //! `Cleanup` against a real PostgreSQL: what goes, what stays, the archive, the horizons, the
-//! run log, locks and the stop signal (brief O2, C5).
+//! run log, locks and the stop signal (design O2, C5).
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! Enqueue in the caller's transaction, against the real PostgreSQL (brief W1, W3, W4, W6).
+//! Enqueue in the caller's transaction, against the real PostgreSQL (design W1, W3, W4, W6).
 
 use std::collections::HashMap;
 

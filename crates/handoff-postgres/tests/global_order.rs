@@ -1,4 +1,4 @@
-//! Global order mode against the real PostgreSQL (brief F3): the writers' global sequence and
+//! Global order mode against the real PostgreSQL (design F3): the writers' global sequence and
 //! the polling source's global lane.
 
 use std::collections::HashMap;

@@ -1,4 +1,4 @@
-//! Payload validation agrees with the real PostgreSQL's `jsonb` (brief W6): what validation
+//! Payload validation agrees with the real PostgreSQL's `jsonb` (design W6): what validation
 //! accepts, `$1::jsonb` accepts and prints within the size validation counted; what it refuses
 //! as a number out of range or a NUL, `jsonb` refuses too. Over edge numbers and the committed
 //! fuzz corpus (`fuzz/corpus/payload/`).

@@ -28,7 +28,7 @@ pub struct RelayConfig {
     ///
     /// [`OutboxEvent::size_bytes`]: handoff_core::delivery::OutboxEvent::size_bytes
     pub max_in_flight_bytes: usize,
-    /// Longest sleep while idle before polling again, whatever the notifications say (brief P7:
+    /// Longest sleep while idle before polling again, whatever the notifications say (design P7:
     /// about one query per interval while nothing happens).
     pub poll_interval: Duration,
     /// A publish is not started when less than this is left of its lease, so a slow publish

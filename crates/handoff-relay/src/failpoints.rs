@@ -1,4 +1,4 @@
-//! Named failpoints at the relay's crash windows (brief V1).
+//! Named failpoints at the relay's crash windows (design V1).
 //!
 //! Built with the `failpoints` feature, a process that set up a `fail::FailScenario` (the
 //! `handoff` binary does) reads them from `FAILPOINTS`, e.g.

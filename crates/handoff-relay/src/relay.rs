@@ -22,7 +22,7 @@ use crate::metrics as m;
 use crate::{OrderMode, RelayConfig, RelayConfigError};
 
 /// Moves committed events from a [`Source`] to a [`Transport`] at least once, in order per
-/// aggregate (brief P1-P6).
+/// aggregate (design P1-P6).
 ///
 /// - Claims are leased batches; while one batch is being published the next is claimed, up to
 ///   [`RelayConfig::max_in_flight`] events and [`RelayConfig::max_in_flight_bytes`] bytes.
@@ -489,7 +489,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
         }
     }
 
-    /// The retry decision for one failed publish (brief P3, P8), given the health verdict:
+    /// The retry decision for one failed publish (design P3, P8), given the health verdict:
     /// whether the failure concerns the event or the destination, and how long the
     /// destination's pause still lasts.
     ///

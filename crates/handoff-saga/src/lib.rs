@@ -1,4 +1,4 @@
-//! `handoff-saga`: orchestrated sagas on the handoff outbox and inbox (brief F2).
+//! `handoff-saga`: orchestrated sagas on the handoff outbox and inbox (design F2).
 //!
 //! A workflow across services cannot be one transaction. A saga runs it as a chain of local
 //! transactions, each of which changes the saga's state and sends the next command in the

@@ -1,4 +1,4 @@
-//! The one place where the reference consumers read old schema versions (brief O4).
+//! The one place where the reference consumers read old schema versions (design O4).
 //!
 //! Each evolved event type has one function here that takes a delivered event in any version
 //! the consumers know and returns it in the newest one; the handlers only ever see the newest

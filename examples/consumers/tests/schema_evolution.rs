@@ -1,4 +1,4 @@
-//! Schema evolution of `OrderCreated` (brief O4, V4) through the real `inventory` and
+//! Schema evolution of `OrderCreated` (design O4, V4) through the real `inventory` and
 //! `payments` binaries, PostgreSQL and NATS: orders written by an old instance (version 1) and
 //! by upgraded ones (version 2) have the same effect as if all were version 2; a replay of the
 //! old version 1 events after version 2 is deployed applies nothing twice, and a consumer that

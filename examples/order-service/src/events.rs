@@ -1,6 +1,6 @@
 //! The order's events, as consumers receive them.
 //!
-//! `OrderCreated` exists in two schema versions (brief O4): [`OrderCreated`] (version 1, amounts
+//! `OrderCreated` exists in two schema versions (design O4): [`OrderCreated`] (version 1, amounts
 //! as bare cents of the shop's currency) and [`OrderCreatedV2`] (version 2, amounts in minor
 //! units next to an explicit ISO 4217 currency). The service writes version 2 unless it is run
 //! as an old writer ([`OrderCreatedVersion::V1`]); both versions stay declared in the

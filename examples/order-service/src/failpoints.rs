@@ -1,4 +1,4 @@
-//! Named failpoints at the write path's crash windows (brief V1).
+//! Named failpoints at the write path's crash windows (design V1).
 //!
 //! Built with the `failpoints` feature, the `order-service` binary reads them from `FAILPOINTS`,
 //! e.g. `FAILPOINTS=order_service.after_commit=return`. A failpoint set to `return` freezes the

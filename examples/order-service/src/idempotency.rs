@@ -1,4 +1,4 @@
-//! Idempotency keys and request fingerprints (brief W5).
+//! Idempotency keys and request fingerprints (design W5).
 
 use sha2::{Digest, Sha256};
 

@@ -1,6 +1,6 @@
 //! The reference order service: for one command it writes an order in PostgreSQL and enqueues
 //! the matching event (`OrderCreated`, `OrderLineAdded`, `OrderCancelled`) in the SAME local
-//! transaction, together with the command's idempotency record and response (brief W1, W5).
+//! transaction, together with the command's idempotency record and response (design W1, W5).
 //!
 //! - [`model`]: requests, responses, validation;
 //! - [`events`]: the events and their catalog;

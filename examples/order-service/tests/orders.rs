@@ -1,4 +1,4 @@
-//! The order service over real HTTP against the real PostgreSQL (brief W1, W5, W6).
+//! The order service over real HTTP against the real PostgreSQL (design W1, W5, W6).
 
 use std::collections::HashSet;
 

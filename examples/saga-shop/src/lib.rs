@@ -1,4 +1,4 @@
-//! `saga-shop`: the reference place-order saga (brief F2), as three services with a database
+//! `saga-shop`: the reference place-order saga (design F2), as three services with a database
 //! of their own each.
 //!
 //! - [`orders`]: takes an order and starts its saga in the same transaction; it is the

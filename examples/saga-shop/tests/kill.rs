@@ -1,4 +1,4 @@
-//! SIGKILL of each saga participant mid-saga (brief F2, V2), on the real PostgreSQL and NATS:
+//! SIGKILL of each saga participant mid-saga (design F2, V2), on the real PostgreSQL and NATS:
 //! the three saga-shop services run as processes while orders come in, and each is killed
 //! and restarted in turn, twice. A payment provider that times out after charging (an
 //! ambiguous answer) adds its own retries. Every saga must still end, and every effect be done

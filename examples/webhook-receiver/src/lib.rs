@@ -1,4 +1,4 @@
-//! The reference HTTP receiver of handoff events (brief F1, C2), as a library so tests can run it
+//! The reference HTTP receiver of handoff events (design F1, C2), as a library so tests can run it
 //! in-process; the `webhook-receiver` binary is a thin command line around [`serve`].
 //!
 //! `POST` (any path but `/received`) applies the event's effect once per `Idempotency-Key`, in

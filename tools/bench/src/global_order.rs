@@ -1,4 +1,4 @@
-//! `handoff-bench global-order`: what strict global order (brief F3, `docs/global-order.md`)
+//! `handoff-bench global-order`: what strict global order (design F3, `docs/global-order.md`)
 //! costs, against per-aggregate order measured in the same run.
 //!
 //! - Write path: orders/s of the order service's own one-statement write (as

@@ -1,4 +1,4 @@
-//! The backlog drill behind `handoff-chaos backlog` (brief V3): every relay stopped under load
+//! The backlog drill behind `handoff-chaos backlog` (design V3): every relay stopped under load
 //! long enough to build a backlog, then restarted, with the drain timed, PostgreSQL's load
 //! sampled while it drains, `handoff status` and the Prometheus alert rules watched, and the
 //! checker run at the end.

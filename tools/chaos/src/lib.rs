@@ -1,4 +1,4 @@
-//! Proof tooling for handoff: the invariant checker behind `handoff-chaos check` (brief V2).
+//! Proof tooling for handoff: the invariant checker behind `handoff-chaos check` (design V2).
 //!
 //! [`check`] reads the order service's database (orders, idempotency records, outbox), the
 //! whole JetStream stream, and optionally the reference consumers' databases, and returns a

@@ -1,6 +1,6 @@
 //! `handoff-chaos`: proof tooling for handoff. `check` runs the invariant checker; `run` runs a
 //! chaos run (a private system, load, SIGKILLs, then the checker); `soak` is a long chaos run
-//! that must reach a number of kills; `backlog` is the backlog drill (brief V3).
+//! that must reach a number of kills; `backlog` is the backlog drill (design V3).
 //!
 //! Exit codes: 0 every invariant holds, 1 the check (or run) could not run, or a soak killed
 //! fewer processes than asked, 2 a violation was found.
@@ -26,7 +26,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Check the invariants (brief V2) over the databases and the stream.
+    /// Check the invariants (design V2) over the databases and the stream.
     Check(CheckArgs),
     /// Run a private handoff system under load while killing its processes, then check it.
     ///

@@ -1,4 +1,4 @@
-//! `handoff-chaos backlog` as a user runs it (brief V3): the built binary stops every relay of
+//! `handoff-chaos backlog` as a user runs it (design V3): the built binary stops every relay of
 //! its private system under load, restarts them, and must see the backlog drain, `handoff
 //! status` alert and then come back clean, Prometheus alerts fire and then clear, and every
 //! invariant hold. Needs the workspace's binaries next to it (`cargo build --workspace`) and

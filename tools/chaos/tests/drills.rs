@@ -1,4 +1,4 @@
-//! The operational drills of brief V4, each on real PostgreSQL and nats-server with the real
+//! The operational drills of design V4, each on real PostgreSQL and nats-server with the real
 //! pieces as processes (`handoff relay`, `handoff quarantine|replay|cleanup|status`, the
 //! `inventory` and `payments` reference consumers, the payment provider, the order service for
 //! the version change) and the invariant checker at the end:
@@ -463,7 +463,7 @@ fn assert_holds(report: &Report, system: &System) {
     );
 }
 
-/// Drill 1 (brief P8, V4): an `OrderCreated` the stream refuses for good.
+/// Drill 1 (design P8, V4): an `OrderCreated` the stream refuses for good.
 #[tokio::test]
 async fn drill_poison_event_is_held_its_order_waits_others_flow_then_retry_and_skip_resume_it() {
     let mut system = System::new("drill_poison", Some(SMALL_STREAM_LIMIT)).await;
@@ -759,7 +759,7 @@ impl Expected {
     }
 }
 
-/// Drill 2 (brief O4, V4): the order service is restarted from writing `OrderCreated` v1 to
+/// Drill 2 (design O4, V4): the order service is restarted from writing `OrderCreated` v1 to
 /// v2 in the middle of a stream of orders, with the consumers running throughout.
 #[tokio::test]
 async fn drill_version_change_mid_stream_applies_v1_and_v2_alike() {
@@ -845,7 +845,7 @@ async fn db_now(pool: &PgPool) -> String {
     .unwrap()
 }
 
-/// Drill 3 (brief O3, C1, V4): a replay of a range of old events while the consumers run.
+/// Drill 3 (design O3, C1, V4): a replay of a range of old events while the consumers run.
 #[tokio::test]
 async fn drill_replay_of_old_events_is_absorbed_by_the_inboxes() {
     let mut system = System::new("drill_replay", None).await;
@@ -927,7 +927,7 @@ async fn ids_where(pool: &PgPool, table: &str, clause: &str) -> BTreeSet<Uuid> {
         .collect()
 }
 
-/// Drill 4 (brief O2, C5, V4): `handoff cleanup` at the retention edge while the relay and the
+/// Drill 4 (design O2, C5, V4): `handoff cleanup` at the retention edge while the relay and the
 /// consumers run and orders keep coming, then a replay of everything retained.
 async fn cleanup_drill(name: &str, archive: bool) {
     let mut system = System::new(name, Some(SMALL_STREAM_LIMIT)).await;

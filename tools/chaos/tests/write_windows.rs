@@ -1,4 +1,4 @@
-//! The order service's crash windows (brief V1), against the real `order-service` binary built
+//! The order service's crash windows (design V1), against the real `order-service` binary built
 //! with failpoints: SIGKILL while a command's transaction is open (its writes done, not
 //! committed), and after the commit before the HTTP response. The client retries with the
 //! same `Idempotency-Key`, the relay publishes, and the checker finds every invariant holding:

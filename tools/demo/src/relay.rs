@@ -229,7 +229,7 @@ fn database_name(url: &str) -> String {
 }
 
 /// What `handoff status --json` says about the drained outbox, checked to be healthy: the
-/// operator's one-command view (brief O1, O5).
+/// operator's one-command view (design O1, O5).
 pub async fn status(database_url: &str) -> Result<String> {
     let exe = sibling_binary("handoff", "handoff")?;
     let output = Command::new(&exe)

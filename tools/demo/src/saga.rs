@@ -1,4 +1,4 @@
-//! `handoff-demo --saga`: the reference place-order saga across three services (brief F2),
+//! `handoff-demo --saga`: the reference place-order saga across three services (design F2),
 //! with each failure path scripted: a declined card, a payment provider that times out after
 //! charging, the inventory service down, and a stock release that keeps failing.
 //!

@@ -294,7 +294,7 @@ pub async fn check_stream(pool: &PgPool, messages: &[StoredMessage]) -> StreamCh
 /// Checks what reached a destination, in the order it holds it, against the outbox: every
 /// outbox event is there, nothing else is (so no rolled-back event either), each message
 /// carries its event's aggregate and sequence, and per aggregate the first copies come in
-/// sequence order 1, 2, 3 ... (brief P5). Later copies are counted as duplicates.
+/// sequence order 1, 2, 3 ... (design P5). Later copies are counted as duplicates.
 pub async fn check_delivered(pool: &PgPool, delivered: &[Delivered]) -> StreamCheck {
     let rows: Vec<(Uuid, String, i64)> =
         sqlx::query_as("SELECT event_id, aggregate_id, aggregate_sequence FROM outbox")

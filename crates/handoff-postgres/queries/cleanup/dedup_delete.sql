@@ -1,4 +1,4 @@
--- One cleanup batch over the consumer inbox's dedup rows (brief C5, O2), in one statement.
+-- One cleanup batch over the consumer inbox's dedup rows (design C5, O2), in one statement.
 --
 -- Walks processed_events' primary key (consumer_name, event_id) from the cursor ($1, $2)
 -- (NULL: from the start), $3 rows at a time, and deletes those processed before $4. The key

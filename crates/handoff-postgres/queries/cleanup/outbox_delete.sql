@@ -1,4 +1,4 @@
--- One cleanup batch over the outbox (brief O2), in one statement and so one short transaction.
+-- One cleanup batch over the outbox (design O2), in one statement and so one short transaction.
 --
 -- Walks the primary key, not published_at: an index on published_at would have to be maintained
 -- by every publish UPDATE on the relay's hot path, so there is none. The batch reads the next $2

@@ -1,4 +1,4 @@
--- Admits one delivered event inside the consumer's transaction, in one round trip (brief C1, C3):
+-- Admits one delivered event inside the consumer's transaction, in one round trip (design C1, C3):
 --   1. records (consumer, event_id) in processed_events; a conflict means a duplicate;
 --   2. reads the aggregate's last applied sequence, locking it, so two instances of one consumer
 --      apply an aggregate's events one after the other;

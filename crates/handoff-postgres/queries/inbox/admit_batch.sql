@@ -1,5 +1,5 @@
 -- Admits a batch of delivered events inside one consumer transaction, in one round trip: the
--- batch mode's counterpart of admit.sql (brief C1, C3). At most one event per aggregate (the
+-- batch mode's counterpart of admit.sql (design C1, C3). At most one event per aggregate (the
 -- caller keeps that; a second one would be judged against the same last_sequence).
 --   1. `previous` locks the batch's aggregates' sequence rows, in key order, so that two batches
 --      (two instances of one consumer) take them in the same order and cannot deadlock on them;

@@ -1,5 +1,5 @@
 -- Deletes at most $3 dedup rows of consumer $1 processed before $2: one bounded batch, its own
--- short transaction (brief C5, O2). The caller loops until fewer than $3 are deleted.
+-- short transaction (design C5, O2). The caller loops until fewer than $3 are deleted.
 DELETE FROM {schema}processed_events
 WHERE ctid = ANY (ARRAY(
     SELECT ctid FROM {schema}processed_events

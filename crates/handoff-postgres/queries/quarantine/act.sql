@@ -1,4 +1,4 @@
--- One operator action on a quarantined event, and its audit row, in one statement (brief P8):
+-- One operator action on a quarantined event, and its audit row, in one statement (design P8):
 -- the row is locked, released to the relay, and the action recorded with the row before and
 -- after, or nothing happens at all (no row returned: the event is unknown or not quarantined).
 --

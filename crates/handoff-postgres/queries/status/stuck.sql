@@ -1,5 +1,5 @@
 -- The aggregates whose first unpublished event has waited longest, older than $1 seconds, at
--- most $2 of them (stuck-key detection, brief O1): one key stalled behind a held event shows
+-- most $2 of them (stuck-key detection, design O1): one key stalled behind a held event shows
 -- here while the totals look healthy. Each with the event at its head, the one every later
 -- event of the aggregate waits for, and what that event is doing. Reads only pending rows.
 WITH heads AS (
