@@ -6,7 +6,7 @@ as rows/s), with the same run's bounds and naive rate as horizontal lines. Right
 latency percentiles per wake-up scenario and writer rate (log scale).
 
     python3 -m venv /tmp/plot && /tmp/plot/bin/pip install matplotlib
-    /tmp/plot/bin/python tools/bench/plot_relay.py docs/relay-2026-12-02.json docs/relay-drain.png
+    /tmp/plot/bin/python tools/bench/plot_relay.py tools/bench/results/relay-2026-12-02.json docs/relay-drain.png
 """
 
 import json
