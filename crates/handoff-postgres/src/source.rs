@@ -338,7 +338,7 @@ pub struct PollingConfig {
     /// WAL to reach disk. Off (the default), [`session_options`](Self::session_options) sets
     /// `synchronous_commit = off` for the relay's sessions: a claim or a mark returns without
     /// waiting behind the writers' flushes, which took 1 to 3 ms off the median commit →
-    /// broker latency at 500 and 1,000 events/s (docs/benchmarks.md, "Relay hot path v8").
+    /// broker latency at 500 and 1,000 events/s (docs/benchmarks.md, "Design notes from measurements").
     ///
     /// What that risks: a PostgreSQL crash (not a relay crash) can forget the relay's last
     /// commits, at most three `wal_writer_delay`s of them (600 ms by default). The events

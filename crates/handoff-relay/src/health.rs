@@ -7,7 +7,7 @@
 //! the other way round: an event the destination refuses (one tenant's, answered 503 while
 //! every other tenant gets 200) must not pause everyone, and must reach its attempt cap.
 //!
-//! The rule (the decision table of docs/relay.md, "Whose fault is a failure"):
+//! The rule (the decision table of docs/relay.md, "Failures (P3): whose fault is it?"):
 //! - a refusal ([`PublishErrorKind::Rejected`]) is the event's: charged, no pause;
 //! - `Unavailable`, `Throttled` and `Misconfigured` are the destination's: not charged, the
 //!   destination pauses (for at least a `Retry-After` it named);

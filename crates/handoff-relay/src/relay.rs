@@ -38,7 +38,7 @@ use crate::{OrderMode, RelayConfig, RelayConfigError};
 /// - A destination that is down, throttling (`Retry-After`, `connection.blocked`) or failing
 ///   every publish pauses claiming (no tight loop, no database load, no attempt charged) with
 ///   backoff; one probe event then tells whether it accepts again. Attempts are charged only
-///   for failures that concern the event (docs/relay.md, "Whose fault is a failure").
+///   for failures that concern the event (docs/relay.md, "Failures (P3): whose fault is it?").
 ///
 /// # Examples
 ///
