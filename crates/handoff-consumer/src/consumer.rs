@@ -102,6 +102,7 @@ struct Shared<H> {
     in_flight: Arc<InFlightBytes>,
     metrics: ConsumerMetrics,
     /// Benchmarks only: apply without the inbox, to measure what it costs.
+    #[cfg(feature = "bench")]
     bypass_inbox: AtomicBool,
 }
 
@@ -190,6 +191,7 @@ impl<H: Handler> Consumer<H> {
                 inbox,
                 handler,
                 buffered: AtomicUsize::new(0),
+                #[cfg(feature = "bench")]
                 bypass_inbox: AtomicBool::new(false),
             }),
         })
@@ -198,6 +200,7 @@ impl<H: Handler> Consumer<H> {
     /// The same consumer without the inbox: no dedup row, no sequence check, so a redelivery
     /// applies the effect again. For benchmarks that measure the inbox's cost; never for use.
     #[doc(hidden)]
+    #[cfg(feature = "bench")]
     pub fn without_inbox_for_benchmarks(self) -> Self {
         self.shared.bypass_inbox.store(true, Ordering::Relaxed);
         self
@@ -557,6 +560,7 @@ impl<H: Handler> Shared<H> {
                     .await;
             }
         };
+        #[cfg(feature = "bench")]
         if self.bypass_inbox.load(Ordering::Relaxed) {
             return self.apply(tx, item, false, started).await;
         }
