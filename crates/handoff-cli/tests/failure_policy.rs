@@ -733,7 +733,25 @@ async fn outcomes_written_after_a_database_outage_longer_than_the_lease_change_n
     );
     // A's leases (4 s) run out, B takes the events over and waits on the slow endpoint; then
     // A's database comes back, while B still holds them.
-    tokio::time::sleep_until((partitioned + Duration::from_secs(7)).into()).await;
+    eventually(
+        "relay B took relay A's events over",
+        Duration::from_secs(60),
+        async || {
+            let taken: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM lease_audit \
+                 WHERE writer = 'relay-b' AND new_by IS NOT NULL AND old_until IS NOT NULL",
+            )
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+            match taken {
+                0 => Err(Verbatim(b.log())),
+                _ => Ok(()),
+            }
+        },
+    )
+    .await;
+    eprintln!("taken over {:?} after the partition", partitioned.elapsed());
     proxy.heal();
     eventually(
         "relay A's late failures written, changing nothing",
