@@ -1,5 +1,5 @@
 //! What the `database_url` fuzz target runs, as a plain function: `fuzz_targets/database_url.rs`
-//! and `crates/handoff-postgres/tests/fuzz_corpus.rs` both include this file as a module (it is
+//! and `crates/handoff-postgres/tests/it/fuzz_corpus.rs` both include this file as a module (it is
 //! not part of `lib.rs`, which the handoff-core test includes and which depends on
 //! `handoff-core` only).
 //!

@@ -339,7 +339,7 @@ impl Inner {
     /// A commit is decoded and streamed as soon as its WAL record is flushed, a moment before
     /// PostgreSQL makes the writer's transaction visible to other sessions. An update in that
     /// moment finds no row, and the row would stay unpublished for good, to be published again
-    /// after the next restart (tests/poison.rs caught it: 0 of 2 rows updated). So ids whose
+    /// after the next restart (tests/it/poison.rs caught it: 0 of 2 rows updated). So ids whose
     /// row the update could not see are tried again, briefly; one still missing after that
     /// (its row deleted meanwhile, say the rows mode was switched) is left with a warning: the
     /// event itself is published.
@@ -541,7 +541,7 @@ impl Source for LogicalSource {
                     // its queue, and `hold` takes the whole queue out and settles it. Each must
                     // be in the table first: with deleted rows the writer's row is gone, and
                     // settling one unwritten would move the slot past an event that is neither
-                    // published nor anywhere else (found by tests/poison.rs). So the queue is
+                    // published nor anywhere else (found by tests/it/poison.rs). So the queue is
                     // re-read after each write, and held only once nothing unwritten is in it,
                     // under the same lock as the check.
                     let mut written: HashSet<EventId> = HashSet::new();

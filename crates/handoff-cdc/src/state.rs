@@ -115,7 +115,7 @@ pub(crate) struct State {
     /// Diverted events per table-driven aggregate whose rows are not written yet (deleted-rows
     /// mode). The aggregate must not be freed meanwhile: a sweep that read the table before
     /// such a row landed sees nothing to publish, and freeing the aggregate then would strand
-    /// the row, unpublished, until the next restart (tests/poison.rs caught it).
+    /// the row, unpublished, until the next restart (tests/it/poison.rs caught it).
     diverting: HashMap<Key, usize>,
     /// Per table-driven aggregate, the highest sequence that streamed in and settled because
     /// its row is kept in the table. A commit is decoded a moment before other sessions see

@@ -375,7 +375,7 @@ fn read_file(path: &Path) -> Result<RelayArgs> {
             .lines()
             .position(|l| {
                 // `[table]`, `key = ...` or `"key" = ...`; '\x22' is the double quote, so
-                // the file's string literals stay paired for tests/deploy.rs' metric scan.
+                // the file's string literals stay paired for tests/it/deploy.rs' metric scan.
                 let l = l.trim_start().trim_start_matches(['[', '\x22']);
                 l.starts_with(key.as_str())
             })

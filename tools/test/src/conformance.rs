@@ -56,7 +56,7 @@
 //! handoff_test::conformance_suite!(Redis);
 //! ```
 //!
-//! and run it with `cargo nextest run -p handoff-<name> --test conformance`. Each case starts
+//! and run it with `cargo nextest run -p handoff-<name> --test it conformance::`. Each case starts
 //! its own [`Destination`], so the cases run in parallel; each takes a second or two.
 //!
 //! The drivers of the existing destinations (`handoff-nats`, `handoff-kafka`, `handoff-amqp`,

@@ -1,0 +1,119 @@
+//! The transport conformance suite (`handoff_test::conformance`) on RabbitMQ: the shared
+//! broker (`AMQP_URL`), each case with its own exchange and a queue bound to it with `#`,
+//! reached through a fault proxy so the case can take the broker down (the proxy dropped) or
+//! make it silent (the proxy's black hole). The oversize case runs on a private node whose
+//! `max_message_size` is 4 KiB (the shared broker's is 128 MiB).
+//!
+//! RabbitMQ has no deduplication: a republish is a second message with the same `ce-id` and
+//! `message_id`, which consumers drop in their inbox.
+
+use crate::common;
+
+use crate::common::{config_at, url, Broker};
+use handoff_amqp::lapin::types::AMQPValue;
+use handoff_amqp::{AmqpConfig, AmqpTransport};
+use handoff_test::conformance::{
+    Case, Dedup, Destination, Link, Received, CE_SOURCE, PUBLISH_TIMEOUT,
+};
+use handoff_test::rabbitmq::RabbitMqNode;
+use tokio::task::block_in_place;
+
+/// The private node's message size limit, for the oversize case.
+const MAX_MESSAGE_SIZE: usize = 4096;
+
+struct Rabbit {
+    transport: AmqpTransport,
+    exchange: String,
+    /// Reads the queue straight from the broker, not through the proxy; dropped before the
+    /// node.
+    broker: Broker,
+    link: Link,
+    /// The private node of the oversize case.
+    node: Option<RabbitMqNode>,
+}
+
+impl Destination for Rabbit {
+    type Transport = AmqpTransport;
+    const NAME: &'static str = "amqp";
+    const DEDUP: Dedup = Dedup::None;
+
+    async fn start(case: Case) -> Self {
+        let node = (case == Case::Oversize).then(|| {
+            block_in_place(|| {
+                let node = RabbitMqNode::start_with_config(&[&format!(
+                    "max_message_size = {MAX_MESSAGE_SIZE}"
+                )])
+                .expect("a private rabbitmq node starts");
+                node
+            })
+        });
+        let server = node.as_ref().map_or_else(url, RabbitMqNode::url);
+        let exchange = common::unique_name(&format!("conformance_{}", case.name()));
+        let link = Link::to(&server).await;
+        let transport = AmqpTransport::connect(AmqpConfig {
+            ce_source: CE_SOURCE.to_owned(),
+            publish_timeout: PUBLISH_TIMEOUT,
+            ..config_at(link.url(), &exchange)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("connect through the proxy: {e}"));
+        let mut broker = Broker::at(&server).await;
+        broker.owns_exchange(&exchange);
+        broker.queue(&exchange, &exchange, "#").await;
+        Rabbit {
+            transport,
+            exchange,
+            broker,
+            link,
+            node,
+        }
+    }
+
+    fn link(&mut self) -> Option<&mut Link> {
+        Some(&mut self.link)
+    }
+
+    fn transport(&self) -> &AmqpTransport {
+        &self.transport
+    }
+
+    async fn received(&self, at_least: usize) -> Vec<Received> {
+        // The confirm came after the queue had each message: no waiting beyond the read.
+        let mut messages = self.broker.read(&self.exchange, at_least).await;
+        // Anything more (a copy) is in the queue by now too.
+        messages.extend(self.broker.drain(&self.exchange).await);
+        messages
+            .into_iter()
+            .map(|m| Received {
+                position: m.routing_key.clone(),
+                headers: m
+                    .properties
+                    .headers()
+                    .iter()
+                    .flat_map(|table| table.inner().iter())
+                    .map(|(name, value)| (name.to_string(), text(value)))
+                    .collect(),
+                body: m.body.into_bytes(),
+            })
+            .collect()
+    }
+
+    fn expected_receipt(&self, message: &Received) -> Option<String> {
+        Some(format!("amqp {} {}", self.exchange, message.position))
+    }
+
+    fn oversize(&self) -> Option<usize> {
+        self.node.as_ref().map(|_| MAX_MESSAGE_SIZE)
+    }
+}
+
+/// A header value as text (the transport sends long strings).
+fn text(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(value) => value.to_string(),
+        AMQPValue::ShortString(value) => value.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+handoff_test::conformance_suite!(Rabbit);

@@ -1,0 +1,10 @@
+//! The integration tests of `handoff-http`, one module per concern, in one test binary: each test
+//! binary links every dependency it uses, so one per file cost the workspace most of its
+//! test build's disk and link time. Run one module with a filter, e.g.
+//! `cargo nextest run -p handoff-http --test it conformance::`.
+
+mod common;
+
+mod conformance;
+mod relay;
+mod transport;

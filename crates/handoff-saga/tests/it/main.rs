@@ -1,0 +1,9 @@
+//! The integration tests of `handoff-saga`, one module per concern, in one test binary: each test
+//! binary links every dependency it uses, so one per file cost the workspace most of its
+//! test build's disk and link time. Run one module with a filter, e.g.
+//! `cargo nextest run -p handoff-saga --test it failure_policy::`.
+
+mod common;
+
+mod failure_policy;
+mod saga;
