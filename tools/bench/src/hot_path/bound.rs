@@ -1,7 +1,8 @@
-//! `handoff-bench drain-bound`: one relay's drain of a preloaded backlog against this machine's
-//! two bounds on the same backlog in the same run: the plain claim+mark SQL (the relay's claim
-//! and mark statements in a loop, 500 per claim, no broker) and JetStream async publish (the same
-//! events from memory, as fast as acks allow, no database). The relay bench's drain variants
+//! `handoff-bench drain-bound`: one relay's drain of a preloaded backlog against baselines on
+//! the same backlog in the same run: the shared specification's plain loop (`plain_bound`,
+//! [`super::plain`]: the baseline of every drain goal), the relay's own claim and mark
+//! statements in a loop (`sql_bound`, 500 per claim, no broker) and JetStream async publish
+//! (the same events from memory, as fast as acks allow, no database). The relay bench's drain variants
 //! (`sql_bound`, `jetstream_bound`, `relay_1`), alone and with the goal; and the peer,
 //! oxide-outbox at its best tuning (`oxide_outbox_8x1000`, [`super::peer`]), draining the same
 //! backlog to the same stream, for the second goal.
@@ -12,7 +13,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::candidates::{self, Candidate};
-use super::{peer, ratio, setup, BrokerArgs};
+use super::{peer, plain, ratio, setup, BrokerArgs};
 use crate::harness::{median_run, ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine::{commit_probe, Machine};
 use crate::relay::drain::{self, DrainRun, DrainVariant};
@@ -73,6 +74,12 @@ struct Results {
     /// Every round of every variant.
     drain_rounds: Vec<DrainRun>,
     min_bound: DrainVariant,
+    /// relay_1 / plain_bound: the relay against the shared specification's plain loop on the
+    /// same rows, the baseline every drain goal is measured against.
+    relay_1_over_plain_bound: f64,
+    /// The peer against the same plain loop (none with `--no-peer`).
+    peer_over_plain_bound: Option<f64>,
+    /// relay_1 / sql_bound: the relay against its own claim and mark in a loop.
     relay_1_over_sql_bound: f64,
     relay_1_over_jetstream_bound: f64,
     goal: Goal,
@@ -113,6 +120,7 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
         let mut rounds = Vec::new();
         for round in 1..=args.rounds {
             let mut order = vec![
+                DrainVariant::PlainBound,
                 DrainVariant::SqlBound,
                 DrainVariant::JetStreamBound,
                 DrainVariant::Relay1,
@@ -141,6 +149,7 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
                         DrainVariant::SqlBound => {
                             drain::sql_bound(&bench, &mut admin, round).await?
                         }
+                        DrainVariant::PlainBound => plain::drain(&bench, &mut admin, round).await?,
                         DrainVariant::JetStreamBound => {
                             drain::jetstream(&bench, &mut admin, round, OUTSTANDING, None).await?
                         }
@@ -177,6 +186,7 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
                 r.rows_per_second
             })
         };
+        let plain = median(DrainVariant::PlainBound);
         let sql = median(DrainVariant::SqlBound);
         let js = median(DrainVariant::JetStreamBound);
         let relay = median(DrainVariant::Relay1);
@@ -230,13 +240,17 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             rounds: args.rounds,
             outstanding: OUTSTANDING,
             min_bound: min.variant,
+            relay_1_over_plain_bound: ratio(relay.rows_per_second, plain.rows_per_second),
+            peer_over_plain_bound: peer
+                .as_ref()
+                .map(|p| ratio(p.rows_per_second, plain.rows_per_second)),
             relay_1_over_sql_bound: ratio(relay.rows_per_second, sql.rows_per_second),
             relay_1_over_jetstream_bound: ratio(relay.rows_per_second, js.rows_per_second),
             goal,
             peer: peer_goal.as_ref().map(|g| g.value),
             peer_goal,
             candidates: candidate_figures,
-            drain: [Some(sql), Some(js), Some(relay), peer]
+            drain: [Some(sql), Some(js), Some(relay), peer, Some(plain)]
                 .into_iter()
                 .flatten()
                 .chain(candidate_runs)
@@ -257,6 +271,14 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             );
         }
         println!();
+        println!(
+            "relay_1 / plain_bound (the shared plain loop, same rows): {:.2}{}",
+            results.relay_1_over_plain_bound,
+            results
+                .peer_over_plain_bound
+                .map(|p| format!("; oxide_outbox_8x1000 / plain_bound: {p:.2}"))
+                .unwrap_or_default()
+        );
         println!(
             "{}: {:.2} (min is {}, relay order ok {order_ok}), {}",
             results.goal.goal,

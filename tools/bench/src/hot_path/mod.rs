@@ -8,9 +8,9 @@
 //!   idle-in-transaction session holds an XID, against the clean phase before it.
 //! - [`writers`] (`handoff-bench writers`): the order write's throughput with a relay running
 //!   against none, and commit → broker p99 at fixed rates.
-//! - [`bound`] (`handoff-bench drain-bound`): one relay's drain against the plain claim+mark
-//!   SQL bound and the JetStream async-publish bound, and against the peer, oxide-outbox
-//!   ([`peer`]), at its best tuning.
+//! - [`bound`] (`handoff-bench drain-bound`): one relay's drain against the plain loop of the
+//!   shared bench specification ([`plain`]), handoff's own claim+mark SQL in a loop, the
+//!   JetStream async-publish bound, and the peer, oxide-outbox ([`peer`]), at its best tuning.
 //!   With `--candidates`, also the lease designs weighed for the relay ([`candidates`]).
 //!
 //! Every piece is the relay bench's ([`crate::relay`]): its backlog, drains, probes, paced writer
@@ -31,6 +31,7 @@ pub(crate) mod blocked;
 pub(crate) mod bound;
 pub(crate) mod candidates;
 pub(crate) mod peer;
+pub(crate) mod plain;
 pub(crate) mod writers;
 pub(crate) mod xmin;
 

@@ -36,6 +36,10 @@ pub enum DrainVariant {
     /// Claim 500, mark them published, repeat: the relay's SQL with no broker.
     #[serde(rename = "sql_bound")]
     SqlBound,
+    /// The plain claim+mark loop of the shared bench specification (no ordering logic, no
+    /// broker) on the same rows ([`crate::hot_path::plain`]): the baseline of every drain goal.
+    #[serde(rename = "plain_bound")]
+    PlainBound,
     /// The backlog's events from memory through the transport, 256 acks outstanding: no
     /// database.
     #[serde(rename = "jetstream_bound")]
@@ -77,6 +81,7 @@ impl DrainVariant {
         match self {
             DrainVariant::Naive => "naive",
             DrainVariant::SqlBound => "sql_bound",
+            DrainVariant::PlainBound => "plain_bound",
             DrainVariant::JetStreamBound => "jetstream_bound",
             DrainVariant::JetStreamSerial => "jetstream_serial",
             DrainVariant::Relay1 => "relay_1",

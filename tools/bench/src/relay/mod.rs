@@ -315,6 +315,7 @@ async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) ->
     for round in 1..=args.rounds {
         let mut order = [
             DrainVariant::Naive,
+            DrainVariant::PlainBound,
             DrainVariant::SqlBound,
             DrainVariant::JetStreamBound,
             DrainVariant::JetStreamSerial,
@@ -336,6 +337,9 @@ async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) ->
                     drain::naive(&bench, &mut admin, round, secs(args.naive_seconds)).await?
                 }
                 DrainVariant::SqlBound => drain::sql_bound(&bench, &mut admin, round).await?,
+                DrainVariant::PlainBound => {
+                    crate::hot_path::plain::drain(&bench, &mut admin, round).await?
+                }
                 DrainVariant::JetStreamBound => {
                     drain::jetstream(&bench, &mut admin, round, OUTSTANDING, None).await?
                 }
