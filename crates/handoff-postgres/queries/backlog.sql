@@ -1,3 +1,6 @@
+-- $1 (double precision) stuck after: seconds after which an aggregate whose oldest pending
+--    event is older counts in stuck_aggregates.
+--
 -- The relay's view of the backlog, for metrics and alerts (design O1, O5). Reads only pending rows,
 -- through outbox_pending_idx's predicate, so its cost follows the backlog, not the history.
 SELECT count(*) AS pending,

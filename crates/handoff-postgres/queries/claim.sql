@@ -1,3 +1,15 @@
+-- $1 (text) relay id: the relay taking the lease, written to claimed_by.
+-- $2 (bigint) batch size: at most this many events are leased.
+-- $3 (double precision) lease: seconds from now to the lease's end (claim_until, available_at).
+-- $4 (integer) max takeovers: counted takeovers after which an event is held as crash_loop.
+-- $5 (integer) suspect at: counted takeovers from which an event is leased alone (min(2, $4)).
+-- $6 (timestamptz, NULL: from the start) scan from: the lowest available_at the front reads.
+-- $7 (bigint, NULL: four batches) front rows: how far into outbox_ready_idx the front reads,
+--    as the previous claim's next_front found.
+-- $8 (uuid) session: the relay's session (outbox_relays), written to claimed_session.
+-- $9 (bigint) byte budget: most bytes of payload and headers leased; the first event goes
+--    whatever its size.
+--
 -- Lease up to $2 publishable events, and up to $9 bytes of them, to relay $1, session $8, for
 -- $3 seconds (docs/design.md P1, P2, P5); hold for an operator, instead, an event whose relay
 -- died holding it more than $4 times (a crash loop); lease alone an event whose relay died

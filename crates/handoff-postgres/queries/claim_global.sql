@@ -1,3 +1,12 @@
+-- $1 (text) relay id: the relay taking the lease, written to claimed_by.
+-- $2 (bigint) batch size: at most this many events of the lane are leased.
+-- $3 (double precision) lease: seconds from now to the lease's end (claim_until, available_at).
+-- $4 (integer) max takeovers: counted takeovers after which an event is held as crash_loop.
+-- $5 (integer) suspect at: counted takeovers from which an event is leased alone (min(2, $4)).
+-- $6 (uuid) session: the relay's session (outbox_relays), written to claimed_session.
+-- $7 (bigint) byte budget: most bytes of payload and headers leased; the lane's front goes
+--    whatever its size.
+--
 -- Lease to relay $1, session $6, for $3 seconds the front of the global lane: up to $2 events with
 -- consecutive global sequences, starting at the lowest unpublished one (design F3, global order
 -- mode; docs/global-order.md), and no more than $7 bytes of them (see picked).

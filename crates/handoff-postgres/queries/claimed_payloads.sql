@@ -1,3 +1,5 @@
+-- $1 (uuid[]) event ids: the events the claim just leased.
+--
 -- The payloads and headers of events a claim just leased ($1), read after the claim committed:
 -- no row lock, and nothing the relay's freeze can hold. The claim returns everything else; it
 -- leaves these out so that its result is small (claim.sql, leased).

@@ -1,8 +1,12 @@
--- Enqueue one or more events of ONE aggregate in the caller's transaction, in one round trip.
+-- $1 (text) aggregate type: of every event in the call.
+-- $2 (text) aggregate id: of every event in the call.
+-- $3 (uuid[]) event ids: one element per event, in the order given; the others follow it.
+-- $4 (text[]) event types.
+-- $5 (integer[]) schema versions.
+-- $6 (text[]) payloads: JSON, cast to jsonb.
+-- $7 (text[]) headers: JSON objects, cast to jsonb.
 --
--- $1 aggregate_type, $2 aggregate_id, then one array element per event, in the order given:
--- $3 event_id uuid[], $4 event_type text[], $5 schema_version int4[], $6 payload text[] (JSON),
--- $7 headers text[] (JSON objects).
+-- Enqueue one or more events of ONE aggregate in the caller's transaction, in one round trip.
 --
 -- The head upsert reserves cardinality($3) sequences at once and holds the head row's lock until
 -- the caller's transaction ends, so a concurrent writer of the same aggregate waits here, then

@@ -1,10 +1,15 @@
+-- $1 (text) aggregate type: of every event in the call.
+-- $2 (text) aggregate id: of every event in the call.
+-- $3 (uuid[]) event ids: one element per event, in the order given; the others follow it.
+-- $4 (text[]) event types.
+-- $5 (integer[]) schema versions.
+-- $6 (text[]) payloads: JSON, cast to jsonb.
+-- $7 (text[]) headers: JSON objects, cast to jsonb.
+-- $8 (bigint[]) global sequences: the places global_reserve.sql reserved, one per event.
+--
 -- enqueue.sql in global order mode: the same head upsert and insert, and each event also takes
 -- the global sequence the caller reserved for it (global_reserve.sql, run first in the same
 -- transaction).
---
--- $1 aggregate_type, $2 aggregate_id, then one array element per event, in the order given:
--- $3 event_id uuid[], $4 event_type text[], $5 schema_version int4[], $6 payload text[] (JSON),
--- $7 headers text[] (JSON objects), $8 global_sequence int8[].
 WITH head AS (
     INSERT INTO {schema}outbox_heads AS h (aggregate_type, aggregate_id, last_sequence)
     VALUES ($1, $2, cardinality($3::uuid[]))

@@ -1,3 +1,5 @@
+-- No parameters.
+--
 -- The pending events of each order mode, and the front of the global lane, for the relay's
 -- warnings (a relay publishes only its own mode's events) and for `handoff status`. Reads only
 -- pending rows, through the partial indexes' predicates.

@@ -1,3 +1,5 @@
+-- $1 (bigint) places: how many global sequences to reserve (the events enqueued).
+--
 -- Reserve $1 places in the global lane for the caller's transaction (global order mode).
 --
 -- The row lock this takes is held until the caller's transaction ends, so global-order writers

@@ -1,3 +1,12 @@
+-- $1 (text) relay id: the relay that failed to publish; only its leases are written.
+-- $2 (uuid[]) event ids: one element per failed event; the others follow it.
+-- $3 (text[]) errors: each failure's error, kept in last_error.
+-- $4 (bigint[]) delays: each event's back-off in milliseconds; a NULL element holds the event
+--    for an operator.
+-- $5 (boolean[]) charged: whether the failure counts as an attempt.
+-- $6 (timestamptz[]) leases: each event's claim_until as its claim wrote it (the fence).
+-- $7 (text[]) hold reasons: why a held event is held; NULL elements for the others.
+--
 -- Failed publishes of relay $1 (design P3): each event backs off until now() + its delay (no
 -- delay: held until an operator acts, for the reason given), optionally charged one attempt,
 -- with the error kept.

@@ -1,3 +1,12 @@
+-- $1 (uuid) session: the relay's session id, new at each start of the source.
+-- $2 (text) relay id: the relay's configured id.
+-- $3 (text, NULL: unknown) host: where the relay runs.
+-- $4 (integer) pid: the relay's process id.
+-- $5 (text) version: handoff's version.
+-- $6 (double precision) vouch: seconds from now the session counts as alive (alive_until).
+-- $7 (text, NULL: not paused) paused reason: why the relay paused its destination.
+-- $8 (text, NULL: not paused) paused cause: the error that made it pause.
+--
 -- Session $1 of relay $2 is alive, and vouches for itself for $6 more seconds (alive_until,
 -- migration 0020): registered at the source's first claim, renewed by its heartbeat. $3, $4 and
 -- $5 (host, process id, handoff version) are for an operator reading outbox_relays, and so are

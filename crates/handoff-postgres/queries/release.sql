@@ -1,3 +1,7 @@
+-- $1 (text) relay id: the relay giving the events back; only its leases are written.
+-- $2 (uuid[]) event ids: one element per event; $3 follows it.
+-- $3 (timestamptz[]) leases: each event's claim_until as its claim wrote it (the fence).
+--
 -- Relay $1 gives back leased events it did not publish (shutdown, a lease too close to its end,
 -- a paused destination): available at once to any relay, with no attempt charged.
 --

@@ -1,3 +1,17 @@
+-- $1 (text, NULL: any) aggregate type.
+-- $2 (text, NULL: any) aggregate id.
+-- $3 (text, NULL: any) event type.
+-- $4 (timestamptz, NULL: no bound) occurred since: occurred_at at or after it.
+-- $5 (timestamptz, NULL: no bound) occurred until: occurred_at at or before it.
+-- $6 (timestamptz, NULL: no bound) published since: published_at at or after it.
+-- $7 (timestamptz, NULL: no bound) published until: published_at at or before it.
+-- $8 (uuid[], NULL: any) event ids: only these events.
+-- $9 (text, NULL: the first page) after aggregate type: the previous page's last row's.
+-- $10 (text) after aggregate id: the previous page's last row's.
+-- $11 (bigint) after sequence: the previous page's last row's aggregate sequence.
+-- $12 (boolean) with payload: false returns a null payload, for a caller that needs the keys.
+-- $13 (bigint) limit: the page's size.
+--
 -- One page of retained, published outbox rows, for `handoff replay` and `handoff reconcile`
 -- (design O3).
 --

@@ -1,3 +1,6 @@
+-- No parameters: roles_sql fills in the schema and role names before the script is
+-- printed or run.
+--
 -- handoff least-privilege roles for schema {schema_name} (printed by `handoff roles --print`).
 --
 -- Three NOLOGIN group roles. Nothing logs in as them: grant each to the login roles your

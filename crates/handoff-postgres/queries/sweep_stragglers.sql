@@ -1,3 +1,5 @@
+-- $1 (timestamptz) from: where the relay's claims start reading; the sweep takes what is below.
+--
 -- Claimable events below where the relay's claims start reading outbox_ready_idx ($1): an event
 -- whose writer held its transaction open for longer than the claims look back, a lease that ran
 -- out while no claim looked, a row another claim had locked when the front passed it. Each is

@@ -1,3 +1,9 @@
+-- $1 (text, NULL: from the start) cursor consumer: consumer_name of the last row the previous
+--    batch read.
+-- $2 (uuid) cursor event id: event_id of that row.
+-- $3 (bigint) batch: how many rows of the key the batch reads.
+-- $4 (timestamptz) cutoff: dedup rows processed before it would go.
+--
 -- One --dry-run batch over processed_events: the walk of dedup_delete.sql, counting only.
 WITH scanned AS MATERIALIZED (
     SELECT consumer_name, event_id, processed_at

@@ -1,3 +1,9 @@
+-- $1 (text, NULL: from the start) cursor consumer: consumer_name of the last row the previous
+--    batch read.
+-- $2 (uuid) cursor event id: event_id of that row.
+-- $3 (bigint) batch: how many rows of the key the batch reads.
+-- $4 (timestamptz) cutoff: dedup rows processed before it go.
+--
 -- One cleanup batch over the consumer inbox's dedup rows (design C5, O2), in one statement.
 --
 -- Walks processed_events' primary key (consumer_name, event_id) from the cursor ($1, $2)

@@ -1,3 +1,7 @@
+-- $1 (uuid, NULL: from the start) cursor: the last event id the previous batch read.
+-- $2 (bigint) batch: how many event ids of the key the batch reads.
+-- $3 (timestamptz) cutoff: rows published before it move to the archive.
+--
 -- One cleanup batch over the outbox with --archive: as outbox_delete.sql, but the deleted rows
 -- go into outbox_archive in the same statement, so a row is either still in the outbox or in
 -- the archive, never in both and never in neither, whatever happens to the process.

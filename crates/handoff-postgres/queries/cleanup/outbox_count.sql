@@ -1,3 +1,7 @@
+-- $1 (uuid, NULL: from the start) cursor: the last event id the previous batch read.
+-- $2 (bigint) batch: how many event ids of the key the batch reads.
+-- $3 (timestamptz) cutoff: rows published before it would go.
+--
 -- One --dry-run batch over the outbox: the same walk as outbox_delete.sql, counting the rows it
 -- would delete instead of deleting them.
 WITH scanned AS MATERIALIZED (

@@ -1,3 +1,7 @@
+-- $1 (uuid, NULL: from the start) cursor: the last event id the previous batch read.
+-- $2 (bigint) batch: how many event ids of the key the batch reads.
+-- $3 (timestamptz) cutoff: rows published before it go.
+--
 -- One cleanup batch over the outbox (design O2), in one statement and so one short transaction.
 --
 -- Walks the primary key, not published_at: an index on published_at would have to be maintained

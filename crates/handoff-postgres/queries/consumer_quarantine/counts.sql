@@ -1,3 +1,5 @@
+-- No parameters.
+--
 -- Open rows of every consumer's quarantine, for `handoff status`, through
 -- consumer_quarantine_open_idx.
 SELECT consumer_name,

@@ -1,7 +1,10 @@
+-- $1 (text) consumer: the consumer whose quarantine is listed.
+-- $2 (bigint) limit: at most this many rows.
+-- $3 (boolean) include resolved: resolved rows as well as the open ones.
+--
 -- One consumer's quarantine, oldest first: the open rows (quarantined, retry_requested) through
 -- consumer_quarantine_open_idx, or every row with $3. Each with its aggregate's last applied
 -- sequence, so an operator sees whether the row is next in line, ahead (a gap) or stale.
--- $1 consumer, $2 most rows, $3 include resolved rows
 SELECT q.quarantine_id, q.consumer_name, q.event_id, q.aggregate_type, q.aggregate_id,
        q.aggregate_sequence, q.event_type, q.schema_version, q.reason_kind, q.reason,
        q.deliveries, q.quarantined_at, q.status, q.resolution, q.resolved_at,

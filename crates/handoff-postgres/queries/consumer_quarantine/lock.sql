@@ -1,8 +1,11 @@
+-- $1 (text) consumer: the consumer whose quarantine holds the row.
+-- $2 (bigint, NULL when $3 is given) quarantine id.
+-- $3 (uuid, NULL when $2 is given) event id.
+--
 -- Locks one row of a consumer's quarantine for an operator's action, by quarantine id ($2) or
 -- event id ($3), and returns what the action needs: its status, its place, and the columns the
 -- audit keeps as "before". A consumer retrying the row holds the same lock, so an action waits
 -- for that retry's outcome instead of racing it.
--- $1 consumer, $2 quarantine id or NULL, $3 event id or NULL
 SELECT q.quarantine_id, q.event_id, q.aggregate_type, q.aggregate_id, q.aggregate_sequence,
        q.event_type, q.status,
        jsonb_build_object(

@@ -1,9 +1,15 @@
+-- $1 (bigint) quarantine id: the row to move.
+-- $2 (text[]) from: the statuses the row may be in; in no other is it moved.
+-- $3 (text) status: the new status (quarantined, retry_requested or resolved).
+-- $4 (text, NULL unless $3 is resolved) resolution: applied, already_applied, stale or skipped.
+-- $5 (integer) retries: added to the row's retries.
+-- $6 (text, NULL: kept) reason kind: the new reason_kind.
+-- $7 (text, NULL: kept) reason: the new reason.
+--
 -- Moves one quarantine row to status $3 and returns the audit's "after" columns. Only from the
 -- statuses in $2: a consumer's retry result is written only while the row still waits for it
 -- (an operator may have skipped it in between), an operator's action only from an open row.
 -- No row returned: the row was not in one of those statuses; nothing changed.
--- $1 quarantine id, $2 allowed current statuses, $3 new status, $4 resolution (resolved only),
--- $5 retries to add, $6 new reason kind or NULL (kept), $7 new reason or NULL (kept)
 UPDATE {schema}consumer_quarantine q
 SET status = $3,
     resolution = $4,

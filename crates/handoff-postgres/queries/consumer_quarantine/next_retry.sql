@@ -1,8 +1,9 @@
+-- $1 (text) consumer: the consumer polling for retries.
+--
 -- The consumer's retry poll: one row an operator asked to retry, locked for the transaction
 -- that applies it, through consumer_quarantine_retry_idx. Only the lowest requested sequence of
 -- each aggregate is eligible, so one aggregate's retries apply in order even across several
 -- instances of the consumer (SKIP LOCKED lets each take a different aggregate).
--- $1 consumer
 SELECT q.quarantine_id, q.event_id, q.aggregate_type, q.aggregate_id, q.aggregate_sequence,
        q.event_type, q.schema_version, q.payload, q.headers::text AS headers, q.status,
        jsonb_build_object(

@@ -1,6 +1,9 @@
+-- $1 (text) consumer: the consumer whose quarantine holds the row.
+-- $2 (bigint, NULL when $3 is given) quarantine id.
+-- $3 (uuid, NULL when $2 is given) event id.
+--
 -- One row of a consumer's quarantine, by quarantine id ($2) or event id ($3), whatever its
 -- status, with the raw message and its aggregate's last applied sequence.
--- $1 consumer, $2 quarantine id or NULL, $3 event id or NULL
 SELECT q.quarantine_id, q.consumer_name, q.event_id, q.aggregate_type, q.aggregate_id,
        q.aggregate_sequence, q.event_type, q.schema_version, q.reason_kind, q.reason,
        q.deliveries, q.quarantined_at, q.status, q.resolution, q.resolved_at,

@@ -1,3 +1,11 @@
+-- $1 (text) consumer: the consumer whose inbox the skip writes.
+-- $2 (uuid, NULL for a malformed message without one) event id: recorded in processed_events.
+-- $3 (text, NULL for a malformed message) aggregate type.
+-- $4 (text, NULL for a malformed message) aggregate id.
+-- $5 (bigint, NULL for a malformed message) sequence: the skipped event's aggregate sequence.
+-- $6 (boolean) past gap: advance the sequence even when the event is ahead of the next in line
+--    (--past-gap).
+--
 -- What an operator's skip does to the consumer's inbox, in the skip's transaction:
 --   1. records the event id in processed_events (when it has one), so a later redelivery or
 --      replay of it is a duplicate, never applied;
@@ -7,8 +15,6 @@
 --      turns the missing events before it stale: recorded and never applied when they arrive.
 -- An event at or below the last applied sequence (stale) moves nothing. The sequence row is
 -- locked as admit.sql locks it, so a delivery of the same aggregate waits for the skip.
--- $1 consumer, $2 event id or NULL, $3 aggregate type, $4 aggregate id, $5 sequence (all three
--- NULL for a malformed message), $6 past the gap
 WITH inbox AS (
     INSERT INTO {schema}processed_events (consumer_name, event_id)
     SELECT $1, $2

@@ -1,3 +1,9 @@
+-- $1 (text) consumer: the consumer admitting the event (processed_events.consumer_name).
+-- $2 (uuid) event id: the delivered event's id.
+-- $3 (text) aggregate type: the delivered event's.
+-- $4 (text) aggregate id: the delivered event's.
+-- $5 (bigint) sequence: the delivered event's aggregate sequence.
+--
 -- Admits one delivered event inside the consumer's transaction, in one round trip (design C1, C3):
 --   1. records (consumer, event_id) in processed_events; a conflict means a duplicate;
 --   2. reads the aggregate's last applied sequence, locking it, so two instances of one consumer
@@ -7,7 +13,6 @@
 -- The caller applies the effect when `advanced`, and otherwise rolls back (gap) or decides by
 -- `last_sequence` (stale). The DO UPDATE's own condition re-checks the row it locked, so a
 -- concurrent transaction that advanced it first is never overwritten.
--- $1 consumer, $2 event id, $3 aggregate type, $4 aggregate id, $5 sequence
 WITH inbox AS (
     INSERT INTO {schema}processed_events (consumer_name, event_id)
     VALUES ($1, $2)

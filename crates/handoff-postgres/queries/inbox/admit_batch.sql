@@ -1,3 +1,9 @@
+-- $1 (text) consumer: the consumer admitting the batch.
+-- $2 (uuid[]) event ids: one element per delivered event; the others follow it.
+-- $3 (text[]) aggregate types.
+-- $4 (text[]) aggregate ids.
+-- $5 (bigint[]) sequences: each event's aggregate sequence.
+--
 -- Admits a batch of delivered events inside one consumer transaction, in one round trip: the
 -- batch mode's counterpart of admit.sql (design C1, C3). At most one event per aggregate (the
 -- caller keeps that; a second one would be judged against the same last_sequence).
@@ -13,7 +19,6 @@
 --      admits that event alone with admit.sql, where the gap policy decides.
 -- `advanced` without `fresh` (the dedup row conflicted after all: another transaction admitted
 -- the event at the same moment) tells the caller to roll the whole batch back.
--- $1 consumer, $2 event ids, $3 aggregate types, $4 aggregate ids, $5 sequences (equal lengths)
 WITH input AS (
     SELECT *
     FROM unnest($2::uuid[], $3::text[], $4::text[], $5::bigint[])

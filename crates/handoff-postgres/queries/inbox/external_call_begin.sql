@@ -1,6 +1,9 @@
+-- $1 (text) consumer: the consumer making the call.
+-- $2 (text) key: the call's idempotency key.
+-- $3 (uuid) event id: the event whose handling makes the call.
+--
 -- Records one attempt of a call under an idempotency key before it is sent, counting attempts.
 -- Returns the row as it was before this attempt: a call that already succeeded is not sent again.
--- $1 consumer, $2 key, $3 event id
 WITH before AS (
     SELECT status, response_status, response_body
     FROM {schema}external_calls

@@ -1,3 +1,9 @@
+-- $1 (uuid) event id: the quarantined event.
+-- $2 (text) action: retry, repair or skip.
+-- $3 (text) actor: the operator.
+-- $4 (text, NULL but for skip) reason: the skip's reason, sent in Handoff-Skipped.
+-- $5 (text, NULL but for repair) payload: the new payload, JSON text cast to jsonb.
+--
 -- One operator action on a quarantined event, and its audit row, in one statement (design P8):
 -- the row is locked, released to the relay, and the action recorded with the row before and
 -- after, or nothing happens at all (no row returned: the event is unknown or not quarantined).
@@ -9,7 +15,6 @@
 --
 -- Each resets the attempt and takeover counts, so the event gets the relay's full retry and
 -- crash-loop budgets again, and clears why it was held.
--- $1 event id, $2 action, $3 actor, $4 reason (skip: required), $5 new payload (repair)
 WITH before AS (
     SELECT o.event_id,
            jsonb_build_object(

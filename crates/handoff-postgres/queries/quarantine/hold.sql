@@ -1,3 +1,7 @@
+-- $1 (uuid) event id: the pending event to hold.
+-- $2 (text) actor: the operator.
+-- $3 (text) reason: why, kept in the audit row.
+--
 -- `handoff quarantine hold`: an operator takes a pending event out of the relay's way, and its
 -- audit row, in one statement: the row is locked, held as the relay holds an event
 -- (available_at 'infinity', quarantined_at now, hold_reason 'operator'), and the action
@@ -15,7 +19,6 @@
 -- blocked goes false: the mark of the event's predecessor frees a parked successor by setting
 -- its available_at to now (handoff_mark_published), which would release the hold. A held row
 -- is out of the claim's reach (available_at 'infinity') parked or not.
--- $1 event id, $2 actor, $3 reason
 WITH before AS (
     SELECT o.event_id,
            jsonb_build_object(

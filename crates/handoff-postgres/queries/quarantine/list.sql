@@ -1,7 +1,8 @@
+-- $1 (bigint) limit: at most this many events.
+--
 -- Quarantined events (held for an operator: attempt cap or a permanent broker refusal), oldest
 -- first, each with how many later events of its aggregate wait behind it. Reads through
 -- outbox_pending_idx (available_at = 'infinity' is its last key range).
--- $1 most rows
 SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
        o.schema_version, o.attempt_count, o.last_error, o.occurred_at, o.quarantined_at,
        o.hold_reason, o.takeover_count,

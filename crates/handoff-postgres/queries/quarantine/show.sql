@@ -1,6 +1,7 @@
+-- $1 (uuid) event id: the event shown.
+--
 -- One event as an operator sees it, whatever its state, with the number of later events of its
 -- aggregate that wait behind it.
--- $1 event id
 SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
        o.schema_version, o.attempt_count, o.last_error, o.occurred_at, o.quarantined_at,
        o.hold_reason, o.takeover_count,

@@ -1,3 +1,10 @@
+-- $1 (text) aggregate type: the aggregate with the hole.
+-- $2 (text) aggregate id.
+-- $3 (bigint) sequence: the missing sequence.
+-- $4 (text) actor: the operator.
+-- $5 (text) reason: the skip's reason, sent in Handoff-Skipped.
+-- $6 (uuid) marker id: the event id of the skip marker row (a UUIDv7 the caller makes).
+--
 -- `handoff quarantine skip --sequence`: release a hole (order fails closed, migration 0011).
 -- A sequence an outside writer never wrote holds every later event of its aggregate; this
 -- writes a skip marker row in its place, which the relay publishes like any skip marker (no
@@ -8,7 +15,6 @@
 -- Only a real hole: no row at $3, a pending event of the aggregate after it, and $3 not at or
 -- below the aggregate's cleanup watermark. A writer that commits the sequence later collides
 -- with the marker on outbox_aggregate_sequence_key and is refused (EnqueueError::SequenceTaken).
--- $1 aggregate type, $2 aggregate id, $3 sequence, $4 actor, $5 reason, $6 marker event id
 WITH hole AS (
     SELECT $1::text AS aggregate_type, $2::text AS aggregate_id, $3::bigint AS aggregate_sequence
     WHERE $3::bigint >= 1

@@ -1,3 +1,5 @@
+-- No parameters.
+--
 -- The latest `handoff cleanup` run, finished or not.
 SELECT run_id, started_at, finished_at, outbox_deleted, dedup_deleted, batches, longest_batch_ms,
        archived

@@ -1,3 +1,5 @@
+-- No parameters.
+--
 -- The relays that ran on this outbox, the latest session of each relay id (outbox_relays,
 -- migration 0020): alive while its last heartbeat vouches for it, else stopped (a session is
 -- purged a day after it stopped); and, for a live one, why it has paused its destination, if it

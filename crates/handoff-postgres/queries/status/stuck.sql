@@ -1,3 +1,7 @@
+-- $1 (double precision) stuck after: seconds an aggregate's oldest pending event must have
+--    waited for the aggregate to be listed.
+-- $2 (bigint) limit: at most this many aggregates.
+--
 -- The aggregates whose first unpublished event has waited longest, older than $1 seconds, at
 -- most $2 of them (stuck-key detection, design O1): one key stalled behind a held event shows
 -- here while the totals look healthy. Each with the event at its head, the one every later
