@@ -6,7 +6,7 @@
 -- (tests/migrate.rs) migrates a fresh schema, reads it back from PostgreSQL's catalog and fails
 -- when this file differs. After changing a migration, regenerate it with
 --
---     HANDOFF_BLESS=1 cargo nextest run -p handoff-postgres --test migrate schema_sql
+--     HANDOFF_BLESS=1 cargo nextest run -p handoff-postgres --test it migrate::schema_sql
 --
 -- and commit it with the migration. Names are unqualified: the objects live in the schema
 -- `handoff migrate --schema` names (the connection's search_path by default), which stands as

@@ -182,7 +182,7 @@ const SCHEMA_SQL_HEADER: &str = "\
 -- (tests/migrate.rs) migrates a fresh schema, reads it back from PostgreSQL's catalog and fails
 -- when this file differs. After changing a migration, regenerate it with
 --
---     HANDOFF_BLESS=1 cargo nextest run -p handoff-postgres --test migrate schema_sql
+--     HANDOFF_BLESS=1 cargo nextest run -p handoff-postgres --test it migrate::schema_sql
 --
 -- and commit it with the migration. Names are unqualified: the objects live in the schema
 -- `handoff migrate --schema` names (the connection's search_path by default), which stands as
@@ -344,7 +344,7 @@ async fn schema_sql_is_the_schema_after_every_migration() {
         panic!(
             "{} is not the schema the migrations make (line {}: migrations give {want:?}, the \
              file has {got:?}); regenerate it with \
-             HANDOFF_BLESS=1 cargo nextest run -p handoff-postgres --test migrate schema_sql",
+             HANDOFF_BLESS=1 cargo nextest run -p handoff-postgres --test it migrate::schema_sql",
             path.display(),
             line + 1,
         );
