@@ -224,8 +224,8 @@ candidate AS (
 ),
 eligible AS MATERIALIZED (
     -- A row behind a crash-looping or suspect one in its lane is left out: the held row must
-    -- not be overtaken, and the suspect goes first, alone. (This blocked is that verdict, for
-    -- this claim only, not the outbox.blocked column that parked sets below.)
+    -- not be overtaken, and the suspect goes first, alone (behind_suspect: that verdict, for
+    -- this claim only; not the outbox.blocked column that parked sets below).
     SELECT l.*
     FROM (
         SELECT c.*,
@@ -233,10 +233,10 @@ eligible AS MATERIALIZED (
                    PARTITION BY c.aggregate_type, c.aggregate_id
                    ORDER BY c.aggregate_sequence
                    ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
-               ), false) AS blocked
+               ), false) AS behind_suspect
         FROM candidate c
     ) l
-    WHERE NOT l.blocked
+    WHERE NOT l.behind_suspect
 ),
 solo AS MATERIALIZED (
     -- Isolation: when a process dies, every event it held is taken over, the innocent ones

@@ -136,10 +136,10 @@ picked AS (
                        coalesce(bool_or(m.crash_loop OR m.suspect) OVER (
                            ORDER BY m.global_sequence
                            ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
-                       ), false) AS blocked
+                       ), false) AS behind_suspect
                 FROM marked m
             ) m
-            WHERE NOT m.blocked
+            WHERE NOT m.behind_suspect
               AND (NOT m.suspect OR m.is_front)
             WINDOW w AS (ORDER BY m.global_sequence ROWS UNBOUNDED PRECEDING)
         ) p
