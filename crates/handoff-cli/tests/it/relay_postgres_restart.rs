@@ -15,15 +15,27 @@ use handoff_test::nats::{
 use handoff_test::{eventually, factory};
 use sqlx::postgres::PgPoolOptions;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_postgres_crash_under_the_relay_is_ridden_out() {
-    let mut server = tokio::task::spawn_blocking(PrivatePostgres::start)
+/// A private PostgreSQL with handoff migrated in its `postgres` database, a pool of
+/// `connections` on it, an outbox, and a fresh stream named after `name` on the shared NATS
+/// server (deleted when the guard drops).
+struct Private {
+    server: PrivatePostgres,
+    pool: sqlx::PgPool,
+    outbox: Outbox,
+    client: async_nats::Client,
+    target: Target,
+    _cleanup: DeleteStreamOnDrop,
+}
+
+async fn private(name: &str, connections: u32) -> Private {
+    let server = tokio::task::spawn_blocking(PrivatePostgres::start)
         .await
         .unwrap()
         .unwrap();
     let url = server.url("postgres");
     let pool = PgPoolOptions::new()
-        .max_connections(2)
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(2))
         .connect(&url)
         .await
         .unwrap();
@@ -32,16 +44,37 @@ async fn a_postgres_crash_under_the_relay_is_ridden_out() {
         .await
         .unwrap();
     let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
-
     let client = prepare_shared_server().await;
-    let stream = unique_name("pg_restart");
-    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
+    let stream = unique_name(name);
+    let cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
     let target = Target {
-        database_url: url.clone(),
+        database_url: url,
         nats_url: shared_url(),
         stream: stream.clone(),
-        prefix: stream.clone(),
+        prefix: stream,
     };
+    Private {
+        server,
+        pool,
+        outbox,
+        client,
+        target,
+        _cleanup: cleanup,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_crash_under_the_relay_is_ridden_out() {
+    let Private {
+        mut server,
+        pool,
+        outbox,
+        client,
+        target,
+        _cleanup,
+    } = private("pg_restart", 2).await;
+    let url = target.database_url.clone();
+    let stream = target.stream.clone();
     let mut relay = RelayProcess::start(&target, "pg-restart-relay", &[], &[]);
 
     enqueue_spread(&pool, &outbox, 0, 30, 7).await;
@@ -99,31 +132,15 @@ fn setting(name: &str, default: u64) -> u64 {
 async fn relays_frozen_past_their_lease_and_a_postgres_restart_hold_nothing_as_a_crash_loop() {
     let cycles = setting("HANDOFF_FREEZE_CYCLES", 2);
     let freeze = Duration::from_secs(setting("HANDOFF_FREEZE_SECONDS", 8));
-    let mut server = tokio::task::spawn_blocking(PrivatePostgres::start)
-        .await
-        .unwrap()
-        .unwrap();
-    let url = server.url("postgres");
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect(&url)
-        .await
-        .unwrap();
-    Migrator::handoff(Schema::default())
-        .run(&mut pool.acquire().await.unwrap())
-        .await
-        .unwrap();
-    let outbox = Outbox::new(OutboxConfig::default(), factory::catalog()).unwrap();
-    let client = prepare_shared_server().await;
-    let stream = unique_name("freeze_soak");
-    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
-    let target = Target {
-        database_url: url.clone(),
-        nats_url: shared_url(),
-        stream: stream.clone(),
-        prefix: stream.clone(),
-    };
+    let Private {
+        mut server,
+        pool,
+        outbox,
+        client,
+        target,
+        _cleanup,
+    } = private("freeze_soak", 4).await;
+    let stream = target.stream.clone();
     // Two takeovers of a crashed relay's lease hold an event: a frozen relay's counted as
     // crashes would hold events within a few cycles.
     let flags = ["--max-takeovers", "2"];
