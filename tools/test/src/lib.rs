@@ -5,6 +5,7 @@
 //!   sharing rows; dropped (with everything in it) when the test ends.
 //! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
 //! - [`conformance`]: the transport conformance suite every destination runs.
+//! - [`intake_conformance`]: the intake conformance suite every intake (consumer side) runs.
 //! - [`counting`]: [`counting::CountingSource`], a decorator that counts a relay's calls to a
 //!   real source (claims, marks, errors).
 //! - [`faults`]: [`faults::Faulty`], the fault-injecting decorator around a real transport.
@@ -37,6 +38,7 @@ pub mod counting;
 pub mod factory;
 pub mod faults;
 pub mod inbox;
+pub mod intake_conformance;
 pub mod nats;
 pub mod pgbouncer;
 pub mod process;

@@ -117,3 +117,124 @@ fn text(value: &AMQPValue) -> String {
 }
 
 handoff_test::conformance_suite!(Rabbit);
+
+/// The intake conformance suite (`handoff_test::intake_conformance`) on RabbitMQ: the shared
+/// broker, each case with its own exchange and a classic queue bound to it with `#`, which
+/// every intake of the case consumes.
+///
+/// RabbitMQ has no ack wait: an unsettled delivery stays with its consumer until that
+/// consumer's channel closes, then the broker requeues it at once (see `AmqpIntake`'s
+/// documentation), so [`IntakeDriver::redelivery_after`] is zero here. A classic queue only
+/// flags a redelivery; the intake counts it as delivery 2.
+mod intake {
+    use std::time::Duration;
+
+    use handoff_amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    use handoff_amqp::lapin::types::{AMQPValue, FieldTable, ShortString};
+    use handoff_amqp::lapin::{BasicProperties, Channel};
+    use handoff_amqp::{AmqpConfig, AmqpIntake, AmqpTransport, IntakeConfig, QueueDeclaration};
+    use handoff_test::intake_conformance::{IntakeCase, IntakeDriver, CE_SOURCE};
+
+    use super::common::{config, unique_name, url, Broker};
+
+    struct Rabbit {
+        transport: AmqpTransport,
+        /// The exchange, and the queue bound to it.
+        exchange: String,
+        /// Publishes raw messages with confirms, so that each is in the queue before the next
+        /// publish.
+        raw: Channel,
+        /// Deletes the exchange and the queue when dropped.
+        _broker: Broker,
+    }
+
+    impl Rabbit {
+        fn intake_config(&self, instance: &str) -> IntakeConfig {
+            IntakeConfig {
+                url: url(),
+                queue: self.exchange.clone(),
+                connection_name: format!("{}-{instance}", self.exchange),
+                ..IntakeConfig::default()
+            }
+        }
+    }
+
+    impl IntakeDriver for Rabbit {
+        type Transport = AmqpTransport;
+        type Intake = AmqpIntake;
+        const NAME: &'static str = "amqp";
+        /// The redelivered flag: the intake counts a flagged delivery as the second.
+        const COUNTS_REDELIVERIES: bool = true;
+
+        async fn start(case: IntakeCase) -> Self {
+            let exchange = unique_name(&format!("intake_{}", case.name()));
+            let mut broker = Broker::new().await;
+            broker.owns_exchange(&exchange);
+            broker.owns_queue(&exchange);
+            let transport = AmqpTransport::connect(AmqpConfig {
+                ce_source: CE_SOURCE.to_owned(),
+                ..config(&exchange)
+            })
+            .await
+            .unwrap_or_else(|e| panic!("connect: {e}"));
+            let raw = broker.connection.create_channel().await.unwrap();
+            raw.confirm_select(ConfirmSelectOptions::default())
+                .await
+                .unwrap();
+            let rabbit = Rabbit {
+                transport,
+                exchange: exchange.clone(),
+                raw,
+                _broker: broker,
+            };
+            AmqpIntake::declare_queue(
+                &rabbit.intake_config("declare"),
+                &QueueDeclaration {
+                    exchange,
+                    ..QueueDeclaration::default()
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("declare the queue: {e}"));
+            rabbit
+        }
+
+        fn transport(&self) -> &AmqpTransport {
+            &self.transport
+        }
+
+        async fn publish_raw(&self, headers: &[(String, String)], body: &[u8]) {
+            let mut table = FieldTable::default();
+            for (name, value) in headers {
+                table.insert(
+                    ShortString::from(name.as_str()),
+                    AMQPValue::LongString(value.as_str().into()),
+                );
+            }
+            self.raw
+                .basic_publish(
+                    self.exchange.as_str().into(),
+                    "raw.x".into(),
+                    BasicPublishOptions::default(),
+                    body,
+                    BasicProperties::default().with_headers(table),
+                )
+                .await
+                .expect("send a raw message")
+                .await
+                .expect("the broker confirms a raw message");
+        }
+
+        async fn open(&self, instance: &str) -> AmqpIntake {
+            AmqpIntake::connect(self.intake_config(instance))
+                .await
+                .unwrap_or_else(|e| panic!("open an intake: {e}"))
+        }
+
+        fn redelivery_after(&self) -> Duration {
+            Duration::ZERO
+        }
+    }
+
+    handoff_test::intake_conformance_suite!(Rabbit);
+}

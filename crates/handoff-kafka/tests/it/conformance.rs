@@ -107,3 +107,108 @@ impl Destination for Kafka {
 }
 
 handoff_test::conformance_suite!(Kafka);
+
+/// The intake conformance suite (`handoff_test::intake_conformance`) on Kafka: a private tansu
+/// broker per case, one topic of one partition, and one consumer group every intake of the
+/// case joins.
+///
+/// Kafka keeps no delivery count and has no per-message nak: as `KafkaIntake`'s documentation
+/// says, a nak'ed (or dropped) delivery is delivered again from the intake's memory with its
+/// count one higher, while a message read from the broker (after a restart or a rebalance,
+/// from the group's commit point) counts as delivery 1 again; so the crash and takeover cases
+/// assert a count of 1 here ([`IntakeDriver::COUNTS_REDELIVERIES`] is `false`).
+mod intake {
+    use std::time::Duration;
+
+    use handoff_kafka::rdkafka::message::{Header, OwnedHeaders};
+    use handoff_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+    use handoff_kafka::rdkafka::ClientConfig;
+    use handoff_kafka::{IntakeConfig, KafkaConfig, KafkaIntake, KafkaTransport};
+    use handoff_test::intake_conformance::{IntakeCase, IntakeDriver, CE_SOURCE};
+    use handoff_test::tansu::{unique_topic, Tansu};
+    use tokio::task::block_in_place;
+
+    /// How long a delivery dropped unsettled by a live intake waits to come again.
+    const REDELIVER_AFTER: Duration = Duration::from_millis(500);
+
+    struct Kafka {
+        transport: KafkaTransport,
+        topic: String,
+        /// Raw records, outside the contract.
+        raw: FutureProducer,
+        broker: Tansu,
+    }
+
+    impl IntakeDriver for Kafka {
+        type Transport = KafkaTransport;
+        type Intake = KafkaIntake;
+        const NAME: &'static str = "kafka";
+        const COUNTS_REDELIVERIES: bool = false;
+
+        async fn start(case: IntakeCase) -> Self {
+            let broker = block_in_place(Tansu::start).unwrap_or_else(|e| panic!("tansu: {e}"));
+            let topic = unique_topic(&format!("intake_{}", case.name()));
+            let transport = KafkaTransport::connect(KafkaConfig {
+                brokers: broker.brokers(),
+                topic: topic.clone(),
+                partitions: 1,
+                ce_source: CE_SOURCE.to_owned(),
+                ..KafkaConfig::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("connect: {e}"));
+            transport.ensure_topic().await.expect("ensure topic");
+            let raw = ClientConfig::new()
+                .set("bootstrap.servers", broker.brokers())
+                .create()
+                .expect("a raw producer");
+            Kafka {
+                transport,
+                topic,
+                raw,
+                broker,
+            }
+        }
+
+        fn transport(&self) -> &KafkaTransport {
+            &self.transport
+        }
+
+        async fn publish_raw(&self, headers: &[(String, String)], body: &[u8]) {
+            let mut owned = OwnedHeaders::new();
+            for (name, value) in headers {
+                owned = owned.insert(Header {
+                    key: name,
+                    value: Some(value),
+                });
+            }
+            let record = FutureRecord::to(&self.topic)
+                .key("raw")
+                .payload(body)
+                .headers(owned);
+            self.raw
+                .send(record, Duration::from_secs(10))
+                .await
+                .unwrap_or_else(|(e, _)| panic!("produce a raw record: {e}"));
+        }
+
+        async fn open(&self, instance: &str) -> KafkaIntake {
+            KafkaIntake::connect(IntakeConfig {
+                brokers: self.broker.brokers(),
+                topic: self.topic.clone(),
+                group_id: "conformance".to_owned(),
+                client_id: format!("conformance-{instance}"),
+                redeliver_after: REDELIVER_AFTER,
+                ..IntakeConfig::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("open an intake: {e}"))
+        }
+
+        fn redelivery_after(&self) -> Duration {
+            REDELIVER_AFTER
+        }
+    }
+
+    handoff_test::intake_conformance_suite!(Kafka);
+}

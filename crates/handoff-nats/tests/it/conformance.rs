@@ -91,3 +91,92 @@ impl Destination for JetStream {
 }
 
 handoff_test::conformance_suite!(JetStream);
+
+/// The intake conformance suite (`handoff_test::intake_conformance`) on JetStream: the shared
+/// server, each case with its own stream and one durable pull consumer that every intake of
+/// the case shares, its ack wait short so unsettled deliveries come again quickly.
+mod intake {
+    use std::time::Duration;
+
+    use async_nats::HeaderMap;
+    use handoff_nats::{IntakeConfig, JetStreamConfig, JetStreamIntake, JetStreamTransport};
+    use handoff_test::intake_conformance::{IntakeCase, IntakeDriver, CE_SOURCE};
+    use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
+
+    /// The durable consumer's ack wait: how long an unsettled delivery waits to come again.
+    const ACK_WAIT: Duration = Duration::from_secs(1);
+
+    struct JetStream {
+        transport: JetStreamTransport,
+        stream: String,
+        _cleanup: DeleteStreamOnDrop,
+    }
+
+    impl IntakeDriver for JetStream {
+        type Transport = JetStreamTransport;
+        type Intake = JetStreamIntake;
+        const NAME: &'static str = "nats";
+        /// The durable consumer counts deliveries (`num_delivered`) across its clients.
+        const COUNTS_REDELIVERIES: bool = true;
+
+        async fn start(case: IntakeCase) -> Self {
+            prepare_shared_server().await;
+            let stream = unique_name(&format!("intake_{}", case.name()));
+            let cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
+            let transport = JetStreamTransport::connect(
+                &shared_url(),
+                JetStreamConfig {
+                    stream: stream.clone(),
+                    subject_prefix: stream.clone(),
+                    source: CE_SOURCE.to_owned(),
+                    ..JetStreamConfig::default()
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("connect: {e}"));
+            transport.ensure_stream().await.expect("ensure stream");
+            JetStream {
+                transport,
+                stream,
+                _cleanup: cleanup,
+            }
+        }
+
+        fn transport(&self) -> &JetStreamTransport {
+            &self.transport
+        }
+
+        async fn publish_raw(&self, headers: &[(String, String)], body: &[u8]) {
+            let mut map = HeaderMap::new();
+            for (name, value) in headers {
+                map.insert(name.as_str(), value.as_str());
+            }
+            let context = async_nats::jetstream::new(self.transport.client().clone());
+            context
+                .publish_with_headers(format!("{}.raw.x", self.stream), map, body.to_vec().into())
+                .await
+                .expect("send a raw message")
+                .await
+                .expect("the stream stores a raw message");
+        }
+
+        async fn open(&self, _instance: &str) -> JetStreamIntake {
+            let config = IntakeConfig {
+                stream: self.stream.clone(),
+                subject_prefix: self.stream.clone(),
+                durable_name: "conformance".to_owned(),
+                ack_wait: ACK_WAIT,
+                ..IntakeConfig::default()
+            };
+            JetStreamIntake::connect(&shared_url(), config)
+                .await
+                .unwrap_or_else(|e| panic!("open an intake: {e}"))
+        }
+
+        fn redelivery_after(&self) -> Duration {
+            ACK_WAIT
+        }
+    }
+
+    handoff_test::intake_conformance_suite!(JetStream);
+}

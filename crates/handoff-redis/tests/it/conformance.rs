@@ -90,3 +90,77 @@ impl Destination for Redis {
 }
 
 handoff_test::conformance_suite!(Redis);
+
+/// The intake conformance suite (`handoff_test::intake_conformance`) on Redis Streams: the
+/// local Redis, each case with a stream key of its own and one consumer group, each instance a
+/// consumer of its own name in it; `claim_idle` short so another consumer takes over an
+/// unsettled entry quickly.
+mod intake {
+    use std::time::Duration;
+
+    use handoff_redis::redis;
+    use handoff_redis::{IntakeConfig, RedisIntake, RedisTransport};
+    use handoff_test::intake_conformance::{IntakeCase, IntakeDriver, CE_SOURCE};
+    use handoff_test::redis::{connection, url, ScratchStream};
+
+    /// How long an unsettled entry stays with its consumer before another one claims it.
+    const CLAIM_IDLE: Duration = Duration::from_millis(500);
+
+    struct Redis {
+        transport: RedisTransport,
+        stream: ScratchStream,
+    }
+
+    impl IntakeDriver for Redis {
+        type Transport = RedisTransport;
+        type Intake = RedisIntake;
+        const NAME: &'static str = "redis";
+        /// The group's pending list counts every delivery of an entry, to any consumer.
+        const COUNTS_REDELIVERIES: bool = true;
+
+        async fn start(case: IntakeCase) -> Self {
+            let stream = ScratchStream::new(&format!("intake-conformance-{}", case.name()));
+            let transport = RedisTransport::connect(handoff_redis::RedisConfig {
+                ce_source: CE_SOURCE.to_owned(),
+                ..stream.config()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("connect: {e}"));
+            Redis { transport, stream }
+        }
+
+        fn transport(&self) -> &RedisTransport {
+            &self.transport
+        }
+
+        async fn publish_raw(&self, headers: &[(String, String)], body: &[u8]) {
+            let mut xadd = redis::cmd("XADD");
+            xadd.arg(self.stream.key()).arg("*");
+            for (name, value) in headers {
+                xadd.arg(name).arg(value);
+            }
+            xadd.arg(handoff_redis::PAYLOAD_FIELD).arg(body);
+            let _: String = xadd.query(&mut connection()).expect("XADD a raw entry");
+        }
+
+        async fn open(&self, instance: &str) -> RedisIntake {
+            RedisIntake::connect(IntakeConfig {
+                url: url(),
+                stream: self.stream.key().to_owned(),
+                group: "conformance".to_owned(),
+                consumer: instance.to_owned(),
+                block: Duration::from_millis(100),
+                claim_idle: CLAIM_IDLE,
+                ..IntakeConfig::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("open an intake: {e}"))
+        }
+
+        fn redelivery_after(&self) -> Duration {
+            CLAIM_IDLE
+        }
+    }
+
+    handoff_test::intake_conformance_suite!(Redis);
+}
