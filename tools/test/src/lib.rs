@@ -9,13 +9,14 @@
 //! - [`counting`]: [`counting::CountingSource`], a decorator that counts a relay's calls to a
 //!   real source (claims, marks, errors).
 //! - [`faults`]: [`faults::Faulty`], the fault-injecting decorator around a real transport.
-//! - [`inbox`]: a consumer under test on any intake, recording each application of an effect.
-//! - [`nats`]: the shared NATS server's URL, a private `nats-server` to stop and kill, and
-//!   reading a stream back.
+//! - [`inbox`] (feature `inbox`): a consumer under test on any intake, recording each
+//!   application of an effect.
+//! - [`nats`] (feature `nats`): the shared NATS server's URL, a private `nats-server` to stop
+//!   and kill, and reading a stream back.
 //! - [`rabbitmq`]: a private RabbitMQ node, for tests that raise its memory alarm or change its
 //!   limits without touching the shared broker.
-//! - [`redis`]: the local Redis's URL, a stream key of the test's own, and reading a stream
-//!   back.
+//! - [`redis`] (feature `redis`): the local Redis's URL, a stream key of the test's own, and
+//!   reading a stream back.
 //! - [`tansu`]: a private tansu broker (Kafka protocol) for the Kafka destination's tests.
 //! - [`pgbouncer`]: a private PgBouncer in transaction pooling mode, and a database of its own
 //!   for a test behind it.
@@ -26,6 +27,8 @@
 //! - [`eventually`]: the one way a test waits for a condition (no sleeps, no home-made deadline
 //!   loops), and [`pending_rows`]: the one query for the outbox rows not yet published.
 
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -37,13 +40,16 @@ pub mod conformance;
 pub mod counting;
 pub mod factory;
 pub mod faults;
+#[cfg(feature = "inbox")]
 pub mod inbox;
 pub mod intake_conformance;
+#[cfg(feature = "nats")]
 pub mod nats;
 pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
 pub mod rabbitmq;
+#[cfg(feature = "redis")]
 pub mod redis;
 pub mod tansu;
 pub mod tls;
@@ -257,4 +263,35 @@ fn tokio_runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .expect("build a cleanup runtime")
+}
+
+/// A name for one test's stream and subject prefix, unique across parallel test processes:
+/// `t_<prefix>_<16 hex digits>`, with `prefix` lowercased, reduced to `[a-z0-9_]` and cut to 32
+/// characters.
+///
+/// It is valid both as a JetStream stream name and as one subject token, so a test can use the
+/// same string for both.
+///
+/// # Examples
+///
+/// ```
+/// let name = handoff_test::unique_name("Publish & read");
+/// assert!(name.starts_with("t_publish___read_"));
+/// assert_ne!(name, handoff_test::unique_name("Publish & read"));
+/// ```
+pub fn unique_name(prefix: &str) -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let clean = crate::sanitize(prefix, 32);
+    // A process-random hasher over pid, counter and time: unique within a process by the
+    // counter, across processes by the pid and the random keys.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let hash = RandomState::new().hash_one((
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        nanos,
+    ));
+    format!("t_{clean}_{hash:016x}")
 }

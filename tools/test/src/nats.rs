@@ -31,14 +31,11 @@
 //! # }
 //! ```
 
-use std::collections::hash_map::RandomState;
 use std::collections::VecDeque;
-use std::hash::BuildHasher;
 use std::io::{self, BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -134,36 +131,8 @@ pub async fn prepare_shared_server() -> async_nats::Client {
     )
 }
 
-/// A name for one test's stream and subject prefix, unique across parallel test processes:
-/// `t_<prefix>_<16 hex digits>`, with `prefix` lowercased, reduced to `[a-z0-9_]` and cut to 32
-/// characters.
-///
-/// It is valid both as a JetStream stream name and as one subject token, so a test can use the
-/// same string for both.
-///
-/// # Examples
-///
-/// ```
-/// let name = handoff_test::nats::unique_name("Publish & read");
-/// assert!(name.starts_with("t_publish___read_"));
-/// assert_ne!(name, handoff_test::nats::unique_name("Publish & read"));
-/// ```
-pub fn unique_name(prefix: &str) -> String {
-    static COUNTER: AtomicU32 = AtomicU32::new(0);
-    let clean = crate::sanitize(prefix, 32);
-    // A process-random hasher over pid, counter and time: unique within a process by the
-    // counter, across processes by the pid and the random keys.
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    let hash = RandomState::new().hash_one((
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed),
-        nanos,
-    ));
-    format!("t_{clean}_{hash:016x}")
-}
+/// A name no other test uses: see [`crate::unique_name`], the one definition.
+pub use crate::unique_name;
 
 /// One message as a stream stores it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -293,7 +293,7 @@ pub fn free_port() -> io::Result<u16> {
 }
 
 /// A topic name unique across parallel tests: `t_<prefix>_<16 hex digits>` (see
-/// [`crate::nats::unique_name`]), valid as a Kafka topic and consumer group.
+/// [`crate::unique_name`]), valid as a Kafka topic and consumer group.
 ///
 /// # Examples
 ///
@@ -302,5 +302,5 @@ pub fn free_port() -> io::Result<u16> {
 /// assert!(topic.starts_with("t_relay_order_"));
 /// ```
 pub fn unique_topic(prefix: &str) -> String {
-    crate::nats::unique_name(prefix)
+    crate::unique_name(prefix)
 }
