@@ -17,7 +17,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::failpoints::{self as fp, freeze_if_fired};
 pub use crate::health::{DestinationPause, RelayStatus};
-use crate::health::{Health, PauseReason, Verdict};
+use crate::health::{Health, Pause, PauseReason, Verdict};
 use crate::metrics as m;
 use crate::{OrderMode, RelayConfig, RelayConfigError};
 
@@ -712,189 +712,284 @@ async fn claim_loop<S: Source, T: Transport>(
     claims: mpsc::Sender<Claim>,
     shared: Arc<Shared>,
     config: RelayConfig,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    let mut source_failures = 0u32;
-    // After a pause, one event goes out alone; only its success reopens full claims.
-    let mut probing = false;
-    // The pause last logged and counted (by its serial), so each is said once.
-    let mut announced = 0u64;
-    // Rounds the transport said it was still unreachable, for the wait's backoff.
-    let mut unready = 0u32;
-    // Said once: a lease shorter than the margin is a configuration error, not a passing state.
-    let mut lease_warned = false;
-    let mut bytes_held = shared.bytes.subscribe();
-    // Bytes of an event of the recent claims, on average: large events are asked for in
-    // claims of about what the byte room holds, since a claim reads the size of every event
-    // it could lease before it cuts to the budget.
-    let mut event_bytes: Option<usize> = None;
-    loop {
-        if *stop.borrow() {
-            break;
-        }
-        if let Some(pause) = shared.health.pause() {
-            if pause.serial != announced {
-                announced = pause.serial;
-                if pause.rounds == 1 && pause.reason == PauseReason::Misconfigured {
-                    error!(
-                        reason = pause.reason.as_str(),
-                        cause = %pause.cause,
-                        "the destination refuses the relay's credentials or address: \
-                         destination paused, no claims and no attempts charged; it resumes by \
-                         itself once a probe event gets through"
-                    );
-                } else if pause.rounds == 1 && pause.reason == PauseReason::Throttled {
-                    warn!(
-                        reason = pause.reason.as_str(),
-                        cause = %pause.cause,
-                        "destination throttling: destination paused, no claims and no attempts \
-                         charged until a probe event gets through"
-                    );
-                } else if pause.rounds == 1 && pause.reason == PauseReason::Failing {
-                    warn!(
-                        reason = pause.reason.as_str(),
-                        cause = %pause.cause,
-                        "broker unreachable: different events failed one after another; \
-                         destination paused, no claims and no attempts charged until a probe \
-                         event gets through"
-                    );
-                } else if pause.rounds == 1 {
-                    warn!(
-                        reason = pause.reason.as_str(),
-                        "broker unreachable: destination paused, no claims and no attempts \
-                         charged until a probe event gets through"
-                    );
-                } else {
-                    debug!(
-                        reason = pause.reason.as_str(),
-                        paused_rounds = pause.rounds,
-                        "probe failed: destination paused again"
-                    );
-                }
-                metrics::counter!(m::DESTINATION_PAUSES, "reason" => pause.reason.as_str())
-                    .increment(1);
-                show_pause(Some(pause.reason));
-                // A throttling or misconfigured destination answers; one that is down or
-                // fails everything does not.
-                if matches!(
-                    pause.reason,
-                    PauseReason::Unavailable | PauseReason::Failing
-                ) {
-                    metrics::gauge!(m::BROKER_UP).set(0.0);
-                }
-            }
-            tokio::select! {
-                _ = stop.changed() => break,
-                () = tokio::time::sleep_until(pause.until.into()) => {}
-            }
-            if matches!(
-                pause.reason,
-                PauseReason::Unavailable | PauseReason::Throttled
-            ) {
-                // The transport knows when it can reach the broker again (or, for RabbitMQ,
-                // when the broker lifts its connection.blocked): no probe event is spent
-                // before then.
-                let wait = config
-                    .outage_backoff
-                    .delay(pause.rounds.saturating_add(unready));
-                tokio::select! {
-                    _ = stop.changed() => break,
-                    ready = transport.wait_until_ready(wait) => if !ready {
-                        unready = unready.saturating_add(1);
-                        continue;
-                    },
-                }
-            }
-            unready = 0;
-            shared.health.resume();
-            probing = true;
-        }
-        let batch = if probing { 1 } else { config.batch_size };
+    let bytes_held = shared.bytes.subscribe();
+    let claimer = Claimer {
+        source,
+        transport,
+        capacity,
+        claims,
+        shared,
+        config,
+        stop,
+        source_failures: 0,
+        probing: false,
+        announced: 0,
+        unready: 0,
+        lease_warned: false,
+        bytes_held,
+        event_bytes: None,
+    };
+    claimer.run().await;
+}
 
-        if config.order == OrderMode::Global && unsettled(&shared) > 0 {
-            // The lane's front is this relay's own lease until the outcomes are written: a
-            // claim now could only come back empty. Wait for the bookkeeper instead.
-            shared.hurry.notify_one();
-            tokio::select! {
-                _ = stop.changed() => break,
-                () = shared.progress.notified() => continue,
+/// What the claim loop does after a step: go on with what the step gave, start the next round
+/// from the top, or stop (shutdown, or a failure retrying cannot cure).
+enum Flow<T = ()> {
+    /// Go on with the step's result.
+    Go(T),
+    /// Start the next round.
+    Again,
+    /// End the loop.
+    Stop,
+}
+
+/// The claim loop with what it keeps from one round to the next.
+struct Claimer<S, T> {
+    source: Arc<S>,
+    transport: Arc<T>,
+    /// Permits for events in flight ([`RelayConfig::max_in_flight`]).
+    capacity: Arc<Semaphore>,
+    /// Where claims go to be split into lanes.
+    claims: mpsc::Sender<Claim>,
+    shared: Arc<Shared>,
+    config: RelayConfig,
+    stop: watch::Receiver<bool>,
+    /// Claims that failed in a row, for the retry's backoff.
+    source_failures: u32,
+    /// After a pause, one event goes out alone; only its success reopens full claims.
+    probing: bool,
+    /// The pause last logged and counted (by its serial), so each is said once.
+    announced: u64,
+    /// Rounds the transport said it was still unreachable, for the wait's backoff.
+    unready: u32,
+    /// Said once: a lease shorter than the margin is a configuration error, not a passing state.
+    lease_warned: bool,
+    /// The in-flight bytes ([`Shared::bytes`]), watched for room.
+    bytes_held: watch::Receiver<usize>,
+    /// Bytes of an event of the recent claims, on average: large events are asked for in
+    /// claims of about what the byte room holds, since a claim reads the size of every event
+    /// it could lease before it cuts to the budget.
+    event_bytes: Option<usize>,
+}
+
+/// What one claim said, for the steps of its round that follow it.
+struct Round {
+    /// How many events the claim asked for.
+    batch: usize,
+    /// How many it leased.
+    claimed: usize,
+    /// The byte budget cut events the batch had room for: a backlog is left.
+    bytes_full: bool,
+    /// One suspect event, leased alone: nothing else may be in flight while it is published.
+    isolated: bool,
+    /// Events wait behind this relay's own in flight.
+    waiting_on_in_flight: bool,
+}
+
+impl<S: Source, T: Transport> Claimer<S, T> {
+    /// Rounds until shutdown: wait out a pause, reserve room, claim, hand the claim to the
+    /// lanes, then wait for work when the claim left nothing to claim.
+    async fn run(mut self) {
+        loop {
+            if *self.stop.borrow() {
+                break;
+            }
+            match self.wait_out_pause().await {
+                Flow::Go(()) => {}
+                Flow::Again => continue,
+                Flow::Stop => break,
+            }
+            if self.config.order == OrderMode::Global && unsettled(&self.shared) > 0 {
+                // The lane's front is this relay's own lease until the outcomes are written: a
+                // claim now could only come back empty. Wait for the bookkeeper instead.
+                self.shared.hurry.notify_one();
+                tokio::select! {
+                    _ = self.stop.changed() => break,
+                    () = self.shared.progress.notified() => continue,
+                }
+            }
+            let batch = match self.reserve().await {
+                Flow::Go(batch) => batch,
+                Flow::Again => continue,
+                Flow::Stop => break,
+            };
+            let claim = match self.claim(batch).await {
+                Flow::Go(claim) => claim,
+                Flow::Again => continue,
+                Flow::Stop => break,
+            };
+            let round = self.take_in(&claim, batch).await;
+            if round.waiting_on_in_flight {
+                // Events wait behind this relay's own, whose marks the bookkeeper may be holding
+                // back to write them together: they are claimable once those are written.
+                self.shared.hurry.notify_one();
+            }
+            if round.isolated {
+                // A suspect of killing its relays: nothing else may be in flight when it is
+                // published, so a crash charges its takeover to it alone.
+                settled(&self.shared, &mut self.stop).await;
+            }
+            if round.claimed > 0 && !self.hand_over(claim).await {
+                break;
+            }
+            if round.isolated {
+                // ... and nothing else is claimed until its outcome is written.
+                settled(&self.shared, &mut self.stop).await;
+            }
+            if self.probing && round.claimed > 0 {
+                self.await_probe().await;
+                continue;
+            }
+            if round.claimed < round.batch && !round.bytes_full {
+                if let Flow::Stop = self.wait_for_work(&round).await {
+                    break;
+                }
             }
         }
-        // A claim waits for a quarter of the byte bound to be free (a probe for any room), so
-        // that large events still go in claims of several, not one claim per event returned.
-        let bytes_wanted = if probing {
+    }
+
+    /// Waits out the destination's pause, if one is in force (announcing it once), then opens
+    /// a probe: one event goes out alone. `Again` while the transport still cannot reach the
+    /// broker.
+    async fn wait_out_pause(&mut self) -> Flow {
+        let Some(pause) = self.shared.health.pause() else {
+            return Flow::Go(());
+        };
+        if pause.serial != self.announced {
+            self.announced = pause.serial;
+            announce_pause(&pause);
+        }
+        tokio::select! {
+            _ = self.stop.changed() => return Flow::Stop,
+            () = tokio::time::sleep_until(pause.until.into()) => {}
+        }
+        if matches!(
+            pause.reason,
+            PauseReason::Unavailable | PauseReason::Throttled
+        ) {
+            // The transport knows when it can reach the broker again (or, for RabbitMQ,
+            // when the broker lifts its connection.blocked): no probe event is spent
+            // before then.
+            let wait = self
+                .config
+                .outage_backoff
+                .delay(pause.rounds.saturating_add(self.unready));
+            tokio::select! {
+                _ = self.stop.changed() => return Flow::Stop,
+                ready = self.transport.wait_until_ready(wait) => if !ready {
+                    self.unready = self.unready.saturating_add(1);
+                    return Flow::Again;
+                },
+            }
+        }
+        self.unready = 0;
+        self.shared.health.resume();
+        self.probing = true;
+        Flow::Go(())
+    }
+
+    /// Waits for room in flight, by bytes and then by events, and takes the permits of the
+    /// next claim: how many events it asks for.
+    async fn reserve(&mut self) -> Flow<usize> {
+        let batch = if self.probing {
             1
         } else {
-            (config.max_in_flight_bytes / 4).max(1)
+            self.config.batch_size
         };
-        let room = |held: usize| config.max_in_flight_bytes.saturating_sub(held);
+        // A claim waits for a quarter of the byte bound to be free (a probe for any room), so
+        // that large events still go in claims of several, not one claim per event returned.
+        let bytes_wanted = if self.probing {
+            1
+        } else {
+            (self.config.max_in_flight_bytes / 4).max(1)
+        };
+        let max_bytes = self.config.max_in_flight_bytes;
+        let room = |held: usize| max_bytes.saturating_sub(held);
+        let bytes_held = &mut self.bytes_held;
         if room(*bytes_held.borrow()) < bytes_wanted {
             debug!(
                 in_flight_bytes = *bytes_held.borrow(),
                 "in-flight byte bound reached: waiting for room"
             );
             tokio::select! {
-                _ = stop.changed() => break,
+                _ = self.stop.changed() => return Flow::Stop,
                 freed = async {
                     bytes_held.wait_for(|held| room(*held) >= bytes_wanted).await.map(|_| ())
                 } => if freed.is_err() {
-                    break;
+                    return Flow::Stop;
                 },
             }
         }
-        let batch = match event_bytes {
+        let batch = match self.event_bytes {
             Some(each) if each > 0 => {
                 let fits = room(*bytes_held.borrow()) / each;
                 batch.min(fits.saturating_add(fits / 4).saturating_add(1))
             }
             _ => batch,
         };
-        if capacity.available_permits() < batch {
+        if self.capacity.available_permits() < batch {
             debug!(
-                in_flight = in_flight(&shared),
+                in_flight = in_flight(&self.shared),
                 "in-flight bound reached: waiting for room"
             );
         }
         let permits = tokio::select! {
-            _ = stop.changed() => break,
-            permits = capacity.clone().acquire_many_owned(batch as u32) => match permits {
+            _ = self.stop.changed() => return Flow::Stop,
+            permits = self.capacity.clone().acquire_many_owned(batch as u32) => match permits {
                 Ok(permits) => permits,
-                Err(_closed) => break,
+                Err(_closed) => return Flow::Stop,
             },
         };
         permits.forget();
+        Flow::Go(batch)
+    }
 
+    /// Claims up to `batch` events within the byte room; on a failure gives the permits back
+    /// and retries with backoff (`Again`), or ends the run if retrying cannot cure it.
+    async fn claim(&mut self, batch: usize) -> Flow<Claim> {
         // Only lanes change it meanwhile, and they only give bytes back: the room can only grow
         // between this read and the claim.
-        let max_bytes = room(*shared.bytes.borrow());
+        let max_bytes = self
+            .config
+            .max_in_flight_bytes
+            .saturating_sub(*self.shared.bytes.borrow());
         let started = Instant::now();
-        let result = source.claim(batch, max_bytes).await;
+        let result = self.source.claim(batch, max_bytes).await;
         metrics::histogram!(m::CLAIM_SECONDS).record(started.elapsed().as_secs_f64());
-        let claim = match result {
-            Ok(claim) => claim,
+        match result {
+            Ok(claim) => {
+                self.source_failures = 0;
+                Flow::Go(claim)
+            }
             Err(error) => {
-                capacity.add_permits(batch);
+                self.capacity.add_permits(batch);
                 metrics::counter!(m::SOURCE_ERRORS, "op" => "claim").increment(1);
                 if !error.kind().is_retryable() {
-                    shared.fail("claim", error);
-                    break;
+                    self.shared.fail("claim", error);
+                    return Flow::Stop;
                 }
-                source_failures += 1;
-                let delay = config.outage_backoff.delay(source_failures);
+                self.source_failures += 1;
+                let delay = self.config.outage_backoff.delay(self.source_failures);
                 warn!(error = %error, retry_in = ?delay, "claim failed");
                 tokio::select! {
-                    _ = stop.changed() => break,
-                    () = tokio::time::sleep(delay) => continue,
+                    _ = self.stop.changed() => Flow::Stop,
+                    () = tokio::time::sleep(delay) => Flow::Again,
                 }
             }
-        };
-        source_failures = 0;
+        }
+    }
+
+    /// Takes a claim's events into the in-flight bytes, gives back the permits it did not use,
+    /// counts it, and reads what it says for the rest of the round.
+    async fn take_in(&mut self, claim: &Claim, batch: usize) -> Round {
         let claimed = claim.events.len();
         // Held from here: the lanes give the bytes back as events leave them.
         let claimed_bytes: usize = claim.events.iter().map(OutboxEvent::size_bytes).sum();
-        shared.hold_bytes(claimed_bytes);
+        self.shared.hold_bytes(claimed_bytes);
         if let Some(each) = claimed_bytes.checked_div(claimed) {
-            event_bytes = Some(event_bytes.map_or(each, |before| {
+            self.event_bytes = Some(self.event_bytes.map_or(each, |before| {
                 before.saturating_mul(3).saturating_add(each) / 4
             }));
         }
@@ -902,7 +997,7 @@ async fn claim_loop<S: Source, T: Transport>(
         if claimed > 0 {
             freeze_if_fired(fp::CLAIM).await;
         }
-        capacity.add_permits(batch - claimed);
+        self.capacity.add_permits(batch - claimed);
         debug!(claimed, bytes_full, "claimed");
         metrics::counter!(m::CLAIMS).increment(1);
         metrics::counter!(m::CLAIMED).increment(claimed as u64);
@@ -913,89 +1008,140 @@ async fn claim_loop<S: Source, T: Transport>(
             );
             metrics::counter!(m::TAKEN_OVER).increment(claim.taken_over as u64);
         }
-        if claimed > 0 && !lease_warned {
-            if let Some(deadline) = claim.lease_deadline {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left <= config.lease_margin {
-                    // Every lane would give its events back unpublished, claim after claim.
-                    lease_warned = true;
-                    warn!(
-                        lease_left = ?left,
-                        lease_margin = ?config.lease_margin,
-                        "a fresh claim's lease is already within lease_margin: nothing can be \
-                         published; make the source's lease longer than lease_margin"
-                    );
-                }
-            }
+        if claimed > 0 && !self.lease_warned {
+            self.warn_if_lease_short(claim);
         }
-        if probing && claimed == 0 {
+        if self.probing && claimed == 0 {
             // Nothing to probe with: the next claim is a full one, and its failures, if any,
             // pause again. The pause is still reported (gauge, /readyz) until an event gets
             // through: the events it held back wait for their retry time, unproven.
-            probing = false;
+            self.probing = false;
         }
-        let isolated = claim.isolate && claimed > 0;
-        let waiting_on_in_flight = claim.waiting_on_in_flight;
-        if waiting_on_in_flight {
-            // Events wait behind this relay's own, whose marks the bookkeeper may be holding
-            // back to write them together: they are claimable once those are written.
-            shared.hurry.notify_one();
+        Round {
+            batch,
+            claimed,
+            bytes_full,
+            isolated: claim.isolate && claimed > 0,
+            waiting_on_in_flight: claim.waiting_on_in_flight,
         }
-        if isolated {
-            // A suspect of killing its relays: nothing else may be in flight when it is
-            // published, so a crash charges its takeover to it alone.
-            settled(&shared, &mut stop).await;
-        }
-        if claimed > 0 {
-            shared
-                .in_flight
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .extend(claim.events.iter().map(|e| (e.event_id, claim.lease)));
-            shared.unsettled.fetch_add(claimed, Ordering::Relaxed);
-            metrics::gauge!(m::IN_FLIGHT).set(in_flight(&shared) as f64);
-            if claims.send(claim).await.is_err() {
-                break;
+    }
+
+    /// Warns (once) when a fresh claim's lease is already within the lease margin.
+    fn warn_if_lease_short(&mut self, claim: &Claim) {
+        if let Some(deadline) = claim.lease_deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left <= self.config.lease_margin {
+                // Every lane would give its events back unpublished, claim after claim.
+                self.lease_warned = true;
+                warn!(
+                    lease_left = ?left,
+                    lease_margin = ?self.config.lease_margin,
+                    "a fresh claim's lease is already within lease_margin: nothing can be \
+                     published; make the source's lease longer than lease_margin"
+                );
             }
         }
-        if isolated {
-            // ... and nothing else is claimed until its outcome is written.
-            settled(&shared, &mut stop).await;
+    }
+
+    /// Puts a claim's events in flight and sends it to the lanes; false once the run no longer
+    /// takes claims.
+    async fn hand_over(&mut self, claim: Claim) -> bool {
+        self.shared
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(claim.events.iter().map(|e| (e.event_id, claim.lease)));
+        self.shared
+            .unsettled
+            .fetch_add(claim.events.len(), Ordering::Relaxed);
+        metrics::gauge!(m::IN_FLIGHT).set(in_flight(&self.shared) as f64);
+        self.claims.send(claim).await.is_ok()
+    }
+
+    /// Waits for the probe's outcome: a success ended the pause (the lane logged it), a failure
+    /// started the next one.
+    async fn await_probe(&mut self) {
+        settled(&self.shared, &mut self.stop).await;
+        self.probing = false;
+        if !self.shared.health.is_paused() {
+            info!("probe event accepted: destination resumed, claiming");
+            show_pause(None);
+            metrics::gauge!(m::BROKER_UP).set(1.0);
         }
-        if probing && claimed > 0 {
-            // Wait for the probe's outcome: a success ended the pause (the lane logged it), a
-            // failure started the next one.
-            settled(&shared, &mut stop).await;
-            probing = false;
-            if !shared.health.is_paused() {
-                info!("probe event accepted: destination resumed, claiming");
-                show_pause(None);
-                metrics::gauge!(m::BROKER_UP).set(1.0);
-            }
-            continue;
-        }
-        if claimed < batch && !bytes_full {
-            // (A claim the byte bound cut leaves a backlog: the next waits for bytes back
-            // above, not for a writer.)
-            // No backlog, or the rest of it waits behind events in flight: sleep until a
-            // writer commits, our own outcomes unblock something (only when the claim saw
-            // events waiting on them: at steady load a claim after every mark would cost a
-            // query each for nothing), or the poll interval ends.
-            let unblocks = waiting_on_in_flight && (claimed > 0 || unsettled(&shared) > 0);
-            tokio::select! {
-                _ = stop.changed() => break,
-                () = shared.progress.notified(), if unblocks => {}
-                woke = source.wait_for_work(config.poll_interval) => {
-                    if let Err(error) = woke {
-                        warn!(error = %error, "wake-up channel failed: polling");
-                        tokio::select! {
-                            _ = stop.changed() => break,
-                            () = tokio::time::sleep(config.poll_interval) => {}
-                        }
+    }
+
+    /// After a claim that left no backlog, or whose backlog waits behind events in flight:
+    /// sleeps until a writer commits, our own outcomes unblock something (only when the claim
+    /// saw events waiting on them: at steady load a claim after every mark would cost a query
+    /// each for nothing), or the poll interval ends. (A claim the byte bound cut leaves a
+    /// backlog: the next waits for bytes back in [`Claimer::reserve`], not for a writer.)
+    async fn wait_for_work(&mut self, round: &Round) -> Flow {
+        let unblocks =
+            round.waiting_on_in_flight && (round.claimed > 0 || unsettled(&self.shared) > 0);
+        tokio::select! {
+            _ = self.stop.changed() => return Flow::Stop,
+            () = self.shared.progress.notified(), if unblocks => {}
+            woke = self.source.wait_for_work(self.config.poll_interval) => {
+                if let Err(error) = woke {
+                    warn!(error = %error, "wake-up channel failed: polling");
+                    tokio::select! {
+                        _ = self.stop.changed() => return Flow::Stop,
+                        () = tokio::time::sleep(self.config.poll_interval) => {}
                     }
                 }
             }
         }
+        Flow::Go(())
+    }
+}
+
+/// Logs and counts a new pause of the destination (once per pause: by its serial).
+fn announce_pause(pause: &Pause) {
+    if pause.rounds == 1 && pause.reason == PauseReason::Misconfigured {
+        error!(
+            reason = pause.reason.as_str(),
+            cause = %pause.cause,
+            "the destination refuses the relay's credentials or address: \
+             destination paused, no claims and no attempts charged; it resumes by \
+             itself once a probe event gets through"
+        );
+    } else if pause.rounds == 1 && pause.reason == PauseReason::Throttled {
+        warn!(
+            reason = pause.reason.as_str(),
+            cause = %pause.cause,
+            "destination throttling: destination paused, no claims and no attempts \
+             charged until a probe event gets through"
+        );
+    } else if pause.rounds == 1 && pause.reason == PauseReason::Failing {
+        warn!(
+            reason = pause.reason.as_str(),
+            cause = %pause.cause,
+            "broker unreachable: different events failed one after another; \
+             destination paused, no claims and no attempts charged until a probe \
+             event gets through"
+        );
+    } else if pause.rounds == 1 {
+        warn!(
+            reason = pause.reason.as_str(),
+            "broker unreachable: destination paused, no claims and no attempts \
+             charged until a probe event gets through"
+        );
+    } else {
+        debug!(
+            reason = pause.reason.as_str(),
+            paused_rounds = pause.rounds,
+            "probe failed: destination paused again"
+        );
+    }
+    metrics::counter!(m::DESTINATION_PAUSES, "reason" => pause.reason.as_str()).increment(1);
+    show_pause(Some(pause.reason));
+    // A throttling or misconfigured destination answers; one that is down or
+    // fails everything does not.
+    if matches!(
+        pause.reason,
+        PauseReason::Unavailable | PauseReason::Failing
+    ) {
+        metrics::gauge!(m::BROKER_UP).set(0.0);
     }
 }
 
