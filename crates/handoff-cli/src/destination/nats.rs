@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tracing::info;
 
-use super::{connect_with_retry, Common, Destination, ReplayAck, Store};
+use super::{connect_with_retry, Common, Destination, DestinationKind, ReplayAck, Store};
 
 /// The NATS flags (and config-file keys).
 #[derive(clap::Args, Deserialize, Default, Clone)]
@@ -64,7 +64,7 @@ impl std::fmt::Debug for NatsConfig {
 }
 
 impl Destination for NatsFlags {
-    const NAME: &'static str = "nats";
+    const KIND: DestinationKind = DestinationKind::Nats;
     type Config = NatsConfig;
     type Transport = JetStreamTransport;
     type Store = JetStreamTransport;
