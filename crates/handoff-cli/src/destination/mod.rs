@@ -180,6 +180,23 @@ pub struct Common {
 }
 
 impl Common {
+    /// Refuses a deduplication window (`what`, such as `duplicate window`) that does not
+    /// outlast the relay's lease: a republish after a lease expiry would not be deduplicated.
+    /// Without a lease (replay, reconcile) any window does.
+    pub fn check_dedup_window(&self, what: &str, window: Duration) -> Result<()> {
+        if let Some(lease) = self.lease {
+            if window <= lease {
+                bail!(
+                    "{what} of {} must be longer than the lease of {}: a republish after a \
+                     lease expiry would not be deduplicated",
+                    humantime::format_duration(window),
+                    humantime::format_duration(lease)
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// What `replay` and `reconcile` (`application`, such as `handoff-replay`) connect with:
     /// the relay's default publish timeout, no lease.
     pub fn operator(application: &str) -> Common {

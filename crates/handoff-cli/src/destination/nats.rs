@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use handoff_core::delivery::{OutboxEvent, PublishError};
 use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport, NatsSecurityArgs};
 use serde::Deserialize;
@@ -85,16 +85,7 @@ impl Destination for NatsFlags {
             security: self.nats_security.security(),
         };
         jetstream.validate()?;
-        if let Some(lease) = common.lease {
-            if jetstream.duplicate_window <= lease {
-                bail!(
-                    "duplicate window of {} must be longer than the lease of {}: a republish \
-                     after a lease expiry would not be deduplicated",
-                    humantime::format_duration(jetstream.duplicate_window),
-                    humantime::format_duration(lease)
-                );
-            }
-        }
+        common.check_dedup_window("duplicate window", jetstream.duplicate_window)?;
         Ok(NatsConfig {
             url: self
                 .nats_url

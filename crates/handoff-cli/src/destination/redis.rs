@@ -48,16 +48,7 @@ impl Destination for RedisFlags {
             ..defaults
         };
         config.validate()?;
-        if let Some(lease) = common.lease {
-            if config.dedup_window <= lease {
-                bail!(
-                    "redis dedup window of {} must be longer than the lease of {}: a republish \
-                     after a lease expiry would not be deduplicated",
-                    humantime::format_duration(config.dedup_window),
-                    humantime::format_duration(lease)
-                );
-            }
-        }
+        common.check_dedup_window("redis dedup window", config.dedup_window)?;
         Ok(config)
     }
 
