@@ -163,16 +163,12 @@ impl AmqpConfig {
         if self.heartbeat.as_secs() > u64::from(u16::MAX) {
             return Err(ConfigError::HeartbeatTooLong);
         }
-        let invalid_source = |reason| ConfigError::InvalidSource {
-            value: self.ce_source.clone(),
-            reason,
-        };
-        if self.ce_source.is_empty() {
-            return Err(invalid_source("the source cannot be empty"));
-        }
-        if self.ce_source.contains(['\r', '\n', '\0']) {
-            return Err(invalid_source("a header value cannot hold CR, LF or NUL"));
-        }
+        handoff_core::contract::check_ce_source(&self.ce_source).map_err(|reason| {
+            ConfigError::InvalidSource {
+                value: self.ce_source.clone(),
+                reason,
+            }
+        })?;
         Ok(())
     }
 }

@@ -96,8 +96,8 @@ impl Visit for Reconcile {
     type Output = ExitCode;
 
     async fn visit<D: Destination>(self, destination: &D) -> Result<ExitCode> {
-        if !D::Store::READABLE {
-            return Err(cannot_read_back(D::NAME));
+        if !D::KIND.can_read_back() {
+            return Err(cannot_read_back(D::KIND.as_str()));
         }
         let config = destination.resolve(&Common::operator("handoff-reconcile"))?;
         reconcile::<D>(self.0, config).await
@@ -247,7 +247,7 @@ async fn reconcile<D: Destination>(args: ReconcileArgs, config: D::Config) -> Re
             "run_id": run_id,
             "since": args.since.0,
             "until": until,
-            "destination": D::NAME,
+            "destination": D::KIND.as_str(),
             "checked": checked,
             "present": checked - missing.len(),
             "present_as_replayed_copy": replayed_copies,

@@ -15,7 +15,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 use crate::args::{DatabaseArgs, Instant};
-use crate::destination::{cannot_read_back, Common, Destination, DestinationArgs, Store, Visit};
+use crate::destination::{cannot_read_back, Common, Destination, DestinationArgs, Visit};
 use crate::republish::{self, Republisher};
 
 /// Rows read per query.
@@ -91,8 +91,8 @@ impl Visit for Replay {
     type Output = ();
 
     async fn visit<D: Destination>(self, destination: &D) -> Result<()> {
-        if !D::Store::READABLE {
-            return Err(cannot_read_back(D::NAME));
+        if !D::KIND.can_read_back() {
+            return Err(cannot_read_back(D::KIND.as_str()));
         }
         let config = destination.resolve(&Common::operator("handoff-replay"))?;
         replay::<D>(self.0, config).await
@@ -180,7 +180,7 @@ async fn replay<D: Destination>(args: ReplayArgs, config: D::Config) -> Result<(
             "dry_run": args.dry_run,
             "matched": matched,
             "published": published,
-            "destination": D::NAME,
+            "destination": D::KIND.as_str(),
             "rate": args.rate,
             "elapsed_seconds": elapsed,
             "filter": {

@@ -107,6 +107,33 @@ const RESERVED: [&str; 13] = [
     header::IDEMPOTENCY_KEY,
 ];
 
+/// Checks a destination's configured `ce-source` (every destination's config calls it, so the
+/// rule is written once): it is sent with every event as a header or field value, so it must
+/// be non-empty and hold no CR, LF or NUL.
+///
+/// # Errors
+///
+/// The rule `source` breaks, for the destination's own configuration error to name.
+///
+/// # Examples
+///
+/// ```
+/// use handoff_core::contract::check_ce_source;
+///
+/// assert_eq!(check_ce_source("orders-service"), Ok(()));
+/// assert!(check_ce_source("").is_err());
+/// assert!(check_ce_source("a\r\nb").is_err());
+/// ```
+pub fn check_ce_source(source: &str) -> Result<(), &'static str> {
+    if source.is_empty() {
+        return Err("the source cannot be empty");
+    }
+    if source.contains(['\r', '\n', '\0']) {
+        return Err("a header value cannot hold CR, LF or NUL");
+    }
+    Ok(())
+}
+
 /// The headers `event` is published with, in this order:
 ///
 /// - CloudEvents binary mode: `ce-specversion: 1.0`, `ce-id` (the event id), `ce-type`,

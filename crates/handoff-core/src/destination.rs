@@ -54,42 +54,63 @@ impl DestinationKind {
     ];
 
     /// The name on command lines and in config files: `nats`, `kafka`, `amqp`, `http`, `redis`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DestinationKind::Nats => "nats",
-            DestinationKind::Kafka => "kafka",
-            DestinationKind::Amqp => "amqp",
-            DestinationKind::Http => "http",
-            DestinationKind::Redis => "redis",
-        }
+    pub const fn as_str(self) -> &'static str {
+        self.facts().name
     }
 
     /// The broker's name for people: `NATS JetStream`, `Kafka`, `RabbitMQ`, `HTTP endpoint`,
     /// `Redis Streams`.
-    pub fn title(self) -> &'static str {
-        match self {
-            DestinationKind::Nats => "NATS JetStream",
-            DestinationKind::Kafka => "Kafka",
-            DestinationKind::Amqp => "RabbitMQ",
-            DestinationKind::Http => "HTTP endpoint",
-            DestinationKind::Redis => "Redis Streams",
-        }
+    pub const fn title(self) -> &'static str {
+        self.facts().title
     }
 
     /// Whether what it stores can be read back (see [`readback`](crate::readback)): a stream
-    /// or a topic can; a queue others consume and an HTTP endpoint cannot.
-    pub fn can_read_back(self) -> bool {
-        matches!(
-            self,
-            DestinationKind::Nats | DestinationKind::Kafka | DestinationKind::Redis
-        )
+    /// or a topic can; a queue others consume and an HTTP endpoint cannot. `handoff replay`
+    /// and `handoff reconcile` refuse a destination that cannot, by this answer.
+    pub const fn can_read_back(self) -> bool {
+        self.facts().can_read_back
     }
 
-    /// Whether consumers can take events from it through an intake (every destination but an
-    /// HTTP endpoint, which pushes to its receiver).
-    pub fn has_intake(self) -> bool {
-        self != DestinationKind::Http
+    /// Every fact of one destination, in one row per destination.
+    const fn facts(self) -> Facts {
+        match self {
+            DestinationKind::Nats => Facts {
+                name: "nats",
+                title: "NATS JetStream",
+                can_read_back: true,
+            },
+            DestinationKind::Kafka => Facts {
+                name: "kafka",
+                title: "Kafka",
+                can_read_back: true,
+            },
+            DestinationKind::Amqp => Facts {
+                name: "amqp",
+                title: "RabbitMQ",
+                can_read_back: false,
+            },
+            DestinationKind::Http => Facts {
+                name: "http",
+                title: "HTTP endpoint",
+                can_read_back: false,
+            },
+            DestinationKind::Redis => Facts {
+                name: "redis",
+                title: "Redis Streams",
+                can_read_back: true,
+            },
+        }
     }
+}
+
+/// What [`DestinationKind`]'s methods answer, for one destination.
+struct Facts {
+    /// [`DestinationKind::as_str`].
+    name: &'static str,
+    /// [`DestinationKind::title`].
+    title: &'static str,
+    /// [`DestinationKind::can_read_back`].
+    can_read_back: bool,
 }
 
 impl fmt::Display for DestinationKind {

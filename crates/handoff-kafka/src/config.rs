@@ -143,16 +143,12 @@ impl KafkaConfig {
         if millis(self.publish_timeout).is_none() {
             return Err(ConfigError::InvalidDuration("publish_timeout"));
         }
-        let invalid_source = |reason| ConfigError::InvalidSource {
-            value: self.ce_source.clone(),
-            reason,
-        };
-        if self.ce_source.is_empty() {
-            return Err(invalid_source("the source cannot be empty"));
-        }
-        if self.ce_source.contains(['\r', '\n', '\0']) {
-            return Err(invalid_source("a header value cannot hold CR, LF or NUL"));
-        }
+        handoff_core::contract::check_ce_source(&self.ce_source).map_err(|reason| {
+            ConfigError::InvalidSource {
+                value: self.ce_source.clone(),
+                reason,
+            }
+        })?;
         if self.client_id.is_empty() || !self.client_id.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ConfigError::InvalidClientId(self.client_id.clone()));
         }

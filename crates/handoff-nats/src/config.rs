@@ -50,7 +50,12 @@ pub struct JetStreamConfig {
     /// Default: 5 seconds.
     pub publish_timeout: Duration,
     /// The CloudEvents `ce-source` header of every event: which system produced it. Non-empty,
-    /// without CR, LF or NUL. Default: `"handoff"`.
+    /// without CR, LF or NUL ([`check_ce_source`](handoff_core::contract::check_ce_source)).
+    /// Default: `"handoff"`.
+    ///
+    /// The other destinations' configs call this field `ce_source`; it keeps its older name
+    /// here because the config is a public struct built with field syntax, where a rename (or
+    /// a second, deprecated field holding the same fact) would break or confuse every caller.
     pub source: String,
     /// How often the client pings the server. The client drops a connection that left two
     /// pings in a row unanswered and reconnects, so a connection that went silent (a partition,
@@ -153,16 +158,12 @@ impl JetStreamConfig {
         if !(1..=MAX_REPLICAS).contains(&self.replicas) {
             return Err(ConfigError::InvalidReplicas(self.replicas));
         }
-        let invalid_source = |reason| ConfigError::InvalidSource {
-            value: self.source.clone(),
-            reason,
-        };
-        if self.source.is_empty() {
-            return Err(invalid_source("the source cannot be empty"));
-        }
-        if self.source.contains(['\r', '\n', '\0']) {
-            return Err(invalid_source("a header value cannot hold CR, LF or NUL"));
-        }
+        handoff_core::contract::check_ce_source(&self.source).map_err(|reason| {
+            ConfigError::InvalidSource {
+                value: self.source.clone(),
+                reason,
+            }
+        })?;
         Ok(())
     }
 }

@@ -121,8 +121,8 @@ pub use retained::{
 pub use roles::{roles_sql, RoleNames, RolesError, DEFAULT_ROLE_PREFIX, MAX_ROLE_PREFIX_BYTES};
 pub use schema::{Schema, SchemaError};
 pub use source::{
-    header_pairs, read_outbox_event, Backlog, OtherLane, PollingConfig, PollingConfigError,
-    PollingSource, WAKE_CHANNEL,
+    default_relay_id, header_pairs, read_outbox_event, Backlog, OtherLane, PollingConfig,
+    PollingConfigError, PollingSource, WAKE_CHANNEL,
 };
 pub use source_error::{source_error, source_error_kind};
 pub use status::{CleanupRun, RelaySeen, Status, StatusReport, StuckAggregate, TableSize};

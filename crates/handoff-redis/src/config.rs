@@ -149,16 +149,12 @@ impl RedisConfig {
         }
         check_positive("publish_timeout", self.publish_timeout)?;
         check_positive("connect_timeout", self.connect_timeout)?;
-        let invalid_source = |reason| ConfigError::InvalidSource {
-            value: self.ce_source.clone(),
-            reason,
-        };
-        if self.ce_source.is_empty() {
-            return Err(invalid_source("the source cannot be empty"));
-        }
-        if self.ce_source.contains(['\r', '\n', '\0']) {
-            return Err(invalid_source("a field value cannot hold CR, LF or NUL"));
-        }
+        handoff_core::contract::check_ce_source(&self.ce_source).map_err(|reason| {
+            ConfigError::InvalidSource {
+                value: self.ce_source.clone(),
+                reason,
+            }
+        })?;
         Ok(())
     }
 }

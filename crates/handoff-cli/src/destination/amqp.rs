@@ -8,7 +8,7 @@ use handoff_amqp::{AmqpConfig, AmqpTransport};
 use serde::Deserialize;
 use tracing::info;
 
-use super::{connect_with_retry, Common, Destination, Unreadable};
+use super::{connect_with_retry, Common, Destination, DestinationKind, Unreadable};
 
 /// The AMQP flags (and config-file keys).
 #[derive(clap::Args, Deserialize, Default, Clone)]
@@ -28,7 +28,7 @@ pub struct AmqpFlags {
 }
 
 impl Destination for AmqpFlags {
-    const NAME: &'static str = "amqp";
+    const KIND: DestinationKind = DestinationKind::Amqp;
     /// Its `Debug` hides the URL's password.
     type Config = AmqpConfig;
     type Transport = AmqpTransport;

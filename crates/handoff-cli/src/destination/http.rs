@@ -9,7 +9,7 @@ use handoff_http::{HttpConfig, HttpMode, HttpTransport, SigningSecret};
 use serde::Deserialize;
 use tracing::info;
 
-use super::{Common, Destination, Unreadable};
+use super::{Common, Destination, DestinationKind, Unreadable};
 
 /// The HTTP flags (and config-file keys). The signing secret comes from HANDOFF_HTTP_SECRET
 /// only, so it stays out of process listings, config files and logs.
@@ -35,7 +35,7 @@ pub struct HttpFlags {
 }
 
 impl Destination for HttpFlags {
-    const NAME: &'static str = "http";
+    const KIND: DestinationKind = DestinationKind::Http;
     type Config = HttpConfig;
     type Transport = HttpTransport;
     type Store = Unreadable;

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tracing::info;
 
-use super::{connect_with_retry, Common, Destination, ReplayAck, Store};
+use super::{connect_with_retry, Common, Destination, DestinationKind, ReplayAck, Store};
 
 /// The Kafka flags (and config-file keys).
 #[derive(clap::Args, Deserialize, Default, Clone)]
@@ -64,7 +64,7 @@ impl KafkaFlags {
 }
 
 impl Destination for KafkaFlags {
-    const NAME: &'static str = "kafka";
+    const KIND: DestinationKind = DestinationKind::Kafka;
     type Config = KafkaConfig;
     type Transport = KafkaTransport;
     type Store = KafkaStore;

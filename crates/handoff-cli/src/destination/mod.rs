@@ -10,32 +10,53 @@
 //!
 //! # Adding a destination
 //!
-//! A destination is its own crate (transport, intake, read-back) plus one file here:
+//! A destination is its own crate, `crates/handoff-<name>/` (transport, intake, read-back, and
+//! its `tests/conformance.rs` running `handoff_test::conformance_suite!`), plus these files and
+//! no others. New files:
 //!
-//! 1. `destination/<name>.rs`, shaped like [`kafka`]: a `<Name>Flags` struct deriving
-//!    `clap::Args`, `serde::Deserialize`, `Default` and `Clone`, every field an `Option` (the
-//!    default is applied in `resolve` and named in the flag's doc as `[default: ...]`), flag
-//!    names that say whose they are (`--redis-url`, not `--url`: every destination's flags share
-//!    one command line and one config file), durations with
-//!    `value_parser = humantime::parse_duration` and `#[serde(default, with =
-//!    "humantime_serde")]`. Then `impl Destination for <Name>Flags`: [`Destination::resolve`]
-//!    (flags and [`Common`] into the library's config, checked), [`Destination::connect`] (the
-//!    relay's transport, retried while the broker is unreachable, with
-//!    [`connect_with_retry`]) and, when its messages can be read back,
-//!    [`Destination::open_store`] with a [`Store`] (its crate's `ReadBack` plus
-//!    [`Store::location`] and [`Store::send_replay`]; see `nats.rs`, where the transport is
-//!    the store, and `kafka.rs`, where a transport and a reader make one) and
-//!    [`Destination::names`] / [`Destination::place`] for the commands' output; otherwise
-//!    `type Store = Unreadable;` and the commands refuse it on one line.
-//! 2. In this file: `pub mod <name>;`, a `#[command(flatten)] #[serde(flatten)]` field of
-//!    [`DestinationArgs`] (and the destination in its `--destination` doc line), and one line
-//!    in each of [`DestinationArgs::dispatch`] and [`DestinationArgs::refuse_strays`]. Its name
-//!    is a variant of [`DestinationKind`], which lives in `handoff_core::destination` so that
-//!    the reference consumers, the chaos run and the demo share the one list (its doc line is
-//!    the value's help; the serde name is the lowercase variant).
-//! 3. Its crate in `crates/handoff-cli/Cargo.toml`.
+//! - `crates/handoff-cli/src/destination/<name>.rs`, shaped like [`kafka`]: a `<Name>Flags`
+//!   struct deriving `clap::Args`, `serde::Deserialize`, `Default` and `Clone`, every field an
+//!   `Option` (the default is applied in `resolve` and named in the flag's doc as
+//!   `[default: ...]`), flag names that say whose they are (`--redis-url`, not `--url`: every
+//!   destination's flags share one command line and one config file), durations with
+//!   `value_parser = humantime::parse_duration` and `#[serde(default, with =
+//!   "humantime_serde")]`. Then `impl Destination for <Name>Flags`: [`Destination::KIND`],
+//!   [`Destination::resolve`] (flags and [`Common`] into the library's config, checked),
+//!   [`Destination::connect`] (the relay's transport, retried while the broker is unreachable,
+//!   with [`connect_with_retry`]) and, when [`DestinationKind::can_read_back`],
+//!   [`Destination::open_store`] with a [`Store`] (its crate's `ReadBack` plus
+//!   [`Store::location`] and [`Store::send_replay`]; see `nats.rs`, where the transport is
+//!   the store, and `kafka.rs`, where a transport and a reader make one) and
+//!   [`Destination::names`] / [`Destination::place`] for the commands' output; otherwise
+//!   `type Store = Unreadable;` (a test here checks that the two agree).
+//! - `crates/handoff-cli/tests/destination_<name>.rs`: relays killed under concurrent writers
+//!   leave every committed event once, in order per aggregate; `replay` and `reconcile` when
+//!   it can be read back.
+//! - `tools/test/src/<name>.rs`: the test support (its server, a scratch stream or topic of
+//!   the test's own, reading it back).
+//! - `examples/consumers/tests/<name>.rs`, when it has an intake.
 //!
-//! Nothing else changes: `relay.rs`, `replay.rs` and `reconcile.rs` only see [`Visit`]. The
+//! Existing files, one place in each unless said:
+//!
+//! 1. `Cargo.toml`: the workspace member and its dependency line.
+//! 2. `crates/handoff-core/src/destination.rs`: a [`DestinationKind`] variant (its doc line is
+//!    the value's help; the serde name is the lowercase variant), its place in
+//!    [`DestinationKind::ALL`], and its row of facts (name, title, whether it can be read
+//!    back). The reference consumers, the chaos run and the demo share this one list.
+//! 3. `crates/handoff-cli/Cargo.toml`: the crate.
+//! 4. This file: `pub mod <name>;`, a `#[command(flatten)] #[serde(flatten)]` field of
+//!    [`DestinationArgs`] with the destination in its `--destination` doc line, and one arm
+//!    in `DestinationArgs::visit`, the only match over every destination here.
+//! 5. `crates/handoff/Cargo.toml` and 6. `crates/handoff/src/lib.rs`: the facade's feature
+//!    and re-export.
+//! 7. `examples/consumers/Cargo.toml` and 8. `examples/consumers/src/common/broker.rs`: the
+//!    reference consumers' flags and arm, when it has an intake.
+//! 9. `tools/test/Cargo.toml` and 10. `tools/test/src/lib.rs`: the test support module.
+//! 11. `.ci/run`: starting its server.
+//! 12. `README.md`, 13. `docs/destinations.md`, 14. `docs/operations.md` and, when it can be
+//!     read back, 15. `docs/ops/replay-and-reconcile.md`.
+//!
+//! Nothing else changes: `relay/`, `replay.rs` and `reconcile.rs` only see [`Visit`]. The
 //! config file takes every new flag under its name with `_` for `-` by itself (its known keys
 //! are the relay's clap argument ids); a flag whose TOML form differs (such as Kafka's
 //! `--kafka-option` and `[kafka]` table) gives the flag the key's id (`#[arg(id = "kafka")]`)
@@ -95,8 +116,13 @@ impl DestinationArgs {
     /// Runs `visit` with the chosen destination's flags, after refusing flags only another
     /// destination takes.
     pub async fn dispatch<V: Visit>(&self, visit: V) -> Result<V::Output> {
-        self.refuse_strays()?;
-        match self.kind() {
+        self.refuse_strays().await?;
+        self.visit(self.kind(), visit).await
+    }
+
+    /// Runs `visit` with `kind`'s flags: the one match over every destination.
+    async fn visit<V: Visit>(&self, kind: DestinationKind, visit: V) -> Result<V::Output> {
+        match kind {
             DestinationKind::Nats => visit.visit(&self.nats).await,
             DestinationKind::Kafka => visit.visit(&self.kafka).await,
             DestinationKind::Amqp => visit.visit(&self.amqp).await,
@@ -106,17 +132,21 @@ impl DestinationArgs {
     }
 
     /// A flag only one destination takes, given with another, is a mistake, not a no-op.
-    fn refuse_strays(&self) -> Result<()> {
-        let kind = self.kind();
-        let strays = [
-            (DestinationKind::Nats, self.nats.stray()),
-            (DestinationKind::Kafka, self.kafka.stray()),
-            (DestinationKind::Amqp, self.amqp.stray()),
-            (DestinationKind::Http, self.http.stray()),
-            (DestinationKind::Redis, self.redis.stray()),
-        ];
-        for (owner, stray) in strays {
-            if let (true, Some(stray)) = (owner != kind, stray) {
+    async fn refuse_strays(&self) -> Result<()> {
+        /// The message naming a flag of a destination that was given.
+        struct Stray;
+
+        impl Visit for Stray {
+            type Output = Option<&'static str>;
+
+            async fn visit<D: Destination>(self, destination: &D) -> Result<Self::Output> {
+                Ok(destination.stray())
+            }
+        }
+
+        let chosen = self.kind();
+        for other in DestinationKind::ALL.into_iter().filter(|&k| k != chosen) {
+            if let Some(stray) = self.visit(other, Stray).await? {
                 bail!("{stray}");
             }
         }
@@ -150,6 +180,23 @@ pub struct Common {
 }
 
 impl Common {
+    /// Refuses a deduplication window (`what`, such as `duplicate window`) that does not
+    /// outlast the relay's lease: a republish after a lease expiry would not be deduplicated.
+    /// Without a lease (replay, reconcile) any window does.
+    pub fn check_dedup_window(&self, what: &str, window: Duration) -> Result<()> {
+        if let Some(lease) = self.lease {
+            if window <= lease {
+                bail!(
+                    "{what} of {} must be longer than the lease of {}: a republish after a \
+                     lease expiry would not be deduplicated",
+                    humantime::format_duration(window),
+                    humantime::format_duration(lease)
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// What `replay` and `reconcile` (`application`, such as `handoff-replay`) connect with:
     /// the relay's default publish timeout, no lease.
     pub fn operator(application: &str) -> Common {
@@ -165,14 +212,17 @@ impl Common {
 
 /// One destination: its flags, resolved into its library's settings, connected.
 pub trait Destination {
-    /// Its `--destination` name.
-    const NAME: &'static str;
+    /// Which destination it is. Its name, its title and whether it can be read back are
+    /// [`DestinationKind`]'s, not restated here: `replay` and `reconcile` refuse a destination
+    /// whose [`DestinationKind::can_read_back`] is false before they open its store.
+    const KIND: DestinationKind;
     /// Its library's settings, checked; their `Debug` shows no password.
     type Config: std::fmt::Debug + Send;
     /// What the relay publishes through.
     type Transport: Transport;
-    /// What `replay` and `reconcile` read and republish through ([`Unreadable`] for a
-    /// destination that cannot be read back).
+    /// What `replay` and `reconcile` read and republish through: [`Unreadable`] exactly when
+    /// [`DestinationKind::can_read_back`] says it cannot be read back (a test checks that
+    /// they agree).
     type Store: Store;
 
     /// The settings these flags and `common` give, checked.
@@ -203,14 +253,14 @@ pub trait Destination {
     /// Where the messages are, for a person: `stream OUTBOX`, `topic outbox`.
     fn place(config: &Self::Config) -> String {
         let _ = config;
-        format!("the {} destination", Self::NAME)
+        format!("the {} destination", Self::KIND)
     }
 
     /// The store `replay` and `reconcile` work on, connected once (no retry: an operator is
     /// waiting) and checked to exist.
     async fn open_store(config: Self::Config) -> Result<Self::Store> {
         let _ = config;
-        Err(cannot_read_back(Self::NAME))
+        Err(cannot_read_back(Self::KIND.as_str()))
     }
 }
 
@@ -220,9 +270,6 @@ pub type ReplayAck<'a> = Pin<Box<dyn Future<Output = Result<(), PublishError>> +
 /// A destination as `replay` and `reconcile` see it: read back through the read-back seam, and
 /// sent replayed copies (the relay's message plus `Handoff-Replay: <marker>`).
 pub trait Store: ReadBack {
-    /// Whether this destination can be read back at all.
-    const READABLE: bool = true;
-
     /// Where the relay stores `event`, as [`StoredMessage::subject`] reports it.
     fn location(&self, event: &OutboxEvent) -> String;
 
@@ -253,8 +300,6 @@ impl MessageScan for Unreadable {
 }
 
 impl Store for Unreadable {
-    const READABLE: bool = false;
-
     fn location(&self, _event: &OutboxEvent) -> String {
         match *self {}
     }
@@ -307,4 +352,38 @@ where
         }
     }
     unreachable!("the retry loop only ends by returning")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a destination's code says of itself: its kind, and whether its store can be read.
+    struct Facts;
+
+    impl Visit for Facts {
+        type Output = (DestinationKind, bool);
+
+        async fn visit<D: Destination>(self, _destination: &D) -> Result<Self::Output> {
+            let readable = std::any::type_name::<D::Store>() != std::any::type_name::<Unreadable>();
+            Ok((D::KIND, readable))
+        }
+    }
+
+    #[tokio::test]
+    async fn every_destination_agrees_with_its_kind() {
+        for kind in DestinationKind::ALL {
+            let args = DestinationArgs {
+                destination: Some(kind),
+                ..DestinationArgs::default()
+            };
+            let (said, readable) = args.dispatch(Facts).await.unwrap();
+            assert_eq!(said, kind, "--destination {kind} dispatches to {said}");
+            assert_eq!(
+                readable,
+                kind.can_read_back(),
+                "{kind}: a Store of its own exactly when DestinationKind::can_read_back"
+            );
+        }
+    }
 }

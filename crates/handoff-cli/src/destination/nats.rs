@@ -2,14 +2,14 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use handoff_core::delivery::{OutboxEvent, PublishError};
 use handoff_nats::{ConnectErrorKind, JetStreamConfig, JetStreamTransport, NatsSecurityArgs};
 use serde::Deserialize;
 use serde_json::json;
 use tracing::info;
 
-use super::{connect_with_retry, Common, Destination, ReplayAck, Store};
+use super::{connect_with_retry, Common, Destination, DestinationKind, ReplayAck, Store};
 
 /// The NATS flags (and config-file keys).
 #[derive(clap::Args, Deserialize, Default, Clone)]
@@ -64,7 +64,7 @@ impl std::fmt::Debug for NatsConfig {
 }
 
 impl Destination for NatsFlags {
-    const NAME: &'static str = "nats";
+    const KIND: DestinationKind = DestinationKind::Nats;
     type Config = NatsConfig;
     type Transport = JetStreamTransport;
     type Store = JetStreamTransport;
@@ -85,16 +85,7 @@ impl Destination for NatsFlags {
             security: self.nats_security.security(),
         };
         jetstream.validate()?;
-        if let Some(lease) = common.lease {
-            if jetstream.duplicate_window <= lease {
-                bail!(
-                    "duplicate window of {} must be longer than the lease of {}: a republish \
-                     after a lease expiry would not be deduplicated",
-                    humantime::format_duration(jetstream.duplicate_window),
-                    humantime::format_duration(lease)
-                );
-            }
-        }
+        common.check_dedup_window("duplicate window", jetstream.duplicate_window)?;
         Ok(NatsConfig {
             url: self
                 .nats_url

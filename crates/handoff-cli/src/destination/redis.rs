@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tracing::info;
 
-use super::{connect_with_retry, Common, Destination, ReplayAck, Store};
+use super::{connect_with_retry, Common, Destination, DestinationKind, ReplayAck, Store};
 
 /// The Redis flags (and config-file keys `redis_url`, `redis_stream`, `redis_dedup_window`).
 #[derive(clap::Args, Deserialize, Default, Clone)]
@@ -31,7 +31,7 @@ pub struct RedisFlags {
 }
 
 impl Destination for RedisFlags {
-    const NAME: &'static str = "redis";
+    const KIND: DestinationKind = DestinationKind::Redis;
     /// Its `Debug` hides the URL's password.
     type Config = RedisConfig;
     type Transport = RedisTransport;
@@ -48,16 +48,7 @@ impl Destination for RedisFlags {
             ..defaults
         };
         config.validate()?;
-        if let Some(lease) = common.lease {
-            if config.dedup_window <= lease {
-                bail!(
-                    "redis dedup window of {} must be longer than the lease of {}: a republish \
-                     after a lease expiry would not be deduplicated",
-                    humantime::format_duration(config.dedup_window),
-                    humantime::format_duration(lease)
-                );
-            }
-        }
+        common.check_dedup_window("redis dedup window", config.dedup_window)?;
         Ok(config)
     }
 

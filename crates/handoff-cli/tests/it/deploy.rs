@@ -22,7 +22,7 @@ use serde_json::Value;
 /// `--source logical` serves them; tests/it/cdc.rs scrapes one), and the consumer's metrics.
 const METRIC_SOURCES: &[&str] = &[
     "crates/handoff-relay/src/metrics.rs",
-    "crates/handoff-cli/src/relay.rs",
+    "crates/handoff-cli/src/relay/observe.rs",
     "crates/handoff-cdc/src/metrics.rs",
     "crates/handoff-consumer/src/metrics.rs",
     "crates/handoff-saga/src/metrics.rs",

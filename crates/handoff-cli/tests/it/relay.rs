@@ -532,3 +532,42 @@ async fn a_claim_the_relay_gave_up_on_is_ended_by_the_server_too() {
     locker.commit().await.unwrap();
     wait_drained(&db.pool, Duration::from_secs(30), || relay.log()).await;
 }
+
+/// The relay id a relay takes when given none has the format docs/relay.md's flag table
+/// states: `relay-<host>-<pid>-<random>`, the random part 8 hex digits.
+#[test]
+fn the_default_relay_id_has_the_documented_format() {
+    let page = include_str!("../../../../docs/relay.md");
+    assert!(
+        page.contains("| `--relay-id` | `HANDOFF_RELAY_ID` | `relay-<host>-<pid>-<random>` |"),
+        "docs/relay.md's --relay-id row names another default"
+    );
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["relay", "--check-config"])
+        .args(["--database-url", "postgres://127.0.0.1:1/db"])
+        .env_remove("HANDOFF_RELAY_ID")
+        .env_remove("HANDOFF_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let id = stdout
+        .strip_prefix("configuration ok: relay ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no relay id in {stdout:?}"));
+    let random = id.rsplit('-').next().unwrap();
+    assert!(id.starts_with("relay-"), "{id}");
+    assert!(id.contains(&format!("-{pid}-")), "{id}: pid {pid}");
+    assert!(
+        random.len() == 8 && random.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{id}"
+    );
+}

@@ -102,14 +102,15 @@ impl Default for PollingConfig {
     }
 }
 
-/// [`PollingConfig::default`]'s relay id: `relay-<host>-<pid>-<8 random hex digits>`, new at
-/// every call.
+/// A relay id for a relay that was given none: `relay-<host>-<pid>-<8 random hex digits>`
+/// (`relay-<pid>-<8 random hex digits>` when the host has no name), new at every call. It is
+/// [`PollingConfig::default`]'s and `handoff relay`'s default `--relay-id` (docs/relay.md).
 ///
 /// The process id alone repeats: in containers every relay is pid 1, and a restarted relay
 /// would take the id its dead predecessor left in `claimed_by`. The host name (from
 /// `/proc/sys/kernel/hostname`, else `$HOSTNAME`; left out when neither is set) keeps the id
 /// readable; the random suffix (from a UUIDv7's random bits) makes it unique per start.
-fn default_relay_id() -> String {
+pub fn default_relay_id() -> String {
     let host = host_name();
     let uuid = uuid::Uuid::now_v7().simple().to_string();
     // The last 32 bits of a UUIDv7 are random (the counter and the time are before them).
