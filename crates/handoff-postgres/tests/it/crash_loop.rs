@@ -4,8 +4,7 @@
 
 use crate::common;
 
-#[path = "common/previous_release.rs"]
-mod previous_release;
+use crate::common::previous_release;
 
 use std::time::Duration;
 

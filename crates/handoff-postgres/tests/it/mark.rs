@@ -3,8 +3,7 @@
 //! who may call it is kept when migration 0017 puts a new function in its place.
 
 use crate::common;
-#[path = "common/previous_release.rs"]
-mod previous_release;
+use crate::common::previous_release;
 
 use handoff_postgres::{Migrator, Schema};
 use handoff_test::{factory, TestDb};

@@ -2,11 +2,9 @@
 //! never claimed while an earlier sequence of its aggregate is unpublished, held or missing,
 //! unless an operator skipped it or cleanup removed it after it was published.
 
-#[path = "common/claims.rs"]
-mod claims;
 use crate::common;
-#[path = "common/previous_release.rs"]
-mod previous_release;
+use crate::common::claims;
+use crate::common::previous_release;
 
 use std::time::Duration;
 

@@ -3,11 +3,9 @@
 //! a held aggregate's growing tail does not raise what a claim reads, and the parked events
 //! come back, in order, once their predecessor is published.
 
-#[path = "common/claims.rs"]
-mod claims;
 use crate::common;
-#[path = "common/previous_release.rs"]
-mod previous_release;
+use crate::common::claims;
+use crate::common::previous_release;
 
 use std::time::Duration;
 

@@ -1,6 +1,5 @@
 //! What a relay does with a claim, for the tests of claim order (`parking`, `order_holes`):
-//! settle it, or have the destination refuse an event for good. Included by those two alone
-//! (`#[path]`), so the other test binaries do not carry it unused.
+//! settle it, or have the destination refuse an event for good.
 
 use handoff_core::delivery::{Claim, Failure, Published, Receipt, Source};
 use handoff_core::EventId;

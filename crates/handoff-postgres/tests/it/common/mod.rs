@@ -1,5 +1,8 @@
 //! Setup shared by the integration tests.
 
+pub mod claims;
+pub mod previous_release;
+
 use handoff_postgres::{Outbox, OutboxConfig};
 use handoff_test::{factory, TestDb};
 

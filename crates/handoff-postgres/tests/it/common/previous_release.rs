@@ -1,6 +1,5 @@
 //! A schema as an earlier release left it, for the upgrade tests (`parking`, `order_holes`,
-//! `mark`). Included by those alone (`#[path]`), so the other test binaries do not carry it
-//! unused.
+//! `mark`).
 
 use handoff_postgres::{Migrator, Schema, HANDOFF_MIGRATIONS};
 use sqlx::PgConnection;
