@@ -2,7 +2,7 @@
 //! contract and error-kind mapping is checked the same way (River's `riverdrivertest` is the
 //! model: one test body, run by every driver).
 //!
-//! A destination's crate implements [`Destination`] in its `tests/conformance.rs` — how to
+//! A destination's crate implements [`Destination`] in its `tests/it/conformance.rs` — how to
 //! build a transport onto a fresh stream, topic, exchange or endpoint of the test's own, how to
 //! read back what the destination received, what it does with a repeated event id, how to make
 //! it unreachable or silent — and invokes [`conformance_suite!`](crate::conformance_suite),
@@ -25,7 +25,7 @@
 //!
 //! # Adding a destination
 //!
-//! In `crates/handoff-<name>/tests/conformance.rs` (with `handoff-test` and `tokio` as
+//! In `crates/handoff-<name>/tests/it/conformance.rs` (with `handoff-test` and `tokio` as
 //! dev-dependencies):
 //!
 //! ```ignore
@@ -60,7 +60,7 @@
 //! its own [`Destination`], so the cases run in parallel; each takes a second or two.
 //!
 //! The drivers of the existing destinations (`handoff-nats`, `handoff-kafka`, `handoff-amqp`,
-//! `handoff-http`, `handoff-redis`, each in its `tests/conformance.rs`) are the examples to
+//! `handoff-http`, `handoff-redis`, each in its `tests/it/conformance.rs`) are the examples to
 //! copy. They reach the
 //! broker through a [`Link`] (a [`FaultProxy`]): dropping the proxy is a broker that is down
 //! (the port refuses connections, live ones are closed), and its black hole is a broker that
@@ -187,7 +187,7 @@ impl Received {
 }
 
 /// What the suite needs from a destination: implemented once per destination, in its crate's
-/// `tests/conformance.rs`. See the [module documentation](self).
+/// `tests/it/conformance.rs`. See the [module documentation](self).
 pub trait Destination: Sized {
     /// The transport under test.
     type Transport: Transport;

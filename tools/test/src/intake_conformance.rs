@@ -3,7 +3,7 @@
 //! [`handoff_core::intake::Intake`]) runs the same cases, so redelivery, settlement, malformed
 //! messages, takeover and order are checked the same way on every broker.
 //!
-//! An intake's crate implements [`IntakeDriver`] in its `tests/conformance.rs` — how to make a
+//! An intake's crate implements [`IntakeDriver`] in its `tests/it/conformance.rs` — how to make a
 //! fresh stream, topic or queue of the case's own, publish onto it what the relay publishes
 //! (the crate's own transport) and what it does not (a raw message), and open an intake on it —
 //! and invokes [`intake_conformance_suite!`](crate::intake_conformance_suite) inside a module
@@ -23,7 +23,7 @@
 //!
 //! # Adding an intake
 //!
-//! In `crates/handoff-<name>/tests/conformance.rs`, beside the transport suite's driver:
+//! In `crates/handoff-<name>/tests/it/conformance.rs`, beside the transport suite's driver:
 //!
 //! ```ignore
 //! mod intake {
@@ -56,7 +56,7 @@
 //! its own driver (its own stream, topic or queue), so the cases run in parallel.
 //!
 //! The drivers of `handoff-nats`, `handoff-kafka`, `handoff-amqp` and `handoff-redis` (the
-//! `intake` module of each `tests/conformance.rs`) are the examples to copy.
+//! `intake` module of each `tests/it/conformance.rs`) are the examples to copy.
 
 use std::future::Future;
 use std::time::Duration;
@@ -111,7 +111,7 @@ impl IntakeCase {
 }
 
 /// What the suite needs from an intake's crate: implemented once per intake, in the crate's
-/// `tests/conformance.rs`. See the [module documentation](self).
+/// `tests/it/conformance.rs`. See the [module documentation](self).
 pub trait IntakeDriver: Sized {
     /// The crate's transport: what the relay publishes with.
     type Transport: Transport;
@@ -449,7 +449,7 @@ async fn settle<D: IntakeDriver>(delivery: DeliveryOf<D>, how: Settlement) {
 /// Writes one `#[tokio::test]` per case of the intake suite for an [`IntakeDriver`]:
 /// `redelivered_after_a_crash`, `a_nak_comes_back_and_an_ack_never`, ... (see the
 /// [module documentation](crate::intake_conformance)). Invoke it in a module `intake` of the
-/// crate's `tests/conformance.rs`, beside the transport suite.
+/// crate's `tests/it/conformance.rs`, beside the transport suite.
 ///
 /// # Examples
 ///

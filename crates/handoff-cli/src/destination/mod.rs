@@ -11,7 +11,7 @@
 //! # Adding a destination
 //!
 //! A destination is its own crate, `crates/handoff-<name>/` (transport, intake, read-back, and
-//! its `tests/conformance.rs` running `handoff_test::conformance_suite!`), plus these files and
+//! its `tests/it/conformance.rs` running `handoff_test::conformance_suite!`), plus these files and
 //! no others. New files:
 //!
 //! - `crates/handoff-cli/src/destination/<name>.rs`, shaped like [`kafka`]: a `<Name>Flags`
@@ -29,12 +29,13 @@
 //!   the store, and `kafka.rs`, where a transport and a reader make one) and
 //!   [`Destination::names`] / [`Destination::place`] for the commands' output; otherwise
 //!   `type Store = Unreadable;` (a test here checks that the two agree).
-//! - `crates/handoff-cli/tests/destination_<name>.rs`: relays killed under concurrent writers
+//! - `crates/handoff-cli/tests/it/destination_<name>.rs` (and its `mod` line in
+//!   `tests/it/main.rs`): relays killed under concurrent writers
 //!   leave every committed event once, in order per aggregate; `replay` and `reconcile` when
 //!   it can be read back.
 //! - `tools/test/src/<name>.rs`: the test support (its server, a scratch stream or topic of
 //!   the test's own, reading it back).
-//! - `examples/consumers/tests/<name>.rs`, when it has an intake.
+//! - `examples/consumers/tests/it/<name>.rs` (and its `mod` line), when it has an intake.
 //!
 //! Existing files, one place in each unless said:
 //!
