@@ -96,8 +96,7 @@ pub async fn run(args: ConsoleArgs) -> Result<()> {
     if let Some(path) = args.auth_token_file.or(file.auth_token_file) {
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("while reading the token file {}", path.display()))?;
-        config.tokens =
-            Tokens::parse(&text).with_context(|| format!("in {}", path.display()))?;
+        config.tokens = Tokens::parse(&text).with_context(|| format!("in {}", path.display()))?;
     }
     config.trusted_user_header = args.trusted_user_header.or(file.trusted_user_header);
     config.trusted_proxies = if args.trusted_proxies.is_empty() {

@@ -120,7 +120,10 @@ pub(crate) async fn retry(
     Extension(identity): Extension<Identity>,
     Path(id): Path<Uuid>,
 ) -> ApiResult<Acted> {
-    actions::retry(&state, &identity, id).await.map(Acted::from).into()
+    actions::retry(&state, &identity, id)
+        .await
+        .map(Acted::from)
+        .into()
 }
 
 #[derive(Deserialize)]

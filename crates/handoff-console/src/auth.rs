@@ -250,7 +250,10 @@ mod tests {
         headers.insert("x-forwarded-user", "carol".parse().unwrap());
         let proxy: SocketAddr = "10.0.0.1:5000".parse().unwrap();
         let other: SocketAddr = "10.0.0.2:5000".parse().unwrap();
-        assert_eq!(identify(&config, &sessions, &headers, proxy).unwrap().actor, "carol");
+        assert_eq!(
+            identify(&config, &sessions, &headers, proxy).unwrap().actor,
+            "carol"
+        );
         assert!(identify(&config, &sessions, &headers, other).is_err());
     }
 }

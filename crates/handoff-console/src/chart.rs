@@ -14,9 +14,7 @@ pub(crate) fn line(title: &str, samples: &[Sample], value: fn(&Sample) -> f64) -
     let max = samples.iter().map(value).fold(0.0_f64, f64::max).max(1.0);
     let (first, last) = match (samples.first(), samples.last()) {
         (Some(first), Some(last)) => (first.at, last.at),
-        _ => {
-            return html! { p { (title) ": no samples yet (the console samples while it runs)" } }
-        }
+        _ => return html! { p { (title) ": no samples yet (the console samples while it runs)" } },
     };
     let span = ((last - first).num_milliseconds() as f64).max(1.0);
     let points: Vec<String> = samples

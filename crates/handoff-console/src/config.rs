@@ -57,14 +57,18 @@ impl ConsoleConfig {
     /// A message naming what is missing.
     pub fn validate(&self) -> Result<(), String> {
         if self.tokens.is_empty() && self.trusted_user_header.is_none() {
-            return Err("no way to sign in: give --auth-token-file or --trusted-user-header \
+            return Err(
+                "no way to sign in: give --auth-token-file or --trusted-user-header \
                         (the console is never open without either)"
-                .to_owned());
+                    .to_owned(),
+            );
         }
         if self.trusted_user_header.is_some() && self.trusted_proxies.is_empty() {
-            return Err("--trusted-user-header needs --trusted-proxy: the header is honoured \
+            return Err(
+                "--trusted-user-header needs --trusted-proxy: the header is honoured \
                         only from the proxy's addresses"
-                .to_owned());
+                    .to_owned(),
+            );
         }
         if self.sample_interval.is_zero() {
             return Err("the sample interval must be above zero".to_owned());

@@ -112,9 +112,7 @@ impl ConsoleError {
     /// terms: a driver's message may quote SQL or connection details.
     pub fn public_message(&self) -> String {
         match self.kind() {
-            ConsoleErrorKind::Database => {
-                "the database failed; see the console's log".to_owned()
-            }
+            ConsoleErrorKind::Database => "the database failed; see the console's log".to_owned(),
             _ => self.to_string(),
         }
     }

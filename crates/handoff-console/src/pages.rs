@@ -139,7 +139,11 @@ pub(crate) struct ActionForm {
 
 /// Refuses a form post without this identity's anti-forgery token. A bearer token in the
 /// `Authorization` header is never sent by a browser on its own, so it needs none.
-fn check_csrf(state: &AppState, identity: &Identity, form: &ActionForm) -> Result<(), ConsoleError> {
+fn check_csrf(
+    state: &AppState,
+    identity: &Identity,
+    form: &ActionForm,
+) -> Result<(), ConsoleError> {
     if identity.credential == Credential::Bearer
         || state.csrf.verify(identity, form.csrf.as_deref())
     {

@@ -72,13 +72,11 @@ impl Browser {
             "chromedriver accepts a session",
             Duration::from_secs(30),
             async || {
-                ClientBuilder::new(
-                    hyper_util::client::legacy::connect::HttpConnector::new(),
-                )
-                .capabilities(capabilities.clone())
-                .connect(&url)
-                .await
-                .map_err(|e| e.to_string())
+                ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+                    .capabilities(capabilities.clone())
+                    .connect(&url)
+                    .await
+                    .map_err(|e| e.to_string())
             },
         )
         .await;
