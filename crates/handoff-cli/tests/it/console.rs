@@ -91,7 +91,7 @@ fn client() -> reqwest::Client {
 /// Commits one event of aggregate `aggregate` and holds it as an operator would, so it stays
 /// put without a relay; returns its id.
 async fn held_event(db: &TestDb, aggregate: &str) -> Uuid {
-    let (_, outbox) = (0, factory::outbox(handoff_core::OrderMode::Aggregate));
+    let outbox = factory::outbox(handoff_core::OrderMode::Aggregate);
     let mut tx = db.pool.begin().await.unwrap();
     outbox
         .enqueue(&mut tx, &[factory::event(aggregate, 1)])
