@@ -3,7 +3,7 @@
 //! `handoff migrate` applies the embedded schema migrations; `handoff relay` publishes committed
 //! outbox events to a destination (NATS JetStream, Kafka, RabbitMQ, HTTP: one file each in
 //! [`destination`]); `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
-//! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. `roles --print` prints the least-privilege roles' SQL. Each lives in its own module.
+//! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. `roles --print` prints the least-privilege roles' SQL; `console` serves the web console. Each lives in its own module.
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Subcommand};
@@ -12,6 +12,7 @@ use handoff_postgres::{Migrator, Schema};
 mod args;
 mod cdc;
 mod cleanup;
+mod console;
 mod consumer;
 mod destination;
 mod format;
@@ -61,6 +62,8 @@ enum Command {
     Cdc(cdc::CdcArgs),
     /// Sagas an orchestrator runs in this database: list, show, resume or resolve a stuck one.
     Saga(saga::SagaArgs),
+    /// Serve the web console and the admin HTTP API (/api/v1/) until SIGTERM/SIGINT.
+    Console(console::ConsoleArgs),
     /// Print the SQL of least-privilege roles (writer, relay, operator) for handoff's tables.
     Roles(roles::RolesArgs),
 }
@@ -147,6 +150,7 @@ async fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<std::process::ExitC
         Command::Cdc(args) => cdc::run(args).await,
         Command::Saga(args) => saga::run(args).await.map(success),
         Command::Roles(args) => roles::run(args).map(success),
+        Command::Console(args) => console::run(args).await.map(success),
     }
 }
 

@@ -294,20 +294,10 @@ fn print_list(held: &[QuarantinedEvent]) {
     }
 }
 
-/// `show --json`: the event's detail, plus `delivery_response`, the receipt as a JSON object
-/// when it is one (the HTTP destination records its answer so); `delivery_receipt` stays the
-/// stored text.
+/// `show --json`: the event's detail as the console's API answers it (with
+/// `delivery_response`, the receipt as a JSON object when it is one).
 fn detail_json(detail: &EventDetail) -> Result<serde_json::Value> {
-    let mut value = serde_json::to_value(detail)?;
-    let response = detail
-        .delivery_receipt
-        .as_deref()
-        .and_then(|receipt| serde_json::from_str::<serde_json::Value>(receipt).ok())
-        .filter(serde_json::Value::is_object);
-    if let (Some(response), Some(object)) = (response, value.as_object_mut()) {
-        object.insert("delivery_response".to_owned(), response);
-    }
-    Ok(value)
+    Ok(handoff_console::event_json(detail)?)
 }
 
 /// Indent of the values in `show`'s text.

@@ -5,9 +5,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Result;
-use handoff_postgres::{ConsumerQuarantine, ConsumerQuarantineCount, Status, StatusReport};
-use handoff_saga::{SagaAdmin, SagaCount, SagaRecord, SagaState};
-use serde::Serialize;
+use handoff_console::{Sagas, StatusDocument, StatusOptions};
+use handoff_postgres::{ConsumerQuarantineCount, StatusReport};
 
 use crate::args::{duration, DatabaseArgs};
 use crate::format::{age, bytes, since};
@@ -33,88 +32,29 @@ pub struct StatusArgs {
     max_pending_age: Duration,
 }
 
-/// The report as printed with `--json`: the numbers, the alerts that hold, and the verdict.
-#[derive(Serialize)]
-struct Output<'a> {
-    #[serde(flatten)]
-    report: &'a StatusReport,
-    sagas: &'a Sagas,
-    /// Open rows of each consumer's quarantine (consumers whose tables live in this database),
-    /// by consumer name; consumers with none are absent.
-    consumer_quarantine: &'a [ConsumerQuarantineCount],
-    alerts: Vec<Alert>,
-    healthy: bool,
-}
-
-/// The sagas not ended, and the stuck ones in full (design F2).
-#[derive(Serialize)]
-struct Sagas {
-    /// Per type and state, of `running`, `compensating` and `stuck`.
-    open: Vec<SagaCount>,
-    stuck_count: i64,
-    /// The most recently stuck, at most `--top`.
-    stuck: Vec<SagaRecord>,
-}
-
-impl Sagas {
-    async fn read(conn: &mut sqlx::PgConnection, args: &StatusArgs) -> Result<Self> {
-        let admin = SagaAdmin::new(&args.database.schema()?);
-        let open = admin.open_counts(&mut *conn).await?;
-        let stuck_count = open
-            .iter()
-            .filter(|c| c.state == SagaState::Stuck.as_str())
-            .map(|c| c.count)
-            .sum();
-        let stuck = admin
-            .list(&mut *conn, Some(SagaState::Stuck), args.top)
-            .await?;
-        Ok(Self {
-            open,
-            stuck_count,
-            stuck,
-        })
-    }
-}
-
-/// One alert condition that holds.
-#[derive(Serialize)]
-struct Alert {
-    name: &'static str,
-    message: String,
-}
-
 pub async fn run(args: StatusArgs) -> Result<ExitCode> {
     let mut conn = args.database.connect_migrated("handoff-status").await?;
-    let report = Status::new(&args.database.schema()?)
-        .read(&mut conn, args.stuck_after, args.top)
-        .await?;
-    // In a transaction: its statements then stay on one server connection behind a pooler.
-    let mut tx = sqlx::Connection::begin(&mut conn).await?;
-    let sagas = Sagas::read(&mut tx, &args).await?;
-    tx.commit().await?;
-    let consumers = ConsumerQuarantine::counts(&mut conn, &args.database.schema()?).await?;
-    let alerts = alerts(&report, &sagas, &consumers, &args);
+    let options = StatusOptions {
+        stuck_after: args.stuck_after,
+        top: args.top,
+        max_pending_age: args.max_pending_age,
+    };
+    // The console's `GET /api/v1/status` answers the same document.
+    let document = StatusDocument::read(&mut conn, &args.database.schema()?, options).await?;
     if args.json {
-        let output = Output {
-            report: &report,
-            sagas: &sagas,
-            consumer_quarantine: &consumers,
-            healthy: alerts.is_empty(),
-            alerts,
-        };
-        println!("{}", serde_json::to_string_pretty(&output)?);
-        return Ok(exit_code(output.healthy));
+        println!("{}", serde_json::to_string_pretty(&document)?);
+        return Ok(exit_code(document.healthy));
     }
-    print_report(&report, &args);
-    print_sagas(&sagas);
-    print_consumer_quarantine(&consumers);
-    if alerts.is_empty() {
+    print_report(&document.report, &args);
+    print_sagas(&document.sagas);
+    print_consumer_quarantine(&document.consumer_quarantine);
+    if document.alerts.is_empty() {
         println!("healthy");
     }
-    for alert in &alerts {
+    for alert in &document.alerts {
         println!("ALERT {}: {}", alert.name, alert.message);
     }
-    Ok(exit_code(alerts.is_empty()))
+    Ok(exit_code(document.healthy))
 }
 
 fn exit_code(healthy: bool) -> ExitCode {
@@ -123,112 +63,6 @@ fn exit_code(healthy: bool) -> ExitCode {
     } else {
         ExitCode::from(ALERTING)
     }
-}
-
-/// The conditions `deploy/prometheus/alerts.yml` also watches, judged from one reading.
-fn alerts(
-    report: &StatusReport,
-    sagas: &Sagas,
-    consumers: &[ConsumerQuarantineCount],
-    args: &StatusArgs,
-) -> Vec<Alert> {
-    let mut alerts = Vec::new();
-    for relay in report.relays.iter().filter(|r| r.alive) {
-        if let Some(reason) = &relay.paused_reason {
-            alerts.push(Alert {
-                name: "destination_paused",
-                message: format!(
-                    "relay {} has paused its destination ({reason}): {}; it resumes by itself \
-                     once a probe event gets through",
-                    relay.relay_id,
-                    relay.paused_cause.as_deref().unwrap_or("")
-                ),
-            });
-        }
-    }
-    if sagas.stuck_count > 0 {
-        alerts.push(Alert {
-            name: "stuck_sagas",
-            message: format!(
-                "{} saga(s) stuck on a failing compensation; see `handoff saga list --state stuck`",
-                sagas.stuck_count
-            ),
-        });
-    }
-    if report.quarantined > 0 {
-        alerts.push(Alert {
-            name: "quarantine_not_empty",
-            message: format!(
-                "{} event(s) held for an operator; see `handoff quarantine list`",
-                report.quarantined
-            ),
-        });
-    }
-    for consumer in consumers {
-        alerts.push(Alert {
-            name: "consumer_quarantine_not_empty",
-            message: format!(
-                "consumer {} holds {} quarantined deliver(ies) ({} waiting for a retry); see \
-                 `handoff consumer quarantine list --consumer {}`",
-                consumer.consumer_name,
-                consumer.quarantined + consumer.retry_requested,
-                consumer.retry_requested,
-                consumer.consumer_name
-            ),
-        });
-    }
-    if report.oldest_pending_age_seconds > args.max_pending_age.as_secs_f64() {
-        alerts.push(Alert {
-            name: "oldest_pending_too_old",
-            message: format!(
-                "the oldest pending event is {} old (limit {})",
-                age(report.oldest_pending_age_seconds),
-                age(args.max_pending_age.as_secs_f64())
-            ),
-        });
-    }
-    if report.stuck_aggregate_count > 0 {
-        alerts.push(Alert {
-            name: "stuck_aggregates",
-            message: format!(
-                "{} aggregate(s) waiting longer than {}",
-                report.stuck_aggregate_count,
-                age(args.stuck_after.as_secs_f64())
-            ),
-        });
-    }
-    if report.holes > 0 {
-        alerts.push(Alert {
-            name: "order_holes",
-            message: format!(
-                "{} pending event(s) wait for a sequence that was never written; find them with \
-                 `handoff status` (stuck aggregates) and release each with `handoff quarantine \
-                 skip --aggregate-type T --aggregate-id I --sequence N --reason ...`",
-                report.holes
-            ),
-        });
-    }
-    if report.global_lane_blocked {
-        alerts.push(Alert {
-            name: "global_lane_blocked",
-            message: format!(
-                "the global lane is blocked: global sequence {} is held for an operator, or \
-                 waits behind a held event of its aggregate, and no later global event is \
-                 published until that event is retried or skipped (`handoff quarantine list`)",
-                report.global_front.unwrap_or_default()
-            ),
-        });
-    }
-    if report.expired_leases > 0 {
-        alerts.push(Alert {
-            name: "expired_leases",
-            message: format!(
-                "{} leased event(s) past their lease: is any relay running?",
-                report.expired_leases
-            ),
-        });
-    }
-    alerts
 }
 
 fn print_sagas(sagas: &Sagas) {

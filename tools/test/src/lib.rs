@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
+pub mod browser;
 pub mod cluster;
 pub mod conformance;
 pub mod counting;

@@ -8,6 +8,7 @@ mod ops;
 
 mod cdc;
 mod cleanup;
+mod console;
 mod consumer_quarantine;
 mod database_url;
 mod deploy;

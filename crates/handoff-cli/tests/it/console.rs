@@ -1,0 +1,591 @@
+//! `handoff console` as a real process over PostgreSQL, with a real relay and nats-server: the
+//! API and the pages refuse anyone without a token, answer what the CLI's `--json` prints,
+//! refuse actions on a read-only console and form posts without their anti-forgery token; and
+//! in a real browser (headless chromium through WebDriver) an operator sees a relay alive and
+//! then stopped, a held event first with its reason, hostile payload text shown as text, a
+//! skip without a reason refused, and a retry from the page published and audited under the
+//! token's name.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use fantoccini::Locator;
+use handoff_core::NewEvent;
+use handoff_test::browser::Browser;
+use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
+use handoff_test::{eventually, factory, TestDb};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::common::{handoff, migrated, stderr, stdout_json, RelayProcess, Target};
+
+const TOKEN: &str = "t0ken-for-alice";
+
+/// A `handoff console` child process on a port of its own choosing; killed on drop.
+struct ConsoleProcess {
+    child: Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl ConsoleProcess {
+    /// Starts the console on `db` with a token file naming `alice`, plus `extra` flags.
+    fn start(db: &TestDb, extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let tokens = dir.path().join("tokens");
+        std::fs::write(&tokens, format!("# operators\nalice:{TOKEN}\n")).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
+            .args([
+                "console",
+                "--listen",
+                "127.0.0.1:0",
+                "--sample-interval",
+                "1s",
+            ])
+            .arg("--auth-token-file")
+            .arg(&tokens)
+            .args(extra)
+            .env("DATABASE_URL", db.url())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn handoff console");
+        // The first line names the address it bound; a console that fails to start closes
+        // stdout instead, and the test stops here.
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = line
+            .trim()
+            .strip_prefix("console listening on ")
+            .unwrap_or_else(|| panic!("the console did not start: {line:?}"))
+            .to_owned();
+        ConsoleProcess {
+            child,
+            url,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for ConsoleProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+}
+
+/// Commits one event of aggregate `aggregate` and holds it as an operator would, so it stays
+/// put without a relay; returns its id.
+async fn held_event(db: &TestDb, aggregate: &str) -> Uuid {
+    let outbox = factory::outbox(handoff_core::OrderMode::Aggregate);
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, &[factory::event(aggregate, 1)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let id: Uuid = sqlx::query_scalar("SELECT event_id FROM outbox WHERE aggregate_id = $1")
+        .bind(aggregate)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let hold = handoff(
+        db,
+        &[
+            "quarantine",
+            "hold",
+            &id.to_string(),
+            "--reason",
+            "checking it",
+        ],
+    );
+    assert!(hold.status.success(), "{}", stderr(&hold));
+    id
+}
+
+/// `status --json` without what moves between two readings: ages and table sizes.
+fn steady(mut status: Value) -> Value {
+    let object = status.as_object_mut().unwrap();
+    object.remove("oldest_pending_age_seconds");
+    object.remove("tables");
+    for stuck in object["stuck_aggregates"].as_array_mut().unwrap() {
+        stuck
+            .as_object_mut()
+            .unwrap()
+            .remove("oldest_pending_age_seconds");
+    }
+    status
+}
+
+#[tokio::test]
+async fn the_api_refuses_strangers_and_answers_what_the_cli_prints() {
+    let (db, _) = migrated("console_api").await;
+    let id = held_event(&db, "api-held").await;
+    let console = ConsoleProcess::start(&db, &[]);
+    let http = client();
+    let url = |path: &str| format!("{}{path}", console.url);
+
+    // Without a token, every page and call is refused.
+    for path in [
+        "/",
+        "/held",
+        &format!("/events/{id}"),
+        "/api/v1/status",
+        "/api/v1/quarantine",
+        "/api/v1/openapi.json",
+    ] {
+        let answer = http.get(url(path)).send().await.unwrap();
+        assert_eq!(answer.status(), StatusCode::UNAUTHORIZED, "GET {path}");
+        let wrong = http
+            .get(url(path))
+            .bearer_auth("nope")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            wrong.status(),
+            StatusCode::UNAUTHORIZED,
+            "GET {path} with a wrong token"
+        );
+    }
+    for path in [
+        format!("/events/{id}/retry"),
+        format!("/api/v1/events/{id}/retry"),
+    ] {
+        let answer = http.post(url(&path)).send().await.unwrap();
+        assert_eq!(answer.status(), StatusCode::UNAUTHORIZED, "POST {path}");
+    }
+
+    // The API's JSON is the CLI's.
+    let api_status: Value = http
+        .get(url("/api/v1/status"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let cli_status = stdout_json(&handoff(&db, &["status", "--json"]));
+    assert_eq!(steady(api_status), steady(cli_status));
+    let api_list: Value = http
+        .get(url("/api/v1/quarantine"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let cli_list = stdout_json(&handoff(&db, &["quarantine", "list", "--json"]));
+    assert_eq!(api_list, cli_list);
+    assert_eq!(api_list[0]["event_id"], id.to_string());
+    let openapi: Value = http
+        .get(url("/api/v1/openapi.json"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(openapi["paths"]["/api/v1/events/{id}/skip"]["post"].is_object());
+
+    // A skip needs a reason.
+    let skip = http
+        .post(url(&format!("/api/v1/events/{id}/skip")))
+        .bearer_auth(TOKEN)
+        .json(&json!({"reason": " "}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(skip.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(skip.json::<Value>().await.unwrap()["kind"], "bad_request");
+
+    // A session cookie from the sign-in form: HttpOnly, SameSite=Strict.
+    let login = http
+        .post(url("/login"))
+        .form(&[("token", TOKEN)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(login.status(), StatusCode::SEE_OTHER);
+    let cookie = login.headers()["set-cookie"].to_str().unwrap().to_owned();
+    assert!(
+        cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
+        "{cookie}"
+    );
+    let session = cookie.split(';').next().unwrap().to_owned();
+    // A form post without the anti-forgery token (what another site's form would send) is
+    // refused, with a wrong one too, and the event stays held.
+    for form in [vec![], vec![("csrf", "forged")]] {
+        let post = http
+            .post(url(&format!("/events/{id}/retry")))
+            .header("cookie", &session)
+            .form(&form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(post.status(), StatusCode::FORBIDDEN);
+    }
+    let still: Value = http
+        .get(url(&format!("/api/v1/events/{id}")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(still["state"], "quarantined");
+    // The page's own token works, and the audit names the token's actor as the CLI would.
+    let page = http
+        .get(url(&format!("/events/{id}")))
+        .header("cookie", &session)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let csrf = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap()
+        .to_owned();
+    let skip = http
+        .post(url(&format!("/events/{id}/skip")))
+        .header("cookie", &session)
+        .form(&[("csrf", csrf.as_str()), ("reason", "")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        skip.status(),
+        StatusCode::BAD_REQUEST,
+        "a skip without a reason"
+    );
+    let skip = http
+        .post(url(&format!("/events/{id}/skip")))
+        .header("cookie", &session)
+        .form(&[("csrf", csrf.as_str()), ("reason", "duplicate order")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(skip.status(), StatusCode::SEE_OTHER);
+    let audit: (String, String, Option<String>) = sqlx::query_as(
+        "SELECT action, actor, reason FROM outbox_quarantine_actions WHERE event_id = $1 ORDER BY action_id DESC LIMIT 1",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        audit,
+        (
+            "skip".to_owned(),
+            "alice".to_owned(),
+            Some("duplicate order".to_owned())
+        )
+    );
+}
+
+#[tokio::test]
+async fn a_read_only_console_hides_and_refuses_actions() {
+    let (db, _) = migrated("console_read_only").await;
+    let id = held_event(&db, "ro-held").await;
+    let console = ConsoleProcess::start(&db, &["--read-only"]);
+    let http = client();
+    let page = http
+        .get(format!("{}/events/{id}", console.url))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page.status(), StatusCode::OK);
+    let page = page.text().await.unwrap();
+    assert!(
+        page.contains("quarantined")
+            && !page.contains("id=\"retry\"")
+            && !page.contains("id=\"skip\""),
+        "{page}"
+    );
+    let retry = http
+        .post(format!("{}/api/v1/events/{id}/retry", console.url))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(retry.status(), StatusCode::FORBIDDEN);
+    assert_eq!(retry.json::<Value>().await.unwrap()["kind"], "read_only");
+    let retry = http
+        .post(format!("{}/events/{id}/retry", console.url))
+        .bearer_auth(TOKEN)
+        .form(&[("csrf", "")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(retry.status(), StatusCode::FORBIDDEN);
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE event_id = $1 AND published_at IS NULL",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(held, 1);
+}
+
+/// Text of the element `css`, or an error naming it.
+async fn text(browser: &Browser, css: &str) -> Result<String, String> {
+    match browser.client.find(Locator::Css(css)).await {
+        Ok(element) => element.text().await.map_err(|e| e.to_string()),
+        Err(error) => Err(format!("{css}: {error}")),
+    }
+}
+
+#[tokio::test]
+async fn an_operator_sees_relays_and_held_events_and_retries_from_the_browser() {
+    let (db, outbox) = migrated("console_browser").await;
+    let client = prepare_shared_server().await;
+    let name = unique_name("console");
+    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &name);
+    let js = jetstream::new(client.clone());
+    // Messages over 4 KiB are refused: the relay holds the big hostile event as `rejected`.
+    let config = stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.>")],
+        max_message_size: 4096,
+        ..Default::default()
+    };
+    js.create_stream(config.clone()).await.unwrap();
+    let hostile = json!({
+        "note": "<script>window.__pwned = 1</script>",
+        "img": "<img src=x onerror=\"window.__pwned = 2\">",
+        "link": "javascript:window.__pwned = 3",
+        "blob": "x".repeat(6 * 1024),
+    });
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(
+            &mut tx,
+            &[
+                NewEvent::new(
+                    factory::AGGREGATE_TYPE,
+                    "hostile",
+                    factory::EVENT_TYPE,
+                    1,
+                    hostile.to_string(),
+                )
+                .with_header("x-note", "<b onmouseover=\"window.__pwned = 4\">hi</b>"),
+                factory::event("hostile", 2),
+            ],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let target = Target {
+        database_url: db.url(),
+        nats_url: shared_url(),
+        stream: name.clone(),
+        prefix: name.clone(),
+    };
+    let mut relay = RelayProcess::start(&target, "console-relay", &[], &[]);
+    let console = ConsoleProcess::start(&db, &[]);
+    let browser = Browser::start().await;
+    let go = async |path: &str| {
+        browser
+            .client
+            .goto(&format!("{}{path}", console.url))
+            .await
+            .unwrap()
+    };
+
+    // Signed out: the sign-in page, nothing else.
+    go("/").await;
+    assert!(text(&browser, "h1").await.unwrap().contains("Sign in"));
+    browser
+        .client
+        .find(Locator::Id("token"))
+        .await
+        .unwrap()
+        .send_keys(TOKEN)
+        .await
+        .unwrap();
+    browser
+        .client
+        .find(Locator::Id("sign-in"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+
+    // The relay is alive, and the hostile event is held first with its reason.
+    let event_id: String = eventually(
+        "the overview shows the relay alive and the held event",
+        Duration::from_secs(30),
+        async || {
+            go("/").await;
+            let relay_state = text(
+                &browser,
+                "#relays tr[data-relay-id='console-relay'] td:nth-child(2)",
+            )
+            .await?;
+            let reason = text(&browser, "#held tbody tr:first-child .hold-reason").await?;
+            let row = browser
+                .client
+                .find(Locator::Css("#held tbody tr:first-child"))
+                .await
+                .map_err(|e| e.to_string())?;
+            let id = row
+                .attr("data-event-id")
+                .await
+                .map_err(|e| e.to_string())?
+                .unwrap_or_default();
+            if relay_state.starts_with("alive") && reason == "rejected" {
+                Ok(id)
+            } else {
+                Err(format!("{relay_state} / {reason}\n{}", relay.log()))
+            }
+        },
+    )
+    .await;
+    browser.screenshot("console-overview").await;
+
+    // The held event: its hostile payload and header as text; nothing ran.
+    browser
+        .client
+        .find(Locator::Css(&format!("#held a[href='/events/{event_id}']")))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    assert_eq!(text(&browser, "#hold-reason").await.unwrap(), "rejected");
+    let payload = text(&browser, "#payload").await.unwrap();
+    assert!(
+        payload.contains("<script>window.__pwned = 1</script>"),
+        "{payload}"
+    );
+    assert!(payload.contains("<img src=x onerror="), "{payload}");
+    assert!(
+        payload.contains("javascript:window.__pwned = 3"),
+        "{payload}"
+    );
+    assert!(text(&browser, "#headers")
+        .await
+        .unwrap()
+        .contains("<b onmouseover="));
+    let pwned = browser
+        .client
+        .execute("return typeof window.__pwned;", vec![])
+        .await
+        .unwrap();
+    assert_eq!(pwned, json!("undefined"), "a script from the payload ran");
+    assert_eq!(
+        browser
+            .client
+            .find_all(Locator::Css("main script, main img"))
+            .await
+            .unwrap()
+            .len(),
+        0
+    );
+    browser.screenshot("console-held-event").await;
+
+    // A skip without a reason is refused.
+    browser
+        .client
+        .find(Locator::Id("skip"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    assert!(text(&browser, "#error")
+        .await
+        .unwrap()
+        .contains("needs a reason"));
+
+    // The stream takes big messages now; retry from the page gets the event published.
+    js.update_stream(stream::Config {
+        max_message_size: 64 * 1024,
+        ..config
+    })
+    .await
+    .unwrap();
+    go(&format!("/events/{event_id}")).await;
+    browser
+        .client
+        .find(Locator::Id("retry"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    assert!(text(&browser, "#flash").await.unwrap().contains("retried"));
+    let event_uuid: Uuid = event_id.parse().unwrap();
+    eventually(
+        "the retried event is published",
+        Duration::from_secs(30),
+        async || {
+            let published: bool = sqlx::query_scalar(
+                "SELECT published_at IS NOT NULL FROM outbox WHERE event_id = $1",
+            )
+            .bind(event_uuid)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+            relay.log_unless(published)
+        },
+    )
+    .await;
+    let actor: String = sqlx::query_scalar(
+        "SELECT actor FROM outbox_quarantine_actions WHERE event_id = $1 AND action = 'retry'",
+    )
+    .bind(event_uuid)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(actor, "alice");
+
+    // SIGKILL: the relay shows as stopped once its heartbeat's bound (the lease, 4 s) passes.
+    relay.kill();
+    eventually(
+        "the overview shows the relay stopped",
+        Duration::from_secs(20),
+        async || {
+            go("/").await;
+            let state = text(
+                &browser,
+                "#relays tr[data-relay-id='console-relay'] td:nth-child(2)",
+            )
+            .await?;
+            if state == "stopped" {
+                Ok(())
+            } else {
+                Err(state)
+            }
+        },
+    )
+    .await;
+    browser.close().await;
+}
