@@ -24,6 +24,8 @@
 //!   handler is installed, when the signal would kill it outright).
 //! - [`proxy`]: a loopback TCP proxy with network faults (delay, cut, black hole, refusal).
 //! - [`tls`]: a throwaway certificate authority with server and client certificates.
+//! - `browser` (feature `browser`): a chromedriver on a free port and a WebDriver client, for
+//!   the console's tests in a real browser.
 //! - [`eventually`]: the one way a test waits for a condition (no sleeps, no home-made deadline
 //!   loops), and [`pending_rows`]: the one query for the outbox rows not yet published.
 
@@ -35,6 +37,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
+#[cfg(feature = "browser")]
 pub mod browser;
 pub mod cluster;
 pub mod conformance;
