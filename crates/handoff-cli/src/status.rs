@@ -179,7 +179,10 @@ fn print_report(report: &StatusReport, args: &StatusArgs) {
             stuck.head_sequence,
             stuck.head_event_type,
             stuck.head_event_id,
-            stuck.head_state,
+            match &stuck.head_hold_reason {
+                Some(reason) => format!("HELD: {reason}"),
+                None => stuck.head_state.clone(),
+            },
             stuck.head_attempts,
             stuck
                 .head_last_error
@@ -189,12 +192,13 @@ fn print_report(report: &StatusReport, args: &StatusArgs) {
     }
     println!("tables");
     for table in &report.tables {
-        println!(
-            "  {:<26} {:>10}  ~{} rows",
-            table.table,
-            bytes(table.bytes),
-            table.estimated_rows.max(0.0) as i64
-        );
+        // Exact where counting is cheap; the planner's estimate, said to be one, beyond.
+        let rows = match table.rows {
+            Some(rows) => format!("{rows} rows"),
+            None if table.estimated_rows < 0.0 => "rows not estimated yet (never analyzed)".into(),
+            None => format!("~{} rows (estimate)", table.estimated_rows as i64),
+        };
+        println!("  {:<26} {:>10}  {rows}", table.table, bytes(table.bytes));
     }
     match &report.last_cleanup {
         None => println!("last cleanup         never"),

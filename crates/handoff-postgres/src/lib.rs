@@ -125,4 +125,6 @@ pub use source::{
     PollingConfigError, PollingSource, WAKE_CHANNEL,
 };
 pub use source_error::{source_error, source_error_kind};
-pub use status::{CleanupRun, RelaySeen, Status, StatusReport, StuckAggregate, TableSize};
+pub use status::{
+    CleanupRun, RelaySeen, Status, StatusReport, StuckAggregate, TableSize, EXACT_COUNT_MAX_BYTES,
+};

@@ -149,6 +149,9 @@ pub struct StuckAggregate {
     pub head_attempts: i32,
     /// Its last publish error.
     pub head_last_error: Option<String>,
+    /// Why it is held (`rejected`, `attempts`, `crash_loop`, ...), when `head_state` is
+    /// `quarantined`.
+    pub head_hold_reason: Option<String>,
 }
 
 /// One table's footprint.
@@ -160,7 +163,15 @@ pub struct TableSize {
     pub bytes: i64,
     /// The planner's row estimate (-1 before the first ANALYZE).
     pub estimated_rows: f64,
+    /// The exact row count, read when the table is small enough for a count to be cheap (at
+    /// most [`EXACT_COUNT_MAX_BYTES`]); `None` for a larger table, whose row count is only the
+    /// estimate.
+    pub rows: Option<i64>,
 }
+
+/// Tables up to this size get an exact row count in the status report; larger ones only the
+/// planner's estimate, since counting them reads every page.
+pub const EXACT_COUNT_MAX_BYTES: i64 = 64 << 20;
 
 /// A `handoff cleanup` run, from `handoff_cleanup_runs`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -243,13 +254,33 @@ impl Status {
                     .and_then(|i| TABLES.get(i))
                     .copied()
                     .unwrap_or("?");
-                Ok(TableSize {
-                    table: name.to_owned(),
-                    bytes: row.try_get("bytes")?,
-                    estimated_rows: row.try_get("estimated_rows")?,
-                })
+                Ok((
+                    usize::try_from(position - 1).unwrap_or(usize::MAX),
+                    TableSize {
+                        table: name.to_owned(),
+                        bytes: row.try_get("bytes")?,
+                        estimated_rows: row.try_get("estimated_rows")?,
+                        rows: None,
+                    },
+                ))
             })
-            .collect::<Result<_, sqlx::Error>>()?;
+            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+        let mut sizes = Vec::with_capacity(tables.len());
+        for (index, mut table) in tables {
+            if table.bytes <= EXACT_COUNT_MAX_BYTES {
+                if let Some(qualified) = self.tables.get(index) {
+                    // A name from TABLES, qualified by the schema: never user input.
+                    table.rows = Some(
+                        sqlx::query_scalar(&format!("SELECT count(*) FROM {qualified}"))
+                            .persistent(false)
+                            .fetch_one(&mut *conn)
+                            .await?,
+                    );
+                }
+            }
+            sizes.push(table);
+        }
+        let tables = sizes;
         let last_cleanup = sqlx::query(&self.last_cleanup_sql)
             .persistent(false)
             .fetch_optional(&mut *conn)
@@ -313,6 +344,7 @@ fn read_stuck(row: &PgRow) -> Result<StuckAggregate, sqlx::Error> {
         head_state: row.try_get("head_state")?,
         head_attempts: row.try_get("head_attempts")?,
         head_last_error: row.try_get("head_last_error")?,
+        head_hold_reason: row.try_get("head_hold_reason")?,
     })
 }
 

@@ -5,11 +5,13 @@
 -- The aggregates whose first unpublished event has waited longest, older than $1 seconds, at
 -- most $2 of them (stuck-key detection, design O1): one key stalled behind a held event shows
 -- here while the totals look healthy. Each with the event at its head, the one every later
--- event of the aggregate waits for, and what that event is doing. Reads only pending rows.
+-- event of the aggregate waits for, and what that event is doing. Held heads come first (they
+-- wait for an operator, the others may still clear by themselves), each group oldest first.
+-- Reads only pending rows.
 WITH heads AS (
     SELECT DISTINCT ON (aggregate_type, aggregate_id)
            aggregate_type, aggregate_id, event_id, aggregate_sequence, event_type, occurred_at,
-           attempt_count, last_error,
+           attempt_count, last_error, hold_reason,
            available_at = 'infinity' AS quarantined,
            claimed_by IS NOT NULL AND claim_until >= now() AS leased,
            available_at > now() AND available_at <> 'infinity' AS backing_off
@@ -20,6 +22,7 @@ WITH heads AS (
 SELECT h.aggregate_type, h.aggregate_id, h.event_id AS head_event_id,
        h.aggregate_sequence AS head_sequence, h.event_type AS head_event_type,
        h.attempt_count AS head_attempts, h.last_error AS head_last_error,
+       h.hold_reason AS head_hold_reason,
        CASE WHEN h.quarantined THEN 'quarantined'
             WHEN h.leased THEN 'leased'
             WHEN h.backing_off THEN 'backing_off'
@@ -32,5 +35,5 @@ SELECT h.aggregate_type, h.aggregate_id, h.event_id AS head_event_id,
           AND w.published_at IS NULL) AS pending
 FROM heads h
 WHERE h.occurred_at < now() - make_interval(secs => $1)
-ORDER BY h.occurred_at, h.aggregate_type, h.aggregate_id
+ORDER BY h.quarantined DESC, h.occurred_at, h.aggregate_type, h.aggregate_id
 LIMIT $2
