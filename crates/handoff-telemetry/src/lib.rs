@@ -42,6 +42,7 @@
 #![warn(missing_docs)]
 
 pub mod endpoint;
+pub mod env;
 pub mod secrets;
 
 use std::io::IsTerminal;
