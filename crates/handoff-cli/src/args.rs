@@ -17,7 +17,12 @@ pub struct DatabaseArgs {
     ///
     /// TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`); or from the file
     /// HANDOFF_DATABASE_URL_FILE names.
-    #[arg(long, env = "HANDOFF_DATABASE_URL", hide_env_values = true, value_name = "URL")]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub database_url: String,
     /// Schema of handoff's tables [default: search_path].
     ///

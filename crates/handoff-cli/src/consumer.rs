@@ -34,8 +34,12 @@ struct QuarantineArgs {
 #[derive(clap::Args)]
 struct ConsumerName {
     /// The consumer's name (its `ConsumerConfig::name`), as its `--consumer-name`.
-    #[arg(long = "consumer-name", alias = "consumer", env = "HANDOFF_CONSUMER_NAME",
-        value_name = "NAME")]
+    #[arg(
+        long = "consumer-name",
+        alias = "consumer",
+        env = "HANDOFF_CONSUMER_NAME",
+        value_name = "NAME"
+    )]
     name: String,
 }
 

@@ -46,6 +46,8 @@ enum Command {
     /// Apply pending schema migrations (idempotent; safe to run from several processes at once).
     Migrate(MigrateArgs),
     /// Publish committed outbox events to the destination until SIGTERM/SIGINT.
+    // Each flag's help on its own line: `-h` fits 100 columns (tests/it/cli_names.rs).
+    #[command(next_line_help = true)]
     Relay(Box<relay::RelayArgs>),
     /// The outbox at a glance: backlog, quarantine, stuck aggregates, table sizes, last cleanup.
     /// Exits 2 when an alert condition holds.
@@ -83,7 +85,12 @@ struct MigrateArgs {
     ///
     /// TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`); or from the file
     /// HANDOFF_DATABASE_URL_FILE names.
-    #[arg(long, env = "HANDOFF_DATABASE_URL", hide_env_values = true, value_name = "URL")]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     database_url: String,
     /// Schema for handoff's tables [default: search_path].
     ///

@@ -167,7 +167,10 @@ fn split_default(arg: &clap::Arg, help: &str) -> (String, String) {
         if let Some(len) = help[start..].find(']') {
             let note = &help[start + "[default: ".len()..start + len];
             let rest = format!("{}{}", &help[..start], &help[start + len + 1..]);
-            let rest = rest.replace(" .", ".").replace(" ;", ";").replace("  ", " ");
+            let rest = rest
+                .replace(" .", ".")
+                .replace(" ;", ";")
+                .replace("  ", " ");
             let default = if defaults.is_empty() {
                 note.to_owned()
             } else {

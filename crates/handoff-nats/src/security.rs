@@ -238,17 +238,24 @@ impl ConnectSecurity {
 #[cfg_attr(docsrs, doc(cfg(feature = "clap")))]
 #[derive(clap::Args, serde::Deserialize, Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsSecurityArgs {
-    /// NATS credentials file (user JWT and nkey seed, as `nsc` writes it). Excludes
-    /// --nats-nkey.
+    /// NATS credentials file (user JWT and nkey seed).
+    ///
+    /// As `nsc` writes it. Excludes --nats-nkey.
     #[arg(long, env = "HANDOFF_NATS_CREDS", value_name = "FILE")]
     pub nats_creds: Option<PathBuf>,
-    /// File holding the NATS nkey seed (SU...) of this client. Excludes --nats-creds.
+    /// File holding this client's NATS nkey seed.
+    ///
+    /// The seed (SU...) of this client. Excludes --nats-creds.
     #[arg(long, env = "HANDOFF_NATS_NKEY", value_name = "FILE")]
     pub nats_nkey: Option<PathBuf>,
-    /// PEM CA certificate(s) the NATS server's certificate must chain to; makes TLS required.
+    /// PEM CA certificate(s) for the NATS server.
+    ///
+    /// The CA certificate(s) the NATS server's certificate must chain to; makes TLS required.
     #[arg(long, env = "HANDOFF_NATS_TLS_CA", value_name = "FILE")]
     pub nats_tls_ca: Option<PathBuf>,
-    /// PEM client certificate for a NATS server that verifies clients (with --nats-tls-key).
+    /// PEM client certificate for NATS.
+    ///
+    /// For a NATS server that verifies clients (with --nats-tls-key).
     #[arg(long, env = "HANDOFF_NATS_TLS_CERT", value_name = "FILE")]
     pub nats_tls_cert: Option<PathBuf>,
     /// PEM private key of --nats-tls-cert.

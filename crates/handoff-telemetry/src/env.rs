@@ -74,8 +74,11 @@ mod tests {
 
     fn parse(set: &[(&str, &str)]) -> Option<String> {
         let command = clap::Command::new("t").subcommand(
-            clap::Command::new("sub")
-                .arg(clap::Arg::new("url").long("database-url").env("HANDOFF_DATABASE_URL")),
+            clap::Command::new("sub").arg(
+                clap::Arg::new("url")
+                    .long("database-url")
+                    .env("HANDOFF_DATABASE_URL"),
+            ),
         );
         let command = apply(command, &|name| set.iter().any(|(n, _)| *n == name));
         // The environment stays untouched: the values are given as the parsed environment

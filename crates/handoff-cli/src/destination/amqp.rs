@@ -18,8 +18,13 @@ pub struct AmqpFlags {
     ///
     /// amqp[s]://user:password@host:port/vhost, for `--destination amqp`. The password, if
     /// any, is never logged.
-    #[arg(long, alias = "url", env = "HANDOFF_AMQP_URL", hide_env_values = true,
-        value_name = "URL")]
+    #[arg(
+        long,
+        alias = "url",
+        env = "HANDOFF_AMQP_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     #[serde(alias = "url")]
     pub amqp_url: Option<String>,
     /// AMQP exchange [default: outbox].

@@ -20,7 +20,12 @@ pub struct HttpFlags {
     ///
     /// With --destination http; redirects are not followed. The signing secret comes from
     /// HANDOFF_HTTP_SECRET only.
-    #[arg(long, env = "HANDOFF_ENDPOINT", hide_env_values = true, value_name = "URL")]
+    #[arg(
+        long,
+        env = "HANDOFF_ENDPOINT",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub endpoint: Option<String>,
     /// CloudEvents mode: binary or structured [default: binary].
     ///

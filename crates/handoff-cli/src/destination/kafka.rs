@@ -20,7 +20,12 @@ pub struct KafkaFlags {
     /// Kafka bootstrap brokers (required with kafka).
     ///
     /// HOST:PORT[,HOST:PORT...], required with --destination kafka.
-    #[arg(long, alias = "brokers", env = "HANDOFF_KAFKA_BROKERS", value_name = "HOST:PORT,...")]
+    #[arg(
+        long,
+        alias = "brokers",
+        env = "HANDOFF_KAFKA_BROKERS",
+        value_name = "HOST:PORT,..."
+    )]
     #[serde(alias = "brokers")]
     pub kafka_brokers: Option<String>,
     /// Kafka topic [default: outbox].

@@ -86,12 +86,18 @@ pub use handoff_core::destination::DestinationKind;
 #[derive(clap::Args, Deserialize, Default, Clone)]
 #[command(next_help_heading = "Destination")]
 pub struct DestinationArgs {
-    /// Where events go [default: nats].
+    /// nats, kafka, amqp, http or redis [default: nats].
     ///
     /// `nats` (JetStream; --nats-url, --stream, --subject-prefix), `kafka` (--kafka-brokers,
     /// --topic), `amqp` (RabbitMQ; --amqp-url, --exchange), `http` (POST to --endpoint) or
     /// `redis` (Redis Streams; --redis-url, --redis-stream).
-    #[arg(long, env = "HANDOFF_DESTINATION", value_enum, help_heading = "Destination")]
+    #[arg(
+        long,
+        env = "HANDOFF_DESTINATION",
+        value_enum,
+        hide_possible_values = true,
+        help_heading = "Destination"
+    )]
     pub destination: Option<DestinationKind>,
     #[command(flatten)]
     #[serde(flatten)]

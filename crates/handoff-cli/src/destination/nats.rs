@@ -16,7 +16,12 @@ use super::{connect_with_retry, Common, Destination, DestinationKind, ReplayAck,
 #[command(next_help_heading = "NATS")]
 pub struct NatsFlags {
     /// NATS URL [default: nats://127.0.0.1:4222].
-    #[arg(long, env = "HANDOFF_NATS_URL", hide_env_values = true, value_name = "URL")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub nats_url: Option<String>,
     /// JetStream stream [default: OUTBOX].
     ///

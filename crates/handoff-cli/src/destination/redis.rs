@@ -20,7 +20,12 @@ pub struct RedisFlags {
     ///
     /// redis://[[user]:password@]host[:port][/db], for `--destination redis`. The password,
     /// if any, is never logged.
-    #[arg(long, env = "HANDOFF_REDIS_URL", hide_env_values = true, value_name = "URL")]
+    #[arg(
+        long,
+        env = "HANDOFF_REDIS_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub redis_url: Option<String>,
     /// Redis stream key [default: handoff:outbox].
     ///

@@ -22,7 +22,12 @@ pub struct RelayArgs {
     /// TOML file with any of the settings below.
     ///
     /// Keys as the flags, with `_` for `-`; a flag or its variable wins over the file's key.
-    #[arg(long, env = "HANDOFF_CONFIG", value_name = "FILE", help_heading = "Configuration")]
+    #[arg(
+        long,
+        env = "HANDOFF_CONFIG",
+        value_name = "FILE",
+        help_heading = "Configuration"
+    )]
     #[serde(skip)]
     pub(super) config: Option<PathBuf>,
     /// Check the settings and exit (0 ok, 1 and the reason).
@@ -36,8 +41,13 @@ pub struct RelayArgs {
     ///
     /// TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`); or from the file
     /// HANDOFF_DATABASE_URL_FILE names.
-    #[arg(long, env = "HANDOFF_DATABASE_URL", hide_env_values = true, value_name = "URL",
-        help_heading = "Database")]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "Database"
+    )]
     pub(super) database_url: Option<String>,
     /// Schema of handoff's tables [default: search_path].
     ///
@@ -52,14 +62,15 @@ pub struct RelayArgs {
         value_name = "DURATION", help_heading = "Database")]
     #[serde(default, with = "humantime_serde")]
     pub(super) query_timeout: Option<Duration>,
-    /// Wait for WAL flush of the relay's commits [default: false].
+    /// Relay commits wait for WAL flush [default: false].
     ///
     /// Have the relay's own commits (leases, marks, failure records) wait for their WAL flush.
     /// Off, a PostgreSQL crash can forget the last fraction of a second of them, and the
     /// events they covered are published again (at least once; nothing is lost); the writers'
     /// commits are never touched.
     #[arg(long, env = "HANDOFF_SYNCHRONOUS_COMMIT", num_args = 0..=1,
-        default_missing_value = "true", value_name = "BOOL", help_heading = "Database")]
+        default_missing_value = "true", value_name = "BOOL", hide_possible_values = true,
+        help_heading = "Database")]
     pub(super) synchronous_commit: Option<bool>,
     // Transaction poolers (docs/poolers.md).
     /// Direct PostgreSQL URL for LISTEN behind a pooler.
@@ -68,19 +79,25 @@ pub struct RelayArgs {
     /// when --database-url goes through PgBouncer in transaction mode: idle relays then wake on
     /// NOTIFY instead of polling. The password, if any, is never logged [default: LISTEN on
     /// --database-url when it is direct; polling behind a pooler].
-    #[arg(long, env = "HANDOFF_LISTEN_DATABASE_URL", hide_env_values = true,
-        value_name = "URL", help_heading = "Database")]
+    #[arg(
+        long,
+        env = "HANDOFF_LISTEN_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "Database"
+    )]
     pub(super) listen_database_url: Option<String>,
     /// This relay's name in claimed_by [default: generated].
     ///
     /// Unique per live relay. The default is relay-<host>-<pid>-<random>, new at every start.
     #[arg(long, env = "HANDOFF_RELAY_ID", help_heading = "Relay")]
     pub(super) relay_id: Option<String>,
-    /// Where events come from: polling or logical [default: polling].
+    /// Source: polling or logical [default: polling].
     ///
     /// `polling` queries the outbox; `logical` follows a logical replication slot (create it
     /// first with `handoff cdc setup`).
-    #[arg(long, env = "HANDOFF_SOURCE", value_enum, help_heading = "Relay")]
+    #[arg(long, env = "HANDOFF_SOURCE", value_enum, hide_possible_values = true,
+        help_heading = "Relay")]
     pub(super) source: Option<SourceKind>,
     /// Replication slot of the logical source [default: handoff].
     #[arg(long, env = "HANDOFF_SLOT", help_heading = "Relay")]
@@ -95,14 +112,29 @@ pub struct RelayArgs {
     /// strictly in global sequence order, one publish at a time, through one subject
     /// `<prefix>.global` (Kafka key and AMQP routing key `global`); needs migration 0006 and
     /// the polling source.
-    #[arg(long, env = "HANDOFF_ORDER", value_name = "MODE", help_heading = "Relay")]
+    #[arg(
+        long,
+        env = "HANDOFF_ORDER",
+        value_name = "MODE",
+        help_heading = "Relay"
+    )]
     #[serde(default, deserialize_with = "from_name")]
     pub(super) order: Option<OrderMode>,
     /// Most events leased per claim [default: 500].
-    #[arg(long, env = "HANDOFF_BATCH_SIZE", value_name = "N", help_heading = "Relay")]
+    #[arg(
+        long,
+        env = "HANDOFF_BATCH_SIZE",
+        value_name = "N",
+        help_heading = "Relay"
+    )]
     pub(super) batch_size: Option<usize>,
     /// Most events leased and unsettled at once [default: 2000].
-    #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT", value_name = "N", help_heading = "Relay")]
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_IN_FLIGHT",
+        value_name = "N",
+        help_heading = "Relay"
+    )]
     pub(super) max_in_flight: Option<usize>,
     /// Most bytes of events held at once [default: 32 MiB].
     ///
@@ -110,8 +142,12 @@ pub struct RelayArgs {
     /// more than the room left; an event larger than that still goes alone, so the events held
     /// stay under this plus one event; the process takes about three to four times this at
     /// most. In bytes, e.g. 16777216 [default: 33554432, 32 MiB].
-    #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT_BYTES", value_name = "BYTES",
-        help_heading = "Relay")]
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_IN_FLIGHT_BYTES",
+        value_name = "BYTES",
+        help_heading = "Relay"
+    )]
     pub(super) max_in_flight_bytes: Option<usize>,
     /// Lease length [default: 30s].
     #[arg(long, env = "HANDOFF_LEASE", value_parser = humantime::parse_duration,
@@ -142,7 +178,12 @@ pub struct RelayArgs {
     /// Failed attempts before an event is held for an operator. Only failures that concern the
     /// event are charged: a refusal, or an error while the destination accepts other events;
     /// an outage or throttling pauses the destination instead.
-    #[arg(long, env = "HANDOFF_MAX_ATTEMPTS", value_name = "N", help_heading = "Relay")]
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_ATTEMPTS",
+        value_name = "N",
+        help_heading = "Relay"
+    )]
     pub(super) max_attempts: Option<i32>,
     /// Longest Retry-After delay honoured [default: 1h].
     ///
@@ -156,7 +197,12 @@ pub struct RelayArgs {
     ///
     /// Takeovers of an event's unsettled lease whose relay was gone (died or restarted holding
     /// it) before the event is held for an operator with reason crash_loop.
-    #[arg(long, env = "HANDOFF_MAX_TAKEOVERS", value_name = "N", help_heading = "Relay")]
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_TAKEOVERS",
+        value_name = "N",
+        help_heading = "Relay"
+    )]
     pub(super) max_takeovers: Option<i32>,
     /// CloudEvents ce-source of events [default: handoff].
     #[arg(long, env = "HANDOFF_CE_SOURCE", help_heading = "Relay")]
@@ -165,8 +211,12 @@ pub struct RelayArgs {
     ///
     /// Serve Prometheus metrics at http://ADDR/metrics, and the /healthz (alive) and /readyz
     /// (database, schema and broker ready) probes.
-    #[arg(long, env = "HANDOFF_METRICS_ADDR", value_name = "ADDR",
-        help_heading = "Observability")]
+    #[arg(
+        long,
+        env = "HANDOFF_METRICS_ADDR",
+        value_name = "ADDR",
+        help_heading = "Observability"
+    )]
     pub(super) metrics_addr: Option<SocketAddr>,
     /// Age that makes an aggregate stuck [default: 60s].
     ///

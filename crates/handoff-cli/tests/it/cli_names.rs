@@ -17,7 +17,10 @@ fn help(path: &[&str], flag: &str) -> String {
         .env_clear()
         .output()
         .unwrap();
-    assert!(output.status.success(), "handoff {path:?} {flag}: {output:?}");
+    assert!(
+        output.status.success(),
+        "handoff {path:?} {flag}: {output:?}"
+    );
     String::from_utf8(output.stdout).unwrap()
 }
 
@@ -84,10 +87,16 @@ fn every_handoff_command_shows_one_name_per_concept() {
         "HANDOFF_AMQP_URL",
         "HANDOFF_REDIS_URL",
     ] {
-        assert!(words(&relay).contains(&name), "handoff relay --help lacks {name}");
+        assert!(
+            words(&relay).contains(&name),
+            "handoff relay --help lacks {name}"
+        );
     }
     let quarantine = help(&["consumer", "quarantine", "list"], "--help");
-    assert!(words(&quarantine).contains(&"--consumer-name"), "{quarantine}");
+    assert!(
+        words(&quarantine).contains(&"--consumer-name"),
+        "{quarantine}"
+    );
 }
 
 #[test]
@@ -133,12 +142,21 @@ fn older_spellings_still_work() {
             .envs(env.iter().copied())
             .output()
             .unwrap();
-        (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
     };
     let database = ("DATABASE_URL", "postgres://u@127.0.0.1:1/db");
-    let (code, stderr) = check(&["--destination", "amqp", "--url", "amqp://h:5672/%2f"], &[database]);
+    let (code, stderr) = check(
+        &["--destination", "amqp", "--url", "amqp://h:5672/%2f"],
+        &[database],
+    );
     assert_eq!(code, Some(0), "{stderr}");
-    let (code, stderr) = check(&["--destination", "kafka", "--brokers", "k:9092"], &[database]);
+    let (code, stderr) = check(
+        &["--destination", "kafka", "--brokers", "k:9092"],
+        &[database],
+    );
     assert_eq!(code, Some(0), "{stderr}");
     let (code, stderr) = check(
         &["--destination", "kafka"],

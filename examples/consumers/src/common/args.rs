@@ -21,8 +21,13 @@ const MAX_BUFFER_WAIT: Duration = Duration::from_secs(5);
 pub struct CommonArgs {
     /// PostgreSQL URL of the consumer's own database; its tables are created at start. The
     /// password, if any, is never logged.
-    #[arg(long, env = "HANDOFF_DATABASE_URL", hide_env_values = true, value_name = "URL",
-        help_heading = "Database")]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "Database"
+    )]
     pub database_url: String,
     /// `--destination` and each destination's flags.
     #[command(flatten)]
@@ -38,19 +43,33 @@ pub struct CommonArgs {
         help_heading = "Consumer")]
     pub ack_wait: Duration,
     /// Deliveries after which an event that still fails goes to the consumer quarantine.
-    #[arg(long, env = "HANDOFF_MAX_DELIVERIES", default_value_t = 10, value_name = "N",
-        help_heading = "Consumer")]
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_DELIVERIES",
+        default_value_t = 10,
+        value_name = "N",
+        help_heading = "Consumer"
+    )]
     pub max_deliveries: u64,
     /// Most events applied at once, across orders (each holds a database connection).
-    #[arg(long, env = "HANDOFF_CONSUMER_CONCURRENCY", default_value_t = 16, value_name = "N",
-        help_heading = "Consumer")]
+    #[arg(
+        long,
+        env = "HANDOFF_CONSUMER_CONCURRENCY",
+        default_value_t = 16,
+        value_name = "N",
+        help_heading = "Consumer"
+    )]
     pub concurrency: usize,
     /// Most bytes of deliveries (payload and headers) held at once: taken from the broker and
     /// not yet settled. At the bound nothing more is taken until some are settled (an event
     /// larger than the bound still goes, alone). In bytes, e.g. 16777216 [default: 33554432,
     /// 32 MiB]. The NATS intake also reads ahead no more than 8 MiB per pull.
-    #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT_BYTES", value_name = "BYTES",
-        help_heading = "Consumer")]
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_IN_FLIGHT_BYTES",
+        value_name = "BYTES",
+        help_heading = "Consumer"
+    )]
     pub max_in_flight_bytes: Option<usize>,
     /// What to do with an event that arrives before its predecessor: `reject` hands it back
     /// to the broker for a later delivery, `buffer` holds it until the gap fills (bounded).
@@ -70,8 +89,12 @@ pub struct CommonArgs {
     pub replay_horizon: Duration,
     /// Serve Prometheus metrics at http://ADDR/metrics, and the /healthz (alive) and /readyz
     /// (database, schema and broker ready) probes [default: off].
-    #[arg(long, env = "HANDOFF_METRICS_ADDR", value_name = "ADDR",
-        help_heading = "Observability")]
+    #[arg(
+        long,
+        env = "HANDOFF_METRICS_ADDR",
+        value_name = "ADDR",
+        help_heading = "Observability"
+    )]
     pub metrics_addr: Option<SocketAddr>,
     /// Longest one event may take to apply, handler included (e.g. 60s); past it the work is
     /// abandoned (rolled back) and the event delivered again. Frees the consumer from a
@@ -177,10 +200,10 @@ impl CommonArgs {
 /// The exit code to leave with: success after `--help` or `--version` (printed), failure after
 /// a bad command line, which is reported as one `error: ...` line like every other failure.
 pub fn parse_args<A: Parser>(default_consumer_name: &'static str) -> Result<A, ExitCode> {
-    let command = handoff_telemetry::env::with_fallbacks(A::command()).mut_arg(
-        "consumer_name",
-        |arg| arg.default_value(default_consumer_name).required(false),
-    );
+    let command = handoff_telemetry::env::with_fallbacks(A::command())
+        .mut_arg("consumer_name", |arg| {
+            arg.default_value(default_consumer_name).required(false)
+        });
     let parsed = command
         .try_get_matches()
         .and_then(|mut matches| A::from_arg_matches_mut(&mut matches));

@@ -32,11 +32,22 @@ pub struct BrokerArgs {
     /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...].
     ///
     /// With --destination kafka.
-    #[arg(long, alias = "brokers", env = "HANDOFF_KAFKA_BROKERS", default_value = "127.0.0.1:9092",
-        value_name = "HOST:PORT,...", help_heading = "Kafka")]
+    #[arg(
+        long,
+        alias = "brokers",
+        env = "HANDOFF_KAFKA_BROKERS",
+        default_value = "127.0.0.1:9092",
+        value_name = "HOST:PORT,...",
+        help_heading = "Kafka"
+    )]
     pub kafka_brokers: String,
     /// Kafka topic the relay produces to (with --destination kafka).
-    #[arg(long, env = "HANDOFF_TOPIC", default_value = "outbox", help_heading = "Kafka")]
+    #[arg(
+        long,
+        env = "HANDOFF_TOPIC",
+        default_value = "outbox",
+        help_heading = "Kafka"
+    )]
     pub topic: String,
     /// AMQP broker URL (with --destination amqp); the password is never logged.
     #[arg(
@@ -49,7 +60,12 @@ pub struct BrokerArgs {
     )]
     pub amqp_url: String,
     /// The relay's AMQP exchange (with --destination amqp).
-    #[arg(long, env = "HANDOFF_EXCHANGE", default_value = "outbox", help_heading = "AMQP")]
+    #[arg(
+        long,
+        env = "HANDOFF_EXCHANGE",
+        default_value = "outbox",
+        help_heading = "AMQP"
+    )]
     pub exchange: String,
     /// The AMQP queue to consume [default: the consumer name].
     ///
@@ -85,11 +101,21 @@ pub struct BrokerArgs {
     )]
     pub nats_url: String,
     /// JetStream stream the relay publishes into; created when missing.
-    #[arg(long, env = "HANDOFF_STREAM", default_value = "OUTBOX", help_heading = "NATS")]
+    #[arg(
+        long,
+        env = "HANDOFF_STREAM",
+        default_value = "OUTBOX",
+        help_heading = "NATS"
+    )]
     pub stream: String,
     /// The relay's subject prefix: order events arrive on PREFIX.order.ORDER_ID.
-    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX", default_value = "outbox",
-        value_name = "PREFIX", help_heading = "NATS")]
+    #[arg(
+        long,
+        env = "HANDOFF_SUBJECT_PREFIX",
+        default_value = "outbox",
+        value_name = "PREFIX",
+        help_heading = "NATS"
+    )]
     pub subject_prefix: String,
     /// How often the NATS client pings the server.
     ///
@@ -115,7 +141,12 @@ pub struct BrokerArgs {
     ///
     /// With an amqps:// --amqp-url: a CA certificate file (PEM) trusted besides the public
     /// roots, for a broker whose certificate a private CA signed.
-    #[arg(long, env = "HANDOFF_AMQP_TLS_CA", value_name = "FILE", help_heading = "AMQP")]
+    #[arg(
+        long,
+        env = "HANDOFF_AMQP_TLS_CA",
+        value_name = "FILE",
+        help_heading = "AMQP"
+    )]
     pub amqp_tls_ca: Option<std::path::PathBuf>,
 }
 
