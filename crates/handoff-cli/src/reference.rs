@@ -44,7 +44,7 @@ pub fn markdown(cli: &clap::Command) -> String {
 fn section(out: &mut String, path: &str, command: &clap::Command) {
     let args: Vec<&clap::Arg> = command.get_arguments().filter(|a| shown(a)).collect();
     if !args.is_empty() || !command.has_subcommands() {
-        let _ = write!(out, "\n## `{path}`\n\n");
+        let _ = write!(out, "## `{path}`\n\n");
         if let Some(about) = command.get_about() {
             let _ = writeln!(out, "{}\n", one_line(&about.to_string()));
         }
@@ -112,7 +112,7 @@ fn flag(arg: &clap::Arg) -> String {
         .get_value_names()
         .map(|names| names.iter().map(|n| format!(" <{n}>")).collect::<String>())
         .unwrap_or_else(|| format!(" <{}>", arg.get_id().as_str().to_uppercase()));
-    let takes_value = arg.get_num_args().is_none_or(|n| n.takes_values());
+    let takes_value = arg.get_action().takes_values();
     let value = if takes_value { value } else { String::new() };
     let mut text = match (arg.get_long(), arg.get_short()) {
         (Some(long), Some(short)) => format!("`-{short}`, `--{long}{value}`"),
@@ -202,7 +202,7 @@ fn describe(arg: &clap::Arg, help: &str) -> String {
         .filter(|v| !v.is_hide_set())
         .map(|v| format!("`{}`", v.get_name()))
         .collect();
-    let takes_value = arg.get_num_args().is_none_or(|n| n.takes_values());
+    let takes_value = arg.get_action().takes_values();
     if values.is_empty() || !takes_value || values == ["`true`", "`false`"] {
         help.to_owned()
     } else {
