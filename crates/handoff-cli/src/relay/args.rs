@@ -96,8 +96,13 @@ pub struct RelayArgs {
     ///
     /// `polling` queries the outbox; `logical` follows a logical replication slot (create it
     /// first with `handoff cdc setup`).
-    #[arg(long, env = "HANDOFF_SOURCE", value_enum, hide_possible_values = true,
-        help_heading = "Relay")]
+    #[arg(
+        long,
+        env = "HANDOFF_SOURCE",
+        value_enum,
+        hide_possible_values = true,
+        help_heading = "Relay"
+    )]
     pub(super) source: Option<SourceKind>,
     /// Replication slot of the logical source [default: handoff].
     #[arg(long, env = "HANDOFF_SLOT", help_heading = "Relay")]

@@ -177,3 +177,27 @@ fn older_spellings_still_work() {
     );
     assert_eq!(code, Some(0), "{stderr}");
 }
+
+/// `migrate --check` speaks the exit codes of `status` and `reconcile`: 0 current, 2 needs
+/// attention (migrations pending), 1 an error.
+#[tokio::test]
+async fn migrate_check_exits_2_while_migrations_are_pending() {
+    let db = handoff_test::TestDb::new("cli_names_migrate_check").await;
+    let check = crate::common::handoff(&db, &["migrate", "--check"]);
+    assert_eq!(check.status.code(), Some(2), "{check:?}");
+    assert!(
+        String::from_utf8_lossy(&check.stdout).contains("handoff migrate"),
+        "{check:?}"
+    );
+    let migrate = crate::common::handoff(&db, &["migrate"]);
+    assert!(migrate.status.success(), "{migrate:?}");
+    let check = crate::common::handoff(&db, &["migrate", "--check"]);
+    assert_eq!(check.status.code(), Some(0), "{check:?}");
+    let unreachable = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["migrate", "--check"])
+        .env_clear()
+        .env("HANDOFF_DATABASE_URL", "postgres://u@127.0.0.1:1/db")
+        .output()
+        .unwrap();
+    assert_eq!(unreachable.status.code(), Some(1), "{unreachable:?}");
+}
