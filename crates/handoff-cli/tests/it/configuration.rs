@@ -25,10 +25,7 @@ fn the_configuration_reference_is_generated_from_the_flags() {
             .lines()
             .zip(generated.lines())
             .position(|(a, b)| a != b)
-            .map_or_else(
-                || committed.lines().count().min(generated.lines().count()),
-                |n| n,
-            );
+            .unwrap_or_else(|| committed.lines().count().min(generated.lines().count()));
         panic!(
             "docs/configuration.md differs from `handoff reference` from line {}: rerun with \
              HANDOFF_BLESS=1 and commit the page\ncommitted: {:?}\ngenerated: {:?}",
