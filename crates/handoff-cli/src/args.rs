@@ -11,12 +11,22 @@ use sqlx::{ConnectOptions, Connection, PgConnection};
 
 /// Where handoff's tables are.
 #[derive(clap::Args, Clone)]
+#[command(next_help_heading = "Database")]
 pub struct DatabaseArgs {
-    /// PostgreSQL URL, TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`), or
-    /// from the file DATABASE_URL_FILE names. The password, if any, is never logged.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    /// PostgreSQL URL (the password is never logged).
+    ///
+    /// TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`); or from the file
+    /// HANDOFF_DATABASE_URL_FILE names.
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub database_url: String,
-    /// Schema of handoff's tables [default: the connection's search_path].
+    /// Schema of handoff's tables [default: search_path].
+    ///
+    /// Without it, the connection's search_path (usually `public`).
     #[arg(long, env = "HANDOFF_SCHEMA")]
     pub schema: Option<String>,
 }
@@ -39,7 +49,7 @@ impl DatabaseArgs {
             match handoff_postgres::connect_error_kind(&error) {
                 handoff_postgres::ConnectErrorKind::Tls => postgres_refused(&options, error),
                 _ => anyhow::Error::new(error).context(
-                    "while connecting to PostgreSQL (check --database-url / DATABASE_URL)",
+                    "while connecting to PostgreSQL (check --database-url / HANDOFF_DATABASE_URL)",
                 ),
             }
         })

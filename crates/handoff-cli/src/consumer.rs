@@ -33,8 +33,13 @@ struct QuarantineArgs {
 /// The consumer whose quarantine is read or changed.
 #[derive(clap::Args)]
 struct ConsumerName {
-    /// The consumer's name (its `ConsumerConfig::name`).
-    #[arg(long = "consumer", value_name = "NAME")]
+    /// The consumer's name (its `ConsumerConfig::name`), as its `--consumer-name`.
+    #[arg(
+        long = "consumer-name",
+        alias = "consumer",
+        env = "HANDOFF_CONSUMER_NAME",
+        value_name = "NAME"
+    )]
     name: String,
 }
 

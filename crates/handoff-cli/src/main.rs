@@ -3,7 +3,10 @@
 //! `handoff migrate` applies the embedded schema migrations; `handoff relay` publishes committed
 //! outbox events to a destination (NATS JetStream, Kafka, RabbitMQ, HTTP: one file each in
 //! [`destination`]); `status`, `quarantine`, `replay`, `reconcile` and `cleanup`
-//! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the sagas' operator's. `roles --print` prints the least-privilege roles' SQL; `console` serves the web console. Each lives in its own module.
+//! are the operator's commands, `consumer quarantine` the consumers' operator's, `saga` the
+//! sagas' operator's. `roles` prints the least-privilege roles' SQL; `console` serves the web
+//! console. Each lives in its own module; [`reference`] renders every flag as
+//! `docs/configuration.md`.
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Subcommand};
@@ -18,6 +21,7 @@ mod destination;
 mod format;
 mod quarantine;
 mod reconcile;
+mod reference;
 mod relay;
 mod replay;
 mod republish;
@@ -44,6 +48,8 @@ enum Command {
     /// Apply pending schema migrations (idempotent; safe to run from several processes at once).
     Migrate(MigrateArgs),
     /// Publish committed outbox events to the destination until SIGTERM/SIGINT.
+    // Each flag's help on its own line: `-h` fits 100 columns (tests/it/cli_names.rs).
+    #[command(next_line_help = true)]
     Relay(Box<relay::RelayArgs>),
     /// The outbox at a glance: backlog, quarantine, stuck aggregates, table sizes, last cleanup.
     /// Exits 2 when an alert condition holds.
@@ -66,18 +72,39 @@ enum Command {
     Console(console::ConsoleArgs),
     /// Print the SQL of least-privilege roles (writer, relay, operator) for handoff's tables.
     Roles(roles::RolesArgs),
+    /// Print the configuration reference (docs/configuration.md) from these flags' definitions.
+    #[command(hide = true)]
+    Reference,
+}
+
+/// `handoff`'s command line: the flags' definitions, with each `HANDOFF_` variable's older
+/// name read where it is not set (`handoff_telemetry::env`).
+fn command() -> clap::Command {
+    handoff_telemetry::env::with_fallbacks(Cli::command())
 }
 
 #[derive(clap::Args)]
 struct MigrateArgs {
-    /// PostgreSQL URL, TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`), or
-    /// from the file DATABASE_URL_FILE names. The password, if any, is never logged.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    /// PostgreSQL URL (the password is never logged).
+    ///
+    /// TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`); or from the file
+    /// HANDOFF_DATABASE_URL_FILE names.
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     database_url: String,
-    /// Schema for handoff's tables (default: the connection's search_path, usually `public`).
+    /// Schema for handoff's tables [default: search_path].
+    ///
+    /// Without it, the connection's search_path (usually `public`).
     #[arg(long, env = "HANDOFF_SCHEMA")]
     schema: Option<String>,
-    /// Only check that the database is current; exit 1 when migrations are pending.
+    /// Only check that the database is current: exit 0 current, 2 pending, 1 error.
+    ///
+    /// Status 2 when migrations are pending (the schema needs `handoff migrate`), 1 on any
+    /// error (no connection, a changed migration, a schema newer than this binary).
     #[arg(long)]
     check: bool,
 }
@@ -100,13 +127,13 @@ async fn async_main() -> std::process::ExitCode {
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
     // The matches are kept: the relay lays its flags over its config file with them.
-    let parsed = Cli::command()
+    let parsed = command()
         .try_get_matches()
         .and_then(|matches| Ok((Cli::from_arg_matches(&matches)?, matches)));
     let (cli, matches) = match parsed {
         Ok(parsed) => parsed,
         Err(error) => {
-            let error = error.format(&mut Cli::command());
+            let error = error.format(&mut command());
             // Usage errors exit 1, not clap's 2: status 2 is what `status` and `reconcile`
             // report to scripts as an alert, and a typo must not read as one.
             let _ = error.print();
@@ -135,7 +162,8 @@ async fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<std::process::ExitC
         .init()?;
     let success = |()| std::process::ExitCode::SUCCESS;
     match cli.command {
-        Command::Migrate(args) => migrate(args).await.map(success),
+        // `migrate --check` tells a script by its exit code whether the schema needs a run.
+        Command::Migrate(args) => migrate(args).await,
         Command::Relay(_) => match matches.subcommand_matches("relay") {
             Some(relay) => relay::run(relay).await.map(success),
             None => unreachable!("the relay command was parsed from its matches"),
@@ -151,10 +179,17 @@ async fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<std::process::ExitC
         Command::Saga(args) => saga::run(args).await.map(success),
         Command::Roles(args) => roles::run(args).map(success),
         Command::Console(args) => console::run(args).await.map(success),
+        Command::Reference => {
+            print!("{}", reference::markdown(&Cli::command()));
+            Ok(std::process::ExitCode::SUCCESS)
+        }
     }
 }
 
-async fn migrate(args: MigrateArgs) -> Result<()> {
+/// `handoff migrate`; with `--check`, exit status 0 when the schema is current, 2 when
+/// migrations are pending (the uniform "needs attention" status of `status` and `reconcile`),
+/// 1 on an error.
+async fn migrate(args: MigrateArgs) -> Result<std::process::ExitCode> {
     let schema = match args.schema {
         Some(name) => Schema::named(name)?,
         None => Schema::default(),
@@ -172,12 +207,20 @@ async fn migrate(args: MigrateArgs) -> Result<()> {
         Migrator::ensure_direct(&options).await?;
     }
     if args.check {
-        let report = migrator.check(&mut conn).await?;
-        println!(
-            "schema is current ({} migration(s) applied)",
-            report.already_applied.len()
-        );
-        return Ok(());
+        return match migrator.check(&mut conn).await {
+            Ok(report) => {
+                println!(
+                    "schema is current ({} migration(s) applied)",
+                    report.already_applied.len()
+                );
+                Ok(std::process::ExitCode::SUCCESS)
+            }
+            Err(error) if error.kind() == handoff_postgres::MigrateErrorKind::Behind => {
+                println!("{error} (run `handoff migrate`)");
+                Ok(std::process::ExitCode::from(2))
+            }
+            Err(error) => Err(error.into()),
+        };
     }
     let report = migrator.run(&mut conn).await?;
     if report.applied.is_empty() {
@@ -188,5 +231,5 @@ async fn migrate(args: MigrateArgs) -> Result<()> {
     } else {
         println!("applied migration(s) {:?}", report.applied);
     }
-    Ok(())
+    Ok(std::process::ExitCode::SUCCESS)
 }

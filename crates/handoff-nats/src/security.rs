@@ -211,8 +211,9 @@ impl ConnectSecurity {
 }
 
 /// The `--nats-creds`, `--nats-nkey`, `--nats-tls-ca`, `--nats-tls-cert` and `--nats-tls-key`
-/// flags (env `NATS_CREDS`, `NATS_NKEY`, `NATS_TLS_CA`, `NATS_TLS_CERT`, `NATS_TLS_KEY`) every
-/// handoff binary that connects to NATS takes: flatten it into the binary's arguments and turn
+/// flags (env `HANDOFF_NATS_CREDS`, ... `HANDOFF_NATS_TLS_KEY`; the binaries also read the
+/// older `NATS_CREDS`, ... through `handoff_telemetry::env`) every handoff binary that connects
+/// to NATS takes: flatten it into the binary's arguments and turn
 /// it into a [`ConnectSecurity`] with [`security`](Self::security). It also deserializes from
 /// the same keys (`nats_creds`, ...), so a config file takes them under the flags' names.
 ///
@@ -237,21 +238,28 @@ impl ConnectSecurity {
 #[cfg_attr(docsrs, doc(cfg(feature = "clap")))]
 #[derive(clap::Args, serde::Deserialize, Debug, Clone, Default, PartialEq, Eq)]
 pub struct NatsSecurityArgs {
-    /// NATS credentials file (user JWT and nkey seed, as `nsc` writes it). Excludes
-    /// --nats-nkey.
-    #[arg(long, env = "NATS_CREDS", value_name = "FILE")]
+    /// NATS credentials file (user JWT and nkey seed).
+    ///
+    /// As `nsc` writes it. Excludes --nats-nkey.
+    #[arg(long, env = "HANDOFF_NATS_CREDS", value_name = "FILE")]
     pub nats_creds: Option<PathBuf>,
-    /// File holding the NATS nkey seed (SU...) of this client. Excludes --nats-creds.
-    #[arg(long, env = "NATS_NKEY", value_name = "FILE")]
+    /// File holding this client's NATS nkey seed.
+    ///
+    /// The seed (SU...) of this client. Excludes --nats-creds.
+    #[arg(long, env = "HANDOFF_NATS_NKEY", value_name = "FILE")]
     pub nats_nkey: Option<PathBuf>,
-    /// PEM CA certificate(s) the NATS server's certificate must chain to; makes TLS required.
-    #[arg(long, env = "NATS_TLS_CA", value_name = "FILE")]
+    /// PEM CA certificate(s) for the NATS server.
+    ///
+    /// The CA certificate(s) the NATS server's certificate must chain to; makes TLS required.
+    #[arg(long, env = "HANDOFF_NATS_TLS_CA", value_name = "FILE")]
     pub nats_tls_ca: Option<PathBuf>,
-    /// PEM client certificate for a NATS server that verifies clients (with --nats-tls-key).
-    #[arg(long, env = "NATS_TLS_CERT", value_name = "FILE")]
+    /// PEM client certificate for NATS.
+    ///
+    /// For a NATS server that verifies clients (with --nats-tls-key).
+    #[arg(long, env = "HANDOFF_NATS_TLS_CERT", value_name = "FILE")]
     pub nats_tls_cert: Option<PathBuf>,
     /// PEM private key of --nats-tls-cert.
-    #[arg(long, env = "NATS_TLS_KEY", value_name = "FILE")]
+    #[arg(long, env = "HANDOFF_NATS_TLS_KEY", value_name = "FILE")]
     pub nats_tls_key: Option<PathBuf>,
 }
 

@@ -42,6 +42,7 @@
 #![warn(missing_docs)]
 
 pub mod endpoint;
+pub mod env;
 pub mod secrets;
 
 use std::io::IsTerminal;
@@ -66,13 +67,16 @@ const TRACE_SPAN_TARGETS: [&str; 2] = ["handoff_relay::trace", "handoff_consumer
 /// arguments).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct OtlpArgs {
-    /// Export trace spans over OTLP/HTTP (protobuf) to this collector, such as
-    /// http://127.0.0.1:4318 (spans go to URL/v1/traces). Without it nothing is exported.
+    /// OTLP/HTTP trace collector [default: off].
+    ///
+    /// Over OTLP/HTTP (protobuf), such as http://127.0.0.1:4318 (spans go to URL/v1/traces).
+    /// Without it nothing is exported. The variable is OpenTelemetry's standard one.
     #[arg(
         long,
         env = "OTEL_EXPORTER_OTLP_ENDPOINT",
         value_name = "URL",
-        global = true
+        global = true,
+        help_heading = "Observability"
     )]
     pub otlp_endpoint: Option<String>,
 }

@@ -40,9 +40,13 @@ use std::process::ExitCode;
 /// by it.
 pub const SECRET_VARS: &[&str] = &[
     "DATABASE_URL",
+    "HANDOFF_DATABASE_URL",
     "HANDOFF_LISTEN_DATABASE_URL",
     "NATS_URL",
+    "HANDOFF_NATS_URL",
     "AMQP_URL",
+    "HANDOFF_AMQP_URL",
+    "HANDOFF_REDIS_URL",
     "HANDOFF_ENDPOINT",
     "HANDOFF_HTTP_SECRET",
     "HANDOFF_WEBHOOK_SECRET",

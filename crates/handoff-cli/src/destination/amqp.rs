@@ -12,18 +12,32 @@ use super::{connect_with_retry, Common, Destination, DestinationKind, Unreadable
 
 /// The AMQP flags (and config-file keys).
 #[derive(clap::Args, Deserialize, Default, Clone)]
+#[command(next_help_heading = "AMQP")]
 pub struct AmqpFlags {
-    /// AMQP broker URL of `--destination amqp`, amqp[s]://user:password@host:port/vhost. The
-    /// password, if any, is never logged [default: amqp://127.0.0.1:5672/%2f].
-    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
-    pub url: Option<String>,
+    /// AMQP broker URL [default: amqp://127.0.0.1:5672/%2f].
+    ///
+    /// amqp[s]://user:password@host:port/vhost, for `--destination amqp`. The password, if
+    /// any, is never logged.
+    #[arg(
+        long,
+        alias = "url",
+        env = "HANDOFF_AMQP_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
+    #[serde(alias = "url")]
+    pub amqp_url: Option<String>,
+    /// AMQP exchange [default: outbox].
+    ///
     /// Exchange of `--destination amqp`; declared as a durable topic exchange when missing.
-    /// Routing key: <aggregate_type>.<aggregate_id> [default: outbox].
+    /// Routing key: <aggregate_type>.<aggregate_id>.
     #[arg(long, env = "HANDOFF_EXCHANGE")]
     pub exchange: Option<String>,
-    /// With an amqps:// --url: a CA certificate file (PEM) trusted besides the public roots,
-    /// for a broker whose certificate a private CA signed.
-    #[arg(long, env = "AMQP_TLS_CA", value_name = "FILE")]
+    /// CA certificate (PEM) for an amqps:// URL.
+    ///
+    /// With an amqps:// --amqp-url: a CA certificate file (PEM) trusted besides the public
+    /// roots, for a broker whose certificate a private CA signed.
+    #[arg(long, env = "HANDOFF_AMQP_TLS_CA", value_name = "FILE")]
     pub amqp_tls_ca: Option<PathBuf>,
 }
 
@@ -37,7 +51,7 @@ impl Destination for AmqpFlags {
     fn resolve(&self, common: &Common) -> Result<AmqpConfig> {
         let defaults = AmqpConfig::default();
         let config = AmqpConfig {
-            url: self.url.clone().unwrap_or(defaults.url),
+            url: self.amqp_url.clone().unwrap_or(defaults.url),
             exchange: self.exchange.clone().unwrap_or(defaults.exchange),
             publish_timeout: common.publish_timeout,
             ce_source: common.ce_source.clone().unwrap_or(defaults.ce_source),

@@ -14,23 +14,37 @@ use super::{Common, Destination, DestinationKind, Unreadable};
 /// The HTTP flags (and config-file keys). The signing secret comes from HANDOFF_HTTP_SECRET
 /// only, so it stays out of process listings, config files and logs.
 #[derive(clap::Args, Deserialize, Default, Clone)]
+#[command(next_help_heading = "HTTP")]
 pub struct HttpFlags {
-    /// With --destination http: the URL every event is POSTed to (redirects are not followed).
-    /// The signing secret comes from HANDOFF_HTTP_SECRET only.
-    #[arg(long, env = "HANDOFF_ENDPOINT", hide_env_values = true)]
+    /// URL every event is POSTed to (required with http).
+    ///
+    /// With --destination http; redirects are not followed. The signing secret comes from
+    /// HANDOFF_HTTP_SECRET only.
+    #[arg(
+        long,
+        env = "HANDOFF_ENDPOINT",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub endpoint: Option<String>,
-    /// With --destination http: CloudEvents mode, `binary` (payload as body, attributes as
-    /// headers) or `structured` (application/cloudevents+json) [default: binary].
-    #[arg(long, env = "HANDOFF_HTTP_MODE")]
+    /// CloudEvents mode: binary or structured [default: binary].
+    ///
+    /// With --destination http: `binary` (payload as body, attributes as headers) or
+    /// `structured` (application/cloudevents+json).
+    #[arg(long, env = "HANDOFF_HTTP_MODE", value_name = "MODE")]
     pub http_mode: Option<HttpMode>,
+    /// Longest a POST may take [default: --publish-timeout].
+    ///
     /// With --destination http: longest a publish may take, slot wait and response body
     /// included [default: the --publish-timeout, 5s].
-    #[arg(long, env = "HANDOFF_HTTP_TIMEOUT", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "HANDOFF_HTTP_TIMEOUT", value_parser = humantime::parse_duration,
+        value_name = "DURATION")]
     #[serde(default, with = "humantime_serde")]
     pub http_timeout: Option<Duration>,
-    /// With --destination http: most requests in flight at once, over all aggregates
-    /// [default: 64].
-    #[arg(long, env = "HANDOFF_HTTP_CONCURRENCY")]
+    /// Most requests in flight at once [default: 64].
+    ///
+    /// With --destination http: over all aggregates.
+    #[arg(long, env = "HANDOFF_HTTP_CONCURRENCY", value_name = "N")]
     pub http_concurrency: Option<usize>,
 }
 

@@ -15,21 +15,34 @@ use super::{connect_with_retry, Common, Destination, DestinationKind, ReplayAck,
 
 /// The Kafka flags (and config-file keys).
 #[derive(clap::Args, Deserialize, Default, Clone)]
+#[command(next_help_heading = "Kafka")]
 pub struct KafkaFlags {
-    /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (required with --destination kafka).
-    #[arg(long, env = "HANDOFF_BROKERS")]
-    pub brokers: Option<String>,
+    /// Kafka bootstrap brokers (required with kafka).
+    ///
+    /// HOST:PORT[,HOST:PORT...], required with --destination kafka.
+    #[arg(
+        long,
+        alias = "brokers",
+        env = "HANDOFF_KAFKA_BROKERS",
+        value_name = "HOST:PORT,..."
+    )]
+    #[serde(alias = "brokers")]
+    pub kafka_brokers: Option<String>,
+    /// Kafka topic [default: outbox].
+    ///
     /// The relay's Kafka topic; the relay creates it when missing (replay and reconcile never
-    /// do) [default: outbox].
+    /// do).
     #[arg(long, env = "HANDOFF_TOPIC")]
     pub topic: Option<String>,
-    /// Partitions of a Kafka topic this relay creates [default: 12].
-    #[arg(long, env = "HANDOFF_PARTITIONS")]
+    /// Partitions of a topic this relay creates [default: 12].
+    #[arg(long, env = "HANDOFF_PARTITIONS", value_name = "N")]
     pub partitions: Option<i32>,
-    /// With --destination kafka: a librdkafka setting, KEY=VALUE (repeatable), such as
-    /// security.protocol=SASL_SSL or sasl.mechanism=SCRAM-SHA-512; wins over the same key in
-    /// the config file's [kafka] table. Flags show in process listings: put secrets
-    /// (sasl.password) in the file. Secret values are never logged.
+    /// A librdkafka setting, KEY=VALUE (repeatable).
+    ///
+    /// With --destination kafka: such as security.protocol=SASL_SSL or
+    /// sasl.mechanism=SCRAM-SHA-512; wins over the same key in the config file's [kafka]
+    /// table. Flags show in process listings: put secrets (sasl.password) in the file. Secret
+    /// values are never logged.
     // Its id is the config file's key for the same settings (the `[kafka]` table below).
     #[arg(id = "kafka", long = "kafka-option", value_name = "KEY=VALUE", value_parser = KafkaOptionParser)]
     #[serde(skip)]
@@ -70,8 +83,11 @@ impl Destination for KafkaFlags {
     type Store = KafkaStore;
 
     fn resolve(&self, common: &Common) -> Result<KafkaConfig> {
-        let Some(brokers) = self.brokers.clone() else {
-            bail!("no kafka brokers: set --brokers, HANDOFF_BROKERS or brokers in the config");
+        let Some(brokers) = self.kafka_brokers.clone() else {
+            bail!(
+                "no kafka brokers: set --kafka-brokers, HANDOFF_KAFKA_BROKERS or kafka_brokers \
+                 in the config"
+            );
         };
         let defaults = KafkaConfig::default();
         let config = KafkaConfig {
@@ -129,7 +145,7 @@ impl Destination for KafkaFlags {
         let topic = KafkaReadBack::new(&config);
         let transport = KafkaTransport::connect(config)
             .await
-            .context("while connecting to Kafka (check --brokers / HANDOFF_BROKERS)")?;
+            .context("while connecting to Kafka (check --kafka-brokers / HANDOFF_KAFKA_BROKERS)")?;
         if transport.topic_partitions().await?.is_none() {
             bail!("topic {:?} does not exist (check --topic)", topic.topic());
         }

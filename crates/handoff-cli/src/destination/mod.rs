@@ -85,11 +85,20 @@ pub use handoff_core::destination::DestinationKind;
 /// `--destination` and every destination's flags: flattened into a command's arguments and
 /// into the relay's config file.
 #[derive(clap::Args, Deserialize, Default, Clone)]
+#[command(next_help_heading = "Destination")]
 pub struct DestinationArgs {
-    /// Where events go: `nats` (JetStream; --nats-url, --stream, --subject-prefix), `kafka`
-    /// (--brokers, --topic), `amqp` (RabbitMQ; --url, --exchange), `http` (POST to
-    /// --endpoint) or `redis` (Redis Streams; --redis-url, --redis-stream) [default: nats].
-    #[arg(long, env = "HANDOFF_DESTINATION", value_enum)]
+    /// nats, kafka, amqp, http or redis [default: nats].
+    ///
+    /// `nats` (JetStream; --nats-url, --stream, --subject-prefix), `kafka` (--kafka-brokers,
+    /// --topic), `amqp` (RabbitMQ; --amqp-url, --exchange), `http` (POST to --endpoint) or
+    /// `redis` (Redis Streams; --redis-url, --redis-stream).
+    #[arg(
+        long,
+        env = "HANDOFF_DESTINATION",
+        value_enum,
+        hide_possible_values = true,
+        help_heading = "Destination"
+    )]
     pub destination: Option<DestinationKind>,
     #[command(flatten)]
     #[serde(flatten)]

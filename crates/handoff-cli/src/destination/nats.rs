@@ -13,34 +13,50 @@ use super::{connect_with_retry, Common, Destination, DestinationKind, ReplayAck,
 
 /// The NATS flags (and config-file keys).
 #[derive(clap::Args, Deserialize, Default, Clone)]
+#[command(next_help_heading = "NATS")]
 pub struct NatsFlags {
     /// NATS URL [default: nats://127.0.0.1:4222].
-    #[arg(long, env = "NATS_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub nats_url: Option<String>,
+    /// JetStream stream [default: OUTBOX].
+    ///
     /// The relay's JetStream stream; the relay creates it when missing (replay and reconcile
-    /// never do) [default: OUTBOX].
+    /// never do).
     #[arg(long, env = "HANDOFF_STREAM")]
     pub stream: Option<String>,
-    /// First subject tokens: events go to <prefix>.<aggregate_type>.<aggregate_id>
-    /// [default: outbox].
-    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX")]
+    /// First subject tokens [default: outbox].
+    ///
+    /// Events go to <prefix>.<aggregate_type>.<aggregate_id>.
+    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX", value_name = "PREFIX")]
     pub subject_prefix: Option<String>,
-    /// JetStream duplicate window for a stream this relay creates [default: 2m].
-    #[arg(long, env = "HANDOFF_DUPLICATE_WINDOW", value_parser = humantime::parse_duration)]
+    /// Duplicate window of a stream it creates [default: 2m].
+    ///
+    /// JetStream duplicate window for a stream this relay creates; longer than the lease.
+    #[arg(long, env = "HANDOFF_DUPLICATE_WINDOW", value_parser = humantime::parse_duration,
+        value_name = "DURATION")]
     #[serde(default, with = "humantime_serde")]
     pub duplicate_window: Option<Duration>,
-    /// How often the relay pings NATS; a connection without an answer to two pings in a row
-    /// is dropped and reconnected, so a silent one is found within about three intervals
-    /// [default: 5s].
-    #[arg(long, env = "HANDOFF_NATS_PING_INTERVAL", value_parser = humantime::parse_duration)]
+    /// How often the relay pings NATS [default: 5s].
+    ///
+    /// A connection without an answer to two pings in a row is dropped and reconnected, so a
+    /// silent one is found within about three intervals.
+    #[arg(long, env = "HANDOFF_NATS_PING_INTERVAL", value_parser = humantime::parse_duration,
+        value_name = "DURATION")]
     #[serde(default, with = "humantime_serde")]
     pub nats_ping_interval: Option<Duration>,
+    /// Replicas of a stream it creates [default: 1].
+    ///
     /// Replicas of a JetStream stream this relay creates; at most the cluster's servers. An
-    /// existing stream with fewer is kept, with a warning [default: 1].
-    #[arg(long, env = "HANDOFF_STREAM_REPLICAS")]
+    /// existing stream with fewer is kept, with a warning.
+    #[arg(long, env = "HANDOFF_STREAM_REPLICAS", value_name = "N")]
     pub stream_replicas: Option<usize>,
     /// NATS credentials and TLS files (--nats-creds, --nats-nkey, --nats-tls-ca,
-    /// --nats-tls-cert, --nats-tls-key; env NATS_CREDS, ...; TOML nats_creds, ...).
+    /// --nats-tls-cert, --nats-tls-key; env HANDOFF_NATS_CREDS, ...; TOML nats_creds, ...).
     #[command(flatten)]
     #[serde(flatten)]
     pub nats_security: NatsSecurityArgs,

@@ -14,18 +14,31 @@ use super::{connect_with_retry, Common, Destination, DestinationKind, ReplayAck,
 
 /// The Redis flags (and config-file keys `redis_url`, `redis_stream`, `redis_dedup_window`).
 #[derive(clap::Args, Deserialize, Default, Clone)]
+#[command(next_help_heading = "Redis")]
 pub struct RedisFlags {
-    /// Redis URL of `--destination redis`, redis://[[user]:password@]host[:port][/db]. The
-    /// password, if any, is never logged [default: redis://127.0.0.1:6379].
-    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    /// Redis URL [default: redis://127.0.0.1:6379].
+    ///
+    /// redis://[[user]:password@]host[:port][/db], for `--destination redis`. The password,
+    /// if any, is never logged.
+    #[arg(
+        long,
+        env = "HANDOFF_REDIS_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub redis_url: Option<String>,
-    /// The relay's Redis stream key; the relay's first append creates it (replay and reconcile
-    /// never do) [default: handoff:outbox].
-    #[arg(long, env = "REDIS_STREAM")]
+    /// Redis stream key [default: handoff:outbox].
+    ///
+    /// The relay's Redis stream; the relay's first append creates it (replay and reconcile
+    /// never do).
+    #[arg(long, env = "HANDOFF_REDIS_STREAM", value_name = "KEY")]
     pub redis_stream: Option<String>,
+    /// How long an event id is remembered [default: 2m].
+    ///
     /// How long `--destination redis` remembers an event id: a republish inside this window
-    /// appends nothing. Longer than the lease [default: 2m].
-    #[arg(long, env = "HANDOFF_REDIS_DEDUP_WINDOW", value_parser = humantime::parse_duration)]
+    /// appends nothing. Longer than the lease.
+    #[arg(long, env = "HANDOFF_REDIS_DEDUP_WINDOW", value_parser = humantime::parse_duration,
+        value_name = "DURATION")]
     #[serde(default, with = "humantime_serde")]
     pub redis_dedup_window: Option<Duration>,
 }
@@ -52,7 +65,7 @@ impl Destination for RedisFlags {
         Ok(config)
     }
 
-    // REDIS_URL and REDIS_STREAM are not refused with another destination: other tools of a
+    // --redis-url and --redis-stream are not refused with another destination: other tools of a
     // deployment read the same variables.
     fn stray(&self) -> Option<&'static str> {
         self.redis_dedup_window
@@ -87,7 +100,7 @@ impl Destination for RedisFlags {
         let stream = config.stream.clone();
         let transport = RedisTransport::connect(config)
             .await
-            .context("while connecting to Redis (check --redis-url / REDIS_URL)")?;
+            .context("while connecting to Redis (check --redis-url / HANDOFF_REDIS_URL)")?;
         match transport.read_back(ReadFrom::Start).await {
             Ok(_) => Ok(transport),
             Err(error) if error.kind() == ReadBackErrorKind::NotFound => {

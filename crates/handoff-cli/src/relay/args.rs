@@ -14,122 +14,223 @@ use crate::destination::DestinationArgs;
 /// Flags of `handoff relay`, and the keys of its config file: each flag also comes from its
 /// environment variable, then from the config file (its key is the flag's name with `_` for
 /// `-`), then from the default; a flag wins over the variable, which wins over the file.
+///
+/// Each flag's first doc paragraph is its `-h` line (kept short: a test holds `handoff relay
+/// -h` to 100 columns); the paragraphs after it are the `--help` details.
 #[derive(clap::Args, Deserialize, Default, Clone)]
 pub struct RelayArgs {
-    /// TOML file with any of the settings below (keys as the flags, with `_` for `-`).
-    #[arg(long, env = "HANDOFF_CONFIG")]
+    /// TOML file with any of the settings below.
+    ///
+    /// Keys as the flags, with `_` for `-`; a flag or its variable wins over the file's key.
+    #[arg(
+        long,
+        env = "HANDOFF_CONFIG",
+        value_name = "FILE",
+        help_heading = "Configuration"
+    )]
     #[serde(skip)]
     pub(super) config: Option<PathBuf>,
-    /// Check the settings (flags, environment and config file, the destination's included)
-    /// and exit: status 0 when the relay would start with them, 1 and the reason otherwise.
-    /// Connects to nothing.
-    #[arg(long)]
+    /// Check the settings and exit (0 ok, 1 and the reason).
+    ///
+    /// Checks flags, environment and config file, the destination's included: status 0 when
+    /// the relay would start with them, 1 and the reason otherwise. Connects to nothing.
+    #[arg(long, help_heading = "Configuration")]
     #[serde(skip)]
     pub(super) check_config: bool,
-    /// PostgreSQL URL. The password, if any, is never logged.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    /// PostgreSQL URL (the password is never logged).
+    ///
+    /// TLS settings included (`?sslmode=verify-full&sslrootcert=FILE`); or from the file
+    /// HANDOFF_DATABASE_URL_FILE names.
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "Database"
+    )]
     pub(super) database_url: Option<String>,
-    /// This relay's name in claimed_by; unique per live relay [default:
-    /// relay-<host>-<pid>-<random>, new at every start].
-    #[arg(long, env = "HANDOFF_RELAY_ID")]
-    pub(super) relay_id: Option<String>,
-    /// Serve Prometheus metrics at http://ADDR/metrics, and the /healthz (alive) and /readyz
-    /// (database, schema and broker ready) probes [default: off].
-    #[arg(long, env = "HANDOFF_METRICS_ADDR")]
-    pub(super) metrics_addr: Option<SocketAddr>,
-    /// Schema of handoff's tables [default: the connection's search_path].
-    #[arg(long, env = "HANDOFF_SCHEMA")]
+    /// Schema of handoff's tables [default: search_path].
+    ///
+    /// Without it, the connection's search_path (usually `public`).
+    #[arg(long, env = "HANDOFF_SCHEMA", help_heading = "Database")]
     pub(super) schema: Option<String>,
-    /// Most events leased per claim [default: 500].
-    #[arg(long, env = "HANDOFF_BATCH_SIZE")]
-    pub(super) batch_size: Option<usize>,
-    /// Most events leased and unsettled at once [default: 2000].
-    #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT")]
-    pub(super) max_in_flight: Option<usize>,
-    /// Most bytes of events (payload and headers) held at once: claimed and not yet published
-    /// or given back. A claim asks for no more than the room left; an event larger than that
-    /// still goes alone, so the events held stay under this plus one event; the process takes
-    /// about three to four times this at most. In bytes, e.g. 16777216 [default: 33554432,
-    /// 32 MiB].
-    #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT_BYTES")]
-    pub(super) max_in_flight_bytes: Option<usize>,
-    /// Lease length, e.g. 30s [default: 30s].
-    #[arg(long, env = "HANDOFF_LEASE", value_parser = humantime::parse_duration)]
-    #[serde(default, with = "humantime_serde")]
-    pub(super) lease: Option<Duration>,
-    /// Idle poll interval, e.g. 1s [default: 1s].
-    #[arg(long, env = "HANDOFF_POLL_INTERVAL", value_parser = humantime::parse_duration)]
-    #[serde(default, with = "humantime_serde")]
-    pub(super) poll_interval: Option<Duration>,
-    /// Shortest time between two writes of acknowledged events back to the outbox while no
-    /// event waits on them, e.g. 25ms [default: 25ms]; at most the publish timeout. Longer:
-    /// fewer, larger marks, and more events published again after a crash; 0ms writes each
-    /// batch of acknowledgements at once.
-    #[arg(long, env = "HANDOFF_MARK_INTERVAL", value_parser = humantime::parse_duration)]
-    #[serde(default, with = "humantime_serde")]
-    pub(super) mark_interval: Option<Duration>,
-    /// Time to wait for the broker's acknowledgement [default: 5s].
-    #[arg(long, env = "HANDOFF_PUBLISH_TIMEOUT", value_parser = humantime::parse_duration)]
-    #[serde(default, with = "humantime_serde")]
-    pub(super) publish_timeout: Option<Duration>,
-    /// Failed attempts before an event is held for an operator [default: 20]. Only failures
-    /// that concern the event are charged: a refusal, or an error while the destination
-    /// accepts other events; an outage or throttling pauses the destination instead.
-    #[arg(long, env = "HANDOFF_MAX_ATTEMPTS")]
-    pub(super) max_attempts: Option<i32>,
-    /// Longest a destination's Retry-After delays an event and its aggregate, e.g. 10m
-    /// [default: 1h]; other aggregates flow meanwhile.
-    #[arg(long, env = "HANDOFF_MAX_RETRY_AFTER", value_parser = humantime::parse_duration)]
-    #[serde(default, with = "humantime_serde")]
-    pub(super) max_retry_after: Option<Duration>,
-    /// Takeovers of an event's unsettled lease whose relay was gone (died or restarted holding
-    /// it) before the event is held for an operator with reason crash_loop [default: 5].
-    #[arg(long, env = "HANDOFF_MAX_TAKEOVERS")]
-    pub(super) max_takeovers: Option<i32>,
-    /// CloudEvents ce-source of the published events [default: handoff].
-    #[arg(long, env = "HANDOFF_CE_SOURCE")]
-    pub(super) ce_source: Option<String>,
-    /// An aggregate whose oldest pending event is older than this counts in
-    /// handoff_outbox_stuck_aggregates [default: 60s].
-    #[arg(long, env = "HANDOFF_STUCK_AFTER", value_parser = humantime::parse_duration)]
-    #[serde(default, with = "humantime_serde")]
-    pub(super) stuck_after: Option<Duration>,
-    /// Longest a database operation may take; past it the operation is retried on a new
-    /// connection (a silent, dead connection never fails by itself) [default: 10s].
-    #[arg(long, env = "HANDOFF_QUERY_TIMEOUT", value_parser = humantime::parse_duration)]
+    /// Longest database operation [default: 10s].
+    ///
+    /// Past it the operation is retried on a new connection (a silent, dead connection never
+    /// fails by itself).
+    #[arg(long, env = "HANDOFF_QUERY_TIMEOUT", value_parser = humantime::parse_duration,
+        value_name = "DURATION", help_heading = "Database")]
     #[serde(default, with = "humantime_serde")]
     pub(super) query_timeout: Option<Duration>,
-    /// Where committed events come from: `polling` queries the outbox; `logical` follows a
-    /// logical replication slot (create it first with `handoff cdc setup`) [default: polling].
-    #[arg(long, env = "HANDOFF_SOURCE", value_enum)]
-    pub(super) source: Option<SourceKind>,
-    /// Replication slot of the logical source [default: handoff].
-    #[arg(long, env = "HANDOFF_SLOT")]
-    pub(super) slot: Option<String>,
-    /// Publication of the logical source [default: handoff_outbox].
-    #[arg(long, env = "HANDOFF_PUBLICATION")]
-    pub(super) publication: Option<String>,
-    /// `aggregate`: order per aggregate, aggregates in parallel; events with a global sequence
-    /// are left alone. `global`: only the global lane (events written in global order mode),
-    /// strictly in global sequence order, one publish at a time, through one subject
-    /// `<prefix>.global` (Kafka key and AMQP routing key `global`); needs migration 0006 and
-    /// the polling source [default: aggregate].
-    #[arg(long, env = "HANDOFF_ORDER")]
-    #[serde(default, deserialize_with = "from_name")]
-    pub(super) order: Option<OrderMode>,
+    /// Relay commits wait for WAL flush [default: false].
+    ///
     /// Have the relay's own commits (leases, marks, failure records) wait for their WAL flush.
     /// Off, a PostgreSQL crash can forget the last fraction of a second of them, and the
     /// events they covered are published again (at least once; nothing is lost); the writers'
-    /// commits are never touched [default: false].
-    #[arg(long, env = "HANDOFF_SYNCHRONOUS_COMMIT", num_args = 0..=1, default_missing_value = "true")]
+    /// commits are never touched.
+    #[arg(long, env = "HANDOFF_SYNCHRONOUS_COMMIT", num_args = 0..=1,
+        default_missing_value = "true", value_name = "BOOL", hide_possible_values = true,
+        help_heading = "Database")]
     pub(super) synchronous_commit: Option<bool>,
     // Transaction poolers (docs/poolers.md).
+    /// Direct PostgreSQL URL for LISTEN behind a pooler.
+    ///
     /// A direct PostgreSQL URL (not through a transaction pooler) for the relay's LISTEN only,
     /// when --database-url goes through PgBouncer in transaction mode: idle relays then wake on
     /// NOTIFY instead of polling. The password, if any, is never logged [default: LISTEN on
     /// --database-url when it is direct; polling behind a pooler].
-    #[arg(long, env = "HANDOFF_LISTEN_DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_LISTEN_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "Database"
+    )]
     pub(super) listen_database_url: Option<String>,
+    /// This relay's name in claimed_by [default: generated].
+    ///
+    /// Unique per live relay. The default is relay-<host>-<pid>-<random>, new at every start.
+    #[arg(long, env = "HANDOFF_RELAY_ID", help_heading = "Relay")]
+    pub(super) relay_id: Option<String>,
+    /// Source: polling or logical [default: polling].
+    ///
+    /// `polling` queries the outbox; `logical` follows a logical replication slot (create it
+    /// first with `handoff cdc setup`).
+    #[arg(
+        long,
+        env = "HANDOFF_SOURCE",
+        value_enum,
+        hide_possible_values = true,
+        help_heading = "Relay"
+    )]
+    pub(super) source: Option<SourceKind>,
+    /// Replication slot of the logical source [default: handoff].
+    #[arg(long, env = "HANDOFF_SLOT", help_heading = "Relay")]
+    pub(super) slot: Option<String>,
+    /// Publication of the logical source [default: handoff_outbox].
+    #[arg(long, env = "HANDOFF_PUBLICATION", help_heading = "Relay")]
+    pub(super) publication: Option<String>,
+    /// Ordering: aggregate or global [default: aggregate].
+    ///
+    /// `aggregate`: order per aggregate, aggregates in parallel; events with a global sequence
+    /// are left alone. `global`: only the global lane (events written in global order mode),
+    /// strictly in global sequence order, one publish at a time, through one subject
+    /// `<prefix>.global` (Kafka key and AMQP routing key `global`); needs migration 0006 and
+    /// the polling source.
+    #[arg(
+        long,
+        env = "HANDOFF_ORDER",
+        value_name = "MODE",
+        help_heading = "Relay"
+    )]
+    #[serde(default, deserialize_with = "from_name")]
+    pub(super) order: Option<OrderMode>,
+    /// Most events leased per claim [default: 500].
+    #[arg(
+        long,
+        env = "HANDOFF_BATCH_SIZE",
+        value_name = "N",
+        help_heading = "Relay"
+    )]
+    pub(super) batch_size: Option<usize>,
+    /// Most events leased and unsettled at once [default: 2000].
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_IN_FLIGHT",
+        value_name = "N",
+        help_heading = "Relay"
+    )]
+    pub(super) max_in_flight: Option<usize>,
+    /// Most bytes of events held at once [default: 32 MiB].
+    ///
+    /// Payload and headers, claimed and not yet published or given back. A claim asks for no
+    /// more than the room left; an event larger than that still goes alone, so the events held
+    /// stay under this plus one event; the process takes about three to four times this at
+    /// most. In bytes, e.g. 16777216 [default: 33554432, 32 MiB].
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_IN_FLIGHT_BYTES",
+        value_name = "BYTES",
+        help_heading = "Relay"
+    )]
+    pub(super) max_in_flight_bytes: Option<usize>,
+    /// Lease length [default: 30s].
+    #[arg(long, env = "HANDOFF_LEASE", value_parser = humantime::parse_duration,
+        value_name = "DURATION", help_heading = "Relay")]
+    #[serde(default, with = "humantime_serde")]
+    pub(super) lease: Option<Duration>,
+    /// Idle poll interval [default: 1s].
+    #[arg(long, env = "HANDOFF_POLL_INTERVAL", value_parser = humantime::parse_duration,
+        value_name = "DURATION", help_heading = "Relay")]
+    #[serde(default, with = "humantime_serde")]
+    pub(super) poll_interval: Option<Duration>,
+    /// Least time between two mark writes [default: 25ms].
+    ///
+    /// Shortest time between two writes of acknowledged events back to the outbox while no
+    /// event waits on them; at most the publish timeout. Longer: fewer, larger marks, and more
+    /// events published again after a crash; 0ms writes each batch of acknowledgements at once.
+    #[arg(long, env = "HANDOFF_MARK_INTERVAL", value_parser = humantime::parse_duration,
+        value_name = "DURATION", help_heading = "Relay")]
+    #[serde(default, with = "humantime_serde")]
+    pub(super) mark_interval: Option<Duration>,
+    /// Time to wait for the broker's ack [default: 5s].
+    #[arg(long, env = "HANDOFF_PUBLISH_TIMEOUT", value_parser = humantime::parse_duration,
+        value_name = "DURATION", help_heading = "Relay")]
+    #[serde(default, with = "humantime_serde")]
+    pub(super) publish_timeout: Option<Duration>,
+    /// Failed attempts before an event is held [default: 20].
+    ///
+    /// Failed attempts before an event is held for an operator. Only failures that concern the
+    /// event are charged: a refusal, or an error while the destination accepts other events;
+    /// an outage or throttling pauses the destination instead.
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_ATTEMPTS",
+        value_name = "N",
+        help_heading = "Relay"
+    )]
+    pub(super) max_attempts: Option<i32>,
+    /// Longest Retry-After delay honoured [default: 1h].
+    ///
+    /// Longest a destination's Retry-After delays an event and its aggregate, e.g. 10m; other
+    /// aggregates flow meanwhile.
+    #[arg(long, env = "HANDOFF_MAX_RETRY_AFTER", value_parser = humantime::parse_duration,
+        value_name = "DURATION", help_heading = "Relay")]
+    #[serde(default, with = "humantime_serde")]
+    pub(super) max_retry_after: Option<Duration>,
+    /// Lease takeovers before an event is held [default: 5].
+    ///
+    /// Takeovers of an event's unsettled lease whose relay was gone (died or restarted holding
+    /// it) before the event is held for an operator with reason crash_loop.
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_TAKEOVERS",
+        value_name = "N",
+        help_heading = "Relay"
+    )]
+    pub(super) max_takeovers: Option<i32>,
+    /// CloudEvents ce-source of events [default: handoff].
+    #[arg(long, env = "HANDOFF_CE_SOURCE", help_heading = "Relay")]
+    pub(super) ce_source: Option<String>,
+    /// Serve /metrics, /healthz and /readyz [default: off].
+    ///
+    /// Serve Prometheus metrics at http://ADDR/metrics, and the /healthz (alive) and /readyz
+    /// (database, schema and broker ready) probes.
+    #[arg(
+        long,
+        env = "HANDOFF_METRICS_ADDR",
+        value_name = "ADDR",
+        help_heading = "Observability"
+    )]
+    pub(super) metrics_addr: Option<SocketAddr>,
+    /// Age that makes an aggregate stuck [default: 60s].
+    ///
+    /// An aggregate whose oldest pending event is older than this counts in
+    /// handoff_outbox_stuck_aggregates.
+    #[arg(long, env = "HANDOFF_STUCK_AFTER", value_parser = humantime::parse_duration,
+        value_name = "DURATION", help_heading = "Observability")]
+    #[serde(default, with = "humantime_serde")]
+    pub(super) stuck_after: Option<Duration>,
     /// `--destination` and each destination's flags (crate::destination).
     #[command(flatten)]
     #[serde(flatten)]
@@ -183,12 +284,18 @@ pub(super) fn read_file(path: &Path) -> Result<RelayArgs> {
     };
     let table: toml::Table = toml::from_str(&text).map_err(refused)?;
     let command = <RelayArgs as clap::Args>::augment_args(clap::Command::new("relay"));
-    let known: Vec<&str> = command
+    // A flag renamed keeps its older name as a hidden alias, and the file its older key (a
+    // serde alias of the field).
+    let known: Vec<String> = command
         .get_arguments()
-        .map(|arg| arg.get_id().as_str())
-        .filter(|id| !["config", "check_config"].contains(id))
+        .filter(|arg| !["config", "check_config"].contains(&arg.get_id().as_str()))
+        .flat_map(|arg| {
+            let aliases = arg.get_all_aliases().unwrap_or_default();
+            std::iter::once(arg.get_id().to_string())
+                .chain(aliases.into_iter().map(|alias| alias.replace('-', "_")))
+        })
         .collect();
-    if let Some(key) = table.keys().find(|key| !known.contains(&key.as_str())) {
+    if let Some(key) = table.keys().find(|key| !known.contains(key)) {
         let line = text
             .lines()
             .position(|l| {

@@ -71,7 +71,10 @@ impl Settings {
 
     fn resolve(args: RelayArgs) -> Result<Settings> {
         let Some(database_url) = args.database_url else {
-            bail!("no database: set --database-url, DATABASE_URL or database_url in the config");
+            bail!(
+                "no database: set --database-url, HANDOFF_DATABASE_URL or database_url in the \
+                 config"
+            );
         };
         let order = args.order.unwrap_or_default();
         let source_kind = args.source.unwrap_or_default();

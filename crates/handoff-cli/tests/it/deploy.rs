@@ -516,3 +516,53 @@ async fn a_running_relay_serves_the_backlog_and_publish_metrics_the_alerts_query
         );
     }
 }
+
+/// `deploy/relay.example.toml`, the sample relay config file, is one the relay accepts as it
+/// is, and names every key of the config file (set or commented out).
+#[test]
+fn the_example_relay_config_is_accepted() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let output = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .current_dir(&root)
+        .args([
+            "relay",
+            "--check-config",
+            "--config",
+            "deploy/relay.example.toml",
+        ])
+        .env_clear()
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    let example = std::fs::read_to_string(root.join("deploy/relay.example.toml")).unwrap();
+    let reference = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .arg("reference")
+        .env_clear()
+        .output()
+        .unwrap();
+    let reference = String::from_utf8(reference.stdout).unwrap();
+    // The relay's table rows: `| flag | env | `key` ... |`.
+    let relay = reference
+        .split("\n## ")
+        .find(|section| section.starts_with("`handoff relay`"))
+        .unwrap();
+    let keys: Vec<&str> = relay
+        .lines()
+        .filter_map(|row| row.split(" | ").nth(2))
+        .filter_map(|cell| cell.strip_prefix('`'))
+        .filter_map(|cell| cell.split('`').next())
+        .filter(|key| !key.is_empty() && *key != "Config key")
+        .collect();
+    assert!(keys.len() > 30, "{keys:?}");
+    for key in keys {
+        let named = example.lines().any(|line| {
+            let line = line.trim_start_matches(['#', ' ']);
+            // `key = ...`, or a table's `[kafka]`.
+            line.starts_with(&format!("{key} =")) || (key.starts_with('[') && line.starts_with(key))
+        });
+        assert!(
+            named,
+            "deploy/relay.example.toml does not name the key {key}"
+        );
+    }
+}

@@ -8,6 +8,8 @@ mod ops;
 
 mod cdc;
 mod cleanup;
+mod cli_names;
+mod configuration;
 mod console;
 mod consumer_quarantine;
 mod database_url;

@@ -21,45 +21,80 @@ const MAX_BUFFER_WAIT: Duration = Duration::from_secs(5);
 pub struct CommonArgs {
     /// PostgreSQL URL of the consumer's own database; its tables are created at start. The
     /// password, if any, is never logged.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "Database"
+    )]
     pub database_url: String,
-    /// `--broker` (alias `--destination`) and each broker's flags.
+    /// `--destination` and each destination's flags.
     #[command(flatten)]
     pub from: super::BrokerArgs,
     /// The consumer's name: its key in the inbox tables and its JetStream durable name; every
     /// instance of one consumer uses the same. The default is the binary's name.
-    #[arg(long, env = "HANDOFF_CONSUMER_NAME")]
+    #[arg(long, env = "HANDOFF_CONSUMER_NAME", help_heading = "Consumer")]
     pub consumer_name: String,
     /// How long JetStream waits for an acknowledgement before it redelivers (e.g. 30s); longer
     /// than the slowest event takes to apply.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "HANDOFF_ACK_WAIT", default_value = "30s",
+        value_parser = humantime::parse_duration, value_name = "DURATION",
+        help_heading = "Consumer")]
     pub ack_wait: Duration,
     /// Deliveries after which an event that still fails goes to the consumer quarantine.
-    #[arg(long, default_value_t = 10)]
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_DELIVERIES",
+        default_value_t = 10,
+        value_name = "N",
+        help_heading = "Consumer"
+    )]
     pub max_deliveries: u64,
     /// Most events applied at once, across orders (each holds a database connection).
-    #[arg(long, env = "HANDOFF_CONSUMER_CONCURRENCY", default_value_t = 16)]
+    #[arg(
+        long,
+        env = "HANDOFF_CONSUMER_CONCURRENCY",
+        default_value_t = 16,
+        value_name = "N",
+        help_heading = "Consumer"
+    )]
     pub concurrency: usize,
     /// Most bytes of deliveries (payload and headers) held at once: taken from the broker and
     /// not yet settled. At the bound nothing more is taken until some are settled (an event
     /// larger than the bound still goes, alone). In bytes, e.g. 16777216 [default: 33554432,
     /// 32 MiB]. The NATS intake also reads ahead no more than 8 MiB per pull.
-    #[arg(long, env = "HANDOFF_MAX_IN_FLIGHT_BYTES")]
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_IN_FLIGHT_BYTES",
+        value_name = "BYTES",
+        help_heading = "Consumer"
+    )]
     pub max_in_flight_bytes: Option<usize>,
     /// What to do with an event that arrives before its predecessor: `reject` hands it back
     /// to the broker for a later delivery, `buffer` holds it until the gap fills (bounded).
-    #[arg(long, value_enum, default_value_t = GapPolicyArg::Reject)]
+    #[arg(long, env = "HANDOFF_GAP_POLICY", value_enum, default_value_t = GapPolicyArg::Reject,
+        help_heading = "Consumer")]
     pub gap_policy: GapPolicyArg,
     /// How long dedup rows are kept (e.g. 7d); at least the replay horizon.
-    #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "HANDOFF_DEDUP_RETENTION", default_value = "7d",
+        value_parser = humantime::parse_duration, value_name = "DURATION",
+        help_heading = "Consumer")]
     pub dedup_retention: Duration,
     /// How far back events can be replayed to this consumer (e.g. 7d): the longer of the
     /// outbox's and the stream's retention.
-    #[arg(long, default_value = "7d", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "HANDOFF_REPLAY_HORIZON", default_value = "7d",
+        value_parser = humantime::parse_duration, value_name = "DURATION",
+        help_heading = "Consumer")]
     pub replay_horizon: Duration,
     /// Serve Prometheus metrics at http://ADDR/metrics, and the /healthz (alive) and /readyz
     /// (database, schema and broker ready) probes [default: off].
-    #[arg(long, env = "HANDOFF_METRICS_ADDR", value_name = "ADDR")]
+    #[arg(
+        long,
+        env = "HANDOFF_METRICS_ADDR",
+        value_name = "ADDR",
+        help_heading = "Observability"
+    )]
     pub metrics_addr: Option<SocketAddr>,
     /// Longest one event may take to apply, handler included (e.g. 60s); past it the work is
     /// abandoned (rolled back) and the event delivered again. Frees the consumer from a
@@ -67,11 +102,12 @@ pub struct CommonArgs {
     /// `idle_in_transaction_session_timeout`, so the server ends a transaction left behind on
     /// such a connection and releases its locks.
     #[arg(long, env = "HANDOFF_APPLY_TIMEOUT", default_value = "60s",
-        value_parser = humantime::parse_duration)]
+        value_parser = humantime::parse_duration, value_name = "DURATION",
+        help_heading = "Consumer")]
     pub apply_timeout: Duration,
     /// Schema of the consumer's tables (inbox and its own) [default: the connection's
     /// search_path].
-    #[arg(long, env = "HANDOFF_SCHEMA")]
+    #[arg(long, env = "HANDOFF_SCHEMA", help_heading = "Database")]
     pub schema: Option<String>,
     /// `--otlp-endpoint`: where trace spans go (nowhere without it).
     #[command(flatten)]
@@ -135,7 +171,7 @@ impl CommonArgs {
         }
     }
 
-    /// The RabbitMQ queue to consume with `--broker amqp`: `--queue`, else the consumer name.
+    /// The RabbitMQ queue to consume with `--destination amqp`: `--queue`, else the consumer name.
     pub fn amqp_queue(&self) -> &str {
         self.from.queue.as_deref().unwrap_or(&self.consumer_name)
     }
@@ -164,9 +200,10 @@ impl CommonArgs {
 /// The exit code to leave with: success after `--help` or `--version` (printed), failure after
 /// a bad command line, which is reported as one `error: ...` line like every other failure.
 pub fn parse_args<A: Parser>(default_consumer_name: &'static str) -> Result<A, ExitCode> {
-    let command = A::command().mut_arg("consumer_name", |arg| {
-        arg.default_value(default_consumer_name).required(false)
-    });
+    let command = handoff_telemetry::env::with_fallbacks(A::command())
+        .mut_arg("consumer_name", |arg| {
+            arg.default_value(default_consumer_name).required(false)
+        });
     let parsed = command
         .try_get_matches()
         .and_then(|mut matches| A::from_arg_matches_mut(&mut matches));

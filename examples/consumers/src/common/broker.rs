@@ -1,4 +1,4 @@
-//! The `--broker` a reference consumer takes its events from: each broker's flags
+//! The `--destination` a reference consumer takes its events from: each broker's flags
 //! ([`BrokerArgs`]) and one arm per destination that has an intake, each subscribing, offering
 //! its readiness probe and consuming. A new destination with an intake adds its flags and its
 //! arm here, and nowhere else in the reference consumers.
@@ -16,95 +16,146 @@ use tracing::info;
 use super::observe::{offer_broker_probe, READY_TIMEOUT};
 use super::{CommonArgs, RunError, AGGREGATE_TYPE};
 
-/// `--broker` and each broker's flags, flattened into [`CommonArgs`]. Each also comes from the
+/// `--destination` and each broker's flags, flattened into [`CommonArgs`]. Each also comes from the
 /// environment variable named in its help.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BrokerArgs {
-    /// The broker the relay publishes to: `nats` (--nats-url, --stream, --subject-prefix),
-    /// `kafka` (--brokers, --topic; the consumer name is the group), `amqp` (--amqp-url,
-    /// --exchange; --queue, by default the consumer name, declared bound to `order.*`) or
-    /// `redis` (--redis-url, --redis-stream; the consumer name is the consumer group).
-    /// `--destination` is the same flag, named as the relay's.
-    #[arg(long, alias = "destination", env = "HANDOFF_BROKER", value_enum,
-        default_value_t = DestinationKind::Nats)]
-    pub broker: DestinationKind,
-    /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...] (with --broker kafka).
-    #[arg(long, env = "HANDOFF_BROKERS", default_value = "127.0.0.1:9092")]
-    pub brokers: String,
-    /// Kafka topic the relay produces to (with --broker kafka).
-    #[arg(long, env = "HANDOFF_TOPIC", default_value = "outbox")]
-    pub topic: String,
-    /// AMQP broker URL (with --broker amqp); the password is never logged.
+    /// The destination the relay publishes to, consumed here.
+    ///
+    /// `nats` (--nats-url, --stream, --subject-prefix), `kafka` (--kafka-brokers, --topic; the
+    /// consumer name is the group), `amqp` (--amqp-url, --exchange; --queue, by default the
+    /// consumer name, declared bound to `order.*`) or `redis` (--redis-url, --redis-stream;
+    /// the consumer name is the consumer group). Named as the relay's flag.
+    #[arg(long, alias = "broker", env = "HANDOFF_DESTINATION", value_enum,
+        default_value_t = DestinationKind::Nats, help_heading = "Destination")]
+    pub destination: DestinationKind,
+    /// Kafka bootstrap brokers, HOST:PORT[,HOST:PORT...].
+    ///
+    /// With --destination kafka.
     #[arg(
         long,
-        env = "AMQP_URL",
+        alias = "brokers",
+        env = "HANDOFF_KAFKA_BROKERS",
+        default_value = "127.0.0.1:9092",
+        value_name = "HOST:PORT,...",
+        help_heading = "Kafka"
+    )]
+    pub kafka_brokers: String,
+    /// Kafka topic the relay produces to (with --destination kafka).
+    #[arg(
+        long,
+        env = "HANDOFF_TOPIC",
+        default_value = "outbox",
+        help_heading = "Kafka"
+    )]
+    pub topic: String,
+    /// AMQP broker URL (with --destination amqp); the password is never logged.
+    #[arg(
+        long,
+        env = "HANDOFF_AMQP_URL",
         default_value = "amqp://127.0.0.1:5672/%2f",
-        hide_env_values = true
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "AMQP"
     )]
     pub amqp_url: String,
-    /// The relay's AMQP exchange (with --broker amqp).
-    #[arg(long, env = "HANDOFF_EXCHANGE", default_value = "outbox")]
-    pub exchange: String,
-    /// The AMQP queue to consume (with --broker amqp), declared bound to the exchange with
-    /// `order.*` [default: the consumer name]. Another name lets two deployments that share a
-    /// broker (such as a demo run next to a real consumer) keep their queues apart.
-    #[arg(long, env = "HANDOFF_QUEUE")]
-    pub queue: Option<String>,
-    /// Redis URL (with --broker redis); the password is never logged.
+    /// The relay's AMQP exchange (with --destination amqp).
     #[arg(
         long,
-        env = "REDIS_URL",
+        env = "HANDOFF_EXCHANGE",
+        default_value = "outbox",
+        help_heading = "AMQP"
+    )]
+    pub exchange: String,
+    /// The AMQP queue to consume [default: the consumer name].
+    ///
+    /// With --destination amqp; declared bound to the exchange with `order.*`. Another name lets two deployments that share a
+    /// broker (such as a demo run next to a real consumer) keep their queues apart.
+    #[arg(long, env = "HANDOFF_QUEUE", help_heading = "AMQP")]
+    pub queue: Option<String>,
+    /// Redis URL (with --destination redis); the password is never logged.
+    #[arg(
+        long,
+        env = "HANDOFF_REDIS_URL",
         default_value = "redis://127.0.0.1:6379",
-        hide_env_values = true
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "Redis"
     )]
     pub redis_url: String,
-    /// The Redis stream the relay appends to (with --broker redis); the consumer reads it
-    /// through a consumer group named after the consumer, created when missing.
-    #[arg(long, env = "REDIS_STREAM", default_value = handoff_redis::DEFAULT_STREAM)]
+    /// The Redis stream the relay appends to.
+    ///
+    /// With --destination redis; the consumer reads it through a consumer group named after
+    /// the consumer, created when missing.
+    #[arg(long, env = "HANDOFF_REDIS_STREAM", default_value = handoff_redis::DEFAULT_STREAM,
+        value_name = "KEY", help_heading = "Redis")]
     pub redis_stream: String,
     /// NATS URL.
     #[arg(
         long,
-        env = "NATS_URL",
+        env = "HANDOFF_NATS_URL",
         default_value = "nats://127.0.0.1:4222",
-        hide_env_values = true
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "NATS"
     )]
     pub nats_url: String,
     /// JetStream stream the relay publishes into; created when missing.
-    #[arg(long, env = "HANDOFF_STREAM", default_value = "OUTBOX")]
+    #[arg(
+        long,
+        env = "HANDOFF_STREAM",
+        default_value = "OUTBOX",
+        help_heading = "NATS"
+    )]
     pub stream: String,
     /// The relay's subject prefix: order events arrive on PREFIX.order.ORDER_ID.
-    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX", default_value = "outbox")]
+    #[arg(
+        long,
+        env = "HANDOFF_SUBJECT_PREFIX",
+        default_value = "outbox",
+        value_name = "PREFIX",
+        help_heading = "NATS"
+    )]
     pub subject_prefix: String,
-    /// How often the NATS client pings the server: a connection that leaves two pings in a
-    /// row unanswered is dropped and reconnected, so a silent one is found within about three
-    /// intervals (e.g. 10s).
+    /// How often the NATS client pings the server.
+    ///
+    /// A connection that leaves two pings in a row unanswered is dropped and reconnected, so a
+    /// silent one is found within about three intervals (e.g. 10s).
     #[arg(long, env = "HANDOFF_NATS_PING_INTERVAL", default_value = "10s",
-        value_parser = humantime::parse_duration)]
+        value_parser = humantime::parse_duration, value_name = "DURATION", help_heading = "NATS")]
     pub nats_ping_interval: Duration,
     // NATS credentials and TLS (issue 23).
     /// `--nats-creds`, `--nats-nkey`, `--nats-tls-ca`, `--nats-tls-cert`, `--nats-tls-key`.
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "NATS")]
     pub nats_security: handoff_nats::NatsSecurityArgs,
     // Kafka options and AMQP over TLS (issue 23).
-    /// With --broker kafka: a librdkafka setting, KEY=VALUE (repeatable), such as
-    /// security.protocol=SASL_SSL or sasl.mechanism=SCRAM-SHA-512. Secret values (passwords,
-    /// secrets, private keys) are never logged; flags show in process listings.
+    /// A librdkafka setting, KEY=VALUE (repeatable).
+    ///
+    /// With --destination kafka: such as security.protocol=SASL_SSL or
+    /// sasl.mechanism=SCRAM-SHA-512. Secret values (passwords, secrets, private keys) are never
+    /// logged; flags show in process listings.
     #[arg(long = "kafka-option", value_name = "KEY=VALUE",
-        value_parser = handoff_kafka::KafkaOptionParser)]
+        value_parser = handoff_kafka::KafkaOptionParser, help_heading = "Kafka")]
     pub kafka_option: Vec<handoff_kafka::KafkaOption>,
+    /// CA certificate (PEM) for an amqps:// URL.
+    ///
     /// With an amqps:// --amqp-url: a CA certificate file (PEM) trusted besides the public
     /// roots, for a broker whose certificate a private CA signed.
-    #[arg(long, env = "AMQP_TLS_CA", value_name = "FILE")]
+    #[arg(
+        long,
+        env = "HANDOFF_AMQP_TLS_CA",
+        value_name = "FILE",
+        help_heading = "AMQP"
+    )]
     pub amqp_tls_ca: Option<std::path::PathBuf>,
 }
 
-/// Subscribes at `args.from.broker` and runs `consumer` over it until SIGTERM or SIGINT.
+/// Subscribes at `args.from.destination` and runs `consumer` over it until SIGTERM or SIGINT.
 pub(super) async fn consume<H: Handler>(
     args: &CommonArgs,
     consumer: &Consumer<H>,
 ) -> Result<(), RunError> {
-    match args.from.broker {
+    match args.from.destination {
         DestinationKind::Nats => {
             let intake_config = args.intake_config();
             let filter = intake_config.filter();
@@ -119,7 +170,7 @@ pub(super) async fn consume<H: Handler>(
         }
         DestinationKind::Kafka => {
             let intake_config = handoff_kafka::IntakeConfig {
-                brokers: args.from.brokers.clone(),
+                brokers: args.from.kafka_brokers.clone(),
                 topic: args.from.topic.clone(),
                 group_id: args.consumer_name.clone(),
                 redeliver_after: args.ack_wait,
@@ -129,7 +180,7 @@ pub(super) async fn consume<H: Handler>(
             let intake = handoff_kafka::KafkaIntake::connect(intake_config)
                 .await
                 .map_err(|e| RunError::Broker(e.to_string()))?;
-            let brokers = args.from.brokers.clone();
+            let brokers = args.from.kafka_brokers.clone();
             offer_broker_probe(move || tcp_ready(brokers.clone()));
             let options: Vec<&str> = args.from.kafka_option.iter().map(|o| o.key()).collect();
             info!(topic = %args.from.topic, group = %args.consumer_name, ?options, "consuming");

@@ -5,6 +5,7 @@
 
 mod common;
 
+mod cli_names;
 mod health;
 mod inventory;
 mod kafka_options;
