@@ -341,3 +341,56 @@ pub fn serve_metrics(addr: SocketAddr) -> Result<(), metrics_exporter_prometheus
         .with_http_listener(addr)
         .install()
 }
+
+#[cfg(test)]
+mod tests {
+    use handoff::postgres::DriverError;
+
+    use super::*;
+
+    fn status_and_retry(error: PlaceError) -> (StatusCode, Option<String>) {
+        let response = error.into_response();
+        let retry = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap().to_owned());
+        (response.status(), retry)
+    }
+
+    #[test]
+    fn a_retryable_enqueue_failure_answers_503_with_retry_after() {
+        let conflict = EnqueueError::Conflict(DriverError::Sqlx(sqlx::Error::PoolTimedOut));
+        assert!(conflict.is_retryable());
+        assert_eq!(
+            status_and_retry(PlaceError::Enqueue(conflict)),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("1".to_owned()))
+        );
+        assert_eq!(
+            status_and_retry(PlaceError::Enqueue(EnqueueError::SequenceTaken)),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("1".to_owned()))
+        );
+    }
+
+    #[test]
+    fn a_refused_order_or_event_answers_422_and_the_rest_500() {
+        assert_eq!(
+            status_and_retry(PlaceError::Invalid("customer_id is empty")).0,
+            StatusCode::UNPROCESSABLE_ENTITY
+        );
+        // An event of a type the outbox's catalog does not hold is refused before any SQL.
+        let stranger = NewEvent::new("order", "o-1", "OrderLost", 1, "{}");
+        let refused = outbox().validate(&[stranger]).unwrap_err();
+        assert!(matches!(refused.kind(), EnqueueErrorKind::Invalid(_)));
+        assert_eq!(
+            status_and_retry(PlaceError::Enqueue(refused)).0,
+            StatusCode::UNPROCESSABLE_ENTITY
+        );
+        let missing = EnqueueError::NotMigrated {
+            schema: "public".into(),
+        };
+        assert_eq!(
+            status_and_retry(PlaceError::Enqueue(missing)),
+            (StatusCode::INTERNAL_SERVER_ERROR, None)
+        );
+    }
+}

@@ -71,3 +71,46 @@ fn the_page_names_the_facade_features_that_exist() {
         );
     }
 }
+
+/// The relay's three forms on the page (flags, a TOML file, variables) name the same settings,
+/// each as docs/relay.md's flag table does.
+#[test]
+fn the_relay_forms_agree_with_the_relay_page() {
+    let page = read("../../docs/quickstart.md");
+    let relay_page = read("../../docs/relay.md");
+    let command = blocks(&page, "sh")
+        .into_iter()
+        .find(|b| b.starts_with("handoff relay --"))
+        .expect("the page runs `handoff relay` with flags");
+    let flags: Vec<&str> = command
+        .split_whitespace()
+        .filter(|word| word.starts_with("--"))
+        .collect();
+    assert!(flags.len() >= 4, "{command}");
+    let file = blocks(&page, "toml")
+        .into_iter()
+        .find(|b| b.starts_with("database_url = "))
+        .expect("the page's relay.toml");
+    let variables = blocks(&page, "sh")
+        .into_iter()
+        .find(|b| b.starts_with("DATABASE_URL=") && b.contains("handoff relay"))
+        .expect("the page runs the relay from variables");
+    for flag in flags {
+        let row = format!("| `{flag}` | `");
+        let variable = relay_page
+            .lines()
+            .find_map(|line| line.strip_prefix(row.as_str()))
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(variable, _)| variable)
+            .unwrap_or_else(|| panic!("docs/relay.md has no row for {flag}"));
+        assert!(
+            variables.contains(&format!("{variable}=")),
+            "the variables' form lacks {variable} ({flag})"
+        );
+        let key = flag.trim_start_matches('-').replace('-', "_");
+        assert!(
+            file.lines().any(|l| l.starts_with(&format!("{key} = "))),
+            "the file's form lacks `{key}` ({flag})"
+        );
+    }
+}
