@@ -93,7 +93,7 @@ fn the_relay_forms_agree_with_the_relay_page() {
         .expect("the page's relay.toml");
     let variables = blocks(&page, "sh")
         .into_iter()
-        .find(|b| b.starts_with("DATABASE_URL=") && b.contains("handoff relay"))
+        .find(|b| b.starts_with("HANDOFF_DATABASE_URL=") && b.contains("handoff relay"))
         .expect("the page runs the relay from variables");
     for flag in flags {
         let row = format!("| `{flag}` | `");
