@@ -70,6 +70,7 @@ mod connect;
 mod consumer_quarantine;
 mod health;
 mod inbox;
+mod log;
 mod migrate;
 mod outbox;
 mod pool;
@@ -102,6 +103,7 @@ pub use inbox::{
     validate_consumer_name, Admission, BatchAdmission, CallRecord, CallResponse, CallStatus, Inbox,
     InboxError, InboxErrorKind, QuarantineKind, MAX_CONSUMER_NAME_BYTES,
 };
+pub use log::{LogConfig, LogConfigError, LogSource, DEFAULT_CURSOR};
 pub use migrate::{
     MigrateError, MigrateErrorKind, Migration, MigrationReport, Migrator, HANDOFF_MIGRATIONS,
 };

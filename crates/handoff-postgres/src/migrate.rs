@@ -167,6 +167,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0020_relay_sessions.up.sql"),
         down: include_str!("../migrations/0020_relay_sessions.down.sql"),
     },
+    Migration {
+        version: 21,
+        name: "log_cursors",
+        up: include_str!("../migrations/0021_log_cursors.up.sql"),
+        down: include_str!("../migrations/0021_log_cursors.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

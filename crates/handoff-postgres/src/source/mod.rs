@@ -185,6 +185,26 @@ impl PollingSource {
     pub fn config(&self) -> &PollingConfig {
         &self.config
     }
+
+    /// Runs `statement` on a pooled connection within the query timeout, as this source runs
+    /// its own (for the log source, which publishes its lane with this one).
+    pub(crate) async fn on_connection<T>(
+        &self,
+        what: &str,
+        statement: impl AsyncFnOnce(&mut sqlx::PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, SourceError> {
+        self.on_pooled_connection(what, statement).await
+    }
+
+    /// Whether statements may be cached under a name (not behind a transaction pooler).
+    pub(crate) fn caches_statements(&self) -> bool {
+        self.named_statements()
+    }
+
+    /// `claimed_payloads.sql`, with this source's schema.
+    pub(crate) fn claimed_payloads_sql(&self) -> &str {
+        &self.sql.claimed_payloads
+    }
 }
 
 impl Source for PollingSource {

@@ -14,6 +14,7 @@ mod fuzz_corpus;
 mod global_order;
 mod inbox_batch;
 mod jit;
+mod log_source;
 mod mark;
 mod migrate;
 mod order_holes;

@@ -1,0 +1,394 @@
+//! The log source against the real PostgreSQL: ranges by snapshot (late and rolled-back
+//! transactions), order per aggregate when transaction ids and sequences disagree, no event
+//! row rewritten on the happy path, the lane for failed and held aggregates, the cursor's
+//! lease, and a cursor created over a polling relay's backlog.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use handoff_core::delivery::{Failure, OutboxEvent, Published, Released, Source};
+use handoff_postgres::{LogConfig, LogSource, Outbox, PollingConfig, Schema};
+use handoff_test::{factory, TestDb};
+
+fn config(db: &TestDb, relay_id: &str) -> LogConfig {
+    LogConfig {
+        polling: PollingConfig {
+            schema: Schema::named(db.schema()).unwrap(),
+            relay_id: relay_id.into(),
+            listen: false,
+            ..PollingConfig::default()
+        },
+        page_size: 50,
+        ..LogConfig::default()
+    }
+}
+
+fn source(db: &TestDb, relay_id: &str) -> LogSource {
+    LogSource::new(db.pool.clone(), config(db, relay_id)).unwrap()
+}
+
+/// Claims and acknowledges until a claim comes back empty twice; returns what came out, in
+/// the order it was handed out.
+async fn drain(source: &LogSource) -> Vec<OutboxEvent> {
+    let mut out = Vec::new();
+    let mut empty = 0;
+    while empty < 2 {
+        let claim = source.claim(100, usize::MAX).await.unwrap();
+        if claim.events.is_empty() {
+            empty += 1;
+            continue;
+        }
+        empty = 0;
+        let acked: Vec<Published> = claim
+            .events
+            .iter()
+            .map(|e| Published::id(e.event_id))
+            .collect();
+        source.mark_published(&acked).await.unwrap();
+        out.extend(claim.events);
+    }
+    out
+}
+
+/// Each aggregate's sequences in the order they came out.
+fn by_aggregate(events: &[OutboxEvent]) -> HashMap<String, Vec<i64>> {
+    let mut seen: HashMap<String, Vec<i64>> = HashMap::new();
+    for e in events {
+        seen.entry(e.aggregate_id.clone())
+            .or_default()
+            .push(e.aggregate_sequence);
+    }
+    seen
+}
+
+async fn enqueue(db: &TestDb, outbox: &Outbox, aggregates: &[&str], per_aggregate: u64) {
+    for n in 0..per_aggregate {
+        for aggregate in aggregates {
+            db.enqueue_alone(outbox, factory::event(aggregate, n)).await;
+        }
+    }
+}
+
+/// Rows whose current version is not the one their writer inserted: an update (a lease, a
+/// mark) leaves the updating transaction's id in xmin.
+async fn rewritten_rows(db: &TestDb) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM outbox
+         WHERE xmin::text::bigint <> (txid::text::bigint % 4294967296)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn every_event_comes_out_once_in_order_and_no_event_row_is_rewritten() {
+    let (db, outbox) = common::migrated("log_drain").await;
+    // The cursor exists before the events, so none of them is a polling backlog.
+    let relay = source(&db, "relay-a");
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+    enqueue(&db, &outbox, &["a", "b", "c", "d"], 60).await;
+
+    let out = drain(&relay).await;
+    assert_eq!(out.len(), 240, "every event once");
+    for (aggregate, sequences) in by_aggregate(&out) {
+        assert_eq!(
+            sequences,
+            (1..=60).collect::<Vec<_>>(),
+            "order of {aggregate}"
+        );
+    }
+    assert_eq!(
+        rewritten_rows(&db).await,
+        0,
+        "the happy path writes no event row"
+    );
+    let published: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(published, 0);
+    // Its progress is the cursor's row, written once per settled batch at most.
+    let ranges = db.count("outbox_cursor_ranges").await;
+    assert!((1..=240 / 50 + 3).contains(&ranges), "{ranges} range rows");
+    // And the view says when each went out.
+    let unpublished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_published WHERE published_at IS NULL")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        unpublished, 0,
+        "outbox_published dates every event the cursor settled"
+    );
+}
+
+#[tokio::test]
+async fn a_transaction_that_commits_late_comes_out_and_a_rolled_back_one_never_does() {
+    let (db, outbox) = common::migrated("log_late").await;
+    let relay = source(&db, "relay-a");
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+
+    // A writer that began first and commits last, and one that rolls back.
+    let mut late = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut late, &[factory::event("late", 0)])
+        .await
+        .unwrap();
+    let mut undone = db.pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut undone, &[factory::event("undone", 0)])
+        .await
+        .unwrap();
+    enqueue(&db, &outbox, &["early"], 3).await;
+
+    let first = drain(&relay).await;
+    assert_eq!(
+        by_aggregate(&first).keys().collect::<Vec<_>>(),
+        vec!["early"]
+    );
+    undone.rollback().await.unwrap();
+    late.commit().await.unwrap();
+    let second = drain(&relay).await;
+    assert_eq!(
+        by_aggregate(&second),
+        HashMap::from([("late".to_string(), vec![1])])
+    );
+}
+
+#[tokio::test]
+async fn a_later_sequence_with_an_older_transaction_id_still_comes_out_second() {
+    let (db, outbox) = common::migrated("log_xid_order").await;
+    let relay = source(&db, "relay-a");
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+    sqlx::query("CREATE TABLE business (id int)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    // The second writer takes its transaction id first (its business row), then waits for
+    // the first writer's sequence before writing the next one.
+    let mut second = db.pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO business VALUES (1)")
+        .execute(&mut *second)
+        .await
+        .unwrap();
+    db.enqueue_alone(&outbox, factory::event("x", 0)).await;
+    outbox
+        .enqueue(&mut second, &[factory::event("x", 1)])
+        .await
+        .unwrap();
+    second.commit().await.unwrap();
+    let ids: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT aggregate_sequence, txid::text FROM outbox ORDER BY aggregate_sequence",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        ids[1].1.parse::<u64>().unwrap() < ids[0].1.parse::<u64>().unwrap(),
+        "the setup gives sequence 2 the older transaction id: {ids:?}"
+    );
+
+    let out = drain(&relay).await;
+    assert_eq!(by_aggregate(&out)["x"], vec![1, 2]);
+}
+
+#[tokio::test]
+async fn a_failed_aggregate_goes_to_the_lane_and_the_others_never_wait_for_it() {
+    let (db, outbox) = common::migrated("log_lane").await;
+    let relay = source(&db, "relay-a");
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+    enqueue(&db, &outbox, &["poison", "ok"], 3).await;
+
+    let claim = relay.claim(100, usize::MAX).await.unwrap();
+    let poison = claim
+        .events
+        .iter()
+        .find(|e| e.aggregate_id == "poison" && e.aggregate_sequence == 1)
+        .unwrap()
+        .clone();
+    let failure = Failure {
+        event_id: poison.event_id,
+        error: "refused".into(),
+        retry_after: None,
+        counts_as_attempt: true,
+        hold_reason: Some("rejected"),
+        lease: claim.lease,
+    };
+    relay.record_failures(&[failure]).await.unwrap();
+    // As the relay does: the events behind the failed one in its lane go back unpublished.
+    let behind: Vec<Released> = claim
+        .events
+        .iter()
+        .filter(|e| e.aggregate_id == "poison" && e.aggregate_sequence > 1)
+        .map(|e| Released {
+            event_id: e.event_id,
+            lease: claim.lease,
+        })
+        .collect();
+    relay.release(&behind).await.unwrap();
+    let acked: Vec<Published> = claim
+        .events
+        .iter()
+        .filter(|e| e.aggregate_id == "ok")
+        .map(|e| Published::id(e.event_id))
+        .collect();
+    relay.mark_published(&acked).await.unwrap();
+    enqueue(&db, &outbox, &["poison", "ok"], 2).await;
+
+    let out = drain(&relay).await;
+    assert_eq!(
+        by_aggregate(&out).get("poison"),
+        None,
+        "held: nothing of it goes out"
+    );
+    assert_eq!(by_aggregate(&out)["ok"], vec![4, 5]);
+    let lane: (i64, String) = sqlx::query_as(
+        "SELECT from_sequence, reason FROM outbox_cursor_lanes WHERE aggregate_id = 'poison'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(lane, (1, "failed".into()));
+    let hold: Option<String> =
+        sqlx::query_scalar("SELECT hold_reason FROM outbox WHERE event_id = $1")
+            .bind(poison.event_id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(hold.as_deref(), Some("rejected"));
+
+    // An operator retries it: the lane publishes the whole aggregate in order, then gives it
+    // back, and the cursor publishes what comes after.
+    sqlx::query("UPDATE outbox SET available_at = now(), hold_reason = NULL WHERE event_id = $1")
+        .bind(poison.event_id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let out = drain_for(&relay, Duration::from_secs(2)).await;
+    assert_eq!(by_aggregate(&out)["poison"], vec![1, 2, 3, 4, 5]);
+    let released: Option<i64> = sqlx::query_scalar(
+        "SELECT released_through FROM outbox_cursor_lanes WHERE aggregate_id = 'poison'",
+    )
+    .fetch_optional(&db.pool)
+    .await
+    .unwrap()
+    .flatten();
+    assert!(released.is_none_or(|through| through == 5));
+    enqueue(&db, &outbox, &["poison"], 1).await;
+    let out = drain_for(&relay, Duration::from_secs(1)).await;
+    assert_eq!(
+        by_aggregate(&out).get("poison"),
+        Some(&vec![6]),
+        "back in the cursor's stream: {out:?}"
+    );
+}
+
+/// As [`drain`], for a while: the lane is looked at on its own schedule.
+async fn drain_for(source: &LogSource, how_long: Duration) -> Vec<OutboxEvent> {
+    let until = tokio::time::Instant::now() + how_long;
+    let mut out = Vec::new();
+    while tokio::time::Instant::now() < until {
+        out.extend(drain(source).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    out
+}
+
+#[tokio::test]
+async fn one_relay_reads_a_cursor_and_another_takes_over_where_it_stopped() {
+    let (db, outbox) = common::migrated("log_takeover").await;
+    let mut short = config(&db, "relay-a");
+    short.polling.lease = Duration::from_secs(2);
+    let a = LogSource::new(db.pool.clone(), short.clone()).unwrap();
+    let b = LogSource::new(
+        db.pool.clone(),
+        LogConfig {
+            polling: PollingConfig {
+                relay_id: "relay-b".into(),
+                ..short.polling.clone()
+            },
+            ..short
+        },
+    )
+    .unwrap();
+    assert!(a.claim(100, usize::MAX).await.unwrap().events.is_empty());
+    enqueue(&db, &outbox, &["k"], 10).await;
+    let first = a.claim(4, usize::MAX).await.unwrap();
+    assert_eq!(first.events.len(), 4);
+    assert!(
+        b.claim(100, usize::MAX).await.unwrap().events.is_empty(),
+        "b stands by"
+    );
+    let acked: Vec<Published> = first
+        .events
+        .iter()
+        .map(|e| Published::id(e.event_id))
+        .collect();
+    a.mark_published(&acked).await.unwrap();
+    // a stops claiming (it died); b takes over once a's lease has run out.
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut out = Vec::new();
+    while out.is_empty() && tokio::time::Instant::now() < until {
+        out = drain(&b).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        by_aggregate(&out)["k"],
+        (5..=10).collect::<Vec<_>>(),
+        "from where a settled"
+    );
+    // a's late writes are fenced off.
+    assert!(
+        a.mark_published(&acked).await.is_err()
+            || a.claim(1, usize::MAX).await.unwrap().events.is_empty()
+    );
+}
+
+#[tokio::test]
+async fn a_cursor_created_over_a_polling_backlog_publishes_it_first_through_its_lane() {
+    let (db, outbox) = common::migrated("log_upgrade").await;
+    // Written and partly published by a polling relay: q#1 published, q#2..3 and r#1 not.
+    enqueue(&db, &outbox, &["q"], 3).await;
+    enqueue(&db, &outbox, &["r"], 1).await;
+    sqlx::query("UPDATE outbox SET published_at = now() WHERE aggregate_id = 'q' AND aggregate_sequence = 1")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let relay = source(&db, "relay-a");
+    let mut out = drain_for(&relay, Duration::from_millis(600)).await;
+    enqueue(&db, &outbox, &["q", "r"], 1).await;
+    out.extend(drain_for(&relay, Duration::from_millis(800)).await);
+    let seen = by_aggregate(&out);
+    assert_eq!(
+        seen["q"],
+        vec![2, 3, 4],
+        "the backlog, then the new event, nothing twice"
+    );
+    assert_eq!(seen["r"], vec![1, 2]);
+}
