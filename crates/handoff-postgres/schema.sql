@@ -130,6 +130,7 @@ CREATE TABLE outbox (
     hold_reason text,
     blocked boolean DEFAULT false NOT NULL,
     claimed_session uuid,
+    txid xid8 DEFAULT pg_current_xact_id(),
     CONSTRAINT outbox_aggregate_id_not_empty CHECK (aggregate_id <> ''::text),
     CONSTRAINT outbox_aggregate_sequence_key UNIQUE (aggregate_type, aggregate_id, aggregate_sequence),
     CONSTRAINT outbox_aggregate_sequence_positive CHECK (aggregate_sequence >= 1),
@@ -146,6 +147,7 @@ CREATE UNIQUE INDEX outbox_global_sequence_key ON outbox USING btree (global_seq
 CREATE INDEX outbox_parked_idx ON outbox USING btree (aggregate_type, aggregate_id, aggregate_sequence) WHERE blocked;
 CREATE INDEX outbox_pending_idx ON outbox USING btree (available_at, occurred_at) WHERE (published_at IS NULL);
 CREATE INDEX outbox_ready_idx ON outbox USING btree (available_at, occurred_at) WHERE ((published_at IS NULL) AND (NOT blocked) AND (global_sequence IS NULL));
+CREATE INDEX outbox_txid_idx ON outbox USING btree (txid, event_id);
 CREATE TRIGGER outbox_wake AFTER INSERT ON outbox FOR EACH STATEMENT EXECUTE FUNCTION handoff_outbox_wake();
 
 CREATE TABLE outbox_archive (
@@ -172,8 +174,47 @@ CREATE TABLE outbox_archive (
     takeover_count integer DEFAULT 0 NOT NULL,
     hold_reason text,
     blocked boolean DEFAULT false NOT NULL,
-    claimed_session uuid
+    claimed_session uuid,
+    txid xid8
 );
+
+CREATE TABLE outbox_cursor_lanes (
+    cursor_name text NOT NULL,
+    aggregate_type text NOT NULL,
+    aggregate_id text NOT NULL,
+    from_sequence bigint NOT NULL,
+    reason text NOT NULL,
+    parked_at timestamp with time zone DEFAULT now() NOT NULL,
+    released_through bigint,
+    released_txid xid8,
+    CONSTRAINT outbox_cursor_lanes_pkey PRIMARY KEY (cursor_name, aggregate_type, aggregate_id),
+    CONSTRAINT outbox_cursor_lanes_reason_known CHECK (reason = ANY (ARRAY['failed'::text, 'held'::text, 'hole'::text, 'legacy'::text]))
+);
+
+CREATE TABLE outbox_cursor_ranges (
+    cursor_name text NOT NULL,
+    range_id bigint GENERATED ALWAYS AS IDENTITY NOT NULL,
+    snapshot pg_snapshot NOT NULL,
+    settled_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT outbox_cursor_ranges_pkey PRIMARY KEY (cursor_name, range_id)
+);
+
+CREATE TABLE outbox_cursors (
+    cursor_name text NOT NULL,
+    settled_snapshot pg_snapshot NOT NULL,
+    range_snapshot pg_snapshot,
+    range_txid xid8,
+    range_event_id uuid,
+    owner_relay text,
+    owner_session uuid,
+    lease_until timestamp with time zone,
+    lease_token bigint DEFAULT 0 NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    advanced_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT outbox_cursors_name_not_empty CHECK (cursor_name <> ''::text),
+    CONSTRAINT outbox_cursors_pkey PRIMARY KEY (cursor_name),
+    CONSTRAINT outbox_cursors_range_whole CHECK ((range_snapshot IS NULL) = (range_txid IS NULL) AND (range_txid IS NULL) = (range_event_id IS NULL))
+) WITH (fillfactor=50);
 
 CREATE TABLE outbox_global_head (
     lane boolean DEFAULT true NOT NULL,
@@ -190,6 +231,26 @@ CREATE TABLE outbox_heads (
     CONSTRAINT outbox_heads_last_sequence_positive CHECK (last_sequence >= 1),
     CONSTRAINT outbox_heads_pkey PRIMARY KEY (aggregate_type, aggregate_id)
 ) WITH (fillfactor=80);
+
+CREATE VIEW outbox_published AS
+ SELECT o.event_id,
+    o.aggregate_type,
+    o.aggregate_id,
+    o.aggregate_sequence,
+    o.event_type,
+    o.occurred_at,
+    COALESCE(o.published_at,
+        CASE
+            WHEN NOT (EXISTS ( SELECT 1
+               FROM outbox_cursor_lanes l
+              WHERE l.cursor_name = 'default'::text AND l.aggregate_type = o.aggregate_type AND l.aggregate_id = o.aggregate_id AND l.from_sequence <= o.aggregate_sequence AND (l.released_through IS NULL OR l.released_through >= o.aggregate_sequence))) THEN ( SELECT r.settled_at
+               FROM outbox_cursor_ranges r
+              WHERE r.cursor_name = 'default'::text AND o.txid IS NOT NULL AND pg_visible_in_snapshot(o.txid, r.snapshot)
+              ORDER BY r.range_id
+             LIMIT 1)
+            ELSE NULL::timestamp with time zone
+        END) AS published_at
+   FROM outbox o;
 
 CREATE TABLE outbox_quarantine_actions (
     action_id bigint GENERATED ALWAYS AS IDENTITY NOT NULL,
