@@ -92,10 +92,12 @@ pub struct RelayArgs {
     /// Unique per live relay. The default is relay-<host>-<pid>-<random>, new at every start.
     #[arg(long, env = "HANDOFF_RELAY_ID", help_heading = "Relay")]
     pub(super) relay_id: Option<String>,
-    /// Source: polling or logical [default: polling].
+    /// Source: polling, log or logical [default: polling].
     ///
-    /// `polling` queries the outbox; `logical` follows a logical replication slot (create it
-    /// first with `handoff cdc setup`).
+    /// `polling` leases outbox rows and marks them published; `log` reads the outbox as a log
+    /// through a named cursor (--cursor) and writes nothing per event (docs/relay.md, "The log
+    /// source"); `logical` follows a logical replication slot (create it first with `handoff
+    /// cdc setup`).
     #[arg(
         long,
         env = "HANDOFF_SOURCE",
@@ -104,6 +106,12 @@ pub struct RelayArgs {
         help_heading = "Relay"
     )]
     pub(super) source: Option<SourceKind>,
+    /// Cursor the log source reads [default: default].
+    ///
+    /// One relay reads a cursor at a time; others on the same cursor stand by and take it over
+    /// when its lease runs out. Created at the outbox's present when missing.
+    #[arg(long, env = "HANDOFF_CURSOR", help_heading = "Relay")]
+    pub(super) cursor: Option<String>,
     /// Replication slot of the logical source [default: handoff].
     #[arg(long, env = "HANDOFF_SLOT", help_heading = "Relay")]
     pub(super) slot: Option<String>,
@@ -259,6 +267,9 @@ pub enum SourceKind {
     /// Query the outbox table (leases, any number of relays).
     #[default]
     Polling,
+    /// Read the outbox as a log through a cursor: nothing written per event; one relay per
+    /// cursor, others stand by.
+    Log,
     /// Follow a logical replication slot (one streaming relay per slot; others stand by).
     Logical,
 }

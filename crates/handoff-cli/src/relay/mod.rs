@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use handoff_cdc::{CdcNames, LogicalConfig, LogicalSource};
 use handoff_core::delivery::Transport;
-use handoff_postgres::{Migrator, OrderMode, PollingSource};
+use handoff_postgres::{LogConfig, LogSource, Migrator, OrderMode, PollingSource};
 use handoff_relay::Relay;
 use sqlx::PgPool;
 use tracing::{info, warn};
@@ -137,6 +137,9 @@ async fn serve<T: Transport>(
     if let Some(names) = settings.logical.clone() {
         return run_logical(settings, names, pool, transport, shutdown).await;
     }
+    if let Some(cursor) = settings.cursor.clone() {
+        return run_log(settings, cursor, pool, listen_pool, transport, shutdown).await;
+    }
     let mut source = PollingSource::new(pool, settings.polling)?;
     if let Some(listen_pool) = listen_pool {
         source = source.with_listen_pool(listen_pool);
@@ -152,6 +155,34 @@ async fn serve<T: Transport>(
     let outcome = relay.try_run(shutdown).await;
     report_pause.abort();
     watch_lanes.abort();
+    if let Err(error) = source.unregister().await {
+        warn!(error = %error, "could not unregister the wait; it expires by itself");
+    }
+    log_exit(outcome)
+}
+
+/// The relay over the log source: the outbox read through `cursor`.
+async fn run_log<T: Transport>(
+    settings: Settings,
+    cursor: String,
+    pool: PgPool,
+    listen_pool: Option<PgPool>,
+    transport: std::sync::Arc<T>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Unpin,
+) -> Result<()> {
+    let config = LogConfig {
+        polling: settings.polling.clone(),
+        cursor,
+        ..LogConfig::default()
+    };
+    let mut source = LogSource::new(pool, config)?;
+    if let Some(listen_pool) = listen_pool {
+        source = source.with_listen_pool(listen_pool);
+    }
+    let source = std::sync::Arc::new(source);
+    let relay = Relay::from_shared(source.clone(), transport, settings.relay)?;
+    let _ = RELAY_STATUS.set(relay.status());
+    let outcome = relay.try_run(shutdown).await;
     if let Err(error) = source.unregister().await {
         warn!(error = %error, "could not unregister the wait; it expires by itself");
     }

@@ -23,6 +23,8 @@ pub(super) struct Settings {
     pub(super) database_url: String,
     /// The slot and publication, when the source is logical.
     pub(super) logical: Option<CdcNames>,
+    /// The cursor, when the source is the log.
+    pub(super) cursor: Option<String>,
     pub(super) destination: DestinationArgs,
     /// Time to wait for the destination's acknowledgement, unless it has a flag of its own.
     pub(super) publish_timeout: Duration,
@@ -44,6 +46,7 @@ impl std::fmt::Debug for Settings {
                 &handoff_core::redact::url(&self.database_url),
             )
             .field("logical", &self.logical)
+            .field("cursor", &self.cursor)
             .field("destination", &self.destination.kind())
             .field("metrics_addr", &self.metrics_addr)
             .field("polling", &self.polling)
@@ -84,8 +87,22 @@ impl Settings {
                  global sequence"
             );
         }
+        if order == OrderMode::Global && source_kind == SourceKind::Log {
+            bail!(
+                "--order global needs --source polling: the log source publishes in aggregate \
+                 order only"
+            );
+        }
+        if args.cursor.is_some() && source_kind != SourceKind::Log {
+            bail!("--cursor is for --source log");
+        }
+        let cursor = (source_kind == SourceKind::Log).then(|| {
+            args.cursor
+                .clone()
+                .unwrap_or_else(|| handoff_postgres::DEFAULT_CURSOR.to_owned())
+        });
         let logical = match source_kind {
-            SourceKind::Polling => None,
+            SourceKind::Polling | SourceKind::Log => None,
             SourceKind::Logical => Some(CdcNames::new(
                 args.slot.unwrap_or_else(|| "handoff".into()),
                 args.publication.unwrap_or_else(|| "handoff_outbox".into()),
@@ -146,6 +163,7 @@ impl Settings {
             database,
             database_url,
             logical,
+            cursor,
             destination: args.destination,
             publish_timeout: args
                 .publish_timeout

@@ -21,6 +21,7 @@ mod destination_redis;
 mod failure_policy;
 mod global_order;
 mod health;
+mod log_source;
 mod nats_cluster;
 mod nats_security;
 mod pooler;
