@@ -124,6 +124,7 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
                 DrainVariant::SqlBound,
                 DrainVariant::JetStreamBound,
                 DrainVariant::Relay1,
+                DrainVariant::RelayLog,
             ];
             if !args.no_peer {
                 order.push(DrainVariant::Peer);
@@ -154,6 +155,7 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
                             drain::jetstream(&bench, &mut admin, round, OUTSTANDING, None).await?
                         }
                         DrainVariant::Peer => peer::drain(&bench, &mut admin, round).await?,
+                        DrainVariant::RelayLog => drain::relay_log(&bench, &mut admin, round).await?,
                         _ => drain::relays(&bench, &mut admin, round, 1).await?,
                     }
                 };

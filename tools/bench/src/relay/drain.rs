@@ -10,7 +10,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use handoff_core::delivery::{OutboxEvent, Published, Source, Transport};
 use handoff_core::EventId;
 use handoff_nats::JetStreamTransport;
-use handoff_postgres::{PollingConfig, PollingSource};
+use handoff_postgres::{LogConfig, LogSource, PollingConfig, PollingSource};
 use handoff_relay::{Relay, RelayConfig, RelayReport};
 use serde::Serialize;
 use sqlx::postgres::PgPool;
@@ -53,6 +53,10 @@ pub enum DrainVariant {
     /// Two relays (own pools, own NATS connections, own relay ids) on the same backlog.
     #[serde(rename = "relay_2")]
     Relay2,
+    /// One relay with the log source (`--source log`): the backlog read through the default
+    /// cursor, placed where it stood before the backlog was written (a relay that was down).
+    #[serde(rename = "relay_log")]
+    RelayLog,
     /// The peer, oxide-outbox, at its best tuning: 8 managers, batches of 1,000, one
     /// publish+ack per event ([`crate::hot_path::peer`]).
     #[serde(rename = "oxide_outbox_8x1000")]
@@ -86,6 +90,7 @@ impl DrainVariant {
             DrainVariant::JetStreamSerial => "jetstream_serial",
             DrainVariant::Relay1 => "relay_1",
             DrainVariant::Relay2 => "relay_2",
+            DrainVariant::RelayLog => "relay_log",
             DrainVariant::Peer => "oxide_outbox_8x1000",
             DrainVariant::SqlRowLease => "sql_row_lease",
             DrainVariant::SqlAsyncClaim => "sql_async_claim",
@@ -382,6 +387,50 @@ pub async fn relay_parts(bench: &Bench, count: usize) -> Result<Vec<(PgPool, Jet
     Ok(parts)
 }
 
+/// One relay with the log source on the preloaded backlog: the default cursor is placed where
+/// it stood before the backlog's transaction (as for a relay that was down while it was
+/// written), then the relay drains it through the cursor.
+pub async fn relay_log(bench: &Bench, admin: &mut PgConnection, round: usize) -> Result<DrainRun> {
+    let parts = relay_parts(bench, 1).await?;
+    bench.reset(admin, &parts[0].1, true).await?;
+    sqlx::query("TRUNCATE outbox_cursors, outbox_cursor_ranges, outbox_cursor_lanes")
+        .execute(&mut *admin)
+        .await?;
+    sqlx::query(
+        "INSERT INTO outbox_cursors (cursor_name, settled_snapshot)
+         SELECT 'default', (min(txid)::text || ':' || min(txid)::text || ':')::pg_snapshot
+         FROM outbox",
+    )
+    .execute(&mut *admin)
+    .await?;
+    run_relays(bench, admin, round, parts, DrainVariant::RelayLog, |pool, relay_id| {
+        let config = LogConfig {
+            polling: polling_config(relay_id, true),
+            ..LogConfig::default()
+        };
+        Ok(Arc::new(LogSource::new(pool, config)?))
+    })
+    .await
+}
+
+/// A source the drain can stop listening for at its end.
+pub trait Unregister {
+    /// Stops the writers' notifications on the relay's account.
+    fn unregister(&self) -> impl std::future::Future<Output = Result<()>> + Send;
+}
+
+impl Unregister for PollingSource {
+    async fn unregister(&self) -> Result<()> {
+        Ok(PollingSource::unregister(self).await?)
+    }
+}
+
+impl Unregister for LogSource {
+    async fn unregister(&self) -> Result<()> {
+        Ok(LogSource::unregister(self).await?)
+    }
+}
+
 /// As [`relays`], on an outbox and stream the caller has already prepared (the backlog and,
 /// say, events that must stay unpublished): one relay per part drains the backlog, then the
 /// stream is read back and checked against the backlog.
@@ -391,6 +440,27 @@ pub async fn relays_on_loaded(
     round: usize,
     parts: Vec<(PgPool, JetStreamTransport)>,
 ) -> Result<DrainRun> {
+    let variant = if parts.len() == 1 {
+        DrainVariant::Relay1
+    } else {
+        DrainVariant::Relay2
+    };
+    run_relays(bench, admin, round, parts, variant, |pool, relay_id| {
+        Ok(Arc::new(PollingSource::new(pool, polling_config(relay_id, true))?))
+    })
+    .await
+}
+
+/// One relay per part, each over the source `source` makes, drains the backlog; then the
+/// stream is read back and checked against it.
+async fn run_relays<S: Source + Unregister>(
+    bench: &Bench,
+    admin: &mut PgConnection,
+    round: usize,
+    parts: Vec<(PgPool, JetStreamTransport)>,
+    variant: DrainVariant,
+    source: impl Fn(PgPool, &str) -> Result<Arc<S>>,
+) -> Result<DrainRun> {
     let count = parts.len();
     let cpu_start = cpu::snapshot(admin, bench.nats_pid).await?;
     let started = Instant::now();
@@ -399,8 +469,7 @@ pub async fn relays_on_loaded(
     let mut running = Vec::with_capacity(count);
     for (i, (pool, transport)) in parts.into_iter().enumerate() {
         let relay_id = format!("bench-relay-{}", i + 1);
-        let polling = PollingSource::new(pool, polling_config(&relay_id, true))?;
-        let source = Arc::new(ProbeSource::new(Arc::new(polling), started, marked.clone()));
+        let source = Arc::new(ProbeSource::new(source(pool, &relay_id)?, started, marked.clone()));
         let transport = Arc::new(ProbeTransport::new(transport, false));
         let relay = Relay::from_shared(source.clone(), transport.clone(), RelayConfig::default())?;
         let mut stop = stop_rx.clone();
@@ -434,8 +503,14 @@ pub async fn relays_on_loaded(
         client.get_or_insert_with(|| transport.inner().client().clone());
     }
     // Only the backlog's own: events the caller left blocked on purpose (another aggregate
-    // type) stay unpublished.
-    let unpublished = workload::unpublished_of(admin, workload::AGGREGATE_TYPE).await?;
+    // type) stay unpublished. The log source writes no published_at: its view says.
+    let unpublished = if variant == DrainVariant::RelayLog {
+        sqlx::query_scalar("SELECT count(*) FROM outbox_published WHERE published_at IS NULL")
+            .fetch_one(&mut *admin)
+            .await?
+    } else {
+        workload::unpublished_of(admin, workload::AGGREGATE_TYPE).await?
+    };
     anyhow::ensure!(
         !complete || unpublished == 0,
         "every event was marked, yet {unpublished} are unpublished in the table"
@@ -444,11 +519,7 @@ pub async fn relays_on_loaded(
     let check = check_stream(&client, &bench.jetstream.stream, &bench.events).await?;
     let moved = marked.count();
     Ok(DrainRun {
-        variant: if count == 1 {
-            DrainVariant::Relay1
-        } else {
-            DrainVariant::Relay2
-        },
+        variant,
         round,
         events: moved,
         seconds,

@@ -348,6 +348,7 @@ async fn run(args: &RelayArgs, workload: Workload, scratch: &ScratchDatabase) ->
                     drain::jetstream(&bench, &mut admin, round, 1, limit).await?
                 }
                 DrainVariant::Relay1 => drain::relays(&bench, &mut admin, round, 1).await?,
+                DrainVariant::RelayLog => drain::relay_log(&bench, &mut admin, round).await?,
                 DrainVariant::Relay2 => drain::relays(&bench, &mut admin, round, 2).await?,
                 // drain-bound's peer and lease candidates: not among this bench's variants.
                 DrainVariant::Peer => peer::drain(&bench, &mut admin, round).await?,
