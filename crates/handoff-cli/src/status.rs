@@ -137,8 +137,35 @@ fn print_relays(report: &StatusReport) {
     }
 }
 
+/// The log source's cursors: who reads each, how far behind it is, what its lane holds.
+fn print_cursors(report: &StatusReport) {
+    if report.cursors.is_empty() {
+        return;
+    }
+    println!("cursors              {}", report.cursors.len());
+    for cursor in &report.cursors {
+        println!(
+            "  {}  {}  behind {} event(s), oldest {}  lane {} aggregate(s)",
+            cursor.cursor,
+            match (&cursor.owner_relay, cursor.held) {
+                (Some(relay), true) => format!("read by {relay}"),
+                (Some(relay), false) => format!("NOT READ (last by {relay})"),
+                (None, _) => "NOT READ (never)".to_owned(),
+            },
+            cursor.lag_events,
+            age(cursor.lag_seconds),
+            cursor.lane_aggregates,
+        );
+    }
+    println!(
+        "  (with the log source, `pending` below counts rows without published_at, which the \
+         cursor does not write: read the lag above)"
+    );
+}
+
 fn print_report(report: &StatusReport, args: &StatusArgs) {
     print_relays(report);
+    print_cursors(report);
     println!("pending              {}", report.pending);
     println!(
         "oldest pending age   {}",

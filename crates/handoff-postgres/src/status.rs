@@ -19,6 +19,7 @@ const TABLES_SQL: &str = include_str!("../queries/status/tables.sql");
 const LAST_CLEANUP_SQL: &str = include_str!("../queries/status/last_cleanup.sql");
 const GLOBAL_PENDING_SQL: &str = include_str!("../queries/global_pending.sql");
 const RELAYS_SQL: &str = include_str!("../queries/status/relays.sql");
+const CURSORS_SQL: &str = include_str!("../queries/status/cursors.sql");
 
 /// The tables whose size the report shows: the outbox's, then the consumer side's, which live
 /// in the same database only when a consumer shares it.
@@ -60,6 +61,9 @@ pub struct Status {
     last_cleanup_sql: String,
     global_pending_sql: String,
     relays_sql: String,
+    cursors_sql: String,
+    /// outbox_cursors, qualified: whether migration 0021 made it.
+    cursors_table: String,
     tables: Vec<String>,
 }
 
@@ -99,6 +103,27 @@ pub struct StatusReport {
     /// first: which are alive, when each was last seen, and why a live one paused its
     /// destination.
     pub relays: Vec<RelaySeen>,
+    /// The log source's cursors (none before migration 0021, or while no relay used it).
+    pub cursors: Vec<CursorSeen>,
+}
+
+/// A log source's cursor, as `handoff status` shows it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CursorSeen {
+    /// Its name (`--cursor`).
+    pub cursor: String,
+    /// The relay that holds or last held its lease.
+    pub owner_relay: Option<String>,
+    /// Whether that lease still runs.
+    pub held: bool,
+    /// When it last moved on.
+    pub advanced_at: DateTime<Utc>,
+    /// Committed events it has not passed yet.
+    pub lag_events: i64,
+    /// Age of the oldest of them, in seconds; 0 when none.
+    pub lag_seconds: f64,
+    /// Aggregates in its lane (failed, held, behind a hole, or a backlog from before it).
+    pub lane_aggregates: i64,
 }
 
 /// A relay that ran on this outbox: the latest session of its relay id.
@@ -205,6 +230,8 @@ impl Status {
             last_cleanup_sql: sql(LAST_CLEANUP_SQL),
             global_pending_sql: sql(GLOBAL_PENDING_SQL),
             relays_sql: sql(RELAYS_SQL),
+            cursors_sql: sql(CURSORS_SQL),
+            cursors_table: schema.qualify("outbox_cursors"),
             tables: TABLES.iter().map(|t| schema.qualify(t)).collect(),
         }
     }
@@ -298,6 +325,22 @@ impl Status {
             .iter()
             .map(read_relay)
             .collect::<Result<_, _>>()?;
+        let has_cursors: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .persistent(false)
+            .bind(&self.cursors_table)
+            .fetch_one(&mut *conn)
+            .await?;
+        let cursors = if has_cursors {
+            sqlx::query(&self.cursors_sql)
+                .persistent(false)
+                .fetch_all(&mut *conn)
+                .await?
+                .iter()
+                .map(read_cursor)
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         tx.commit().await?;
         Ok(StatusReport {
             pending: backlog.pending,
@@ -314,8 +357,21 @@ impl Status {
             global_lane_blocked: global.try_get::<bool, _>("global_front_held")?
                 || global.try_get::<bool, _>("global_front_behind_held")?,
             relays,
+            cursors,
         })
     }
+}
+
+fn read_cursor(row: &PgRow) -> Result<CursorSeen, sqlx::Error> {
+    Ok(CursorSeen {
+        cursor: row.try_get("cursor_name")?,
+        owner_relay: row.try_get("owner_relay")?,
+        held: row.try_get::<Option<bool>, _>("held")?.unwrap_or(false),
+        advanced_at: row.try_get("advanced_at")?,
+        lag_events: row.try_get("lag_events")?,
+        lag_seconds: row.try_get("lag_seconds")?,
+        lane_aggregates: row.try_get("lane_aggregates")?,
+    })
 }
 
 fn read_relay(row: &PgRow) -> Result<RelaySeen, sqlx::Error> {

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use handoff_core::delivery::{Failure, OutboxEvent, Published, Released, Source};
-use handoff_postgres::{LogConfig, LogSource, Outbox, PollingConfig, Schema};
+use handoff_postgres::{LogConfig, LogSource, Outbox, PollingConfig, Schema, Status};
 use handoff_test::{factory, TestDb};
 
 fn config(db: &TestDb, relay_id: &str) -> LogConfig {
@@ -71,6 +71,18 @@ async fn enqueue(db: &TestDb, outbox: &Outbox, aggregates: &[&str], per_aggregat
     }
 }
 
+/// The default cursor's lag in events, as `handoff status` reports it.
+async fn cursor_lag(db: &TestDb) -> i64 {
+    let mut conn = db.pool.acquire().await.unwrap();
+    let report = Status::new(&Schema::named(db.schema()).unwrap())
+        .read(&mut conn, Duration::from_secs(60), 5)
+        .await
+        .unwrap();
+    assert_eq!(report.cursors.len(), 1);
+    assert_eq!(report.cursors[0].owner_relay.as_deref(), Some("relay-a"));
+    report.cursors[0].lag_events
+}
+
 /// Rows whose current version is not the one their writer inserted: an update (a lease, a
 /// mark) leaves the updating transaction's id in xmin.
 async fn rewritten_rows(db: &TestDb) -> i64 {
@@ -95,8 +107,10 @@ async fn every_event_comes_out_once_in_order_and_no_event_row_is_rewritten() {
         .events
         .is_empty());
     enqueue(&db, &outbox, &["a", "b", "c", "d"], 60).await;
+    assert_eq!(cursor_lag(&db).await, 240, "status counts what the cursor has not passed");
 
     let out = drain(&relay).await;
+    assert_eq!(cursor_lag(&db).await, 0);
     assert_eq!(out.len(), 240, "every event once");
     for (aggregate, sequences) in by_aggregate(&out) {
         assert_eq!(
