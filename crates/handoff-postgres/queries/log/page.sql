@@ -6,6 +6,7 @@
 -- $6 (text, NULL: none) settled txid, with $7 (uuid, NULL): when the relay took the range over
 --    from another, the last event up to which that one had settled it; an event at or before
 --    it is passed.
+-- $8 (text) cursor: its name, for its lane.
 --
 -- One page of a cursor's range (docs/relay.md, "The log source"; migration 0021): the events
 -- whose transaction $2 sees committed and $1 did not, in (txid, event_id) order after
@@ -24,7 +25,9 @@
 --   missing    no predecessor row: a hole (order fails closed), or a row written before
 --              migration 0021 and still unpublished, which the cursor's lane publishes.
 -- and whether the event is to be left to the lane at once (held: an operator or the relay held
--- it, or it is not available yet).
+-- it, or it is not available yet). An event of an aggregate in the cursor's lane comes without
+-- its payload and headers (laned): the source only notes that it skipped it, and a poison
+-- aggregate's long backlog costs the read of its index entries, not of its payloads.
 WITH page AS (
     (SELECT o.event_id, o.txid
      FROM {schema}outbox o
@@ -49,7 +52,9 @@ WITH page AS (
 )
 SELECT o.event_id, o.txid::text AS txid, o.aggregate_type, o.aggregate_id,
        o.aggregate_sequence, o.global_sequence, o.event_type, o.schema_version,
-       o.payload::text AS payload, o.headers::text AS headers, o.occurred_at, o.attempt_count,
+       CASE WHEN l.laned THEN '' ELSE o.payload::text END AS payload,
+       CASE WHEN l.laned THEN '{}' ELSE o.headers::text END AS headers,
+       o.occurred_at, o.attempt_count, l.laned,
        (o.hold_reason IS NOT NULL OR o.available_at > now()) AS held,
        CASE
            WHEN o.aggregate_sequence = 1 THEN 'none'
@@ -76,4 +81,14 @@ LEFT JOIN LATERAL (
       AND q.aggregate_id = o.aggregate_id
       AND q.aggregate_sequence = o.aggregate_sequence - 1
 ) p ON true
+CROSS JOIN LATERAL (
+    SELECT EXISTS (
+        SELECT 1
+        FROM {schema}outbox_cursor_lanes c
+        WHERE c.cursor_name = $8
+          AND c.aggregate_type = o.aggregate_type
+          AND c.aggregate_id = o.aggregate_id
+          AND c.from_sequence <= o.aggregate_sequence
+          AND c.released_through IS NULL) AS laned
+) l
 ORDER BY page.txid, page.event_id

@@ -420,13 +420,37 @@ impl LogSource {
                         .bind(limit)
                         .bind(resumed_txid.as_deref())
                         .bind(resumed_id)
+                        .bind(&self.config.cursor)
                         .fetch_all(conn)
                         .await
                 })
                 .await?;
             let full = rows.len() as i64 >= limit;
+            let mut page = Vec::with_capacity(rows.len());
+            let mut unread = Vec::new();
             for row in &rows {
-                let (entry, pred, held_row) = read_page_row(range, row)?;
+                let (entry, pred, held_row, laned) = read_page_row(range, row)?;
+                // Read without its payload as its aggregate's lane had it, and given back since:
+                // the cursor publishes it, so it needs the payload after all.
+                let aggregate = (
+                    entry.event.aggregate_type.clone(),
+                    entry.event.aggregate_id.clone(),
+                );
+                if laned && !held.stream.would_skip(&aggregate, entry.event.aggregate_sequence) {
+                    unread.push(entry.event.event_id);
+                }
+                page.push((entry, pred, held_row));
+            }
+            if !unread.is_empty() {
+                let bodies = self.payloads(&unread).await?;
+                for (entry, _, _) in page.iter_mut() {
+                    if let Some((payload, headers)) = bodies.get(&entry.event.event_id) {
+                        entry.event.payload = payload.clone();
+                        entry.event.headers = crate::source::header_pairs(headers);
+                    }
+                }
+            }
+            for (entry, pred, held_row) in page {
                 if let Some(park) = held.stream.accept(entry, pred, held_row) {
                     parks.push(park);
                 }
@@ -441,6 +465,31 @@ impl LogSource {
             self.park(held, &[], &parks).await?;
         }
         Ok(())
+    }
+
+    /// The payloads and headers of `ids`, as a claim hands them out (claimed_payloads.sql).
+    async fn payloads(
+        &self,
+        ids: &[EventId],
+    ) -> Result<std::collections::HashMap<EventId, (String, String)>, SourceError> {
+        let rows = self
+            .lane
+            .on_connection("while reading payloads", async |conn| {
+                sqlx::query(self.lane.claimed_payloads_sql())
+                    .persistent(self.named())
+                    .bind(ids)
+                    .fetch_all(conn)
+                    .await
+            })
+            .await?;
+        let mut bodies = std::collections::HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let id: EventId = row.try_get("event_id").map_err(db("reading payloads"))?;
+            let payload: String = row.try_get("payload").map_err(db("reading payloads"))?;
+            let headers: String = row.try_get("headers").map_err(db("reading payloads"))?;
+            bodies.insert(id, (payload, headers));
+        }
+        Ok(bodies)
     }
 
     /// Writes failures of cursor events and the aggregates that leave the stream (park.sql).
@@ -628,10 +677,10 @@ impl LogSource {
         }
         let session = self.lane.session_id();
         let settled = held.written.settled.clone();
-        let (rows, payloads) = self
+        let rows = self
             .lane
             .on_connection("while claiming from the lane", async |conn| {
-                let rows = sqlx::query(&self.sql.lane_claim)
+                sqlx::query(&self.sql.lane_claim)
                     .persistent(self.named())
                     .bind(cursor)
                     .bind(&self.config.polling.relay_id)
@@ -640,33 +689,23 @@ impl LogSource {
                     .bind(session)
                     .bind(&settled)
                     .bind(self.config.polling.max_takeovers)
-                    .fetch_all(&mut *conn)
-                    .await?;
-                let leased: Vec<EventId> = rows
-                    .iter()
-                    .filter(|row| !row.try_get::<bool, _>("held").unwrap_or(false))
-                    .filter_map(|row| row.try_get("event_id").ok())
-                    .collect();
-                let payloads = if leased.is_empty() {
-                    Vec::new()
-                } else {
-                    sqlx::query(self.lane.claimed_payloads_sql())
-                        .persistent(self.named())
-                        .bind(&leased)
-                        .fetch_all(&mut *conn)
-                        .await?
-                };
-                Ok((rows, payloads))
+                    .fetch_all(conn)
+                    .await
             })
             .await?;
+        // Payloads once the lease has committed, as the polling source reads them: a relay
+        // frozen while they are on their way holds no row lock.
+        let leased: Vec<EventId> = rows
+            .iter()
+            .filter(|row| !row.try_get::<bool, _>("held").unwrap_or(false))
+            .filter_map(|row| row.try_get("event_id").ok())
+            .collect();
+        let mut bodies = if leased.is_empty() {
+            std::collections::HashMap::new()
+        } else {
+            self.payloads(&leased).await?
+        };
         let mut claim = Claim::default();
-        let mut bodies = std::collections::HashMap::new();
-        for row in &payloads {
-            let id: EventId = row.try_get("event_id").map_err(db("reading payloads"))?;
-            let payload: String = row.try_get("payload").map_err(db("reading payloads"))?;
-            let headers: String = row.try_get("headers").map_err(db("reading payloads"))?;
-            bodies.insert(id, (payload, headers));
-        }
         for row in &rows {
             if row
                 .try_get::<bool, _>("held")
@@ -854,18 +893,20 @@ fn cursor_owned<'a>(held: &'a mut Option<Held>, event_id: &EventId) -> Option<&'
     Some(held)
 }
 
-/// One row of page.sql: the entry, its predecessor's state, and whether it is held.
-fn read_page_row(range: u64, row: &PgRow) -> Result<(Entry, Pred, bool), SourceError> {
+/// One row of page.sql: the entry, its predecessor's state, whether it is held, and whether it
+/// came without its payload (its aggregate was in the lane).
+fn read_page_row(range: u64, row: &PgRow) -> Result<(Entry, Pred, bool, bool), SourceError> {
     let event = read_outbox_event(row).map_err(db("reading the log"))?;
     let txid: String = row.try_get("txid").map_err(db("reading the log"))?;
     let pred: String = row.try_get("pred").map_err(db("reading the log"))?;
     let held: bool = row.try_get("held").map_err(db("reading the log"))?;
+    let laned: bool = row.try_get("laned").map_err(db("reading the log"))?;
     let key = Key {
         range,
         txid: parse_txid(&txid)?,
         event_id: event.event_id,
     };
-    Ok((Entry { key, event }, Pred::parse(&pred), held))
+    Ok((Entry { key, event }, Pred::parse(&pred), held, laned))
 }
 
 /// One row of lane_claim.sql, without its payload and headers (read next).
