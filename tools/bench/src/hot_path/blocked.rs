@@ -68,13 +68,42 @@ pub struct BlockedArgs {
     /// A drain that takes longer than this is stopped and reported incomplete.
     #[arg(long, default_value_t = 900)]
     drain_timeout_seconds: u64,
+    /// The relay's source. `log`: the blocked run is written first, before the healthy
+    /// backlog, with nothing held or parked, and the destination refuses its head when the
+    /// relay publishes it (a poison aggregate discovered after an outage); the cursor stands
+    /// before both, as for a relay that was down.
+    #[arg(long, value_enum, default_value = "polling")]
+    source: BlockedSource,
     #[command(flatten)]
     report: ReportArgs,
+}
+
+/// The relay's source in `handoff-bench blocked-backlog`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum BlockedSource {
+    Polling,
+    Log,
 }
 
 /// The blocked run behind one held head, older than every backlog event. Ids share no prefix
 /// with the backlog's; payloads are about the backlog's size, so the heap pages a scan reads are
 /// as full as in production.
+/// For the log source: the same run, nothing held and nothing parked; the destination refuses
+/// its head.
+const POISON_SQL: &str = r#"
+INSERT INTO outbox
+    (event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type, schema_version,
+     payload, headers, occurred_at, available_at)
+SELECT ('018e0000-0000-7000-8000-' || lpad(to_hex(s), 12, '0'))::uuid,
+       $2, 'o-blocked', s, 'OrderCreated', 1,
+       jsonb_build_object('order_id', 'o-blocked', 'sequence', s, 'pad', repeat('x', 200)),
+       '{}'::jsonb,
+       timestamptz '2025-12-01 00:00:00+00' + s * interval '1 microsecond',
+       timestamptz '2025-12-01 00:00:00+00' + s * interval '1 microsecond'
+FROM generate_series(1, $1::bigint + 1) AS s
+"#;
+
 const BLOCKED_SQL: &str = r#"
 INSERT INTO outbox
     (event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type, schema_version,
@@ -170,8 +199,15 @@ pub async fn blocked_backlog(args: BlockedArgs) -> Result<()> {
                     Variant::Blocked => (args.blocked, args.unparked.min(args.blocked)),
                     Variant::FirstPass => (args.blocked, args.blocked),
                 };
-                let run =
-                    drain_beside(&bench, &mut admin, round, variant, blocked, unparked).await?;
+                let run = match args.source {
+                    BlockedSource::Polling => {
+                        drain_beside(&bench, &mut admin, round, variant, blocked, unparked).await?
+                    }
+                    BlockedSource::Log => {
+                        log_drain_beside(&bench, &mut admin, round, variant, blocked, &workload)
+                            .await?
+                    }
+                };
                 eprintln!(
                     "  round {round} {}: {} events in {:.2} s = {:.0} rows/s; claims {} \
                      p50 {:.1} ms p99 {:.1} ms (blocked run written in {:.1} s)",
@@ -258,6 +294,42 @@ pub async fn blocked_backlog(args: BlockedArgs) -> Result<()> {
         })
     })
     .await
+}
+
+/// For the log source: `blocked` events of one aggregate written first, then the healthy
+/// backlog, nothing held or parked; then one relay with the log source drains the backlog while
+/// the destination refuses the blocked aggregate's head.
+async fn log_drain_beside(
+    bench: &Bench,
+    admin: &mut PgConnection,
+    round: usize,
+    variant: Variant,
+    blocked: u32,
+    workload: &Workload,
+) -> Result<Run> {
+    let parts = drain::relay_parts(bench, 1).await?;
+    bench.reset(admin, &parts[0].1, false).await?;
+    let started = std::time::Instant::now();
+    if blocked > 0 {
+        sqlx::query(POISON_SQL)
+            .bind(i64::from(blocked))
+            .bind(BLOCKED_TYPE)
+            .execute(&mut *admin)
+            .await?;
+    }
+    crate::relay::workload::preload_into(admin, "outbox", *workload).await?;
+    admin.execute("VACUUM ANALYZE outbox").await?;
+    admin.execute("CHECKPOINT").await?;
+    let prepare_seconds = started.elapsed().as_secs_f64();
+    let refused = (blocked > 0).then_some(BLOCKED_TYPE);
+    let drain = drain::relay_log_on_loaded(bench, admin, round, parts, refused).await?;
+    Ok(Run {
+        variant,
+        blocked,
+        unparked: blocked,
+        prepare_seconds,
+        drain,
+    })
 }
 
 /// The backlog preloaded, `blocked` events behind a held head written beside it, then one relay

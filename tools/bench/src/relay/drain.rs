@@ -393,6 +393,19 @@ pub async fn relay_parts(bench: &Bench, count: usize) -> Result<Vec<(PgPool, Jet
 pub async fn relay_log(bench: &Bench, admin: &mut PgConnection, round: usize) -> Result<DrainRun> {
     let parts = relay_parts(bench, 1).await?;
     bench.reset(admin, &parts[0].1, true).await?;
+    relay_log_on_loaded(bench, admin, round, parts, None).await
+}
+
+/// As [`relay_log`], on an outbox the caller has loaded (and its stream reset): the default
+/// cursor is placed before the oldest event's transaction; events of `refused_type`, if any,
+/// are refused by the destination.
+pub async fn relay_log_on_loaded(
+    bench: &Bench,
+    admin: &mut PgConnection,
+    round: usize,
+    parts: Vec<(PgPool, JetStreamTransport)>,
+    refused_type: Option<&str>,
+) -> Result<DrainRun> {
     sqlx::query("TRUNCATE outbox_cursors, outbox_cursor_ranges, outbox_cursor_lanes")
         .execute(&mut *admin)
         .await?;
@@ -403,7 +416,7 @@ pub async fn relay_log(bench: &Bench, admin: &mut PgConnection, round: usize) ->
     )
     .execute(&mut *admin)
     .await?;
-    run_relays(bench, admin, round, parts, DrainVariant::RelayLog, |pool, relay_id| {
+    run_relays(bench, admin, round, parts, DrainVariant::RelayLog, refused_type, |pool, relay_id| {
         let config = LogConfig {
             polling: polling_config(relay_id, true),
             ..LogConfig::default()
@@ -445,7 +458,7 @@ pub async fn relays_on_loaded(
     } else {
         DrainVariant::Relay2
     };
-    run_relays(bench, admin, round, parts, variant, |pool, relay_id| {
+    run_relays(bench, admin, round, parts, variant, None, |pool, relay_id| {
         Ok(Arc::new(PollingSource::new(pool, polling_config(relay_id, true))?))
     })
     .await
@@ -459,6 +472,7 @@ async fn run_relays<S: Source + Unregister>(
     round: usize,
     parts: Vec<(PgPool, JetStreamTransport)>,
     variant: DrainVariant,
+    refused_type: Option<&str>,
     source: impl Fn(PgPool, &str) -> Result<Arc<S>>,
 ) -> Result<DrainRun> {
     let count = parts.len();
@@ -470,7 +484,7 @@ async fn run_relays<S: Source + Unregister>(
     for (i, (pool, transport)) in parts.into_iter().enumerate() {
         let relay_id = format!("bench-relay-{}", i + 1);
         let source = Arc::new(ProbeSource::new(source(pool, &relay_id)?, started, marked.clone()));
-        let transport = Arc::new(ProbeTransport::new(transport, false));
+        let transport = Arc::new(ProbeTransport::new(transport, false).refusing(refused_type));
         let relay = Relay::from_shared(source.clone(), transport.clone(), RelayConfig::default())?;
         let mut stop = stop_rx.clone();
         let handle = tokio::spawn(relay.run(async move {
@@ -505,9 +519,13 @@ async fn run_relays<S: Source + Unregister>(
     // Only the backlog's own: events the caller left blocked on purpose (another aggregate
     // type) stay unpublished. The log source writes no published_at: its view says.
     let unpublished = if variant == DrainVariant::RelayLog {
-        sqlx::query_scalar("SELECT count(*) FROM outbox_published WHERE published_at IS NULL")
-            .fetch_one(&mut *admin)
-            .await?
+        sqlx::query_scalar(
+            "SELECT count(*) FROM outbox_published
+             WHERE published_at IS NULL AND aggregate_type = $1",
+        )
+        .bind(workload::AGGREGATE_TYPE)
+        .fetch_one(&mut *admin)
+        .await?
     } else {
         workload::unpublished_of(admin, workload::AGGREGATE_TYPE).await?
     };

@@ -295,9 +295,18 @@ pub struct ProbeTransport<T> {
     /// First ack instant per event, when recording; repeats are counted, not stored.
     acks: Option<Mutex<HashMap<EventId, Instant>>>,
     repeats: AtomicU64,
+    /// Events of this aggregate type are refused (a poison aggregate), never published.
+    refused_type: Option<String>,
 }
 
 impl<T> ProbeTransport<T> {
+    /// Refuses every event of `aggregate_type` as the destination would refuse a poison event
+    /// (`Rejected`: not retryable), without publishing it.
+    pub fn refusing(mut self, aggregate_type: Option<&str>) -> Self {
+        self.refused_type = aggregate_type.map(str::to_owned);
+        self
+    }
+
     /// Wraps `inner`; with `record_acks`, keeps the first ack instant of every event.
     pub fn new(inner: T, record_acks: bool) -> Self {
         ProbeTransport {
@@ -307,6 +316,7 @@ impl<T> ProbeTransport<T> {
             latency: Mutex::new(histogram()),
             acks: record_acks.then(|| Mutex::new(HashMap::new())),
             repeats: AtomicU64::new(0),
+            refused_type: None,
         }
     }
 
@@ -340,6 +350,13 @@ impl<T> ProbeTransport<T> {
 
 impl<T: Transport> Transport for ProbeTransport<T> {
     async fn publish(&self, event: &OutboxEvent) -> Result<Receipt, PublishError> {
+        if self.refused_type.as_deref() == Some(event.aggregate_type.as_str()) {
+            self.failures.fetch_add(1, Ordering::Relaxed);
+            return Err(PublishError::new(
+                handoff_core::delivery::PublishErrorKind::Rejected,
+                "refused by handoff-bench: a poison aggregate",
+            ));
+        }
         let started = Instant::now();
         let result = self.inner.publish(event).await;
         let acked = Instant::now();
