@@ -406,3 +406,36 @@ async fn a_cursor_created_over_a_polling_backlog_publishes_it_first_through_its_
     );
     assert_eq!(seen["r"], vec![1, 2]);
 }
+
+#[tokio::test]
+async fn reverting_0021_leaves_the_polling_source_only_what_the_cursor_had_not_published() {
+    let (db, outbox) = common::migrated("log_revert").await;
+    let relay = source(&db, "relay-a");
+    assert!(relay.claim(100, usize::MAX).await.unwrap().events.is_empty());
+    enqueue(&db, &outbox, &["v"], 3).await;
+    let first = drain(&relay).await;
+    assert_eq!(by_aggregate(&first)["v"], vec![1, 2, 3]);
+    // Two more, read by nobody before the revert.
+    enqueue(&db, &outbox, &["v"], 2).await;
+    drop(relay);
+
+    let mut conn = db.pool.acquire().await.unwrap();
+    handoff_postgres::Migrator::handoff(Schema::default())
+        .revert(&mut conn, 20)
+        .await
+        .unwrap();
+    drop(conn);
+    let polling = handoff_postgres::PollingSource::new(
+        db.pool.clone(),
+        PollingConfig {
+            schema: Schema::named(db.schema()).unwrap(),
+            relay_id: "relay-p".into(),
+            listen: false,
+            ..PollingConfig::default()
+        },
+    )
+    .unwrap();
+    let claim = polling.claim(100, usize::MAX).await.unwrap();
+    let sequences: Vec<i64> = claim.events.iter().map(|e| e.aggregate_sequence).collect();
+    assert_eq!(sequences, vec![4, 5], "what the cursor published is marked, the rest is not");
+}
