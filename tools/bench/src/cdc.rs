@@ -352,6 +352,7 @@ async fn run(
         drain_timeout: Duration::from_secs(args.drain_timeout_seconds),
         events,
         synchronous_commit: false,
+        source: crate::relay::live::SourceKind::Polling,
     };
     let postgres: Vec<(String, String)> = sqlx::query_as(
         "SELECT name, setting FROM pg_settings

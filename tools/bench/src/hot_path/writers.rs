@@ -56,6 +56,9 @@ pub struct WritersArgs {
     /// Writer connections of the paced writer.
     #[arg(long, default_value_t = 8)]
     latency_writers: usize,
+    /// The relay's source: `polling` (the default) or `log` (the default cursor).
+    #[arg(long, value_enum, default_value = "polling")]
+    source: crate::relay::live::SourceKind,
     #[command(flatten)]
     report: ReportArgs,
 }
@@ -107,8 +110,9 @@ pub async fn writers(args: WritersArgs) -> Result<()> {
         "client counts must be at least 1"
     );
     ScratchDatabase::run_in(&args.scratch.database_url, async |scratch| {
-        let (bench, mut admin, mut machine) =
+        let (mut bench, mut admin, mut machine) =
             setup(scratch, &args.broker, None, true, Duration::ZERO).await?;
+        bench.source = args.source;
         eprintln!(
             "writers: clients {:?}, {} s per cell, {} round(s); rates {:?} for {} s",
             args.clients, args.seconds, args.rounds, args.rates, args.latency_seconds

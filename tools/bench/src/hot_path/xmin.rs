@@ -54,6 +54,9 @@ pub struct XminArgs {
     /// How long the XID is held while the writer goes on, e.g. `5m` (shorter for a smoke run).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
     held: Duration,
+    /// The relay's source: `polling` (the default) or `log` (the default cursor).
+    #[arg(long, value_enum, default_value = "polling")]
+    source: crate::relay::live::SourceKind,
     #[command(flatten)]
     report: ReportArgs,
 }
@@ -120,8 +123,9 @@ struct Results {
 pub async fn held_xmin(args: XminArgs) -> Result<()> {
     anyhow::ensure!(args.rate > 0, "--rate must be at least 1");
     ScratchDatabase::run_in(&args.scratch.database_url, async |scratch| {
-        let (bench, mut admin, machine) =
+        let (mut bench, mut admin, machine) =
             setup(scratch, &args.broker, None, false, Duration::ZERO).await?;
+        bench.source = args.source;
         eprintln!(
             "held-xmin: {} events/s, clean {:?}, then an XID held for {:?}",
             args.rate, args.clean, args.held

@@ -126,6 +126,8 @@ pub struct Bench {
     pub events: Vec<OutboxEvent>,
     /// The relay's [`PollingConfig::synchronous_commit`] (default off, as `handoff relay`).
     pub synchronous_commit: bool,
+    /// The source a live relay runs ([`live::LiveRelay`]).
+    pub source: live::SourceKind,
 }
 
 impl Bench {
@@ -151,6 +153,7 @@ impl Bench {
             drain_timeout,
             events,
             synchronous_commit: false,
+            source: live::SourceKind::Polling,
         }
     }
 
