@@ -25,18 +25,18 @@ moved AS (
               o.event_type, o.schema_version, o.payload, o.headers, o.occurred_at,
               o.available_at, o.claimed_by, o.claim_until, o.published_at, o.attempt_count,
               o.last_error, o.quarantined_at, o.skip_reason, o.delivery_receipt,
-              o.global_sequence, o.takeover_count, o.hold_reason, o.blocked, o.claimed_session
+              o.global_sequence, o.takeover_count, o.hold_reason, o.blocked, o.claimed_session, o.txid
 ),
 archived AS (
     INSERT INTO {schema}outbox_archive
         (event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
          schema_version, payload, headers, occurred_at, available_at, claimed_by, claim_until,
          published_at, attempt_count, last_error, quarantined_at, skip_reason, delivery_receipt,
-         global_sequence, takeover_count, hold_reason, blocked, claimed_session)
+         global_sequence, takeover_count, hold_reason, blocked, claimed_session, txid)
     SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
            schema_version, payload, headers, occurred_at, available_at, claimed_by, claim_until,
            published_at, attempt_count, last_error, quarantined_at, skip_reason, delivery_receipt,
-           global_sequence, takeover_count, hold_reason, blocked, claimed_session
+           global_sequence, takeover_count, hold_reason, blocked, claimed_session, txid
     FROM moved
     RETURNING 1
 ),
