@@ -103,7 +103,7 @@ pub use inbox::{
     validate_consumer_name, Admission, BatchAdmission, CallRecord, CallResponse, CallStatus, Inbox,
     InboxError, InboxErrorKind, QuarantineKind, MAX_CONSUMER_NAME_BYTES,
 };
-pub use log::{LogConfig, LogConfigError, LogSource, DEFAULT_CURSOR};
+pub use log::{CursorLag, LogConfig, LogConfigError, LogSource, DEFAULT_CURSOR};
 pub use migrate::{
     MigrateError, MigrateErrorKind, Migration, MigrationReport, Migrator, HANDOFF_MIGRATIONS,
 };

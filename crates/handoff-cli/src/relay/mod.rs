@@ -26,8 +26,8 @@ mod settings;
 pub use args::RelayArgs;
 use connect::{connect_postgres, pooler_settings, server_bounded};
 use observe::{
-    install_metrics, offer_broker_probe, report_backlog, report_other_lane, report_pause,
-    RELAY_STATUS,
+    install_metrics, offer_broker_probe, report_backlog, report_cursor_lag, report_other_lane,
+    report_pause, RELAY_STATUS,
 };
 use settings::Settings;
 
@@ -180,9 +180,16 @@ async fn run_log<T: Transport>(
         source = source.with_listen_pool(listen_pool);
     }
     let source = std::sync::Arc::new(source);
+    let report_lag = settings
+        .metrics_addr
+        .is_some()
+        .then(|| tokio::spawn(report_cursor_lag(source.clone())));
     let relay = Relay::from_shared(source.clone(), transport, settings.relay)?;
     let _ = RELAY_STATUS.set(relay.status());
     let outcome = relay.try_run(shutdown).await;
+    if let Some(task) = report_lag {
+        task.abort();
+    }
     if let Err(error) = source.unregister().await {
         warn!(error = %error, "could not unregister the wait; it expires by itself");
     }

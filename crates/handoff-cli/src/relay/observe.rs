@@ -191,6 +191,40 @@ pub(super) async fn install_metrics(
 }
 
 /// Backlog gauges every 5 s (design O1): one cheap query over the pending index.
+/// The log source's lag, every 5 seconds: `handoff_cursor_lag_events{cursor}`,
+/// `handoff_cursor_lag_seconds{cursor}` and `handoff_cursor_lane_aggregates{cursor}`.
+pub(super) async fn report_cursor_lag(source: std::sync::Arc<handoff_postgres::LogSource>) {
+    use metrics::{describe_gauge, gauge, Unit};
+    describe_gauge!(
+        "handoff_cursor_lag_events",
+        "Committed events the cursor has not passed yet"
+    );
+    describe_gauge!(
+        "handoff_cursor_lag_seconds",
+        Unit::Seconds,
+        "Age of the oldest committed event the cursor has not passed"
+    );
+    describe_gauge!(
+        "handoff_cursor_lane_aggregates",
+        "Aggregates in the cursor's lane (failed, held, behind a hole, or a backlog from before it)"
+    );
+    let cursor = source.config().cursor.clone();
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tick.tick().await;
+        match source.lag().await {
+            Ok(Some(lag)) => {
+                let label = [("cursor", cursor.clone())];
+                gauge!("handoff_cursor_lag_events", &label).set(lag.events as f64);
+                gauge!("handoff_cursor_lag_seconds", &label).set(lag.seconds);
+                gauge!("handoff_cursor_lane_aggregates", &label).set(lag.lane_aggregates as f64);
+            }
+            Ok(None) => {}
+            Err(error) => tracing::debug!(error = %error, "could not read the cursor's lag"),
+        }
+    }
+}
+
 pub(super) async fn report_backlog(source: std::sync::Arc<PollingSource>) {
     use metrics::{describe_gauge, gauge, Unit};
     describe_gauge!("handoff_outbox_pending", "Unpublished outbox events");

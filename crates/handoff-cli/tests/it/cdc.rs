@@ -9,11 +9,12 @@
 // Built without `failpoints`, the crash-window test is left out, and its helpers go unused.
 #![cfg_attr(not(feature = "failpoints"), allow(dead_code, unused_imports))]
 
-use std::net::{SocketAddr, TcpListener};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use crate::common::{check_stream, pending, wait_drained, RelayProcess, Target};
+use crate::common::{
+    check_stream, free_addr, pending, sample, scrape_until, wait_drained, RelayProcess, Target,
+};
 use handoff_postgres::{Outbox, OutboxConfig};
 use handoff_test::cluster::PrivatePostgres;
 use handoff_test::nats::{
@@ -87,12 +88,6 @@ fn cdc_status(url: &str, extra: &[&str]) -> Output {
     ];
     args.extend_from_slice(extra);
     handoff(&args)
-}
-
-/// A loopback address free right now, for a relay's `--metrics-addr`.
-fn free_addr() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind port 0");
-    listener.local_addr().expect("the bound address")
 }
 
 /// A test's world: its own cluster (migrated, publication and slot set up by the CLI), a pool
@@ -239,50 +234,6 @@ impl Drill {
 fn lsn(text: &str) -> u64 {
     let (hi, lo) = text.split_once('/').expect("an LSN");
     (u64::from_str_radix(hi, 16).unwrap() << 32) | u64::from_str_radix(lo, 16).unwrap()
-}
-
-/// The text a relay serves at `/metrics`, or why there is none (yet).
-async fn scrape(addr: SocketAddr) -> Result<String, String> {
-    let response = reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .map_err(|e| e.to_string())?;
-    if !response.status().is_success() {
-        return Err(format!("status {}", response.status()));
-    }
-    response.text().await.map_err(|e| e.to_string())
-}
-
-/// The value of the series `series` (name with its labels, exactly as served), if served.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|line| {
-        let value = line.strip_prefix(series)?.strip_prefix(' ')?;
-        value.split_whitespace().next()?.parse().ok()
-    })
-}
-
-/// Scrapes `addr` until `settled` holds for the text, or panics after `limit` with the last
-/// scrape and `log()`.
-async fn scrape_until(
-    addr: SocketAddr,
-    limit: Duration,
-    what: &str,
-    settled: impl Fn(&str) -> bool,
-    log: impl Fn() -> String,
-) -> String {
-    let deadline = Instant::now() + limit;
-    loop {
-        let last = match scrape(addr).await {
-            Ok(text) if settled(&text) => return text,
-            Ok(text) => text,
-            Err(error) => error,
-        };
-        assert!(
-            Instant::now() < deadline,
-            "the metrics never showed {what}:\n{last}\nrelay log:\n{}",
-            log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// V1's "after broker accept but before the commit of the position", for the CDC source: the

@@ -8,12 +8,11 @@
 
 use std::collections::{BTreeSet, HashSet};
 use std::io::Write;
-use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{enqueue_spread, migrated, RelayProcess, Target};
+use crate::common::{enqueue_spread, free_addr, migrated, RelayProcess, Target};
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
 use serde_json::Value;
 
@@ -400,12 +399,6 @@ fn value(samples: &[Sample], name: &str) -> Option<f64> {
     let mut series = samples.iter().filter(|s| s.name == name).peekable();
     series.peek()?;
     Some(series.map(|s| s.value).sum())
-}
-
-fn free_addr() -> SocketAddr {
-    // The port is free once the listener is dropped; the relay binds it right after.
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind port 0");
-    listener.local_addr().expect("the bound address")
 }
 
 #[tokio::test]

@@ -4,10 +4,10 @@
 //!
 //! A private PostgreSQL and a private nats-server, so the test can stop them.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use crate::common::RelayProcess;
+use crate::common::{free_addr, RelayProcess};
 use handoff_postgres::{Migrator, Schema};
 use handoff_test::cluster::PrivatePostgres;
 use handoff_test::nats::NatsServer;
@@ -16,12 +16,6 @@ use sqlx::Connection;
 
 /// A password the trust-authenticated private server ignores; it must never show in a probe.
 const PASSWORD: &str = "pr0be-s3cret";
-
-fn free_addr() -> SocketAddr {
-    // The port is free once the listener is dropped; the relay binds it right after.
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind port 0");
-    listener.local_addr().expect("the bound address")
-}
 
 /// GET `http://addr/path`: the status and body, or `Err` while nothing answers.
 async fn get(

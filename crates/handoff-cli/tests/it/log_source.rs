@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{check_stream, migrated, RelayProcess, Target};
+use crate::common::{
+    check_stream, free_addr, migrated, sample, scrape_until, RelayProcess, Target,
+};
 use handoff_core::NewEvent;
 use handoff_test::nats::{
     prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,

@@ -42,6 +42,7 @@ const RELEASABLE_SQL: &str = include_str!("../../queries/log/releasable.sql");
 const RELEASE_SQL: &str = include_str!("../../queries/log/release.sql");
 const SETTLE_LANES_SQL: &str = include_str!("../../queries/log/settle_lanes.sql");
 const LANE_CLAIM_SQL: &str = include_str!("../../queries/log/lane_claim.sql");
+const LAG_SQL: &str = include_str!("../../queries/log/lag.sql");
 
 /// The cursor a relay reads when it is given none.
 pub const DEFAULT_CURSOR: &str = "default";
@@ -126,6 +127,18 @@ struct Sql {
     release: String,
     settle_lanes: String,
     lane_claim: String,
+    lag: String,
+}
+
+/// How far behind a cursor is ([`LogSource::lag`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CursorLag {
+    /// Committed events the cursor has not passed.
+    pub events: i64,
+    /// Age of the oldest of them, in seconds; 0 when none.
+    pub seconds: f64,
+    /// Aggregates in the cursor's lane.
+    pub lane_aggregates: i64,
 }
 
 /// The cursor as this relay holds it.
@@ -198,6 +211,7 @@ impl LogSource {
             release: sql(RELEASE_SQL),
             settle_lanes: sql(SETTLE_LANES_SQL),
             lane_claim: sql(LANE_CLAIM_SQL),
+            lag: sql(LAG_SQL),
         };
         let lane = PollingSource::new(pool.clone(), config.polling.clone())?;
         Ok(LogSource {
@@ -226,6 +240,35 @@ impl LogSource {
     /// The polling source that publishes the cursor's lane, and holds this relay's session.
     pub fn lane_source(&self) -> &PollingSource {
         &self.lane
+    }
+
+    /// How far behind the cursor is (None before it exists), for the relay's
+    /// `handoff_cursor_lag_events` and `handoff_cursor_lag_seconds`.
+    ///
+    /// # Errors
+    ///
+    /// The database could not be reached.
+    pub async fn lag(&self) -> Result<Option<CursorLag>, SourceError> {
+        let row = self
+            .lane
+            .on_connection("while reading the cursor's lag", async |conn| {
+                sqlx::query(&self.sql.lag)
+                    .persistent(false)
+                    .bind(&self.config.cursor)
+                    .fetch_optional(conn)
+                    .await
+            })
+            .await?;
+        row.map(|row| {
+            Ok(CursorLag {
+                events: row.try_get("events").map_err(db("reading the lag"))?,
+                seconds: row.try_get("seconds").map_err(db("reading the lag"))?,
+                lane_aggregates: row
+                    .try_get("lane_aggregates")
+                    .map_err(db("reading the lag"))?,
+            })
+        })
+        .transpose()
     }
 
     /// Stops the writers' notifications on this relay's account (at shutdown).

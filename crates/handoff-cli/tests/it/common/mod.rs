@@ -445,3 +445,54 @@ pub async fn kill_in_rounds(
         relays[victim] = respawn(round);
     }
 }
+
+/// A loopback address free right now, for a relay's `--metrics-addr`: the port is free once the
+/// listener is dropped, and the relay binds it right after.
+pub fn free_addr() -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0");
+    listener.local_addr().expect("the bound address")
+}
+
+/// The text a relay serves at `/metrics`, or why there is none (yet).
+pub async fn scrape(addr: std::net::SocketAddr) -> Result<String, String> {
+    let response = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .map_err(|e| e.to_string())?;
+    if !response.status().is_success() {
+        return Err(format!("status {}", response.status()));
+    }
+    response.text().await.map_err(|e| e.to_string())
+}
+
+/// The value of the series `series` (name with its labels, exactly as served), if served.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let value = line.strip_prefix(series)?.strip_prefix(' ')?;
+        value.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// Scrapes `addr` until `settled` holds for the text, or panics after `limit` with the last
+/// scrape and `log()`.
+pub async fn scrape_until(
+    addr: std::net::SocketAddr,
+    limit: Duration,
+    what: &str,
+    settled: impl Fn(&str) -> bool,
+    log: impl Fn() -> String,
+) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        let last = match scrape(addr).await {
+            Ok(text) if settled(&text) => return text,
+            Ok(text) => text,
+            Err(error) => error,
+        };
+        assert!(
+            Instant::now() < deadline,
+            "the metrics never showed {what}:\n{last}\nrelay log:\n{}",
+            log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
