@@ -151,6 +151,9 @@ struct Held {
     written_total: u64,
     renew_at: Instant,
     lane_at: Instant,
+    /// The last claim came from the lane: the next one goes to the cursor, so that a long
+    /// lane (a backlog from before the cursor) never holds up the healthy aggregates.
+    lane_was_last: bool,
     lane_in_flight: HashSet<EventId>,
 }
 
@@ -404,6 +407,7 @@ impl LogSource {
             written_total: 0,
             renew_at,
             lane_at: now,
+            lane_was_last: false,
             lane_in_flight: HashSet::new(),
         });
         Ok(())
@@ -789,18 +793,51 @@ impl Held {
 
 impl Source for LogSource {
     async fn claim(&self, max: usize, max_bytes: usize) -> Result<Claim, SourceError> {
+        let started = Instant::now();
+        let claim = self.claim_from_cursor_or_lane(max, max_bytes).await?;
+        if !claim.events.is_empty() {
+            self.lane.found_work(started.elapsed());
+        }
+        Ok(claim)
+    }
+
+    async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
+        self.mark(published).await
+    }
+
+    async fn record_failures(&self, failures: &[Failure]) -> Result<Settled, SourceError> {
+        self.fail(failures).await
+    }
+
+    async fn release(&self, released: &[Released]) -> Result<Settled, SourceError> {
+        self.give_back(released).await
+    }
+
+    async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
+        self.lane.wait_for_work(at_most).await
+    }
+}
+
+impl LogSource {
+    /// A claim: from the lane when it is due and has events, else from the cursor's stream.
+    async fn claim_from_cursor_or_lane(
+        &self,
+        max: usize,
+        max_bytes: usize,
+    ) -> Result<Claim, SourceError> {
         let mut state = self.state.lock().await;
         self.hold(&mut state).await?;
         let Some(held) = state.held.as_mut() else {
             return Ok(Claim::default());
         };
         let now = Instant::now();
-        if held.stream.lane_len() > 0 && held.lane_at <= now {
+        if held.stream.lane_len() > 0 && held.lane_at <= now && !held.lane_was_last {
             match self.claim_lane(held, max).await {
                 Ok(claim) => {
                     let full = claim.events.len() >= max;
                     held.lane_at = if full { now } else { now + LANE_EVERY };
                     if !claim.events.is_empty() || claim.held > 0 {
+                        held.lane_was_last = true;
                         return Ok(claim);
                     }
                 }
@@ -816,6 +853,7 @@ impl Source for LogSource {
             return Err(error);
         }
         let held = state.held.as_mut().expect("held above");
+        held.lane_was_last = false;
         let (events, waiting) = held.stream.claim(max, max_bytes, now);
         // Held events and holes met while reading moved the cursor too.
         if let Err(error) = self.advance(held).await {
@@ -832,7 +870,8 @@ impl Source for LogSource {
         })
     }
 
-    async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
+    /// Acknowledged events: settled in the stream (the cursor moves on), or marked in the lane.
+    async fn mark(&self, published: &[Published]) -> Result<(), SourceError> {
         let mut state = self.state.lock().await;
         let mut lane = Vec::new();
         let State { held, orphans } = &mut *state;
@@ -857,7 +896,9 @@ impl Source for LogSource {
         Ok(())
     }
 
-    async fn record_failures(&self, failures: &[Failure]) -> Result<Settled, SourceError> {
+    /// Failed publishes: the stream's move their aggregates to the lane (or back to their
+    /// queue), the lane's are recorded as the polling source records them.
+    async fn fail(&self, failures: &[Failure]) -> Result<Settled, SourceError> {
         let mut state = self.state.lock().await;
         let now = Instant::now();
         let mut lane = Vec::new();
@@ -902,7 +943,8 @@ impl Source for LogSource {
         Ok(settled)
     }
 
-    async fn release(&self, released: &[Released]) -> Result<Settled, SourceError> {
+    /// Events given back unpublished: to their queue, or their lease released.
+    async fn give_back(&self, released: &[Released]) -> Result<Settled, SourceError> {
         let mut state = self.state.lock().await;
         let mut lane = Vec::new();
         let State { held, orphans } = &mut *state;
@@ -919,10 +961,6 @@ impl Source for LogSource {
             return Ok(Settled::default());
         }
         self.lane.release(&lane).await
-    }
-
-    async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
-        self.lane.wait_for_work(at_most).await
     }
 }
 

@@ -201,6 +201,14 @@ impl PollingSource {
         self.named_statements()
     }
 
+    /// Notes that a claim (of the log source publishing through this one) found work and how
+    /// long it took: the wait that follows then polls instead of sleeping on LISTEN, as after a
+    /// claim of this source's own.
+    pub(crate) fn found_work(&self, took: Duration) {
+        *self.last_work.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        self.record_claim_cost(took);
+    }
+
     /// `claimed_payloads.sql`, with this source's schema.
     pub(crate) fn claimed_payloads_sql(&self) -> &str {
         &self.sql.claimed_payloads
