@@ -110,6 +110,11 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {schema_name}.outbox_relays TO {relay};
 GRANT SELECT ON {schema_name}.outbox_global_head TO {relay};
 -- The claim takes a missing predecessor at or below the cleanup watermark as published.
 GRANT SELECT ON {schema_name}.outbox_watermarks TO {relay};
+-- The log source (migration 0021, queries/log/): its cursor (created, leased, moved on), the
+-- ranges it settled, and its lane (parked, given back, dropped once passed).
+GRANT SELECT, INSERT, UPDATE ON {schema_name}.outbox_cursors TO {relay};
+GRANT SELECT, INSERT ON {schema_name}.outbox_cursor_ranges TO {relay};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema_name}.outbox_cursor_lanes TO {relay};
 
 -- ---------------------------------------------------------------------------------------------
 -- operator: `handoff status`, `quarantine list|show|retry|repair|skip|hold`, `replay`,
@@ -125,7 +130,9 @@ GRANT SELECT ON
     {schema_name}.processed_events, {schema_name}.consumer_sequences,
     {schema_name}.consumer_quarantine, {schema_name}.consumer_quarantine_actions,
     {schema_name}.external_calls, {schema_name}.saga_instances, {schema_name}.saga_history,
-    {schema_name}.saga_operator_actions, {schema_name}.saga_participant_steps
+    {schema_name}.saga_operator_actions, {schema_name}.saga_participant_steps,
+    {schema_name}.outbox_cursors, {schema_name}.outbox_cursor_ranges,
+    {schema_name}.outbox_cursor_lanes, {schema_name}.outbox_published
     TO {operator};
 -- Quarantine retry / repair / skip (queries/quarantine/act.sql): repair replaces a held
 -- event's payload, which is why this role, and only this one, may. Quarantine hold
