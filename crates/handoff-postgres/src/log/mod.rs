@@ -150,6 +150,9 @@ struct Held {
     /// [`Stream::settled_total`] as of the last write.
     written_total: u64,
     renew_at: Instant,
+    /// Until when the lease runs as last written: no event of the cursor's is published past
+    /// it (a relay that takes the cursor over may publish it then).
+    lease_until: Instant,
     lane_at: Instant,
     /// The last claim came from the lane: the next one goes to the cursor, so that a long
     /// lane (a backlog from before the cursor) never holds up the healthy aggregates.
@@ -336,8 +339,11 @@ impl LogSource {
             .try_get("lease_token")
             .map_err(db("reading the cursor"))?;
         let renew_at = now + self.lease() / 3;
+        // Measured from before the statement: the database's lease ends no sooner.
+        let lease_until = now + self.lease();
         if let Some(held) = state.held.as_mut().filter(|held| held.token == token) {
             held.renew_at = renew_at;
+            held.lease_until = lease_until;
             return Ok(());
         }
         if let Some(held) = state.held.take() {
@@ -406,6 +412,7 @@ impl LogSource {
             written,
             written_total: 0,
             renew_at,
+            lease_until,
             lane_at: now,
             lane_was_last: false,
             lane_in_flight: HashSet::new(),
@@ -863,7 +870,7 @@ impl LogSource {
         let held = state.held.as_ref().expect("held above");
         Ok(Claim {
             lease: (!events.is_empty()).then(|| Lease::new(held.token)),
-            lease_deadline: (!events.is_empty()).then(|| now + self.lease()),
+            lease_deadline: (!events.is_empty()).then_some(held.lease_until),
             events,
             waiting_on_in_flight: waiting,
             ..Claim::default()
