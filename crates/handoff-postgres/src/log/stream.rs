@@ -356,6 +356,17 @@ impl Stream {
     /// Moves `aggregate` to the lane from `from_sequence`: its queued events are dropped (the
     /// lane publishes them) and count as skipped.
     fn park_here(&mut self, aggregate: &Aggregate, from_sequence: i64, reason: ParkReason) -> Park {
+        // The lane starts at the lowest event the stream drops, when that is below the reason's
+        // sequence: a hole's missing predecessor can come after queued events of the same
+        // range (a#1 queued, a#3 waits on the never-written a#2), and a lane from a#2 would
+        // leave a#1 to no one.
+        let from_sequence = self
+            .queues
+            .get(aggregate)
+            .into_iter()
+            .flatten()
+            .map(|entry| entry.event.aggregate_sequence)
+            .fold(from_sequence, i64::min);
         self.lanes.insert(
             aggregate.clone(),
             Lane {
@@ -740,6 +751,24 @@ mod tests {
         );
         let (events, _) = s.claim(10, usize::MAX, Instant::now());
         assert_eq!(seqs(&events), vec![("b".into(), 1)]);
+    }
+
+    #[test]
+    fn a_hole_parks_the_aggregate_from_its_queued_events_before_the_hole() {
+        let mut s = Stream::new("1:1:".into());
+        let r = s.begin_range("9:9:".into(), None);
+        s.accept(entry(r, 5, "a", 1), Pred::None, false);
+        s.accept(entry(r, 6, "a", 3), Pred::Missing, false);
+        let parks = s.end_range();
+        assert_eq!(
+            parks,
+            vec![Park {
+                aggregate: agg("a"),
+                from_sequence: 1,
+                reason: ParkReason::Hole
+            }],
+            "a#1, dropped from the stream, is the lane's"
+        );
     }
 
     #[test]
