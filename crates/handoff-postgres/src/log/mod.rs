@@ -137,6 +137,10 @@ struct Held {
     /// [`Stream::settled_total`] as of the last write.
     written_total: u64,
     renew_at: Instant,
+    /// The local instant by which the cursor's lease ends: the lease from before the statement
+    /// that last took or renewed it, so never later than the row's `lease_until`. The stream's
+    /// claims are held under the cursor's lease, so this is their deadline too.
+    lease_end: Instant,
     lane_at: Instant,
     lane_in_flight: HashSet<EventId>,
 }
@@ -290,8 +294,10 @@ impl LogSource {
             .try_get("lease_token")
             .map_err(db("reading the cursor"))?;
         let renew_at = now + self.lease() / 3;
+        let lease_end = now + self.lease();
         if let Some(held) = state.held.as_mut().filter(|held| held.token == token) {
             held.renew_at = renew_at;
+            held.lease_end = lease_end;
             return Ok(());
         }
         if let Some(held) = state.held.take() {
@@ -360,6 +366,7 @@ impl LogSource {
             written,
             written_total: 0,
             renew_at,
+            lease_end,
             lane_at: now,
             lane_in_flight: HashSet::new(),
         });
@@ -628,6 +635,8 @@ impl LogSource {
         }
         let session = self.lane.session_id();
         let settled = held.written.settled.clone();
+        // Before the statement: the rows' claim_until is the database's now() plus the lease.
+        let claimed_at = Instant::now();
         let (rows, payloads) = self
             .lane
             .on_connection("while claiming from the lane", async |conn| {
@@ -693,7 +702,7 @@ impl LogSource {
             claim.events.push(event);
         }
         if claim.lease.is_some() {
-            claim.lease_deadline = Some(Instant::now() + self.lease());
+            claim.lease_deadline = Some(claimed_at + self.lease());
         }
         Ok(claim)
     }
@@ -743,7 +752,9 @@ impl Source for LogSource {
         let held = state.held.as_ref().expect("held above");
         Ok(Claim {
             lease: (!events.is_empty()).then(|| Lease::new(held.token)),
-            lease_deadline: (!events.is_empty()).then(|| now + self.lease()),
+            // The cursor's lease, as last taken or renewed: not `now` plus a lease, which runs
+            // past the row's lease_until by the time since that renewal (up to a third of it).
+            lease_deadline: (!events.is_empty()).then_some(held.lease_end),
             events,
             waiting_on_in_flight: waiting,
             ..Claim::default()
