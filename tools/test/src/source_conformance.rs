@@ -805,7 +805,6 @@ pub async fn a_second_instance_never_duplicates_or_reorders<D: SourceDriver>() {
 pub async fn a_dead_instance_is_taken_over_after_its_lease<D: SourceDriver>() {
     let driver = D::start("a_dead_instance_is_taken_over_after_its_lease").await;
     let dead = open_first(&driver, "relay-dead", SHORT_LEASE).await;
-    let heir = driver.open("relay-heir", SHORT_LEASE).await;
     let outbox = outbox(&driver, OrderMode::Aggregate);
     for n in 1..=10 {
         commit(&driver, &outbox, &[factory::event("k", n)]).await;
@@ -834,6 +833,8 @@ pub async fn a_dead_instance_is_taken_over_after_its_lease<D: SourceDriver>() {
     ack::<D>(&dead, &mut ledger, &claim, &claim.events[..2]).await;
     drop(dead);
     let died_at = Instant::now();
+    // Another process, started after the first died.
+    let heir = driver.open("relay-heir", SHORT_LEASE).await;
     // What it left in flight may be handed out again, once its lease ran out.
     ledger.settled_unpublished(&claim.events[2..]);
     let left = claim.events[2].clone();
