@@ -35,7 +35,7 @@
 //! | [`a_second_instance_never_duplicates_or_reorders`] | two sources (two relay ids) claiming and acknowledging side by side: no event twice, no reorder (a source whose second instance stands by passes too) |
 //! | [`a_dead_instance_is_taken_over_after_its_lease`] | a source dropped with events in flight: after its lease another instance publishes what it left, in order, and not before the lease ran out |
 //! | [`a_hole_holds_its_aggregate_until_skipped`] | an event whose predecessor was never written is not published until an operator skips the hole ([`Quarantine::skip_missing`]); then the skip marker and the event, in order |
-//! | [`a_global_lane_comes_out_in_global_order`] | events written in [`OrderMode::Global`](handoff_core::OrderMode::Global) come out in their global sequence, each once |
+//! | [`a_global_lane_comes_out_in_global_order`] | events written in [`OrderMode::Global`] come out in their global sequence, each once |
 //!
 //! Each case makes its own schema ([`SourceDriver::start`]), so the cases run in parallel. Run
 //! one source's suite with e.g. `cargo nextest run -p handoff-postgres --test it
