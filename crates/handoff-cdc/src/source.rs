@@ -392,11 +392,12 @@ impl Inner {
     }
 
     /// Writes events to the table so they are durable without the stream: `held` is the index
-    /// of the one held for an operator, if any.
+    /// of the one held for an operator, if any, held for `hold_reason` (`rejected`, `attempts`).
     async fn park(
         &self,
         events: &[OutboxEvent],
         held: Option<(usize, &str)>,
+        hold_reason: Option<&str>,
     ) -> Result<(), SourceError> {
         let mut columns = ParkColumns::default();
         for (at, event) in events.iter().enumerate() {
@@ -418,7 +419,8 @@ impl Inner {
             .bind(columns.occurred_at)
             .bind(columns.attempt_count)
             .bind(columns.held)
-            .bind(columns.last_error);
+            .bind(columns.last_error)
+            .bind(hold_reason);
         self.bounded(
             "while parking events in the table",
             query.execute(&self.pool),
@@ -571,7 +573,9 @@ impl Source for LogicalSource {
                             .iter()
                             .position(|e| e.event_id == failure.event_id)
                             .map(|at| (at, failure.error.as_str()));
-                        self.inner.park(&unwritten, held).await?;
+                        self.inner
+                            .park(&unwritten, held, failure.hold_reason)
+                            .await?;
                         written.extend(unwritten.iter().map(|e| e.event_id));
                     };
                     let Some(key) = key else {
@@ -867,7 +871,7 @@ async fn write_diverted(
     while diverted.recv_many(&mut batch, 500).await > 0 {
         let events: Vec<OutboxEvent> = batch.iter().map(|(e, _)| e.clone()).collect();
         let mut attempt = 0;
-        while let Err(error) = inner.park(&events, None).await {
+        while let Err(error) = inner.park(&events, None, None).await {
             attempt += 1;
             let delay = inner.config.reconnect.delay(attempt);
             warn!(error = %error, retry_in = ?delay, "could not write diverted events back");

@@ -128,5 +128,6 @@ pub use source::{
 };
 pub use source_error::{source_error, source_error_kind};
 pub use status::{
-    CleanupRun, CursorSeen, RelaySeen, Status, StatusReport, StuckAggregate, TableSize, EXACT_COUNT_MAX_BYTES,
+    CleanupRun, CursorSeen, RelaySeen, Status, StatusReport, StuckAggregate, TableSize,
+    EXACT_COUNT_MAX_BYTES,
 };

@@ -6,6 +6,8 @@
 //! - [`factory`]: events and catalogs for tests, instead of hand-written rows.
 //! - [`conformance`]: the transport conformance suite every destination runs.
 //! - [`intake_conformance`]: the intake conformance suite every intake (consumer side) runs.
+//! - [`source_conformance`]: the source conformance suite every relay source (polling, log,
+//!   logical) runs.
 //! - [`counting`]: [`counting::CountingSource`], a decorator that counts a relay's calls to a
 //!   real source (claims, marks, errors).
 //! - [`faults`]: [`faults::Faulty`], the fault-injecting decorator around a real transport.
@@ -55,6 +57,7 @@ pub mod proxy;
 pub mod rabbitmq;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod source_conformance;
 pub mod tansu;
 pub mod tls;
 mod wait;

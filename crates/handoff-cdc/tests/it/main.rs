@@ -9,6 +9,7 @@ mod order;
 mod poison;
 mod reconnect;
 mod restart;
+mod source_conformance;
 mod stream;
 mod tls;
 mod wal;

@@ -150,9 +150,10 @@ struct Held {
     /// [`Stream::settled_total`] as of the last write.
     written_total: u64,
     renew_at: Instant,
-    /// Until when the lease runs as last written: no event of the cursor's is published past
-    /// it (a relay that takes the cursor over may publish it then).
-    lease_until: Instant,
+    /// The local instant by which the cursor's lease ends: the lease from before the statement
+    /// that last took or renewed it, so never later than the row's `lease_until`. The stream's
+    /// claims are held under the cursor's lease, so this is their deadline too.
+    lease_end: Instant,
     lane_at: Instant,
     /// The last claim came from the lane: the next one goes to the cursor, so that a long
     /// lane (a backlog from before the cursor) never holds up the healthy aggregates.
@@ -339,11 +340,10 @@ impl LogSource {
             .try_get("lease_token")
             .map_err(db("reading the cursor"))?;
         let renew_at = now + self.lease() / 3;
-        // Measured from before the statement: the database's lease ends no sooner.
-        let lease_until = now + self.lease();
+        let lease_end = now + self.lease();
         if let Some(held) = state.held.as_mut().filter(|held| held.token == token) {
             held.renew_at = renew_at;
-            held.lease_until = lease_until;
+            held.lease_end = lease_end;
             return Ok(());
         }
         if let Some(held) = state.held.take() {
@@ -412,7 +412,7 @@ impl LogSource {
             written,
             written_total: 0,
             renew_at,
-            lease_until,
+            lease_end,
             lane_at: now,
             lane_was_last: false,
             lane_in_flight: HashSet::new(),
@@ -435,7 +435,13 @@ impl LogSource {
         let mut parks = Vec::new();
         let mut opened = false;
         while held.stream.backlog() < want {
-            let (range, from, to, after, resumed) = match held.stream.open_range() {
+            let stream::OpenRange {
+                no: range,
+                from,
+                to,
+                after,
+                resumed,
+            } = match held.stream.open_range() {
                 Some(open) => open,
                 None if opened => break,
                 None => {
@@ -490,7 +496,11 @@ impl LogSource {
                     entry.event.aggregate_type.clone(),
                     entry.event.aggregate_id.clone(),
                 );
-                if laned && !held.stream.would_skip(&aggregate, entry.event.aggregate_sequence) {
+                if laned
+                    && !held
+                        .stream
+                        .would_skip(&aggregate, entry.event.aggregate_sequence)
+                {
                     unread.push(entry.event.event_id);
                 }
                 page.push((entry, pred, held_row));
@@ -731,6 +741,8 @@ impl LogSource {
         }
         let session = self.lane.session_id();
         let settled = held.written.settled.clone();
+        // Before the statement: the rows' claim_until is the database's now() plus the lease.
+        let claimed_at = Instant::now();
         let rows = self
             .lane
             .on_connection("while claiming from the lane", async |conn| {
@@ -786,7 +798,7 @@ impl LogSource {
             claim.events.push(event);
         }
         if claim.lease.is_some() {
-            claim.lease_deadline = Some(Instant::now() + self.lease());
+            claim.lease_deadline = Some(claimed_at + self.lease());
         }
         Ok(claim)
     }
@@ -870,7 +882,9 @@ impl LogSource {
         let held = state.held.as_ref().expect("held above");
         Ok(Claim {
             lease: (!events.is_empty()).then(|| Lease::new(held.token)),
-            lease_deadline: (!events.is_empty()).then_some(held.lease_until),
+            // The cursor's lease, as last taken or renewed: not `now` plus a lease, which runs
+            // past the row's lease_until by the time since that renewal (up to a third of it).
+            lease_deadline: (!events.is_empty()).then_some(held.lease_end),
             events,
             waiting_on_in_flight: waiting,
             ..Claim::default()

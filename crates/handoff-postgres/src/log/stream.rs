@@ -112,6 +112,20 @@ struct Range {
     resumed: Option<Key>,
 }
 
+/// The range being read, as the next page query needs it.
+#[derive(Debug, Clone)]
+pub(crate) struct OpenRange {
+    pub no: u64,
+    /// The snapshot it starts after.
+    pub from: String,
+    /// The snapshot it reads up to.
+    pub to: String,
+    /// The last key read in it.
+    pub after: Option<Key>,
+    /// The key it was taken over at, from another relay.
+    pub resumed: Option<Key>,
+}
+
 /// Where the cursor may be moved to (queries/log/advance.sql).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Position {
@@ -215,10 +229,8 @@ impl Stream {
         true
     }
 
-    /// The range to read next, or the open one: its number, the snapshot it starts after, the
-    /// snapshot it reads up to, the last key read in it, and the key it was taken over at. None
-    /// when no range is open.
-    pub(crate) fn open_range(&self) -> Option<(u64, String, String, Option<Key>, Option<Key>)> {
+    /// The range being read, or None when no range is open.
+    pub(crate) fn open_range(&self) -> Option<OpenRange> {
         let open = self.ranges.back().filter(|r| !r.read_done)?;
         let from = self
             .ranges
@@ -226,7 +238,13 @@ impl Stream {
             .rev()
             .nth(1)
             .map_or_else(|| self.base.clone(), |r| r.to.clone());
-        Some((open.no, from, open.to.clone(), open.read_upto, open.resumed))
+        Some(OpenRange {
+            no: open.no,
+            from,
+            to: open.to.clone(),
+            after: open.read_upto,
+            resumed: open.resumed,
+        })
     }
 
     /// Opens a range up to snapshot `to`, read from after `resume` (a key of a range that an
@@ -303,10 +321,12 @@ impl Stream {
 
     /// Whether [`Stream::accept`] would skip this event (left to the lane, or published by it).
     pub(crate) fn would_skip(&self, aggregate: &Aggregate, sequence: i64) -> bool {
-        self.lanes.get(aggregate).is_some_and(|lane| match lane.released_through {
-            Some(through) => sequence <= through,
-            None => sequence >= lane.from_sequence,
-        })
+        self.lanes
+            .get(aggregate)
+            .is_some_and(|lane| match lane.released_through {
+                Some(through) => sequence <= through,
+                None => sequence >= lane.from_sequence,
+            })
     }
 
     /// Whether the cursor leaves this event to the lane, or the lane published it already;
@@ -364,6 +384,17 @@ impl Stream {
     /// Moves `aggregate` to the lane from `from_sequence`: its queued events are dropped (the
     /// lane publishes them) and count as skipped.
     fn park_here(&mut self, aggregate: &Aggregate, from_sequence: i64, reason: ParkReason) -> Park {
+        // The lane starts at the lowest event the stream drops, when that is below the reason's
+        // sequence: a hole's missing predecessor can come after queued events of the same
+        // range (a#1 queued, a#3 waits on the never-written a#2), and a lane from a#2 would
+        // leave a#1 to no one.
+        let from_sequence = self
+            .queues
+            .get(aggregate)
+            .into_iter()
+            .flatten()
+            .map(|entry| entry.event.aggregate_sequence)
+            .fold(from_sequence, i64::min);
         self.lanes.insert(
             aggregate.clone(),
             Lane {
@@ -748,6 +779,24 @@ mod tests {
         );
         let (events, _) = s.claim(10, usize::MAX, Instant::now());
         assert_eq!(seqs(&events), vec![("b".into(), 1)]);
+    }
+
+    #[test]
+    fn a_hole_parks_the_aggregate_from_its_queued_events_before_the_hole() {
+        let mut s = Stream::new("1:1:".into());
+        let r = s.begin_range("9:9:".into(), None);
+        s.accept(entry(r, 5, "a", 1), Pred::None, false);
+        s.accept(entry(r, 6, "a", 3), Pred::Missing, false);
+        let parks = s.end_range();
+        assert_eq!(
+            parks,
+            vec![Park {
+                aggregate: agg("a"),
+                from_sequence: 1,
+                reason: ParkReason::Hole
+            }],
+            "a#1, dropped from the stream, is the lane's"
+        );
     }
 
     #[test]

@@ -107,7 +107,11 @@ async fn every_event_comes_out_once_in_order_and_no_event_row_is_rewritten() {
         .events
         .is_empty());
     enqueue(&db, &outbox, &["a", "b", "c", "d"], 60).await;
-    assert_eq!(cursor_lag(&db).await, 240, "status counts what the cursor has not passed");
+    assert_eq!(
+        cursor_lag(&db).await,
+        240,
+        "status counts what the cursor has not passed"
+    );
 
     let out = drain(&relay).await;
     assert_eq!(cursor_lag(&db).await, 0);
@@ -411,7 +415,12 @@ async fn a_cursor_created_over_a_polling_backlog_publishes_it_first_through_its_
 async fn reverting_0021_leaves_the_polling_source_only_what_the_cursor_had_not_published() {
     let (db, outbox) = common::migrated("log_revert").await;
     let relay = source(&db, "relay-a");
-    assert!(relay.claim(100, usize::MAX).await.unwrap().events.is_empty());
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
     enqueue(&db, &outbox, &["v"], 3).await;
     let first = drain(&relay).await;
     assert_eq!(by_aggregate(&first)["v"], vec![1, 2, 3]);
@@ -437,5 +446,9 @@ async fn reverting_0021_leaves_the_polling_source_only_what_the_cursor_had_not_p
     .unwrap();
     let claim = polling.claim(100, usize::MAX).await.unwrap();
     let sequences: Vec<i64> = claim.events.iter().map(|e| e.aggregate_sequence).collect();
-    assert_eq!(sequences, vec![4, 5], "what the cursor published is marked, the rest is not");
+    assert_eq!(
+        sequences,
+        vec![4, 5],
+        "what the cursor published is marked, the rest is not"
+    );
 }

@@ -22,5 +22,6 @@ mod parking;
 mod payload_jsonb;
 mod pooler;
 mod source;
+mod source_conformance;
 #[cfg(feature = "tokio-postgres")]
 mod tokio_postgres;

@@ -155,7 +155,9 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
                             drain::jetstream(&bench, &mut admin, round, OUTSTANDING, None).await?
                         }
                         DrainVariant::Peer => peer::drain(&bench, &mut admin, round).await?,
-                        DrainVariant::RelayLog => drain::relay_log(&bench, &mut admin, round).await?,
+                        DrainVariant::RelayLog => {
+                            drain::relay_log(&bench, &mut admin, round).await?
+                        }
                         _ => drain::relays(&bench, &mut admin, round, 1).await?,
                     }
                 };

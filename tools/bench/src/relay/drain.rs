@@ -416,13 +416,21 @@ pub async fn relay_log_on_loaded(
     )
     .execute(&mut *admin)
     .await?;
-    run_relays(bench, admin, round, parts, DrainVariant::RelayLog, refused_type, |pool, relay_id| {
-        let config = LogConfig {
-            polling: polling_config(relay_id, true),
-            ..LogConfig::default()
-        };
-        Ok(Arc::new(LogSource::new(pool, config)?))
-    })
+    run_relays(
+        bench,
+        admin,
+        round,
+        parts,
+        DrainVariant::RelayLog,
+        refused_type,
+        |pool, relay_id| {
+            let config = LogConfig {
+                polling: polling_config(relay_id, true),
+                ..LogConfig::default()
+            };
+            Ok(Arc::new(LogSource::new(pool, config)?))
+        },
+    )
     .await
 }
 
@@ -458,9 +466,20 @@ pub async fn relays_on_loaded(
     } else {
         DrainVariant::Relay2
     };
-    run_relays(bench, admin, round, parts, variant, None, |pool, relay_id| {
-        Ok(Arc::new(PollingSource::new(pool, polling_config(relay_id, true))?))
-    })
+    run_relays(
+        bench,
+        admin,
+        round,
+        parts,
+        variant,
+        None,
+        |pool, relay_id| {
+            Ok(Arc::new(PollingSource::new(
+                pool,
+                polling_config(relay_id, true),
+            )?))
+        },
+    )
     .await
 }
 
@@ -483,7 +502,11 @@ async fn run_relays<S: Source + Unregister>(
     let mut running = Vec::with_capacity(count);
     for (i, (pool, transport)) in parts.into_iter().enumerate() {
         let relay_id = format!("bench-relay-{}", i + 1);
-        let source = Arc::new(ProbeSource::new(source(pool, &relay_id)?, started, marked.clone()));
+        let source = Arc::new(ProbeSource::new(
+            source(pool, &relay_id)?,
+            started,
+            marked.clone(),
+        ));
         let transport = Arc::new(ProbeTransport::new(transport, false).refusing(refused_type));
         let relay = Relay::from_shared(source.clone(), transport.clone(), RelayConfig::default())?;
         let mut stop = stop_rx.clone();
