@@ -46,16 +46,12 @@ pub async fn run(shared: Shared) {
 
 /// One delivery: the pause before the next, or `None` when nothing is pending.
 fn step(w: &mut World, acked: &mut BTreeMap<usize, usize>) -> Option<u64> {
-    // Per aggregate, the log positions of its copies.
+    // Per aggregate, its next copy not yet acknowledged.
     let mut pending: Vec<(usize, usize)> = Vec::new();
-    let mut per: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    for (pos, &(row, _)) in w.log.iter().enumerate() {
-        per.entry(w.rows[row].aggregate).or_default().push(pos);
-    }
-    for (aggregate, positions) in &per {
+    for (aggregate, rows) in &w.partitions {
         let done = acked.get(aggregate).copied().unwrap_or(0);
-        if done < positions.len() {
-            pending.push((*aggregate, positions[done]));
+        if let Some(&row) = rows.get(done) {
+            pending.push((*aggregate, row));
         }
     }
     if pending.is_empty() {
@@ -63,8 +59,7 @@ fn step(w: &mut World, acked: &mut BTreeMap<usize, usize>) -> Option<u64> {
     }
     // Reorder across aggregates: any aggregate's next copy may come first.
     let pick = w.rng.random_range(0..pending.len());
-    let (aggregate, pos) = pending[pick];
-    let row = w.log[pos].0;
+    let (aggregate, row) = pending[pick];
     let name = w.name(row);
     let plant = w.plant;
     if w.inbox.contains(&row) {
@@ -77,7 +72,10 @@ fn step(w: &mut World, acked: &mut BTreeMap<usize, usize>) -> Option<u64> {
         apply(w, row);
     }
     if w.fault(CRASH_BEFORE_COMMIT) {
-        w.log("cons", format_args!("{name}: crash before commit, redelivered"));
+        w.log(
+            "cons",
+            format_args!("{name}: crash before commit, redelivered"),
+        );
         return Some(w.between(5, 500));
     }
     if plant != Some(Plant::EffectBeforeDedup) {
@@ -100,7 +98,10 @@ fn apply(w: &mut World, row: usize) {
     *count += 1;
     if *count > 1 {
         let count = *count;
-        w.violate(format!("exactly-once: {name} applied {count} times"), Some(row));
+        w.violate(
+            format!("exactly-once: {name} applied {count} times"),
+            Some(row),
+        );
     }
     let (aggregate, seq) = (w.rows[row].aggregate, w.rows[row].seq);
     let applied = w.applied.entry(aggregate).or_default();

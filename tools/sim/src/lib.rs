@@ -41,16 +41,16 @@ pub enum Plant {
 }
 
 /// When faults stop (simulated ms): kills, freezes, outages and fault rates.
-pub const FAULTS_END_MS: Ms = 60_000;
+pub const FAULTS_END_MS: Ms = 30_000;
 /// When writers stop.
-pub const WRITES_END_MS: Ms = 90_000;
+pub const WRITES_END_MS: Ms = 55_000;
 /// When the run ends and the final invariants are checked.
-pub const END_MS: Ms = 150_000;
+pub const END_MS: Ms = 90_000;
 /// Liveness: an event of an aggregate with nothing held, committed once faults have been over
 /// for [`SETTLED_MS`], reaches the destination within this of its commit.
 pub const HEALTHY_LATENCY_MS: Ms = 3_000;
 /// How long after faults stop the system is given to settle before the latency bound applies.
-pub const SETTLED_MS: Ms = 20_000;
+pub const SETTLED_MS: Ms = 15_000;
 
 /// What one seed's run did.
 #[derive(Debug, Clone)]
@@ -165,6 +165,20 @@ async fn simulate(seed: u64, plant: Option<Plant>) -> Report {
                 for_ms: rng.random_range(100..=5_000),
             },
         };
+        // Every fault window ends by FAULTS_END_MS: liveness is measured from there.
+        let what = match what {
+            Scheduled::Freeze { process, for_ms } => Scheduled::Freeze {
+                process,
+                for_ms: for_ms.min(FAULTS_END_MS - at),
+            },
+            Scheduled::Outage { for_ms } => Scheduled::Outage {
+                for_ms: for_ms.min(FAULTS_END_MS - at),
+            },
+            Scheduled::Throttle { for_ms } => Scheduled::Throttle {
+                for_ms: for_ms.min(FAULTS_END_MS - at),
+            },
+            kill => kill,
+        };
         schedule.push((at, what));
     }
     // Kills restart a new process; a kill or freeze drawn for a process that does not exist
@@ -179,6 +193,7 @@ async fn simulate(seed: u64, plant: Option<Plant>) -> Report {
         processes: Vec::new(),
         log: Vec::new(),
         stored: Default::default(),
+        partitions: Default::default(),
         claimed_at: Default::default(),
         outage_until: 0,
         throttle_until: 0,
@@ -190,6 +205,7 @@ async fn simulate(seed: u64, plant: Option<Plant>) -> Report {
         effects: Default::default(),
         applied: Default::default(),
         violation: None,
+        calls: 0,
         plant,
     };
     let shared = Shared::new(world);
@@ -246,7 +262,10 @@ async fn simulate(seed: u64, plant: Option<Plant>) -> Report {
             }
             Scheduled::Throttle { for_ms } => {
                 w.throttle_until = w.throttle_until.max(now + for_ms);
-                w.log("FAULT", format_args!("destination throttles for {for_ms} ms"));
+                w.log(
+                    "FAULT",
+                    format_args!("destination throttles for {for_ms} ms"),
+                );
             }
         }
     }
@@ -309,7 +328,7 @@ fn spawn_relay(shared: &Shared) -> JoinHandle<()> {
 async fn write(shared: Shared, writer: usize, poison: f64) {
     let name = format!("w{writer}");
     loop {
-        let gap = shared.lock().between(10, 2_000);
+        let gap = shared.lock().between(100, 4_000);
         Shared::sleep(gap).await;
         let (aggregate, first, count, open_for, commit) = {
             let mut w = shared.lock();
@@ -331,7 +350,13 @@ async fn write(shared: Shared, writer: usize, poison: f64) {
                 w.between(1, 20)
             };
             let commit = w.rng.random_bool(0.9);
-            (aggregate, w.aggregates[aggregate].0, count, open_for, commit)
+            (
+                aggregate,
+                w.aggregates[aggregate].0,
+                count,
+                open_for,
+                commit,
+            )
         };
         Shared::sleep(open_for).await;
         let mut w = shared.lock();
@@ -430,11 +455,12 @@ fn check_end(w: &mut World) {
         }
     }
     let summary = format!(
-        "end: committed={} delivered={} copies={} held={}",
+        "end: committed={} delivered={} copies={} held={} source_calls={}",
         w.rows.len(),
         w.stored.len(),
         w.log.len(),
-        w.rows.iter().filter(|r| r.held.is_some()).count()
+        w.rows.iter().filter(|r| r.held.is_some()).count(),
+        w.calls
     );
     w.log("CHECK", format_args!("{summary}"));
 }

@@ -33,7 +33,11 @@ pub struct SimSource {
 struct Simulated(&'static str);
 
 fn unavailable(what: &'static str) -> SourceError {
-    SourceError::with_kind(SourceErrorKind::Unavailable, what, Simulated("connection reset"))
+    SourceError::with_kind(
+        SourceErrorKind::Unavailable,
+        what,
+        Simulated("connection reset"),
+    )
 }
 
 /// What a statement does about faults: how long it takes, and whether it fails before or after
@@ -73,13 +77,17 @@ impl SimSource {
         self.shared.gate(self.process).await;
         let plan = {
             let mut w = self.shared.lock();
+            w.calls += 1;
             self.plan(&mut w)
         };
         Shared::sleep(plan.latency).await;
         if plan.fails_before {
             {
                 let mut w = self.shared.lock();
-                w.log(&relay(self.process), format_args!("{op} failed (nothing written)"));
+                w.log(
+                    &relay(self.process),
+                    format_args!("{op} failed (nothing written)"),
+                );
             }
             self.shared.gate(self.process).await;
             return Err(unavailable(op));
@@ -90,7 +98,10 @@ impl SimSource {
         };
         if plan.fails_after {
             let mut w = self.shared.lock();
-            w.log(&relay(self.process), format_args!("{op} committed, answer lost"));
+            w.log(
+                &relay(self.process),
+                format_args!("{op} committed, answer lost"),
+            );
         }
         self.shared.gate(self.process).await;
         if plan.fails_after {
@@ -109,8 +120,10 @@ impl Source for SimSource {
     async fn claim(&self, max: usize, max_bytes: usize) -> Result<Claim, SourceError> {
         let asked_at = tokio::time::Instant::now();
         let process = self.process;
-        self.statement("claim", move |w| claim(w, process, max, max_bytes, asked_at))
-            .await
+        self.statement("claim", move |w| {
+            claim(w, process, max, max_bytes, asked_at)
+        })
+        .await
     }
 
     async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
@@ -200,6 +213,7 @@ impl Source for SimSource {
 
     async fn wait_for_work(&self, at_most: Duration) -> Result<(), SourceError> {
         self.shared.gate(self.process).await;
+        self.shared.lock().calls += 1;
         tokio::select! {
             biased;
             () = self.shared.commits.notified() => {}
@@ -310,7 +324,10 @@ fn claim(
     if !taken.is_empty() || held > 0 {
         w.log(
             &relay(process),
-            format_args!("claim L{token} [{}] taken_over={taken_over}", names.join(" ")),
+            format_args!(
+                "claim L{token} [{}] taken_over={taken_over}",
+                names.join(" ")
+            ),
         );
     }
     let events = taken.iter().map(|&row| event(w, row)).collect();

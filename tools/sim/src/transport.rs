@@ -48,7 +48,10 @@ impl SimTransport {
         let last = w.stored.get(&row).and_then(|copies| copies.last().copied());
         if let (Dedup::Window(window), Some(last)) = (w.dedup, last) {
             if now.saturating_sub(last) <= window {
-                w.log(&relay(process), format_args!("publish {name}: deduplicated"));
+                w.log(
+                    &relay(process),
+                    format_args!("publish {name}: deduplicated"),
+                );
                 return;
             }
         }
@@ -67,7 +70,10 @@ impl SimTransport {
             }
             w.log(&relay(process), format_args!("publish {name}: delivered"));
         } else {
-            w.log(&relay(process), format_args!("publish {name}: stored again"));
+            w.log(
+                &relay(process),
+                format_args!("publish {name}: stored again"),
+            );
         }
         if let Some(marked) = r.marked_at {
             let claimed = w.claimed_at.get(&(process, row)).copied().unwrap_or(0);
@@ -80,6 +86,8 @@ impl SimTransport {
         }
         w.stored.entry(row).or_default().push(now);
         w.log.push((row, now));
+        let aggregate = r.aggregate;
+        w.partitions.entry(aggregate).or_default().push(row);
     }
 
     fn fate(&self, w: &mut World, row: usize) -> Fate {
@@ -155,7 +163,10 @@ impl Transport for SimTransport {
                 None
             } else if stall {
                 let name = w.name(row);
-                w.log(&relay(self.process), format_args!("publish {name}: stalled"));
+                w.log(
+                    &relay(self.process),
+                    format_args!("publish {name}: stalled"),
+                );
                 if w.rng.random_bool(0.5) {
                     SimTransport::store(&mut w, self.process, row);
                 }

@@ -101,6 +101,8 @@ pub struct World {
     pub processes: Vec<Process>,
     /// The destination's log: row index, when stored.
     pub log: Vec<(usize, Ms)>,
+    /// The destination's log split per aggregate (a partition, a subject): row indexes.
+    pub partitions: BTreeMap<usize, Vec<usize>>,
     /// Per row: when its copies were stored.
     pub stored: BTreeMap<usize, Vec<Ms>>,
     /// When each (relay, row) was last claimed.
@@ -125,6 +127,8 @@ pub struct World {
     pub applied: BTreeMap<usize, Vec<i64>>,
     /// The first invariant broken, with the row it concerns.
     pub violation: Option<(String, Option<usize>)>,
+    /// Source calls made (claims, marks, failures, releases, waits), for the end line.
+    pub calls: u64,
     /// The bug planted for this run, if any.
     pub plant: Option<Plant>,
 }
@@ -204,7 +208,12 @@ impl World {
     pub fn log(&mut self, actor: &str, what: std::fmt::Arguments<'_>) {
         let mut line = String::with_capacity(64);
         let now = self.now();
-        let _ = write!(line, "{:>4}.{:03} {actor:<6} {what}", now / 1000, now % 1000);
+        let _ = write!(
+            line,
+            "{:>4}.{:03} {actor:<6} {what}",
+            now / 1000,
+            now % 1000
+        );
         self.trace.push(line);
     }
 
