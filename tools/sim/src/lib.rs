@@ -38,6 +38,9 @@ pub enum Plant {
     PublishAfterFailure,
     /// The consumer's inbox commits the effect before (and apart from) the dedup row.
     EffectBeforeDedup,
+    /// The source writes failures and releases whatever lease the event is held under now (the
+    /// fencing fix taken out: a stale outcome lands under a newer lease).
+    UnfencedOutcomes,
 }
 
 /// When faults stop (simulated ms): kills, freezes, outages and fault rates.

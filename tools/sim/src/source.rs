@@ -229,6 +229,10 @@ impl Source for SimSource {
 /// `an_outcome_without_a_lease_changes_nothing`).
 fn holds(w: &World, row: usize, lease: Option<Lease>) -> bool {
     let r = &w.rows[row];
+    if w.plant == Some(Plant::UnfencedOutcomes) {
+        // PLANTED BUG: any lease will do.
+        return r.lease.is_some() && r.marked_at.is_none();
+    }
     match (r.lease, lease) {
         (Some((_, token, _)), Some(lease)) => token == lease.token() && r.marked_at.is_none(),
         _ => false,
@@ -316,7 +320,7 @@ fn claim(
             }
             bytes = bytes.saturating_add(w.rows[row].size);
             w.rows[row].lease = Some((process, token, until));
-            w.claimed_at.insert((process, row), now);
+            w.claimed_at.insert((process, row), (now, token, until));
             taken.push(row);
         }
     }

@@ -76,7 +76,7 @@ impl SimTransport {
             );
         }
         if let Some(marked) = r.marked_at {
-            let claimed = w.claimed_at.get(&(process, row)).copied().unwrap_or(0);
+            let claimed = w.claimed_at.get(&(process, row)).map_or(0, |c| c.0);
             if claimed > marked {
                 w.violate(
                     format!("{name} claimed at {claimed} ms and published again after its mark at {marked} ms"),
@@ -144,6 +144,27 @@ impl Transport for SimTransport {
             };
             (latency, stall, row)
         };
+        {
+            // Leases: a relay publishes an event under its own lease, or under one that ran out
+            // (it overstayed, frozen or slow: the destination's dedup covers it); never under a
+            // lease taken from it while it still ran (fencing.rs).
+            let mut w = self.shared.lock();
+            let now = w.now();
+            if let Some(&(_, token, until)) = w.claimed_at.get(&(self.process, row)) {
+                let current = w.rows[row].lease.map(|(_, t, _)| t);
+                if until > now && current != Some(token) && w.rows[row].marked_at.is_none() {
+                    let name = w.name(row);
+                    w.violate(
+                        format!(
+                            "lease: r{} publishes {name} under L{token}, which ran until {until} ms \
+                             but was taken from it (now {current:?})",
+                            self.process
+                        ),
+                        Some(row),
+                    );
+                }
+            }
+        }
         if self.shared.lock().plant == Some(Plant::MarkBeforeAck) {
             // PLANTED BUG: the event is marked before the destination acknowledged it.
             let _ = self

@@ -105,8 +105,8 @@ pub struct World {
     pub partitions: BTreeMap<usize, Vec<usize>>,
     /// Per row: when its copies were stored.
     pub stored: BTreeMap<usize, Vec<Ms>>,
-    /// When each (relay, row) was last claimed.
-    pub claimed_at: BTreeMap<(usize, usize), Ms>,
+    /// Each (relay, row)'s last claim: when, the lease token, `claim_until`.
+    pub claimed_at: BTreeMap<(usize, usize), (Ms, i64, Ms)>,
     /// The destination is down until then.
     pub outage_until: Ms,
     /// The destination throttles until then (`connection.blocked`, Redis OOM).
