@@ -875,7 +875,7 @@ impl<S: Source, T: Transport> Claimer<S, T> {
         tokio::select! {
                 biased;
             _ = self.stop.changed() => return Flow::Stop,
-            () = tokio::time::sleep_until(pause.until.into()) => {}
+            () = tokio::time::sleep_until(pause.until) => {}
         }
         if matches!(
             pause.reason,

@@ -100,7 +100,7 @@ fn run(seeds: u64, from: u64, threads: usize, plant: Option<Plant>) -> ExitCode 
                     if failed.as_ref().is_none_or(|f| f.seed > seed) {
                         *failed = Some(report);
                     }
-                } else if n % 100_000 == 0 {
+                } else if n.is_multiple_of(100_000) {
                     let rate = n as f64 / started.elapsed().as_secs_f64();
                     eprintln!("{n} seeds, {rate:.0} seeds/s");
                 }
