@@ -5,8 +5,9 @@ use handoff_sim::{run_seed, Plant};
 
 use crate::first_failure;
 
-/// Seeds searched for each planted bug (each is found within the first few today).
-const SEARCH: u64 = 500;
+/// Seeds searched for each planted bug: the short run's first 3,000 (the first three are found
+/// within the first few seeds today, unfenced outcomes at seed 1,776).
+const SEARCH: u64 = 3_000;
 
 fn caught(plant: Plant, expected: &str) {
     let report = first_failure(SEARCH, Some(plant))
@@ -46,4 +47,12 @@ fn a_lane_that_publishes_past_a_failure_is_caught() {
 #[test]
 fn an_inbox_that_commits_the_effect_before_the_dedup_row_is_caught() {
     caught(Plant::EffectBeforeDedup, "exactly-once");
+}
+
+#[test]
+fn outcomes_written_under_a_newer_lease_are_caught() {
+    // The fencing fix taken out: a frozen relay's late failure clears the lease another claim
+    // (here its own, after the takeover) holds, and the event is published under a lease that
+    // is no longer the row's.
+    caught(Plant::UnfencedOutcomes, "lease");
 }
