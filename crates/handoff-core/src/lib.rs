@@ -66,7 +66,7 @@ pub mod subject;
 #[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
 pub mod trace;
 
-pub use backoff::Backoff;
+pub use backoff::{seed_jitter_on_this_thread, Backoff};
 pub use catalog::EventCatalog;
 pub use error::{ValidationError, ValidationErrorKind};
 pub use event::{Event, EventId, NewEvent};

@@ -27,7 +27,11 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's clock, which is the system's in production and can be paused in simulation
+// (tools/sim): the relay's decisions then follow simulated time, not the host's.
+use tokio::time::Instant;
 
 use handoff_core::delivery::PublishErrorKind;
 use handoff_core::{Backoff, EventId};

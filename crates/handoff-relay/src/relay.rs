@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use handoff_core::delivery::{
@@ -13,6 +13,9 @@ use handoff_core::delivery::{
 };
 use handoff_core::EventId;
 use tokio::sync::{mpsc, watch, Notify, Semaphore};
+// tokio's clock, which is the system's in production and can be paused in simulation
+// (tools/sim): leases and pauses then follow simulated time, not the host's.
+use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
 use crate::failpoints::{self as fp, freeze_if_fired};
@@ -370,6 +373,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
             }
             let grace_end = stopping.unwrap_or_else(tokio::time::Instant::now);
             tokio::select! {
+                biased;
                 () = &mut shutdown, if stopping.is_none() => {
                     info!(in_flight = lanes.len(), "shutting down: no new claims");
                     let _ = stop_tx.send(true);
@@ -387,7 +391,7 @@ impl<S: Source, T: Transport> Relay<S, T> {
                                 lane,
                                 self.transport.clone(),
                                 claim.lease,
-                                claim.lease_deadline,
+                                claim.lease_deadline.map(Instant::from_std),
                                 self.config.lease_margin,
                                 outcome_tx.clone(),
                                 shared.clone(),
@@ -559,6 +563,7 @@ async fn settled(shared: &Shared, stop: &mut watch::Receiver<bool>) {
     while unsettled(shared) > 0 {
         shared.hurry.notify_one();
         tokio::select! {
+                biased;
             _ = stop.changed() => return,
             () = shared.progress.notified() => {}
         }
@@ -583,15 +588,20 @@ fn lanes_of(mut events: Vec<OutboxEvent>, order: OrderMode) -> Vec<Vec<OutboxEve
         events.sort_by_key(|e| e.global_sequence);
         return vec![events];
     }
-    let mut lanes: HashMap<(String, String), Vec<OutboxEvent>> = HashMap::new();
+    // Lanes in the order their aggregates first appear in the claim (not a hash map's order,
+    // which differs from run to run): a seeded simulation (tools/sim) replays exactly.
+    let mut index: HashMap<(String, String), usize> = HashMap::new();
+    let mut lanes: Vec<Vec<OutboxEvent>> = Vec::new();
     for event in events {
-        lanes
-            .entry((event.aggregate_type.clone(), event.aggregate_id.clone()))
-            .or_default()
-            .push(event);
+        let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
+        let at = *index.entry(key).or_insert_with(|| {
+            lanes.push(Vec::new());
+            lanes.len() - 1
+        });
+        lanes[at].push(event);
     }
     lanes
-        .into_values()
+        .into_iter()
         .map(|mut lane| {
             lane.sort_by_key(|e| e.aggregate_sequence);
             lane
@@ -806,6 +816,7 @@ impl<S: Source, T: Transport> Claimer<S, T> {
                 // claim now could only come back empty. Wait for the bookkeeper instead.
                 self.shared.hurry.notify_one();
                 tokio::select! {
+                biased;
                     _ = self.stop.changed() => break,
                     () = self.shared.progress.notified() => continue,
                 }
@@ -862,8 +873,9 @@ impl<S: Source, T: Transport> Claimer<S, T> {
             announce_pause(&pause);
         }
         tokio::select! {
+                biased;
             _ = self.stop.changed() => return Flow::Stop,
-            () = tokio::time::sleep_until(pause.until.into()) => {}
+            () = tokio::time::sleep_until(pause.until) => {}
         }
         if matches!(
             pause.reason,
@@ -877,6 +889,7 @@ impl<S: Source, T: Transport> Claimer<S, T> {
                 .outage_backoff
                 .delay(pause.rounds.saturating_add(self.unready));
             tokio::select! {
+                biased;
                 _ = self.stop.changed() => return Flow::Stop,
                 ready = self.transport.wait_until_ready(wait) => if !ready {
                     self.unready = self.unready.saturating_add(1);
@@ -914,6 +927,7 @@ impl<S: Source, T: Transport> Claimer<S, T> {
                 "in-flight byte bound reached: waiting for room"
             );
             tokio::select! {
+                biased;
                 _ = self.stop.changed() => return Flow::Stop,
                 freed = async {
                     bytes_held.wait_for(|held| room(*held) >= bytes_wanted).await.map(|_| ())
@@ -936,6 +950,7 @@ impl<S: Source, T: Transport> Claimer<S, T> {
             );
         }
         let permits = tokio::select! {
+                biased;
             _ = self.stop.changed() => return Flow::Stop,
             permits = self.capacity.clone().acquire_many_owned(batch as u32) => match permits {
                 Ok(permits) => permits,
@@ -974,6 +989,7 @@ impl<S: Source, T: Transport> Claimer<S, T> {
                 let delay = self.config.outage_backoff.delay(self.source_failures);
                 warn!(error = %error, retry_in = ?delay, "claim failed");
                 tokio::select! {
+                biased;
                     _ = self.stop.changed() => Flow::Stop,
                     () = tokio::time::sleep(delay) => Flow::Again,
                 }
@@ -1029,7 +1045,7 @@ impl<S: Source, T: Transport> Claimer<S, T> {
     /// Warns (once) when a fresh claim's lease is already within the lease margin.
     fn warn_if_lease_short(&mut self, claim: &Claim) {
         if let Some(deadline) = claim.lease_deadline {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = Instant::from_std(deadline).saturating_duration_since(Instant::now());
             if left <= self.config.lease_margin {
                 // Every lane would give its events back unpublished, claim after claim.
                 self.lease_warned = true;
@@ -1079,12 +1095,14 @@ impl<S: Source, T: Transport> Claimer<S, T> {
         let unblocks =
             round.waiting_on_in_flight && (round.claimed > 0 || unsettled(&self.shared) > 0);
         tokio::select! {
+                biased;
             _ = self.stop.changed() => return Flow::Stop,
             () = self.shared.progress.notified(), if unblocks => {}
             woke = self.source.wait_for_work(self.config.poll_interval) => {
                 if let Err(error) = woke {
                     warn!(error = %error, "wake-up channel failed: polling");
                     tokio::select! {
+                biased;
                         _ = self.stop.changed() => return Flow::Stop,
                         () = tokio::time::sleep(self.config.poll_interval) => {}
                     }
@@ -1166,6 +1184,7 @@ async fn bookkeep<S: Source>(
         if let Some(due) = last_write.map(|at| at + config.mark_interval) {
             if due > tokio::time::Instant::now() && !*stop.borrow() {
                 tokio::select! {
+                biased;
                     () = tokio::time::sleep_until(due) => {}
                     () = shared.hurry.notified() => {}
                     _ = stop.changed() => {}
