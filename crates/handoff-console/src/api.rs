@@ -190,7 +190,9 @@ pub(crate) struct ConsumerSummary {
 }
 
 /// `GET /api/v1/consumers`: the consumers given with `--consumer`, with their open rows.
-pub(crate) async fn consumers(State(state): State<Arc<AppState>>) -> ApiResult<Vec<ConsumerSummary>> {
+pub(crate) async fn consumers(
+    State(state): State<Arc<AppState>>,
+) -> ApiResult<Vec<ConsumerSummary>> {
     async {
         let mut out = Vec::new();
         for database in &state.config.consumers {
@@ -200,7 +202,10 @@ pub(crate) async fn consumers(State(state): State<Arc<AppState>>) -> ApiResult<V
             out.push(ConsumerSummary {
                 name: database.name.clone(),
                 quarantined: rows.iter().filter(|r| r.status == "quarantined").count(),
-                retry_requested: rows.iter().filter(|r| r.status == "retry_requested").count(),
+                retry_requested: rows
+                    .iter()
+                    .filter(|r| r.status == "retry_requested")
+                    .count(),
             });
         }
         Ok(out)
@@ -328,12 +333,13 @@ pub(crate) async fn sagas(
     Query(query): Query<SagaListQuery>,
 ) -> ApiResult<Vec<SagaRecord>> {
     async {
-        let filter = match query.state.as_deref() {
-            None => None,
-            Some(text) => Some(text.parse::<SagaState>().map_err(|_| {
-                ConsoleError::BadRequest(format!("unknown saga state {text:?}"))
-            })?),
-        };
+        let filter =
+            match query.state.as_deref() {
+                None => None,
+                Some(text) => Some(text.parse::<SagaState>().map_err(|_| {
+                    ConsoleError::BadRequest(format!("unknown saga state {text:?}"))
+                })?),
+            };
         Ok(SagaAdmin::new(&state.config.schema)
             .list(&state.pool, filter, query.limit.unwrap_or(100))
             .await?)

@@ -89,7 +89,8 @@ impl ConsoleConfig {
             );
         }
         for (i, consumer) in self.consumers.iter().enumerate() {
-            if let Err(e) = handoff_postgres::ConsumerQuarantine::new(&consumer.schema, &consumer.name)
+            if let Err(e) =
+                handoff_postgres::ConsumerQuarantine::new(&consumer.schema, &consumer.name)
             {
                 return Err(format!("--consumer: {e}"));
             }

@@ -43,10 +43,7 @@ pub(crate) fn lines<'a>(old: &'a str, new: &'a str) -> Vec<Line<'a>> {
         .zip(new[head..].iter().rev())
         .take_while(|(a, b)| a == b)
         .count();
-    let (old_mid, new_mid) = (
-        &old[head..old.len() - tail],
-        &new[head..new.len() - tail],
-    );
+    let (old_mid, new_mid) = (&old[head..old.len() - tail], &new[head..new.len() - tail]);
     let mut out: Vec<Line<'a>> = old[..head].iter().map(|l| Line::Same(l)).collect();
     out.extend(middle(old_mid, new_mid));
     out.extend(old[old.len() - tail..].iter().map(|l| Line::Same(l)));

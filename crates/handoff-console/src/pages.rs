@@ -154,8 +154,7 @@ fn check_csrf(
     identity: &Identity,
     token: Option<&str>,
 ) -> Result<(), ConsoleError> {
-    if identity.credential == Credential::Bearer || state.csrf.verify(identity, token)
-    {
+    if identity.credential == Credential::Bearer || state.csrf.verify(identity, token) {
         Ok(())
     } else {
         tracing::warn!(actor = %identity.actor, "console: form post without its anti-forgery token");

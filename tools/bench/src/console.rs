@@ -534,10 +534,7 @@ fn command_latency(
         ms.push(began.elapsed().as_secs_f64() * 1000.0);
         // status exits 2 while an alert holds (it does: events are held); anything else failed.
         if !matches!(output.status.code(), Some(0 | 2)) {
-            bail!(
-                "{name} failed: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
+            bail!("{name} failed: {}", String::from_utf8_lossy(&output.stderr));
         }
     }
     Ok(latency(name, ms, goal_ms))
@@ -689,7 +686,10 @@ mod tests {
     #[test]
     fn nearest_rank_percentiles() {
         let figures = latency("x", (1..=100).map(f64::from).collect(), 99.0);
-        assert_eq!((figures.p50_ms, figures.p99_ms, figures.max_ms), (50.0, 99.0, 100.0));
+        assert_eq!(
+            (figures.p50_ms, figures.p99_ms, figures.max_ms),
+            (50.0, 99.0, 100.0)
+        );
         assert!(figures.met);
         let one = latency("y", vec![5.0], 1.0);
         assert_eq!((one.p50_ms, one.p99_ms), (5.0, 5.0));
@@ -699,8 +699,11 @@ mod tests {
     #[test]
     fn the_scratch_url_names_the_scratch_database() {
         assert_eq!(
-            scratch_url("postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable", "b_1")
-                .unwrap(),
+            scratch_url(
+                "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable",
+                "b_1"
+            )
+            .unwrap(),
             "postgres://postgres@127.0.0.1:5432/b_1?sslmode=disable"
         );
     }

@@ -619,13 +619,12 @@ async fn session(http: &reqwest::Client, console: &ConsoleProcess) -> String {
 /// The payload, state and repair audit rows of event `id`: what a refused repair must leave
 /// as it was.
 async fn repair_state(db: &TestDb, id: Uuid) -> (Value, bool, i64) {
-    let (payload, held): (Value, bool) = sqlx::query_as(
-        "SELECT payload, available_at = 'infinity' FROM outbox WHERE event_id = $1",
-    )
-    .bind(id)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let (payload, held): (Value, bool) =
+        sqlx::query_as("SELECT payload, available_at = 'infinity' FROM outbox WHERE event_id = $1")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     let repairs: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM outbox_quarantine_actions WHERE event_id = $1 AND action = 'repair'",
     )
@@ -816,7 +815,10 @@ async fn the_console_acts_on_consumer_quarantines_and_stuck_sagas_audited_under_
         page.contains("Consumer inventory") && page.contains(&format!("data-row=\"{first_row}\"")),
         "{page}"
     );
-    assert!(!page.contains(&consumer_db.url()), "the consumer's URL is shown");
+    assert!(
+        !page.contains(&consumer_db.url()),
+        "the consumer's URL is shown"
+    );
     let row_page = get(&format!("/consumers/inventory/rows/{first_row}"))
         .await
         .text()
@@ -889,13 +891,20 @@ async fn the_console_acts_on_consumer_quarantines_and_stuck_sagas_audited_under_
     ));
     assert_eq!(api_sagas, cli_sagas);
     assert_eq!(api_sagas.as_array().unwrap().len(), 2);
-    let page = get(&format!("/sagas/{resolved}")).await.text().await.unwrap();
+    let page = get(&format!("/sagas/{resolved}"))
+        .await
+        .text()
+        .await
+        .unwrap();
     assert!(page.contains("id=\"saga-resolve\""), "{page}");
     let no_reason = post(&format!("/api/v1/sagas/{resolved}/resolve"), json!({})).await;
     assert_eq!(no_reason.status(), StatusCode::BAD_REQUEST);
     let resume = post(&format!("/api/v1/sagas/{resumed}/resume"), json!({})).await;
     assert_eq!(resume.status(), StatusCode::OK);
-    assert_eq!(resume.json::<Value>().await.unwrap()["state"], "compensating");
+    assert_eq!(
+        resume.json::<Value>().await.unwrap()["state"],
+        "compensating"
+    );
     let resolve = http
         .post(format!("{}/sagas/{resolved}/resolve", console.url))
         .bearer_auth(TOKEN)
@@ -1017,6 +1026,19 @@ async fn a_read_only_console_hides_and_refuses_repair_consumer_and_saga_actions(
     assert_eq!(actions, 0);
 }
 
+/// Text of the element `css` once the page that has it is loaded: a click on a form's button
+/// may return before the browser has navigated to the answer.
+async fn shown(browser: &Browser, css: &str) -> String {
+    let element = browser
+        .client
+        .wait()
+        .at_most(Duration::from_secs(15))
+        .for_element(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("{css} never appeared: {e}"));
+    element.text().await.unwrap()
+}
+
 #[tokio::test]
 async fn an_operator_repairs_a_held_payload_in_the_browser_and_the_broker_gets_the_new_one() {
     let (db, _) = migrated("console_repair_browser").await;
@@ -1085,7 +1107,7 @@ async fn an_operator_repairs_a_held_payload_in_the_browser_and_the_broker_gets_t
     go(&format!("/events/{id}")).await;
     edit("{\"n\": 2,").await;
     click("repair-review").await;
-    let error = text(&browser, "#error").await.unwrap();
+    let error = shown(&browser, "#error").await;
     assert!(error.contains("not valid JSON"), "{error}");
     assert_eq!(repair_state(&db, id).await, before);
 
@@ -1098,7 +1120,7 @@ async fn an_operator_repairs_a_held_payload_in_the_browser_and_the_broker_gets_t
     go(&format!("/events/{id}")).await;
     edit(&serde_json::to_string_pretty(&new).unwrap()).await;
     click("repair-review").await;
-    let diff = text(&browser, "#repair-diff").await.unwrap();
+    let diff = shown(&browser, "#repair-diff").await;
     assert!(diff.contains("-   \"n\": 1"), "{diff}");
     assert!(diff.contains("+   \"n\": 2"), "{diff}");
     assert!(
@@ -1117,7 +1139,7 @@ async fn an_operator_repairs_a_held_payload_in_the_browser_and_the_broker_gets_t
     assert_eq!(repair_state(&db, id).await, before, "the review wrote");
     browser.screenshot("console-repair-review").await;
     click("repair-save").await;
-    assert!(text(&browser, "#flash").await.unwrap().contains("repaired"));
+    assert!(shown(&browser, "#flash").await.contains("repaired"));
     let pwned = browser
         .client
         .execute("return typeof window.__pwned;", vec![])

@@ -206,8 +206,10 @@ pub(crate) async fn consumer_row_retry(
         actions::consumer_retry(&state, &identity, &name, which).await
     };
     match result.await {
-        Ok(_) => Redirect::to(&format!("/consumers/{name}/rows/{row}?done=retry+requested"))
-            .into_response(),
+        Ok(_) => Redirect::to(&format!(
+            "/consumers/{name}/rows/{row}?done=retry+requested"
+        ))
+        .into_response(),
         Err(error) => error_page(&state, &identity, &error),
     }
 }
@@ -233,8 +235,9 @@ pub(crate) async fn consumer_row_skip(
         .await
     };
     match result.await {
-        Ok(_) => Redirect::to(&format!("/consumers/{name}/rows/{row}?done=skipped"))
-            .into_response(),
+        Ok(_) => {
+            Redirect::to(&format!("/consumers/{name}/rows/{row}?done=skipped")).into_response()
+        }
         Err(error) => error_page(&state, &identity, &error),
     }
 }

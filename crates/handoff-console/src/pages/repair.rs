@@ -164,9 +164,5 @@ fn review(
         }
         (form(id, &csrf, text))
     };
-    (
-        StatusCode::OK,
-        page(state, identity, "Repair", false, body),
-    )
-        .into_response()
+    (StatusCode::OK, page(state, identity, "Repair", false, body)).into_response()
 }
