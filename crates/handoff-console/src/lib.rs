@@ -78,16 +78,29 @@ pub(crate) struct AppState {
 }
 
 impl AppState {
-    /// The latest status reading, or a new one when it is stale (see [`readings`]).
+    /// The latest status reading, or a new one when it is stale (see [`readings`]), with the
+    /// relays read now: they are cheap to read, and a relay that stopped must show as stopped
+    /// within its heartbeat bound, not a reading later.
     pub(crate) async fn status(&self) -> Result<readings::Reading, ConsoleError> {
-        self.readings
+        let mut reading = self
+            .readings
             .get(
                 &self.pool,
                 &self.config.schema,
                 self.config.status,
                 self.config.sample_interval,
             )
-            .await
+            .await?;
+        let mut conn = self.pool.acquire().await?;
+        let relays = handoff_postgres::Status::new(&self.config.schema)
+            .relays(&mut conn)
+            .await?;
+        reading.document = std::sync::Arc::new(
+            (*reading.document)
+                .clone()
+                .with_relays(relays, self.config.status),
+        );
+        Ok(reading)
     }
 }
 

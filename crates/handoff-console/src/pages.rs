@@ -199,7 +199,7 @@ pub(crate) async fn overview(
     let body = html! {
         h1 { "Overview" }
         p class="as-of" id="as-of" { "Figures as of " (reading.at.to_rfc3339()) " (" (since(reading.at))
-            "; read in " (format!("{:.1}", reading.took.as_secs_f64())) " s). The held events below are current." }
+            "; read in " (format!("{:.1}", reading.took.as_secs_f64())) " s). Relays and held events are current." }
         @if status.healthy { p class="ok" id="healthy" { "Healthy: no alert condition holds." } }
         @for alert in &status.alerts {
             p class="error alert" data-alert=(alert.name) { strong { (alert.name) } ": " (alert.message) }

@@ -8,7 +8,8 @@
 //! next one is due: the sampler takes a reading every sample interval, or, when a reading takes
 //! long, only after ten times its duration, so the console keeps its share of the database
 //! under a tenth of one connection's time whatever the outbox's size. Pages say how old the
-//! figures are.
+//! figures are. The relays alone are read on every request (`AppState::status`): a small table,
+//! and whether a relay is alive must not wait for the next reading.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
