@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use handoff_console::{Console, ConsoleConfig, StatusOptions, Tokens};
+use handoff_console::{Console, ConsoleConfig, ConsumerDatabase, StatusOptions, Tokens};
 use serde::Deserialize;
 
 use crate::args::{duration, DatabaseArgs};
@@ -50,9 +50,28 @@ pub struct ConsoleArgs {
     /// An aggregate whose first pending event is older than this is listed as stuck.
     #[arg(long, value_parser = duration, default_value = "1m")]
     stuck_after: Duration,
+    /// A consumer whose quarantine the console shows and acts on: its name and the URL of the
+    /// database its inbox lives in, `NAME=URL` (repeat for several; tables in --schema). The
+    /// URL is never shown.
+    #[arg(long = "consumer", value_name = "NAME=URL", value_parser = consumer_target)]
+    consumers: Vec<(String, String)>,
+    /// The payload limit of the application's outbox, in bytes, that a repaired payload is
+    /// checked against [default: NATS's 1 MiB less header room], as `quarantine repair`.
+    #[arg(long)]
+    max_payload_bytes: Option<usize>,
     /// Alert when the oldest pending event is older than this.
     #[arg(long, value_parser = duration, default_value = "5m")]
     max_pending_age: Duration,
+}
+
+/// `NAME=URL`, split at the first `=` (a URL's query may hold more).
+fn consumer_target(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((name, url)) if !name.is_empty() && !url.is_empty() => {
+            Ok((name.to_owned(), url.to_owned()))
+        }
+        _ => Err("expected NAME=URL: the consumer's name and its database's URL".to_owned()),
+    }
 }
 
 /// The config file: only its `[console]` table is read here.
@@ -107,6 +126,30 @@ pub async fn run(args: ConsoleArgs) -> Result<()> {
     config.read_only = args.read_only || file.read_only;
     config.secure_cookies = args.secure_cookies;
     config.sample_interval = args.sample_interval;
+    if let Some(max) = args.max_payload_bytes {
+        config.limits = handoff_core::Limits {
+            max_payload_bytes: max,
+            ..handoff_core::Limits::default()
+        };
+    }
+    for (name, url) in &args.consumers {
+        let options = handoff_postgres::connect_options(url)
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "--consumer {name}: invalid database url: {}",
+                    crate::args::redact(&e.to_string())
+                )
+            })?
+            .application_name("handoff-console");
+        config.consumers.push(ConsumerDatabase {
+            name: name.clone(),
+            schema: config.schema.clone(),
+            pool: sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect_lazy_with(options),
+        });
+    }
     config.status = StatusOptions {
         stuck_after: args.stuck_after,
         max_pending_age: args.max_pending_age,

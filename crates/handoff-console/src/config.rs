@@ -3,7 +3,9 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
+use handoff_core::Limits;
 use handoff_postgres::Schema;
+use sqlx::PgPool;
 
 use crate::auth::Tokens;
 use crate::StatusOptions;
@@ -36,6 +38,22 @@ pub struct ConsoleConfig {
     /// Payloads longer than this many bytes (pretty-printed) are cut on the page, with a
     /// download link for the whole.
     pub max_payload_shown: usize,
+    /// The limits a repaired payload is checked against: those of the application's outbox,
+    /// as every enqueue checks them.
+    pub limits: Limits,
+    /// Consumers whose quarantines the console shows and acts on, each in its own database.
+    pub consumers: Vec<ConsumerDatabase>,
+}
+
+/// One consumer's database, where its inbox and quarantine live (`--consumer NAME=URL`).
+#[derive(Debug, Clone)]
+pub struct ConsumerDatabase {
+    /// The consumer's name, as its `ConsumerConfig::name`.
+    pub name: String,
+    /// Schema of the consumer's tables in that database.
+    pub schema: Schema,
+    /// Connections to it. Its URL is never shown: it may hold a password.
+    pub pool: PgPool,
 }
 
 impl ConsoleConfig {
@@ -69,6 +87,16 @@ impl ConsoleConfig {
                         only from the proxy's addresses"
                     .to_owned(),
             );
+        }
+        for (i, consumer) in self.consumers.iter().enumerate() {
+            if let Err(e) =
+                handoff_postgres::ConsumerQuarantine::new(&consumer.schema, &consumer.name)
+            {
+                return Err(format!("--consumer: {e}"));
+            }
+            if self.consumers[..i].iter().any(|c| c.name == consumer.name) {
+                return Err(format!("--consumer {} is given twice", consumer.name));
+            }
         }
         if self.sample_interval.is_zero() {
             return Err("the sample interval must be above zero".to_owned());

@@ -2,7 +2,10 @@
 //! [`ConsoleErrorKind`] that decides the HTTP status.
 
 use axum::http::StatusCode;
-use handoff_postgres::{QuarantineError, QuarantineErrorKind};
+use handoff_postgres::{
+    ConsumerQuarantineError, ConsumerQuarantineErrorKind, QuarantineError, QuarantineErrorKind,
+};
+use handoff_saga::SagaError;
 
 /// Why a console request did nothing, or the console could not start.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +26,17 @@ pub enum ConsoleError {
     /// The quarantine refused the action (unknown event, not held, bad reason).
     #[error(transparent)]
     Quarantine(QuarantineError),
+    /// A consumer's quarantine refused the action (unknown row, not open, ahead of its
+    /// aggregate, bad reason).
+    #[error(transparent)]
+    ConsumerQuarantine(ConsumerQuarantineError),
+    /// No `--consumer` of this name was given to the console.
+    #[error("no consumer {0:?} is configured on this console (give it with --consumer NAME=URL)")]
+    UnknownConsumer(String),
+    /// The payload under review changed since the review was shown: saving would overwrite a
+    /// change nobody reviewed.
+    #[error("the event changed since its repair was reviewed; review the change again")]
+    Stale,
     /// A token file line is not `name:token`.
     #[error("token file line {line}: expected `name:token` with a non-empty name and token")]
     TokenFile {
@@ -32,9 +46,9 @@ pub enum ConsoleError {
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
-    /// A saga read failed.
-    #[error("saga read failed: {0}")]
-    Saga(#[from] handoff_saga::SagaError),
+    /// A saga read or action failed (unknown saga, not stuck, no reason, the database).
+    #[error("{0}")]
+    Saga(#[from] SagaError),
 }
 
 /// The kind of a [`ConsoleError`], for callers that match.
@@ -55,7 +69,7 @@ pub enum ConsoleErrorKind {
     Conflict,
     /// [`ConsoleError::TokenFile`].
     TokenFile,
-    /// [`ConsoleError::Database`] or [`ConsoleError::Saga`].
+    /// [`ConsoleError::Database`], or a saga or consumer quarantine database failure.
     Database,
 }
 
@@ -68,7 +82,26 @@ impl ConsoleError {
             ConsoleError::Csrf => ConsoleErrorKind::Csrf,
             ConsoleError::BadRequest(_) => ConsoleErrorKind::BadRequest,
             ConsoleError::TokenFile { .. } => ConsoleErrorKind::TokenFile,
-            ConsoleError::Database(_) | ConsoleError::Saga(_) => ConsoleErrorKind::Database,
+            ConsoleError::Database(_) => ConsoleErrorKind::Database,
+            ConsoleError::UnknownConsumer(_) => ConsoleErrorKind::NotFound,
+            ConsoleError::Stale => ConsoleErrorKind::Conflict,
+            ConsoleError::Saga(error) => match error {
+                SagaError::NotFound(_) => ConsoleErrorKind::NotFound,
+                SagaError::NotStuck { .. } => ConsoleErrorKind::Conflict,
+                SagaError::NoReason => ConsoleErrorKind::BadRequest,
+                _ => ConsoleErrorKind::Database,
+            },
+            ConsoleError::ConsumerQuarantine(error) => {
+                use ConsumerQuarantineErrorKind as K;
+                match error.kind() {
+                    K::UnknownRow => ConsoleErrorKind::NotFound,
+                    K::NotQuarantined | K::NotRetryable | K::AheadOfAggregate => {
+                        ConsoleErrorKind::Conflict
+                    }
+                    K::Database => ConsoleErrorKind::Database,
+                    _ => ConsoleErrorKind::BadRequest,
+                }
+            }
             ConsoleError::Quarantine(error) => match error.kind() {
                 QuarantineErrorKind::UnknownEvent => ConsoleErrorKind::NotFound,
                 QuarantineErrorKind::NotQuarantined
@@ -121,6 +154,12 @@ impl ConsoleError {
 impl From<sqlx::Error> for ConsoleError {
     fn from(error: sqlx::Error) -> Self {
         ConsoleError::Database(error)
+    }
+}
+
+impl From<ConsumerQuarantineError> for ConsoleError {
+    fn from(error: ConsumerQuarantineError) -> Self {
+        ConsoleError::ConsumerQuarantine(error)
     }
 }
 

@@ -39,10 +39,12 @@ mod auth;
 mod chart;
 mod config;
 mod csrf;
+mod diff;
 mod error;
 mod event_json;
 pub mod format;
 mod pages;
+mod readings;
 mod sampler;
 mod status;
 
@@ -59,7 +61,7 @@ use axum::Router;
 use sqlx::PgPool;
 
 pub use auth::Tokens;
-pub use config::ConsoleConfig;
+pub use config::{ConsoleConfig, ConsumerDatabase};
 pub use error::{ConsoleError, ConsoleErrorKind};
 pub use event_json::event_json;
 pub use sampler::{History, Sample};
@@ -72,6 +74,34 @@ pub(crate) struct AppState {
     pub sessions: auth::Sessions,
     pub csrf: csrf::CsrfKey,
     pub history: History,
+    pub readings: Arc<readings::Readings>,
+}
+
+impl AppState {
+    /// The latest status reading, or a new one when it is stale (see [`readings`]), with the
+    /// relays read now: they are cheap to read, and a relay that stopped must show as stopped
+    /// within its heartbeat bound, not a reading later.
+    pub(crate) async fn status(&self) -> Result<readings::Reading, ConsoleError> {
+        let mut reading = self
+            .readings
+            .get(
+                &self.pool,
+                &self.config.schema,
+                self.config.status,
+                self.config.sample_interval,
+            )
+            .await?;
+        let mut conn = self.pool.acquire().await?;
+        let relays = handoff_postgres::Status::new(&self.config.schema)
+            .relays(&mut conn)
+            .await?;
+        reading.document = std::sync::Arc::new(
+            (*reading.document)
+                .clone()
+                .with_relays(relays, self.config.status),
+        );
+        Ok(reading)
+    }
 }
 
 /// A console over one outbox: its router, and the sampler behind its charts.
@@ -94,6 +124,7 @@ impl Console {
                 sessions: auth::Sessions::default(),
                 csrf: csrf::CsrfKey::random(),
                 history: History::default(),
+                readings: Arc::default(),
             }),
         })
     }
@@ -114,6 +145,21 @@ impl Console {
             .route("/events/{id}/payload", get(pages::payload_download))
             .route("/events/{id}/retry", post(pages::retry))
             .route("/events/{id}/skip", post(pages::skip))
+            .route("/events/{id}/repair", post(pages::repair))
+            .route("/consumers", get(pages::consumers))
+            .route("/consumers/{name}/rows/{row}", get(pages::consumer_row))
+            .route(
+                "/consumers/{name}/rows/{row}/retry",
+                post(pages::consumer_row_retry),
+            )
+            .route(
+                "/consumers/{name}/rows/{row}/skip",
+                post(pages::consumer_row_skip),
+            )
+            .route("/sagas", get(pages::sagas))
+            .route("/sagas/{id}", get(pages::saga))
+            .route("/sagas/{id}/resume", post(pages::saga_resume))
+            .route("/sagas/{id}/resolve", post(pages::saga_resolve))
             .route("/logout", post(pages::logout))
             .route("/api/v1/status", get(api::status))
             .route("/api/v1/quarantine", get(api::quarantine_list))
@@ -122,6 +168,27 @@ impl Console {
             .route("/api/v1/events/{id}/retry", post(api::retry))
             .route("/api/v1/events/{id}/skip", post(api::skip))
             .route("/api/v1/events/{id}/repair", post(api::repair))
+            .route("/api/v1/consumers", get(api::consumers))
+            .route(
+                "/api/v1/consumers/{name}/quarantine",
+                get(api::consumer_list),
+            )
+            .route(
+                "/api/v1/consumers/{name}/quarantine/{row}",
+                get(api::consumer_show),
+            )
+            .route(
+                "/api/v1/consumers/{name}/quarantine/{row}/retry",
+                post(api::consumer_retry),
+            )
+            .route(
+                "/api/v1/consumers/{name}/quarantine/{row}/skip",
+                post(api::consumer_skip),
+            )
+            .route("/api/v1/sagas", get(api::sagas))
+            .route("/api/v1/sagas/{id}", get(api::saga))
+            .route("/api/v1/sagas/{id}/resume", post(api::saga_resume))
+            .route("/api/v1/sagas/{id}/resolve", post(api::saga_resolve))
             .route("/api/v1/openapi.json", get(api::openapi))
             .route_layer(middleware::from_fn_with_state(
                 self.state.clone(),
@@ -155,6 +222,8 @@ impl Console {
         let sampler = tokio::spawn(sampler::run(
             state.pool.clone(),
             state.config.schema.clone(),
+            state.config.status,
+            state.readings.clone(),
             state.history.clone(),
             state.config.sample_interval,
             state.config.history,
@@ -222,4 +291,50 @@ async fn security_headers(request: Request, next: Next) -> Response {
     );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    /// `(path, method)` of every `/api/v1/` route the router above declares, read from this
+    /// file's source: the document cannot drift from the routes without this test failing.
+    fn routed() -> BTreeSet<(String, String)> {
+        let source = include_str!("lib.rs");
+        let source = &source[..source.find("#[cfg(test)]").unwrap_or(source.len())];
+        let mut routes = BTreeSet::new();
+        for (at, _) in source.match_indices("\"/api/v1/") {
+            let path = &source[at + 1..];
+            let path = &path[..path.find('"').expect("a closed literal")];
+            let rest = &source[at..];
+            let method = ["get(", "post("]
+                .iter()
+                .filter_map(|m| rest.find(m).map(|i| (i, m.trim_end_matches('('))))
+                .min()
+                .expect("a method after the path")
+                .1;
+            routes.insert((path.to_owned(), method.to_owned()));
+        }
+        routes
+    }
+
+    #[test]
+    fn the_openapi_document_names_every_api_route_and_no_other() {
+        let document: serde_json::Value =
+            serde_json::from_str(include_str!("openapi.json")).unwrap();
+        let documented: BTreeSet<(String, String)> = document["paths"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .flat_map(|(path, item)| {
+                item.as_object()
+                    .unwrap()
+                    .keys()
+                    .map(move |method| (path.clone(), method.clone()))
+            })
+            .collect();
+        let routed = routed();
+        assert!(routed.len() >= 17, "{routed:?}");
+        assert_eq!(routed, documented);
+    }
 }

@@ -18,6 +18,14 @@ use crate::auth::{self, Credential, Identity, SESSION_COOKIE};
 use crate::format::{age, since};
 use crate::{actions, chart, AppState, ConsoleError, StatusDocument};
 
+mod consumers;
+mod repair;
+mod sagas;
+
+pub(crate) use consumers::{consumer_row, consumer_row_retry, consumer_row_skip, consumers};
+pub(crate) use repair::repair;
+pub(crate) use sagas::{saga, saga_resolve, saga_resume, sagas, DEFAULT_RESUME_REASON};
+
 /// Most held events on the overview; the held page lists up to [`HELD_LIMIT`].
 const OVERVIEW_HELD: i64 = 20;
 /// Most held events on the held page.
@@ -40,6 +48,8 @@ fn layout(title: &str, identity: Option<(&Identity, &str)>, refresh: bool, body:
                     @if identity.is_some() {
                         a href="/" { "Overview" }
                         a href="/held" { "Held events" }
+                        a href="/consumers" { "Consumers" }
+                        a href="/sagas" { "Sagas" }
                         a href="/api/v1/openapi.json" { "API" }
                     }
                     @if let Some((identity, csrf)) = identity {
@@ -142,11 +152,9 @@ pub(crate) struct ActionForm {
 fn check_csrf(
     state: &AppState,
     identity: &Identity,
-    form: &ActionForm,
+    token: Option<&str>,
 ) -> Result<(), ConsoleError> {
-    if identity.credential == Credential::Bearer
-        || state.csrf.verify(identity, form.csrf.as_deref())
-    {
+    if identity.credential == Credential::Bearer || state.csrf.verify(identity, token) {
         Ok(())
     } else {
         tracing::warn!(actor = %identity.actor, "console: form post without its anti-forgery token");
@@ -159,7 +167,7 @@ pub(crate) async fn logout(
     Extension(identity): Extension<Identity>,
     Form(form): Form<ActionForm>,
 ) -> Response {
-    if let Err(error) = check_csrf(&state, &identity, &form) {
+    if let Err(error) = check_csrf(&state, &identity, form.csrf.as_deref()) {
         return error_page(&state, &identity, &error);
     }
     if let Credential::Session(id) = &identity.credential {
@@ -174,22 +182,24 @@ pub(crate) async fn overview(
     Extension(identity): Extension<Identity>,
 ) -> Response {
     let read = async {
+        let reading = state.status().await?;
         let mut conn = state.pool.acquire().await?;
-        let status =
-            StatusDocument::read(&mut conn, &state.config.schema, state.config.status).await?;
         let held = Quarantine::new(&state.config.schema)
             .list(&mut conn, OVERVIEW_HELD)
             .await?;
-        Ok::<_, ConsoleError>((status, held))
+        Ok::<_, ConsoleError>((reading, held))
     };
-    let (status, held) = match read.await {
+    let (reading, held) = match read.await {
         Ok(read) => read,
         Err(error) => return error_page(&state, &identity, &error),
     };
+    let status: &StatusDocument = &reading.document;
     let report = &status.report;
     let samples = state.history.samples();
     let body = html! {
         h1 { "Overview" }
+        p class="as-of" id="as-of" { "Figures as of " (reading.at.to_rfc3339()) " (" (since(reading.at))
+            "; read in " (format!("{:.1}", reading.took.as_secs_f64())) " s). Relays and held events are current." }
         @if status.healthy { p class="ok" id="healthy" { "Healthy: no alert condition holds." } }
         @for alert in &status.alerts {
             p class="error alert" data-alert=(alert.name) { strong { (alert.name) } ": " (alert.message) }
@@ -383,6 +393,9 @@ pub(crate) async fn event(
                     button type="submit" id="skip" { "Skip" }
                 }
             }
+            @if let Some(payload) = &detail.payload {
+                (repair::form(id, &csrf, &pretty(payload, usize::MAX).0))
+            }
         }
         @if let Some(headers) = &detail.headers {
             h2 { "Headers" }
@@ -453,7 +466,7 @@ pub(crate) async fn retry(
     Form(form): Form<ActionForm>,
 ) -> Response {
     let result = async {
-        check_csrf(&state, &identity, &form)?;
+        check_csrf(&state, &identity, form.csrf.as_deref())?;
         actions::retry(&state, &identity, id).await
     };
     match result.await {
@@ -469,7 +482,7 @@ pub(crate) async fn skip(
     Form(form): Form<ActionForm>,
 ) -> Response {
     let result = async {
-        check_csrf(&state, &identity, &form)?;
+        check_csrf(&state, &identity, form.csrf.as_deref())?;
         actions::skip(&state, &identity, id, form.reason.as_deref().unwrap_or("")).await
     };
     match result.await {

@@ -6,9 +6,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use handoff_postgres::{Schema, Status};
+use handoff_postgres::Schema;
 use serde::Serialize;
 use sqlx::PgPool;
+
+use crate::readings::{next_after, Readings};
+use crate::StatusOptions;
 
 /// One reading of the backlog.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -49,37 +52,37 @@ impl History {
     }
 }
 
-/// Samples every `every` into `history`, keeping `keep`, until the task is aborted. A failed
-/// reading is logged and skipped: a gap in the chart, not a dead console.
+/// Takes a status reading into `readings` and a sample of it into `history` every `every`
+/// (or, when a reading is slow, [`PACE`](crate::readings::PACE) times its duration after it),
+/// keeping `keep`, until the task is aborted. A failed reading is logged and skipped: a gap in
+/// the chart, not a dead console.
 pub(crate) async fn run(
     pool: PgPool,
     schema: Schema,
+    options: StatusOptions,
+    readings: Arc<Readings>,
     history: History,
     every: Duration,
     keep: Duration,
 ) {
-    let status = Status::new(&schema);
-    let mut ticks = tokio::time::interval(every);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        ticks.tick().await;
-        let reading = async {
-            let mut conn = pool.acquire().await?;
-            // No stuck list: only the counts are drawn.
-            status.read(&mut conn, Duration::from_secs(60), 0).await
-        }
-        .await;
-        match reading {
-            Ok(report) => history.push(
-                Sample {
-                    at: Utc::now(),
-                    pending: report.pending,
-                    oldest_pending_age_seconds: report.oldest_pending_age_seconds,
-                    quarantined: report.quarantined,
-                },
-                keep,
-            ),
+        let began = std::time::Instant::now();
+        match readings.refresh(&pool, &schema, options, every).await {
+            Ok(reading) => {
+                let report = &reading.document.report;
+                history.push(
+                    Sample {
+                        at: reading.at,
+                        pending: report.pending,
+                        oldest_pending_age_seconds: report.oldest_pending_age_seconds,
+                        quarantined: report.quarantined,
+                    },
+                    keep,
+                );
+            }
             Err(error) => tracing::warn!(%error, "console: backlog sample failed"),
         }
+        let took = began.elapsed();
+        tokio::time::sleep(next_after(took, every).saturating_sub(took)).await;
     }
 }

@@ -118,6 +118,25 @@ impl StatusDocument {
     }
 }
 
+impl StatusDocument {
+    /// This document with `relays` read since, and its alerts judged again with them.
+    pub(crate) fn with_relays(
+        mut self,
+        relays: Vec<handoff_postgres::RelaySeen>,
+        options: StatusOptions,
+    ) -> Self {
+        self.report.relays = relays;
+        self.alerts = alerts(
+            &self.report,
+            &self.sagas,
+            &self.consumer_quarantine,
+            options,
+        );
+        self.healthy = self.alerts.is_empty();
+        self
+    }
+}
+
 /// The conditions `deploy/prometheus/alerts.yml` also watches, judged from one reading.
 fn alerts(
     report: &StatusReport,

@@ -73,7 +73,8 @@ pub struct CleanupConfig {
     pub lock_timeout: Duration,
     /// How many times in a row a batch may hit `lock_timeout` before the run fails.
     pub lock_attempts: u32,
-    /// Count what would be removed; change nothing (not even the run log).
+    /// Count what would be removed; change nothing (not even the run log). The count is one
+    /// read of each table in one transaction, not the batched walk: it takes no row lock.
     pub dry_run: bool,
     /// [`Pooling::Transaction`] when the connection goes through a transaction pooler: every
     /// statement is then unnamed, and those outside a batch run in a transaction of their own.
@@ -536,6 +537,9 @@ impl Cleanup {
         progress: &mut impl FnMut(&CleanupProgress),
         report: &mut CleanupReport,
     ) -> Result<(), CleanupError> {
+        if self.config.dry_run {
+            return self.count(conn, progress, report).await;
+        }
         let mut cursor: Option<Uuid> = None;
         loop {
             if *stop.borrow() {
@@ -587,6 +591,57 @@ impl Cleanup {
             }
             self.pause(stop).await;
         }
+    }
+
+    /// A dry run: what the walk would read and delete, counted in one pass over each table (see
+    /// `queries/cleanup/outbox_count.sql`), in one read-only transaction.
+    async fn count(
+        &self,
+        conn: &mut PgConnection,
+        progress: &mut impl FnMut(&CleanupProgress),
+        report: &mut CleanupReport,
+    ) -> Result<(), CleanupError> {
+        let what = "counting the rows a cleanup would delete";
+        let began = Instant::now();
+        let mut tx = self
+            .begin_batch(conn)
+            .await
+            .map_err(CleanupError::database(what))?;
+        let (scanned, deleted): (i64, i64) = sqlx::query_as(&self.outbox_sql)
+            .persistent(self.named_statements())
+            .bind(report.outbox_cutoff)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(CleanupError::database(what))?;
+        report.outbox_scanned = scanned.max(0) as u64;
+        report.outbox_deleted = deleted.max(0) as u64;
+        report.batches += 1;
+        progress(&CleanupProgress {
+            phase: CleanupPhase::Outbox,
+            scanned: report.outbox_scanned,
+            deleted: report.outbox_deleted,
+            batches: report.batches,
+        });
+        if let Some(cutoff) = report.dedup_cutoff {
+            let (scanned, deleted): (i64, i64) = sqlx::query_as(&self.dedup_sql)
+                .persistent(self.named_statements())
+                .bind(cutoff)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(CleanupError::database(what))?;
+            report.dedup_scanned = scanned.max(0) as u64;
+            report.dedup_deleted = deleted.max(0) as u64;
+            report.batches += 1;
+            progress(&CleanupProgress {
+                phase: CleanupPhase::Dedup,
+                scanned: report.dedup_scanned,
+                deleted: report.dedup_deleted,
+                batches: report.batches,
+            });
+        }
+        tx.commit().await.map_err(CleanupError::database(what))?;
+        report.longest_batch = began.elapsed();
+        Ok(())
     }
 
     fn batch_limit(&self) -> i64 {

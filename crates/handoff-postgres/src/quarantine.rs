@@ -437,9 +437,30 @@ impl Quarantine {
         payload: &str,
         actor: &str,
     ) -> Result<ActionRecord, QuarantineError> {
+        self.check_repair(conn, event_id, payload).await?;
+        self.act(conn, event_id, actor, Action::Repair(payload))
+            .await
+    }
+
+    /// What [`repair`](Self::repair) checks before it writes, and nothing else: that event
+    /// `event_id` is held and that `payload` passes the checks of any enqueue. Returns the
+    /// event as it stands, for a caller that shows the change before making it (the console's
+    /// diff). Writes nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`QuarantineError::UnknownEvent`], [`QuarantineError::NotQuarantined`],
+    /// [`QuarantineError::InvalidPayload`], or the database failed.
+    pub async fn check_repair(
+        &self,
+        conn: &mut PgConnection,
+        event_id: EventId,
+        payload: &str,
+    ) -> Result<EventDetail, QuarantineError> {
         let detail = self.show(conn, event_id).await?;
         let Some(event) = detail
             .event
+            .as_ref()
             .filter(|_| detail.state == EventState::Quarantined)
         else {
             return Err(QuarantineError::NotQuarantined {
@@ -463,8 +484,7 @@ impl Quarantine {
         )
         .validate(&catalog, &self.limits)
         .map_err(QuarantineError::InvalidPayload)?;
-        self.act(conn, event_id, actor, Action::Repair(payload))
-            .await
+        Ok(detail)
     }
 
     /// Releases a held event as a skip marker: the relay publishes, in its place, a message

@@ -362,6 +362,28 @@ impl Status {
     }
 }
 
+impl Status {
+    /// Only the relays of [`read`](Self::read)'s report: a small table, so cheap whatever the
+    /// outbox's size. The console reads them on every page while the backlog's figures come
+    /// from a reading it shares, so a relay that stops shows as stopped at once.
+    ///
+    /// # Errors
+    ///
+    /// The database failed.
+    pub async fn relays(&self, conn: &mut PgConnection) -> Result<Vec<RelaySeen>, sqlx::Error> {
+        let mut tx = conn.begin().await?;
+        let relays = sqlx::query(&self.relays_sql)
+            .persistent(false)
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(read_relay)
+            .collect::<Result<_, _>>()?;
+        tx.commit().await?;
+        Ok(relays)
+    }
+}
+
 fn read_cursor(row: &PgRow) -> Result<CursorSeen, sqlx::Error> {
     Ok(CursorSeen {
         cursor: row.try_get("cursor_name")?,

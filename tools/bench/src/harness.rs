@@ -106,6 +106,11 @@ impl ScratchDatabase {
         })
     }
 
+    /// The scratch database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Runs `bench` in a scratch database on the server `database_url` names (statements not
     /// logged), then drops the database whatever `bench` returned, so a failed run leaves
     /// nothing behind.

@@ -25,6 +25,9 @@
 //! - `handoff-bench saga` ([`saga`]) measures sagas/s of two-step orchestrated sagas end to end
 //!   (3 relays, 3 consumers, the deadline sweep) against a plain 4-hop event ping-pong over the
 //!   same topology.
+//! - `handoff-bench console` ([`console`]) measures the operator console's pages and API, `handoff
+//!   status` and `handoff cleanup --dry-run` on a 10-million-row outbox built in place, and a
+//!   relay's drain with a watched console beside it against without.
 //! - `handoff-bench blocked-backlog`, `held-xmin`, `writers` and `drain-bound` ([`hot_path`])
 //!   measure the relay's hot path under a held aggregate's long tail, a held xmin horizon,
 //!   writers beside it, and against its drain bounds and the peer (oxide-outbox), each against a
@@ -35,6 +38,7 @@ use clap::{Parser, Subcommand};
 mod amqp;
 mod cdc;
 mod cleanup;
+mod console;
 mod consumer;
 mod global_order;
 mod harness;
@@ -90,6 +94,9 @@ enum Command {
     DrainBound(hot_path::bound::BoundArgs),
     /// A relay's resident-set growth draining near-1 MB events with its byte bound vs none.
     RelayMemory(relay_memory::RelayMemoryArgs),
+    /// Console pages and API p99, status and cleanup --dry-run on a 10 M-row outbox; relay
+    /// drain with a watched console vs without.
+    Console(console::ConsoleArgs),
 }
 
 #[tokio::main]
@@ -118,6 +125,7 @@ async fn main() -> std::process::ExitCode {
         Command::Writers(args) => hot_path::writers::writers(args).await,
         Command::DrainBound(args) => hot_path::bound::drain_bound(args).await,
         Command::RelayMemory(args) => relay_memory::relay_memory(args).await,
+        Command::Console(args) => console::console(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -14,7 +14,9 @@ use async_nats::jetstream::{self, stream};
 use fantoccini::Locator;
 use handoff_core::NewEvent;
 use handoff_test::browser::Browser;
-use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
+use handoff_test::nats::{
+    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
+};
 use handoff_test::{eventually, factory, TestDb};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -587,5 +589,587 @@ async fn an_operator_sees_relays_and_held_events_and_retries_from_the_browser() 
         },
     )
     .await;
+    browser.close().await;
+}
+
+/// The page's anti-forgery token, read from a page's first form.
+fn csrf_of(page: &str) -> String {
+    page.split("name=\"csrf\" value=\"")
+        .nth(1)
+        .expect("a form with an anti-forgery token")
+        .split('"')
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
+/// A session cookie for `TOKEN`, from the sign-in form.
+async fn session(http: &reqwest::Client, console: &ConsoleProcess) -> String {
+    let login = http
+        .post(format!("{}/login", console.url))
+        .form(&[("token", TOKEN)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(login.status(), StatusCode::SEE_OTHER);
+    let cookie = login.headers()["set-cookie"].to_str().unwrap().to_owned();
+    cookie.split(';').next().unwrap().to_owned()
+}
+
+/// The payload, state and repair audit rows of event `id`: what a refused repair must leave
+/// as it was.
+async fn repair_state(db: &TestDb, id: Uuid) -> (Value, bool, i64) {
+    let (payload, held): (Value, bool) =
+        sqlx::query_as("SELECT payload, available_at = 'infinity' FROM outbox WHERE event_id = $1")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let repairs: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_quarantine_actions WHERE event_id = $1 AND action = 'repair'",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    (payload, held, repairs)
+}
+
+#[tokio::test]
+async fn a_repair_from_the_page_is_checked_as_an_enqueue_reviewed_then_saved_once() {
+    let (db, _) = migrated("console_repair_checks").await;
+    let id = held_event(&db, "repair-checks").await;
+    let console = ConsoleProcess::start(&db, &["--max-payload-bytes", "256"]);
+    let http = client();
+    let cookie = session(&http, &console).await;
+    let event_page = http
+        .get(format!("{}/events/{id}", console.url))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(event_page.contains("id=\"repair-payload\""), "{event_page}");
+    let csrf = csrf_of(&event_page);
+    let before = repair_state(&db, id).await;
+    assert!(before.1, "the event is held");
+    let post = async |form: &[(&str, &str)]| {
+        http.post(format!("{}/events/{id}/repair", console.url))
+            .header("cookie", &cookie)
+            .form(form)
+            .send()
+            .await
+            .unwrap()
+    };
+
+    // Refused payloads, with the library's reason on the page and nothing written, whether
+    // reviewed or posted straight to the save step.
+    let big = json!({ "blob": "x".repeat(300) }).to_string();
+    for (payload, why) in [
+        ("{\"total\": 12,", "not valid JSON"),
+        (big.as_str(), "the limit is 256"),
+        ("{\"note\": \"a\\u0000b\"}", "\\u0000"),
+    ] {
+        for confirm in [None, Some("1")] {
+            let mut form = vec![("csrf", csrf.as_str()), ("payload", payload)];
+            if let Some(confirm) = confirm {
+                form.push(("confirm", confirm));
+            }
+            let answer = post(&form).await;
+            assert_eq!(answer.status(), StatusCode::BAD_REQUEST, "{payload}");
+            let page = answer.text().await.unwrap();
+            assert!(page.contains(why), "{why} not in {page}");
+            assert!(page.contains("Nothing was written"), "{page}");
+            assert_eq!(repair_state(&db, id).await, before, "{payload}");
+        }
+    }
+
+    // Without the anti-forgery token: refused, and nothing written.
+    let forged = post(&[("payload", "{\"total\": 1}"), ("confirm", "1")]).await;
+    assert_eq!(forged.status(), StatusCode::FORBIDDEN);
+    assert_eq!(repair_state(&db, id).await, before);
+
+    // The review writes nothing; its diff is text, its fingerprint binds the save to it.
+    let new = r#"{"total": 1250, "note": "<b>fixed</b>"}"#;
+    let review = post(&[("csrf", csrf.as_str()), ("payload", new)]).await;
+    assert_eq!(review.status(), StatusCode::OK);
+    let review = review.text().await.unwrap();
+    assert!(review.contains("id=\"repair-diff\""), "{review}");
+    assert!(review.contains("&lt;b&gt;fixed&lt;/b&gt;"), "{review}");
+    assert!(!review.contains("<b>fixed</b>"), "{review}");
+    assert_eq!(repair_state(&db, id).await, before);
+    let base = review
+        .split("name=\"base\" value=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap()
+        .to_owned();
+    // A save against another review's fingerprint is refused as stale.
+    let stale = post(&[
+        ("csrf", csrf.as_str()),
+        ("payload", new),
+        ("base", "not-the-reviewed-one"),
+        ("confirm", "1"),
+    ])
+    .await;
+    assert_eq!(stale.status(), StatusCode::CONFLICT);
+    assert_eq!(repair_state(&db, id).await, before);
+    let saved = post(&[
+        ("csrf", csrf.as_str()),
+        ("payload", new),
+        ("base", base.as_str()),
+        ("confirm", "1"),
+    ])
+    .await;
+    assert_eq!(saved.status(), StatusCode::SEE_OTHER);
+    let (payload, held, repairs) = repair_state(&db, id).await;
+    assert_eq!(payload, json!({"total": 1250, "note": "<b>fixed</b>"}));
+    assert!(!held, "the repaired event is released");
+    assert_eq!(repairs, 1);
+    // The same save again: the event is no longer held, nothing more is written.
+    let again = post(&[
+        ("csrf", csrf.as_str()),
+        ("payload", new),
+        ("base", base.as_str()),
+        ("confirm", "1"),
+    ])
+    .await;
+    assert_eq!(again.status(), StatusCode::CONFLICT);
+    assert_eq!(repair_state(&db, id).await.2, 1);
+}
+
+#[tokio::test]
+async fn the_console_acts_on_consumer_quarantines_and_stuck_sagas_audited_under_the_token() {
+    let (db, _) = migrated("console_ops").await;
+    let (consumer_db, _) = migrated("console_ops_consumer").await;
+    let first = crate::consumer_quarantine::received("c-1", 1);
+    let second = crate::consumer_quarantine::received("c-2", 1);
+    let kind = handoff_postgres::QuarantineKind::HandlerPermanent;
+    let first_row =
+        crate::consumer_quarantine::quarantine(&consumer_db, "inventory", &first, kind).await;
+    let second_row =
+        crate::consumer_quarantine::quarantine(&consumer_db, "inventory", &second, kind).await;
+    let orchestrator = crate::saga::orchestrator();
+    let resumed = crate::saga::stuck_saga(&db, &orchestrator).await;
+    let resolved = crate::saga::stuck_saga(&db, &orchestrator).await;
+    let consumer_arg = format!("inventory={}", consumer_db.url());
+    let console = ConsoleProcess::start(&db, &["--consumer", &consumer_arg]);
+    let http = client();
+    let get = async |path: &str| {
+        http.get(format!("{}{path}", console.url))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+    };
+    let post = async |path: &str, body: Value| {
+        http.post(format!("{}{path}", console.url))
+            .bearer_auth(TOKEN)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    };
+
+    // Strangers are refused here too.
+    for path in ["/consumers", "/sagas", "/api/v1/consumers", "/api/v1/sagas"] {
+        let answer = http
+            .get(format!("{}{path}", console.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::UNAUTHORIZED, "{path}");
+    }
+
+    // Consumers: the list is the CLI's, the URL is never shown.
+    let summary: Value = get("/api/v1/consumers").await.json().await.unwrap();
+    assert_eq!(
+        summary,
+        json!([{"name": "inventory", "quarantined": 2, "retry_requested": 0}])
+    );
+    let api_rows: Value = get("/api/v1/consumers/inventory/quarantine")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let cli_rows = stdout_json(&handoff(
+        &consumer_db,
+        &[
+            "consumer",
+            "quarantine",
+            "list",
+            "--consumer-name",
+            "inventory",
+            "--json",
+        ],
+    ));
+    assert_eq!(api_rows, cli_rows);
+    let unknown = get("/api/v1/consumers/payments/quarantine").await;
+    assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
+    let page = get("/consumers").await.text().await.unwrap();
+    assert!(
+        page.contains("Consumer inventory") && page.contains(&format!("data-row=\"{first_row}\"")),
+        "{page}"
+    );
+    assert!(
+        !page.contains(&consumer_db.url()),
+        "the consumer's URL is shown"
+    );
+    let row_page = get(&format!("/consumers/inventory/rows/{first_row}"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(row_page.contains("id=\"consumer-retry\""), "{row_page}");
+
+    // Retry, and skip (a reason required), audited under the token's name.
+    let retry = post(
+        &format!("/api/v1/consumers/inventory/quarantine/{first_row}/retry"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(retry.status(), StatusCode::OK);
+    let again = post(
+        &format!("/api/v1/consumers/inventory/quarantine/{first_row}/retry"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(again.status(), StatusCode::CONFLICT, "already requested");
+    let no_reason = post(
+        &format!("/api/v1/consumers/inventory/quarantine/{second_row}/skip"),
+        json!({"reason": ""}),
+    )
+    .await;
+    assert_eq!(no_reason.status(), StatusCode::BAD_REQUEST);
+    // Skipped through the page's form, by event id.
+    let skip = http
+        .post(format!(
+            "{}/consumers/inventory/rows/{}/skip",
+            console.url, second.event_id
+        ))
+        .bearer_auth(TOKEN)
+        .form(&[("reason", "stock was corrected by hand")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(skip.status(), StatusCode::SEE_OTHER);
+    let audit: Vec<(i64, String, String, Option<String>)> = sqlx::query_as(
+        "SELECT quarantine_id, action, actor, reason FROM consumer_quarantine_actions \
+         ORDER BY action_id",
+    )
+    .fetch_all(&consumer_db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        audit,
+        vec![
+            (first_row, "retry".to_owned(), "alice".to_owned(), None),
+            (
+                second_row,
+                "skip".to_owned(),
+                "alice".to_owned(),
+                Some("stock was corrected by hand".to_owned())
+            ),
+        ]
+    );
+    let statuses: Vec<String> =
+        sqlx::query_scalar("SELECT status FROM consumer_quarantine ORDER BY quarantine_id")
+            .fetch_all(&consumer_db.pool)
+            .await
+            .unwrap();
+    assert_eq!(statuses, ["retry_requested", "resolved"]);
+
+    // Sagas: the stuck list is the CLI's; resume and resolve, audited.
+    let api_sagas: Value = get("/api/v1/sagas?state=stuck").await.json().await.unwrap();
+    let cli_sagas = stdout_json(&handoff(
+        &db,
+        &["saga", "list", "--state", "stuck", "--json"],
+    ));
+    assert_eq!(api_sagas, cli_sagas);
+    assert_eq!(api_sagas.as_array().unwrap().len(), 2);
+    let page = get(&format!("/sagas/{resolved}"))
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("id=\"saga-resolve\""), "{page}");
+    let no_reason = post(&format!("/api/v1/sagas/{resolved}/resolve"), json!({})).await;
+    assert_eq!(no_reason.status(), StatusCode::BAD_REQUEST);
+    let resume = post(&format!("/api/v1/sagas/{resumed}/resume"), json!({})).await;
+    assert_eq!(resume.status(), StatusCode::OK);
+    assert_eq!(
+        resume.json::<Value>().await.unwrap()["state"],
+        "compensating"
+    );
+    let resolve = http
+        .post(format!("{}/sagas/{resolved}/resolve", console.url))
+        .bearer_auth(TOKEN)
+        .form(&[("reason", "stock released by hand")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resolve.status(), StatusCode::SEE_OTHER);
+    let not_stuck = post(&format!("/api/v1/sagas/{resolved}/resume"), json!({})).await;
+    assert_eq!(not_stuck.status(), StatusCode::CONFLICT);
+    let audit: Vec<(Uuid, String, String, String)> = sqlx::query_as(
+        "SELECT saga_id, action, actor, reason FROM saga_operator_actions ORDER BY action_id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        audit,
+        vec![
+            (
+                resumed,
+                "resume".to_owned(),
+                "alice".to_owned(),
+                "resumed by an operator".to_owned()
+            ),
+            (
+                resolved,
+                "resolve".to_owned(),
+                "alice".to_owned(),
+                "stock released by hand".to_owned()
+            ),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_read_only_console_hides_and_refuses_repair_consumer_and_saga_actions() {
+    let (db, _) = migrated("console_read_only_ops").await;
+    let id = held_event(&db, "ro-ops").await;
+    let event = crate::consumer_quarantine::received("ro-c", 1);
+    let row = crate::consumer_quarantine::quarantine(
+        &db,
+        "inventory",
+        &event,
+        handoff_postgres::QuarantineKind::HandlerPermanent,
+    )
+    .await;
+    let saga = crate::saga::stuck_saga(&db, &crate::saga::orchestrator()).await;
+    let consumer_arg = format!("inventory={}", db.url());
+    let console = ConsoleProcess::start(&db, &["--read-only", "--consumer", &consumer_arg]);
+    let http = client();
+    for (path, hidden) in [
+        (format!("/events/{id}"), "repair-payload"),
+        (format!("/consumers/inventory/rows/{row}"), "consumer-retry"),
+        (format!("/sagas/{saga}"), "saga-resume"),
+    ] {
+        let page = http
+            .get(format!("{}{path}", console.url))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(page.status(), StatusCode::OK, "{path}");
+        let page = page.text().await.unwrap();
+        assert!(!page.contains(hidden), "{path} shows {hidden}");
+    }
+    for (path, body) in [
+        (
+            format!("/api/v1/events/{id}/repair"),
+            json!({"payload": {"a": 1}}),
+        ),
+        (
+            format!("/api/v1/consumers/inventory/quarantine/{row}/retry"),
+            json!({}),
+        ),
+        (
+            format!("/api/v1/consumers/inventory/quarantine/{row}/skip"),
+            json!({"reason": "no"}),
+        ),
+        (format!("/api/v1/sagas/{saga}/resume"), json!({})),
+        (
+            format!("/api/v1/sagas/{saga}/resolve"),
+            json!({"reason": "no"}),
+        ),
+    ] {
+        let answer = http
+            .post(format!("{}{path}", console.url))
+            .bearer_auth(TOKEN)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::FORBIDDEN, "{path}");
+        assert_eq!(answer.json::<Value>().await.unwrap()["kind"], "read_only");
+    }
+    for (path, form) in [
+        (format!("/events/{id}/repair"), vec![("payload", "{}")]),
+        (format!("/consumers/inventory/rows/{row}/retry"), vec![]),
+        (format!("/sagas/{saga}/resolve"), vec![("reason", "no")]),
+    ] {
+        let answer = http
+            .post(format!("{}{path}", console.url))
+            .bearer_auth(TOKEN)
+            .form(&form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::FORBIDDEN, "{path}");
+    }
+    let (_, held, repairs) = repair_state(&db, id).await;
+    assert!(held && repairs == 0);
+    let actions: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM consumer_quarantine_actions) \
+              + (SELECT count(*) FROM saga_operator_actions)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(actions, 0);
+}
+
+/// Text of the element `css` once the page that has it is loaded: a click on a form's button
+/// may return before the browser has navigated to the answer.
+async fn shown(browser: &Browser, css: &str) -> String {
+    let element = browser
+        .client
+        .wait()
+        .at_most(Duration::from_secs(15))
+        .for_element(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("{css} never appeared: {e}"));
+    element.text().await.unwrap()
+}
+
+#[tokio::test]
+async fn an_operator_repairs_a_held_payload_in_the_browser_and_the_broker_gets_the_new_one() {
+    let (db, _) = migrated("console_repair_browser").await;
+    let client = prepare_shared_server().await;
+    let name = unique_name("console_repair");
+    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &name);
+    jetstream::new(client.clone())
+        .create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{name}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let id = held_event(&db, "repair-browser").await;
+    let before = repair_state(&db, id).await;
+    assert_eq!(before.0, json!({"n": 1}));
+    let target = Target {
+        database_url: db.url(),
+        nats_url: shared_url(),
+        stream: name.clone(),
+        prefix: name.clone(),
+    };
+    let relay = RelayProcess::start(&target, "console-repair-relay", &[], &[]);
+    let console = ConsoleProcess::start(&db, &[]);
+    let browser = Browser::start().await;
+    let go = async |path: &str| {
+        browser
+            .client
+            .goto(&format!("{}{path}", console.url))
+            .await
+            .unwrap()
+    };
+    let click = async |id: &str| {
+        browser
+            .client
+            .find(Locator::Id(id))
+            .await
+            .unwrap()
+            .click()
+            .await
+            .unwrap()
+    };
+    let edit = async |text: &str| {
+        browser
+            .client
+            .execute(
+                "document.getElementById('repair-payload').value = arguments[0];",
+                vec![json!(text)],
+            )
+            .await
+            .unwrap();
+    };
+    go("/login").await;
+    browser
+        .client
+        .find(Locator::Id("token"))
+        .await
+        .unwrap()
+        .send_keys(TOKEN)
+        .await
+        .unwrap();
+    click("sign-in").await;
+
+    // A payload that is not JSON: refused with the reason on the page, nothing written.
+    go(&format!("/events/{id}")).await;
+    edit("{\"n\": 2,").await;
+    click("repair-review").await;
+    let error = shown(&browser, "#error").await;
+    assert!(error.contains("not valid JSON"), "{error}");
+    assert_eq!(repair_state(&db, id).await, before);
+
+    // A good one: the review shows the change as text (the hostile part included), writes
+    // nothing, and the save releases the event under the signed-in name.
+    let new = json!({
+        "n": 2,
+        "note": "<img src=x onerror=\"window.__pwned = 7\">",
+    });
+    go(&format!("/events/{id}")).await;
+    edit(&serde_json::to_string_pretty(&new).unwrap()).await;
+    click("repair-review").await;
+    let diff = shown(&browser, "#repair-diff").await;
+    assert!(diff.contains("-   \"n\": 1"), "{diff}");
+    assert!(diff.contains("+   \"n\": 2"), "{diff}");
+    assert!(
+        diff.contains("+   \"note\": \"<img src=x onerror=\\\"window.__pwned = 7\\\">\""),
+        "{diff}"
+    );
+    assert_eq!(
+        browser
+            .client
+            .find_all(Locator::Css("main script, main img"))
+            .await
+            .unwrap()
+            .len(),
+        0
+    );
+    assert_eq!(repair_state(&db, id).await, before, "the review wrote");
+    browser.screenshot("console-repair-review").await;
+    click("repair-save").await;
+    assert!(shown(&browser, "#flash").await.contains("repaired"));
+    let pwned = browser
+        .client
+        .execute("return typeof window.__pwned;", vec![])
+        .await
+        .unwrap();
+    assert_eq!(pwned, json!("undefined"), "a script from the payload ran");
+
+    // The broker holds the new payload under the same event id.
+    let message = eventually(
+        "the repaired event reaches the stream",
+        Duration::from_secs(30),
+        async || {
+            let messages = read_stream(&client, &name).await;
+            let found = messages
+                .into_iter()
+                .find(|m| m.header("ce-id") == Some(id.to_string().as_str()));
+            found.ok_or_else(|| relay.log())
+        },
+    )
+    .await;
+    let published: Value = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(published, new);
+    let audit: (String, String) = sqlx::query_as(
+        "SELECT action, actor FROM outbox_quarantine_actions WHERE event_id = $1 \
+         ORDER BY action_id DESC LIMIT 1",
+    )
+    .bind(id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(audit, ("repair".to_owned(), "alice".to_owned()));
     browser.close().await;
 }

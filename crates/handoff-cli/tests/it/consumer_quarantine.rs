@@ -15,7 +15,7 @@ use serde_json::Value;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-fn received(aggregate: &str, sequence: i64) -> ReceivedEvent {
+pub(crate) fn received(aggregate: &str, sequence: i64) -> ReceivedEvent {
     ReceivedEvent {
         event_id: Uuid::now_v7(),
         aggregate_type: "order".into(),
@@ -33,7 +33,7 @@ fn received(aggregate: &str, sequence: i64) -> ReceivedEvent {
 }
 
 /// Quarantines `event` for `consumer` as the consumer loop does; returns its quarantine id.
-async fn quarantine(
+pub(crate) async fn quarantine(
     db: &TestDb,
     consumer: &str,
     event: &ReceivedEvent,

@@ -119,6 +119,30 @@ async fn log_relays_killed_again_and_again_lose_nothing_reorder_nothing_and_rewr
         },
     )
     .await;
+    // A standby relay reports the cursor's lag, read from the cursor's row: none is left.
+    let addr = free_addr();
+    let observer = RelayProcess::start(
+        &target,
+        "relay-observer",
+        &[
+            "--source",
+            "log",
+            "--lease",
+            "3500ms",
+            "--metrics-addr",
+            &addr.to_string(),
+        ],
+        &[],
+    );
+    scrape_until(
+        addr,
+        Duration::from_secs(30),
+        "no cursor lag",
+        |text| sample(text, "handoff_cursor_lag_events{cursor=\"default\"}") == Some(0.0),
+        || observer.log(),
+    )
+    .await;
+    relays.push(observer);
     for relay in &mut relays {
         assert!(
             relay.terminate().success(),

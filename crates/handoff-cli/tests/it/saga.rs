@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 /// One attempt per command, so a single failed release parks the saga.
-fn orchestrator() -> Orchestrator {
+pub(crate) fn orchestrator() -> Orchestrator {
     let once = RetryPolicy {
         attempts: 1,
         reply_timeout: Duration::from_secs(600),
@@ -71,7 +71,7 @@ async fn reply(
 }
 
 /// A saga whose charge was declined and whose stock release then failed.
-async fn stuck_saga(db: &TestDb, orchestrator: &Orchestrator) -> Uuid {
+pub(crate) async fn stuck_saga(db: &TestDb, orchestrator: &Orchestrator) -> Uuid {
     let saga_id = Uuid::now_v7();
     let mut tx = db.pool.begin().await.unwrap();
     orchestrator
