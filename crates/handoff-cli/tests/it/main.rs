@@ -35,3 +35,4 @@ mod replay;
 mod roles;
 mod saga;
 mod secrets_from_files;
+mod user_docs;
