@@ -19,6 +19,7 @@ mod destination_http;
 mod destination_kafka;
 mod destination_redis;
 mod failure_policy;
+mod flag_names;
 mod global_order;
 mod health;
 mod nats_cluster;
