@@ -112,7 +112,11 @@ pub(super) fn start<H: Handler, S: Settle>(
     shared: &Arc<Shared<H>>,
     tasks: &mut JoinSet<()>,
 ) -> Option<Batches<S>> {
-    let config = shared.config.batch?;
+    // A handler that needs a transaction per event opts out (`Handler::allows_batches`).
+    let config = shared
+        .config
+        .batch
+        .filter(|_| shared.handler.allows_batches())?;
     let (sender, receiver) = mpsc::unbounded_channel();
     let suspects = Arc::new(Mutex::new(HashSet::new()));
     tasks.spawn(collect(shared.clone(), receiver, config, suspects.clone()));
