@@ -8,6 +8,7 @@ mod ops;
 
 mod cdc;
 mod cleanup;
+mod compatibility;
 mod cli_names;
 mod configuration;
 mod console;
