@@ -8,13 +8,14 @@ mod ops;
 
 mod cdc;
 mod cleanup;
-mod compatibility;
 mod cli_names;
+mod compatibility;
 mod configuration;
 mod console;
 mod consumer_quarantine;
 mod database_url;
 mod deploy;
+mod deploy_kubernetes;
 mod destination_amqp;
 mod destination_http;
 mod destination_kafka;
