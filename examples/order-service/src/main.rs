@@ -20,7 +20,12 @@ struct Args {
     #[arg(long, env = "ORDER_SERVICE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     /// PostgreSQL URL.
-    #[arg(long, env = "HANDOFF_DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     database_url: String,
     /// Largest number of pooled database connections.
     #[arg(long, env = "ORDER_SERVICE_MAX_CONNECTIONS", default_value_t = 16)]

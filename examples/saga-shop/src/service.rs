@@ -19,12 +19,18 @@ use tokio::task::JoinSet;
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServiceArgs {
     /// The service's own database.
-    #[arg(long, env = "HANDOFF_DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub database_url: String,
     /// The NATS server.
     #[arg(
         long,
         env = "HANDOFF_NATS_URL",
+        value_name = "URL",
         default_value = "nats://127.0.0.1:4222"
     )]
     pub nats_url: String,

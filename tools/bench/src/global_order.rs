@@ -36,6 +36,7 @@ pub struct GlobalOrderArgs {
     #[arg(
         long,
         env = "HANDOFF_NATS_URL",
+        value_name = "URL",
         default_value = "nats://127.0.0.1:4222"
     )]
     nats_url: String,

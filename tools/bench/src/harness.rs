@@ -17,6 +17,7 @@ pub struct ScratchArgs {
     #[arg(
         long,
         env = "HANDOFF_DATABASE_URL",
+        value_name = "URL",
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     pub database_url: String,

@@ -40,6 +40,7 @@ pub struct KafkaArgs {
     #[arg(
         long,
         env = "HANDOFF_DATABASE_URL",
+        value_name = "URL",
         default_value = "postgres://postgres@127.0.0.1:5432/test"
     )]
     database_url: String,

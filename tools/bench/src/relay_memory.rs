@@ -32,6 +32,7 @@ pub struct RelayMemoryArgs {
     #[arg(
         long,
         env = "HANDOFF_NATS_URL",
+        value_name = "URL",
         default_value = "nats://127.0.0.1:4222"
     )]
     nats_url: String,

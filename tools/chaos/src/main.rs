@@ -130,12 +130,13 @@ struct Output {
 #[derive(Args, Debug)]
 struct CheckArgs {
     /// The order service's database (orders, idempotency records, outbox).
-    #[arg(long, env = "HANDOFF_DATABASE_URL")]
+    #[arg(long, env = "HANDOFF_DATABASE_URL", value_name = "URL")]
     database_url: String,
     /// The NATS server.
     #[arg(
         long,
         env = "HANDOFF_NATS_URL",
+        value_name = "URL",
         default_value = "nats://127.0.0.1:4222"
     )]
     nats_url: String,

@@ -32,7 +32,12 @@ struct Args {
     )]
     listen: SocketAddr,
     /// PostgreSQL URL of the provider's own database; its tables are created at start.
-    #[arg(long, env = "HANDOFF_DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     database_url: String,
     /// Largest number of pooled database connections.
     #[arg(long, env = "PAYMENT_PROVIDER_MAX_CONNECTIONS", default_value_t = 16)]

@@ -42,6 +42,7 @@ pub struct BrokerArgs {
     #[arg(
         long,
         env = "HANDOFF_NATS_URL",
+        value_name = "URL",
         default_value = "nats://127.0.0.1:4222"
     )]
     pub nats_url: String,

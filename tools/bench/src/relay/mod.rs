@@ -67,6 +67,7 @@ pub struct RelayArgs {
     #[arg(
         long,
         env = "HANDOFF_NATS_URL",
+        value_name = "URL",
         default_value = "nats://127.0.0.1:4222"
     )]
     nats_url: String,
