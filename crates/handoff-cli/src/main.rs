@@ -104,7 +104,8 @@ struct MigrateArgs {
     /// Only check that the database is current: exit 0 current, 2 pending, 1 error.
     ///
     /// Status 2 when migrations are pending (the schema needs `handoff migrate`), 1 on any
-    /// error (no connection, a changed migration, a schema newer than this binary).
+    /// error (no connection, a changed migration). A schema a newer release migrated further is
+    /// current for this binary: status 0, with a warning naming the versions it does not know.
     #[arg(long)]
     check: bool,
 }

@@ -181,7 +181,7 @@ fn alerts(
             name: "consumer_quarantine_not_empty",
             message: format!(
                 "consumer {} holds {} quarantined deliver(ies) ({} waiting for a retry); see \
-                 `handoff consumer quarantine list --consumer {}`",
+                 `handoff consumer quarantine list --consumer-name {}`",
                 consumer.consumer_name,
                 consumer.quarantined + consumer.retry_requested,
                 consumer.retry_requested,

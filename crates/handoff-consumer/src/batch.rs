@@ -29,7 +29,7 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use super::{log_join, settle_ack, Item, LaneKey, Lanes, Shared};
-use crate::failpoints::{self as fp, freeze_if_fired_for};
+use crate::failpoints::{self as fp, freeze_if_fired, freeze_if_fired_for};
 use crate::{BatchConfig, Handler, HandlerError};
 
 /// Most event ids remembered as having failed a batch; past it the memory starts over.
@@ -112,7 +112,11 @@ pub(super) fn start<H: Handler, S: Settle>(
     shared: &Arc<Shared<H>>,
     tasks: &mut JoinSet<()>,
 ) -> Option<Batches<S>> {
-    let config = shared.config.batch?;
+    // A handler that needs a transaction per event opts out (`Handler::allows_batches`).
+    let config = shared
+        .config
+        .batch
+        .filter(|_| shared.handler.allows_batches())?;
     let (sender, receiver) = mpsc::unbounded_channel();
     let suspects = Arc::new(Mutex::new(HashSet::new()));
     tasks.spawn(collect(shared.clone(), receiver, config, suspects.clone()));
@@ -287,6 +291,9 @@ impl<H: Handler> Shared<H> {
                 return alone(items, replies);
             }
         };
+        if verdicts.contains(&Verdict::Applied) {
+            freeze_if_fired(fp::AFTER_COMMIT).await;
+        }
         let settled = verdicts.iter().filter(|v| **v != Verdict::Alone).count();
         // Every acknowledgement after the one commit (design C4), sent together.
         futures::future::join_all(
@@ -351,14 +358,18 @@ impl<H: Handler> Shared<H> {
                     // the per-event path.
                     if item.event.skip_reason().is_none() {
                         running.store(index, Ordering::SeqCst);
-                        self.handler
-                            .handle(&mut tx, &item.event)
-                            .await
-                            .map_err(|error| Failure::Handler {
-                                index,
-                                event_id: item.event.event_id,
-                                error,
-                            })?;
+                        // Each handler in its event's trace, as on the per-event path.
+                        let span = crate::trace::handler_span(&self.config.name, &item.event);
+                        tracing::Instrument::instrument(
+                            self.handler.handle(&mut tx, &item.event),
+                            span,
+                        )
+                        .await
+                        .map_err(|error| Failure::Handler {
+                            index,
+                            event_id: item.event.event_id,
+                            error,
+                        })?;
                     }
                     Verdict::Applied
                 }
@@ -374,6 +385,9 @@ impl<H: Handler> Shared<H> {
             return Ok(verdicts);
         }
         freeze_if_fired_for(fp::BATCH_BEFORE_COMMIT, &self.config.name).await;
+        // The per-event crash windows hold for a batch too (design V1): before the commit, and
+        // between the commit and the acknowledgements (below).
+        freeze_if_fired(fp::BEFORE_COMMIT).await;
         tx.commit().await.map_err(Failure::Commit)?;
         Ok(verdicts)
     }

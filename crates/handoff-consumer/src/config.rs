@@ -61,9 +61,11 @@ impl Default for GapPolicy {
     }
 }
 
-/// Batch mode (opt-in, [`ConsumerConfig::batch`]): several deliveries admitted and applied in
-/// one transaction, to spread a transaction's fixed costs (`BEGIN`, `COMMIT` and its WAL flush,
-/// one admit statement) over many events.
+/// Batch mode (the default, [`ConsumerConfig::batch`]): several deliveries admitted and applied
+/// in one transaction, to spread a transaction's fixed costs (`BEGIN`, `COMMIT` and its WAL
+/// flush, one admit statement) over many events. A handler that needs a transaction per event
+/// opts out with [`Handler::allows_batches`](crate::Handler::allows_batches); `batch: None`
+/// turns it off for a consumer.
 ///
 /// A batch holds at most one event per aggregate (an aggregate's events still apply one at a
 /// time, in order) and closes when it holds [`max_events`](Self::max_events) or
@@ -207,9 +209,10 @@ pub struct ConsumerConfig {
     /// calls included. Default 60 s. Writing an event to the quarantine is bounded by this
     /// timeout too, but never by less than 10 s.
     pub apply_timeout: Duration,
-    /// Batch mode: several deliveries per transaction (see [`BatchConfig`]). `None` (the
-    /// default) applies every delivery in a transaction of its own. In batch mode the apply
-    /// timeout bounds a whole batch.
+    /// Batch mode: several deliveries per transaction (see [`BatchConfig`]). Default
+    /// `Some(BatchConfig::default())`, used when the handler
+    /// [allows it](crate::Handler::allows_batches); `None` applies every delivery in a
+    /// transaction of its own. In batch mode the apply timeout bounds a whole batch.
     pub batch: Option<BatchConfig>,
     /// [`Pooling::Transaction`] when the pool goes through a transaction pooler (PgBouncer
     /// `pool_mode = transaction`): the inbox's statements then go unnamed, and those outside
@@ -237,7 +240,9 @@ impl Default for ConsumerConfig {
             progress_interval: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(10),
             apply_timeout: Duration::from_secs(60),
-            batch: None,
+            // On `handoff-bench consumer` the batch inbox applied several times the messages/s
+            // of the per-event inbox (docs/benchmarks.md): the fast path is the default.
+            batch: Some(BatchConfig::default()),
             pooling: Pooling::Session,
         }
     }

@@ -6,9 +6,11 @@
 //! can SIGKILL the process in exactly that window. Without the feature every check is a
 //! constant `false`.
 
-/// After the handler ran, before the transaction (effect + dedup row + sequence) commits.
+/// After the handler ran, before the transaction (effect + dedup row + sequence) commits; in
+/// batch mode, before the batch's transaction commits.
 pub const BEFORE_COMMIT: &str = "consumer.before_commit";
-/// After the transaction committed, before the broker is acknowledged.
+/// After the transaction committed, before the broker is acknowledged; in batch mode, after
+/// the batch's commit, before its acknowledgements.
 pub const AFTER_COMMIT: &str = "consumer.after_commit";
 /// Batch mode: after every handler of a batch ran, before the batch's one transaction (effects,
 /// dedup rows, sequences of all its events) commits. `return(NAME)` fires only for the consumer

@@ -71,6 +71,25 @@ pub trait Handler: Send + Sync + 'static {
         let _ = (tx, event, gap);
         std::future::ready(Ok(GapDecision::RetryLater))
     }
+
+    /// Whether this handler's events may share one transaction with other aggregates' events
+    /// (batch mode, [`BatchConfig`](crate::BatchConfig), which the consumer uses by default).
+    /// `true` unless overridden.
+    ///
+    /// Return `false` for a handler that needs one event per transaction:
+    /// - it keeps state in the transaction that assumes one event (`SET LOCAL`, a temporary
+    ///   table, an advisory transaction lock taken per event);
+    /// - it calls outside systems ([`ExternalCalls`](crate::ExternalCalls), HTTP): the batch's
+    ///   transaction, and every row lock in it, would stay open across each call in turn;
+    /// - its events of different aggregates update the same rows in an order that makes two
+    ///   batches deadlock often (a deadlocked batch is applied again one event at a time, so it
+    ///   stays correct, but it pays twice).
+    ///
+    /// The consumer then applies every delivery in a transaction of its own, whatever
+    /// [`ConsumerConfig::batch`](crate::ConsumerConfig::batch) says.
+    fn allows_batches(&self) -> bool {
+        true
+    }
 }
 
 /// Where an event stands against its aggregate's applied history.

@@ -39,6 +39,14 @@ pub fn fallback(variable: &str) -> Option<&'static str> {
         .map(|&(_, old)| old)
 }
 
+/// The value of `variable`, or of its older name when `variable` is not set: for a binary that
+/// reads a variable itself rather than through a clap argument.
+pub fn var(variable: &str) -> Option<String> {
+    std::env::var(variable)
+        .ok()
+        .or_else(|| fallback(variable).and_then(|old| std::env::var(old).ok()))
+}
+
 /// `command` (and its subcommands) reading each argument's older variable where its
 /// `HANDOFF_` variable is not set and the older one is: the `HANDOFF_` one wins when both are.
 pub fn with_fallbacks(command: clap::Command) -> clap::Command {

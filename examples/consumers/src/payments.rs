@@ -79,11 +79,12 @@ pub struct PaymentsArgs {
     #[arg(long, env = "PAYMENT_PROVIDER_URL")]
     pub provider_url: Url,
     /// How long one call to the provider may take before it counts as ambiguous (e.g. 2s).
-    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PAYMENT_PROVIDER_TIMEOUT", default_value = "2s",
+        value_parser = humantime::parse_duration)]
     pub provider_timeout: Duration,
     /// Calls to the provider per delivery of one event; after that the broker's redelivery
     /// tries again, with the same key.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "HANDOFF_CALL_ATTEMPTS", default_value_t = 3)]
     pub call_attempts: u32,
 }
 
@@ -257,6 +258,12 @@ impl Payments {
 }
 
 impl Handler for Payments {
+    /// One event per transaction: the handler calls the payment provider, and a batch would
+    /// keep its transaction (and the row locks of the events before) open across each call.
+    fn allows_batches(&self) -> bool {
+        false
+    }
+
     async fn handle(
         &self,
         tx: &mut PgConnection,

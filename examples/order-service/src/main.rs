@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use order_service::events::OrderCreatedVersion;
 
 use sqlx::postgres::PgPoolOptions;
@@ -20,7 +20,12 @@ struct Args {
     #[arg(long, env = "ORDER_SERVICE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     /// PostgreSQL URL.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     database_url: String,
     /// Largest number of pooled database connections.
     #[arg(long, env = "ORDER_SERVICE_MAX_CONNECTIONS", default_value_t = 16)]
@@ -57,7 +62,9 @@ async fn async_main() -> std::process::ExitCode {
     // Test builds only: reads FAILPOINTS (see order_service::failpoints).
     #[cfg(feature = "failpoints")]
     let _scenario = fail::FailScenario::setup();
-    let args = Args::parse();
+    // HANDOFF_DATABASE_URL, or DATABASE_URL when it is not set.
+    let matches = handoff_telemetry::env::with_fallbacks(Args::command()).get_matches();
+    let args = Args::from_arg_matches(&matches).unwrap_or_else(|error| error.exit());
     // Kept until the service ends: dropping it sends the spans still buffered.
     let _telemetry = match handoff_telemetry::Telemetry::builder("order-service")
         .default_filter("info,sqlx=warn")
@@ -83,19 +90,20 @@ async fn run(args: Args) -> Result<()> {
     let version = OrderCreatedVersion::from_number(args.order_created_version)
         .with_context(|| format!("cannot write OrderCreated v{}", args.order_created_version))?;
     // libpq's reading of sslmode and sslrootcert (see handoff_postgres::connect_options).
-    let options = handoff::postgres::connect_options(&args.database_url)
-        .map_err(|_| anyhow::anyhow!("DATABASE_URL is not a valid PostgreSQL URL"))?;
+    let options = handoff::postgres::connect_options(&args.database_url).map_err(|_| {
+        anyhow::anyhow!("--database-url (HANDOFF_DATABASE_URL) is not a valid PostgreSQL URL")
+    })?;
     let pool = PgPoolOptions::new()
         .max_connections(args.max_connections)
         .acquire_timeout(Duration::from_secs(5))
         .connect_with(options.clone())
         .await
-        .context("while connecting to PostgreSQL (check DATABASE_URL)")?;
+        .context("while connecting to PostgreSQL (check HANDOFF_DATABASE_URL)")?;
     // Behind a transaction pooler (PgBouncer pool_mode=transaction) every statement must go
     // unnamed and inside a transaction; a direct connection keeps sqlx's cached statements.
     let pooling = handoff::Pooling::detect(&options)
         .await
-        .context("while checking whether DATABASE_URL goes through a connection pooler")?;
+        .context("while checking whether HANDOFF_DATABASE_URL goes through a connection pooler")?;
     {
         let mut conn = pool.acquire().await?;
         if args.no_migrate {

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use handoff_postgres::Schema;
 use handoff_saga::{Orchestrator, OrchestratorConfig, SagaParticipant, REPLY_AGGREGATE_TYPE};
 use reqwest::Url;
@@ -65,7 +65,10 @@ async fn async_main() -> std::process::ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    match run(Cli::parse()).await {
+    // HANDOFF_DATABASE_URL and HANDOFF_NATS_URL, or the older names when they are not set.
+    let matches = handoff_telemetry::env::with_fallbacks(Cli::command()).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit());
+    match run(cli).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");

@@ -19,10 +19,20 @@ use tokio::task::JoinSet;
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServiceArgs {
     /// The service's own database.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     pub database_url: String,
     /// The NATS server.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     pub nats_url: String,
     /// The JetStream stream every service publishes to.
     #[arg(long, env = "SHOP_STREAM", default_value = "SHOP")]
@@ -76,7 +86,7 @@ pub struct Tables {
     pub names: &'static [&'static str],
 }
 
-/// Connects to the service's database and tells whether `DATABASE_URL` goes through a
+/// Connects to the service's database and tells whether `HANDOFF_DATABASE_URL` goes through a
 /// connection pooler ([`Pooling::detect`]): behind one (PgBouncer in transaction mode) every
 /// statement must go unnamed and inside a transaction, which the returned [`Pooling`] says to
 /// everything the service builds on the pool.
@@ -91,18 +101,18 @@ pub async fn connect(args: &ServiceArgs) -> Result<(PgPool, Pooling)> {
             .install()
             .with_context(|| format!("while serving metrics on {addr}"))?;
     }
-    let options =
-        handoff_postgres::connect_options(&args.database_url).context("invalid DATABASE_URL")?;
+    let options = handoff_postgres::connect_options(&args.database_url)
+        .context("invalid HANDOFF_DATABASE_URL")?;
     let pooling = Pooling::detect(&options)
         .await
-        .context("while checking whether DATABASE_URL goes through a connection pooler")?;
+        .context("while checking whether HANDOFF_DATABASE_URL goes through a connection pooler")?;
     let pool = PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(5))
         // libpq's reading of sslmode and sslrootcert (see handoff_postgres::connect_options).
         .connect_with(options)
         .await
-        .context("while connecting to PostgreSQL (check DATABASE_URL)")?;
+        .context("while connecting to PostgreSQL (check HANDOFF_DATABASE_URL)")?;
     Ok((pool, pooling))
 }
 
@@ -139,9 +149,9 @@ pub async fn prepare(pool: &PgPool, pooling: Pooling, tables: Tables) -> Result<
     tx.commit().await?;
     if !missing.is_empty() {
         anyhow::bail!(
-            "the service's tables {} are missing, and DATABASE_URL goes through a connection \
+            "the service's tables {} are missing, and HANDOFF_DATABASE_URL goes through a connection \
              pooler (such as PgBouncer in transaction mode), where saga-shop does not create \
-             them: start this service once with DATABASE_URL pointing at PostgreSQL itself \
+             them: start this service once with HANDOFF_DATABASE_URL pointing at PostgreSQL itself \
              (it migrates and creates its tables at start)",
             missing.join(", ")
         );

@@ -51,7 +51,7 @@ pub struct AmqpArgs {
     /// RabbitMQ; the bench declares and deletes its own exchange and queue.
     #[arg(
         long,
-        env = "AMQP_URL",
+        env = "HANDOFF_AMQP_URL",
         hide_env_values = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]

@@ -66,7 +66,12 @@ const CATCH_UP_LIMIT: Duration = Duration::from_secs(60);
 #[derive(clap::Args)]
 pub struct CdcArgs {
     /// JetStream server; the bench creates and deletes its own stream, BENCH_CDC.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     nats_url: String,
     /// Events in the drain's backlog.
     #[arg(long, default_value_t = 50_000)]

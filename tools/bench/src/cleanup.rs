@@ -49,7 +49,12 @@ pub struct CleanupArgs {
     #[command(flatten)]
     scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own stream, BENCH_CLEANUP.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     nats_url: String,
     /// Published rows preloaded (30 days old) before each phase.
     #[arg(long, default_value_t = 1_000_000)]

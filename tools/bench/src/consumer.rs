@@ -77,7 +77,12 @@ pub struct ConsumerArgs {
     #[command(flatten)]
     scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own stream, BENCH_CONSUMER.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     nats_url: String,
     /// Events in the stream (a multiple of --aggregates).
     #[arg(long, default_value_t = 50_000)]
@@ -103,10 +108,14 @@ pub struct ConsumerArgs {
     /// Batch mode: most events per batch (`BatchConfig::max_events`).
     #[arg(long, default_value_t = BatchConfig::default().max_events)]
     inbox_batch_events: usize,
-    /// Batch mode: longest a batch waits for more events after its first, in ms
-    /// (`BatchConfig::max_wait`).
-    #[arg(long, default_value_t = BatchConfig::default().max_wait.as_millis() as u64)]
-    inbox_batch_wait_ms: u64,
+    /// Batch mode: longest a batch waits for more events after its first, e.g. 5ms
+    /// (`BatchConfig::max_wait`); the reference consumers' flag of the same name.
+    #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION",
+        default_value = "5ms", conflicts_with = "inbox_batch_wait_ms")]
+    inbox_batch_wait: Duration,
+    /// The same in milliseconds: the older spelling, kept working.
+    #[arg(long, hide = true)]
+    inbox_batch_wait_ms: Option<u64>,
     /// Batch mode: batches applied at once (`BatchConfig::max_in_flight`).
     #[arg(long, default_value_t = BatchConfig::default().max_in_flight)]
     inbox_batch_in_flight: usize,
@@ -121,12 +130,13 @@ pub struct ConsumerArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 enum Variant {
-    /// `Consumer::new` as shipped: admit statement, then the handler, in one transaction.
+    /// `Consumer::new` with `batch: None`: admit statement, then the handler, in one
+    /// transaction per event.
     Inbox,
     /// The same consumer with `without_inbox_for_benchmarks()`: the handler alone.
     NoInbox,
-    /// `Consumer::new` with `ConsumerConfig::batch`: one admit statement for a batch of
-    /// events, the handler per event, one commit, in one transaction.
+    /// `Consumer::new` with `ConsumerConfig::batch` (the default): one admit statement for a
+    /// batch of events, the handler per event, one commit, in one transaction.
     Batch,
 }
 
@@ -372,7 +382,9 @@ async fn run(
         batch: args.batch,
         ack_wait_seconds: 60,
         inbox_batch_events: args.inbox_batch_events,
-        inbox_batch_wait_ms: args.inbox_batch_wait_ms,
+        inbox_batch_wait_ms: args.inbox_batch_wait_ms.unwrap_or_else(|| {
+            u64::try_from(args.inbox_batch_wait.as_millis()).unwrap_or(u64::MAX)
+        }),
         inbox_batch_in_flight: args.inbox_batch_in_flight,
     };
     let bench = Bench {

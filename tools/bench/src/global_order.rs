@@ -33,7 +33,12 @@ pub struct GlobalOrderArgs {
     #[command(flatten)]
     scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own streams.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     nats_url: String,
     /// Client counts of the write path.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]

@@ -16,7 +16,8 @@ pub struct ScratchArgs {
     /// Server to benchmark on; a scratch database is created there and dropped afterwards.
     #[arg(
         long,
-        env = "DATABASE_URL",
+        env = "HANDOFF_DATABASE_URL",
+        value_name = "URL",
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     pub database_url: String,

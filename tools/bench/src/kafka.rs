@@ -10,7 +10,7 @@
 //!   published; the topic is then read back and checked (every event present, per aggregate the
 //!   first copies in sequence order within one partition).
 //!
-//! The broker is a private tansu (memory storage) started by the bench, or `--brokers`. Rounds
+//! The broker is a private tansu (memory storage) started by the bench, or `--kafka-brokers`. Rounds
 //! alternate which variant goes first, so drift on the machine hits both alike.
 
 use std::collections::{HashMap, HashSet};
@@ -39,13 +39,14 @@ pub struct KafkaArgs {
     /// PostgreSQL server; the bench creates and drops a scratch database on it.
     #[arg(
         long,
-        env = "DATABASE_URL",
+        env = "HANDOFF_DATABASE_URL",
+        value_name = "URL",
         default_value = "postgres://postgres@127.0.0.1:5432/test"
     )]
     database_url: String,
     /// Kafka bootstrap brokers; by default the bench starts a private tansu (memory storage).
-    #[arg(long)]
-    brokers: Option<String>,
+    #[arg(long, alias = "brokers", env = "HANDOFF_KAFKA_BROKERS")]
+    kafka_brokers: Option<String>,
     /// Events in the backlog.
     #[arg(long, default_value_t = 50_000)]
     events: usize,
@@ -112,7 +113,7 @@ pub async fn kafka(args: KafkaArgs) -> Result<()> {
 
 async fn run(args: &KafkaArgs, workload: Workload, scratch: &ScratchDatabase) -> Result<()> {
     // Kept alive for the whole run; dropping it kills the broker.
-    let (_tansu, brokers, broker) = match &args.brokers {
+    let (_tansu, brokers, broker) = match &args.kafka_brokers {
         Some(brokers) => (None, brokers.clone(), format!("kafka at {brokers}")),
         None => {
             let tansu = Tansu::start().context("while starting tansu")?;

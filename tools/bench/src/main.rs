@@ -33,7 +33,7 @@
 //!   writers beside it, and against its drain bounds and the peer (oxide-outbox), each against a
 //!   baseline of the same run.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod amqp;
 mod cdc;
@@ -109,7 +109,13 @@ async fn main() -> std::process::ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let result = match Cli::parse().command {
+    // HANDOFF_ variables, with the older names (DATABASE_URL, NATS_URL, ...) read when unset.
+    let matches = handoff_telemetry::env::with_fallbacks(Cli::command()).get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(error) => error.exit(),
+    };
+    let result = match cli.command {
         Command::WritePath(args) => write_path::write_path(args).await,
         Command::Relay(args) => relay::relay(args).await,
         Command::Consumer(args) => consumer::consumer(args).await,

@@ -29,7 +29,12 @@ pub struct RelayMemoryArgs {
     #[command(flatten)]
     scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own streams.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     nats_url: String,
     /// Events in the preloaded backlog.
     #[arg(long, default_value_t = 400)]

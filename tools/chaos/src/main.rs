@@ -11,7 +11,7 @@ use anyhow::Context;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use handoff_chaos::run::{Destination, RelaySource, RunConfig, RunReport};
 use handoff_chaos::{check, CheckConfig};
 use handoff_core::destination::DestinationKind;
@@ -63,7 +63,7 @@ struct RunArgs {
     relay_source: Source,
     /// Where the relays publish and the consumers read: `nats` (a private nats-server, itself
     /// killed too), `kafka` (a private tansu, not killed: its memory storage would not survive)
-    /// or `amqp` (the RabbitMQ at AMQP_URL, with an exchange and queues of the run's own; not
+    /// or `amqp` (the RabbitMQ at HANDOFF_AMQP_URL, with an exchange and queues of the run's own; not
     /// killed: a shared server).
     #[arg(long, value_enum, default_value = "nats")]
     destination: DestinationKind,
@@ -130,10 +130,15 @@ struct Output {
 #[derive(Args, Debug)]
 struct CheckArgs {
     /// The order service's database (orders, idempotency records, outbox).
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "HANDOFF_DATABASE_URL", value_name = "URL")]
     database_url: String,
     /// The NATS server.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     nats_url: String,
     /// The JetStream stream the relay publishes to.
     #[arg(long, default_value = "HANDOFF")]
@@ -161,7 +166,11 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     // clap exits 2 on a usage error, which here means "violation found": bad input exits 1.
-    let cli = match Cli::try_parse() {
+    // HANDOFF_ variables, with the older names (DATABASE_URL, NATS_URL, ...) read when unset.
+    let parsed = handoff_telemetry::env::with_fallbacks(Cli::command())
+        .try_get_matches()
+        .and_then(|matches| Cli::from_arg_matches(&matches));
+    let cli = match parsed {
         Ok(cli) => cli,
         Err(error) => {
             let code = if error.use_stderr() { 1 } else { 0 };

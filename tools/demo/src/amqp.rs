@@ -1,4 +1,4 @@
-//! `--destination amqp`: an exchange of the demo's own on the RabbitMQ server at `AMQP_URL`,
+//! `--destination amqp`: an exchange of the demo's own on the RabbitMQ server at `HANDOFF_AMQP_URL`,
 //! with its queues declared and bound before the relay starts (the relay publishes with
 //! `mandatory`, so an event no queue is bound for would be refused): an audit queue that gets
 //! every event, read back by the demo, and the two consumers' queues. All are deleted at exit.
@@ -17,7 +17,7 @@ use handoff_amqp::{AmqpIntake, IntakeConfig, QueueDeclaration};
 use crate::consumers::{INVENTORY, PAYMENTS};
 use crate::stream::Record;
 
-/// The server tried when `AMQP_URL` is not set.
+/// The server tried when `HANDOFF_AMQP_URL` is not set.
 const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// How long to wait for the server before calling it unreachable.
@@ -61,17 +61,18 @@ pub struct DemoAmqp {
 }
 
 impl DemoAmqp {
-    /// Checks that RabbitMQ answers at `AMQP_URL` (or the local default), then declares the
+    /// Checks that RabbitMQ answers at `HANDOFF_AMQP_URL` (or the local default), then declares the
     /// demo's exchange and its three queues.
     ///
     /// The names are put in `slot` before anything is declared, so that an interruption at any
     /// point still leads to their removal.
     pub async fn prepare(slot: &mut Option<DemoAmqp>) -> Result<AmqpExchange> {
-        let url = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
+        let url = handoff_telemetry::env::var("HANDOFF_AMQP_URL")
+            .unwrap_or_else(|| DEFAULT_URL.to_owned());
         let shown = handoff_amqp::redact_url(&url);
         let connection = connect(&url).await.with_context(|| {
             format!(
-                "RabbitMQ is not usable at {shown} (set AMQP_URL to a server that is, such as \
+                "RabbitMQ is not usable at {shown} (set HANDOFF_AMQP_URL to a server that is, such as \
                  amqp://guest:guest@127.0.0.1:5672/%2f)"
             )
         })?;

@@ -42,14 +42,14 @@ enum Unusable {
 }
 
 impl DemoNats {
-    /// Connects to `NATS_URL` (or the local default), or starts a private server when the
+    /// Connects to `HANDOFF_NATS_URL` (or the local default), or starts a private server when the
     /// default one does not answer with JetStream, and checks that the demo's stream does not
     /// exist yet. The relay creates the stream later.
     ///
     /// The resources are put in `slot` before anything is created in them, so that an
     /// interruption at any point still leads to their removal.
     pub async fn prepare(slot: &mut Option<DemoNats>) -> Result<Broker> {
-        let explicit = std::env::var("NATS_URL").ok();
+        let explicit = handoff_telemetry::env::var("HANDOFF_NATS_URL");
         let url = explicit
             .clone()
             .unwrap_or_else(|| DEFAULT_NATS_URL.to_owned());
@@ -77,7 +77,7 @@ impl DemoNats {
             Err(Unusable::Unreachable(reason) | Unusable::Refused(reason))
                 if explicit.is_some() =>
             {
-                bail!("the NATS server at NATS_URL ({shown}) is not usable: {reason}");
+                bail!("the NATS server at HANDOFF_NATS_URL ({shown}) is not usable: {reason}");
             }
             Err(Unusable::Unreachable(reason) | Unusable::Refused(reason)) => {
                 println!(

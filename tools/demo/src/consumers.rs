@@ -196,15 +196,15 @@ async fn consumer(
         }
         Target::Kafka(kafka) => {
             command
-                .args(["--broker", "kafka"])
-                .args(["--brokers", &kafka.brokers])
+                .args(["--destination", "kafka"])
+                .args(["--kafka-brokers", &kafka.brokers])
                 .args(["--topic", &kafka.topic]);
             kafka.topic.clone()
         }
         Target::Amqp(amqp) => {
             let queue = amqp.queue_of(name);
             command
-                .args(["--broker", "amqp"])
+                .args(["--destination", "amqp"])
                 .args(["--exchange", &amqp.exchange])
                 .args(["--queue", queue])
                 .env("AMQP_URL", &amqp.url);

@@ -10,7 +10,7 @@ use reqwest::Url;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
-/// The server tried when `DATABASE_URL` is not set.
+/// The server tried when `HANDOFF_DATABASE_URL` is not set.
 const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
 /// How long to wait for a server before calling it unreachable.
@@ -44,13 +44,13 @@ enum Unusable {
 }
 
 impl DemoDatabase {
-    /// Connects to `DATABASE_URL` (or the local default), or starts a private server, and
+    /// Connects to `HANDOFF_DATABASE_URL` (or the local default), or starts a private server, and
     /// creates the database `handoff_demo_<pid>` on it. Returns its URL and a pool.
     ///
     /// The database is put in `slot` before it is created, so that an interruption at any
     /// point still leads to its removal ([`remove`](Self::remove) drops it if it exists).
     pub async fn prepare(slot: &mut Option<DemoDatabase>) -> Result<(String, PgPool)> {
-        let explicit = std::env::var("DATABASE_URL").ok();
+        let explicit = handoff_telemetry::env::var("HANDOFF_DATABASE_URL");
         let base = explicit.clone().unwrap_or_else(|| DEFAULT_URL.to_owned());
         let shown = redacted(&base);
         let name = format!("handoff_demo_{}", std::process::id());
@@ -73,7 +73,9 @@ impl DemoDatabase {
             // An explicit URL that answers but refuses (bad password, missing database) is the
             // user's to fix. With the default URL, any failure means "no usable local server".
             Err(Unusable::Refused(error)) if explicit.is_some() => {
-                return Err(error.context(format!("while connecting to DATABASE_URL ({shown})")));
+                return Err(error.context(format!(
+                    "while connecting to HANDOFF_DATABASE_URL ({shown})"
+                )));
             }
             Err(Unusable::Refused(error)) => {
                 Self::start_private(slot, &shown, &format!("{error:#}"), name).await?

@@ -11,11 +11,11 @@ use crate::kafka::KafkaTopic;
 /// is what `--destination` takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Destination {
-    /// NATS JetStream: the server at NATS_URL, or a private one.
+    /// NATS JetStream: the server at HANDOFF_NATS_URL, or a private one.
     Nats,
     /// Kafka: a private tansu broker (a Kafka-protocol broker) on a loopback port.
     Kafka,
-    /// RabbitMQ: the server at AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f).
+    /// RabbitMQ: the server at HANDOFF_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f).
     Amqp,
 }
 

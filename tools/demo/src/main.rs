@@ -1,7 +1,7 @@
 //! `handoff-demo`: a newcomer's first look at handoff, in well under a minute.
 //!
 //! It finds (or starts) a PostgreSQL server and a broker (`--destination`: NATS JetStream by
-//! default; Kafka, on a private tansu broker; or RabbitMQ at `AMQP_URL`), creates a fresh
+//! default; Kafka, on a private tansu broker; or RabbitMQ at `HANDOFF_AMQP_URL`), creates a fresh
 //! database, starts two instances of the reference `order-service` on it, as in the middle of
 //! a rollout (an upgraded one writing `OrderCreated` schema version 2, an old one still
 //! writing version 1), and sends a few orders over HTTP (including retries that the
@@ -65,9 +65,9 @@ use crate::reconcile::{Ledger, Sources};
 #[derive(Parser, Debug)]
 #[command(name = "handoff-demo", version)]
 struct Args {
-    /// Where the relay publishes: `nats` (the JetStream server at NATS_URL, or a private one),
+    /// Where the relay publishes: `nats` (the JetStream server at HANDOFF_NATS_URL, or a private one),
     /// `kafka` (a private tansu broker; tansu on PATH or in ~/.cargo/bin) or `amqp` (the
-    /// RabbitMQ server at AMQP_URL, default amqp://guest:guest@127.0.0.1:5672/%2f).
+    /// RabbitMQ server at HANDOFF_AMQP_URL, default amqp://guest:guest@127.0.0.1:5672/%2f).
     #[arg(long, value_enum, default_value_t = DestinationKind::Nats)]
     destination: DestinationKind,
     /// Run the place-order saga instead: orders, inventory and payments as three services,

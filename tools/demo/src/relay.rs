@@ -57,7 +57,7 @@ pub async fn start(database_url: &str, target: &Target, slot: &mut Option<Child>
         Target::Kafka(kafka) => {
             command
                 .args(["--destination", "kafka"])
-                .args(["--brokers", &kafka.brokers])
+                .args(["--kafka-brokers", &kafka.brokers])
                 .args(["--topic", &kafka.topic])
                 .args(["--partitions", &PARTITIONS.to_string()]);
         }

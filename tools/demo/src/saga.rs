@@ -64,7 +64,11 @@ impl Shop {
                 (&self.payments_url, &mut resources.shop_payments)
             }
         };
-        command.env("DATABASE_URL", url);
+        // The user's own HANDOFF_ settings (which win over these) are not the demo's.
+        command
+            .env("DATABASE_URL", url)
+            .env_remove("HANDOFF_DATABASE_URL")
+            .env_remove("HANDOFF_NATS_URL");
         let ready = spawn_ready(command, role, "ready", slot).await?;
         Ok(ready.pid)
     }
@@ -372,6 +376,7 @@ async fn operator(handoff: &std::path::Path, url: &str, args: &[&str]) -> Result
     let output = Command::new(handoff)
         .args(args)
         .env("DATABASE_URL", url)
+        .env_remove("HANDOFF_DATABASE_URL")
         .env("HANDOFF_ACTOR", "demo-operator")
         .env("RUST_LOG", "error")
         .output()

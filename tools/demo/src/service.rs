@@ -25,6 +25,8 @@ pub async fn start(
             &order_created_version.to_string(),
         ])
         .env("DATABASE_URL", database_url)
+        // The user's own HANDOFF_ settings (which win over DATABASE_URL) are not the demo's.
+        .env_remove("HANDOFF_DATABASE_URL")
         .env("RUST_LOG", "warn")
         .env("NO_COLOR", "1");
     // Its warnings go to our stderr as they come; the last lines are kept for error messages.

@@ -346,6 +346,9 @@ async fn a_consumer_of_large_events_takes_no_more_than_its_byte_bound() {
     let config = ConsumerConfig {
         max_concurrency: 2,
         max_in_flight_bytes: BOUND,
+        // Two handlers at once, one event each: the per-event path (batch mode runs a batch's
+        // handlers one after the other, and is bounded by the same bytes).
+        batch: None,
         ..setup.config("bounded_bytes")
     };
     let intake = JetStreamIntake::connect(

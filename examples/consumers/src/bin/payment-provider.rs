@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use rand::TryRngCore;
 use reference_consumers::provider::{
     create_tables, ChargeStore, FaultInjector, FaultMode, FaultSettings, Provider,
@@ -32,7 +32,12 @@ struct Args {
     )]
     listen: SocketAddr,
     /// PostgreSQL URL of the provider's own database; its tables are created at start.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_DATABASE_URL",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
     database_url: String,
     /// Largest number of pooled database connections.
     #[arg(long, env = "PAYMENT_PROVIDER_MAX_CONNECTIONS", default_value_t = 16)]
@@ -58,7 +63,11 @@ fn main() -> ExitCode {
 }
 
 async fn async_main() -> ExitCode {
-    let args = match Args::try_parse() {
+    // HANDOFF_DATABASE_URL, or DATABASE_URL when it is not set.
+    let parsed = handoff_telemetry::env::with_fallbacks(Args::command())
+        .try_get_matches()
+        .and_then(|matches| Args::from_arg_matches(&matches));
+    let args = match parsed {
         Ok(args) => args,
         Err(error) if !error.use_stderr() => {
             // --help or --version: not an error.
@@ -118,8 +127,8 @@ async fn run(args: Args) -> Result<()> {
     };
     let faults = FaultInjector::new(settings, seed)?;
 
-    let options =
-        handoff_postgres::connect_options(&args.database_url).context("invalid DATABASE_URL")?;
+    let options = handoff_postgres::connect_options(&args.database_url)
+        .context("invalid HANDOFF_DATABASE_URL")?;
     // One direct connection first: an unreachable server fails the start at once with its own
     // error, where a pool would retry a refused connection until its timeout.
     let mut conn =

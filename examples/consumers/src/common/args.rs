@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use handoff_consumer::{ConsumerConfig, GapPolicy};
+use handoff_consumer::{BatchConfig, ConsumerConfig, GapPolicy};
 use handoff_nats::IntakeConfig;
 use handoff_postgres::Schema;
 
@@ -105,6 +105,21 @@ pub struct CommonArgs {
         value_parser = humantime::parse_duration, value_name = "DURATION",
         help_heading = "Consumer")]
     pub apply_timeout: Duration,
+    /// Most events applied in one transaction (the inbox's batch mode); 1 applies each event in
+    /// a transaction of its own.
+    ///
+    /// A batch holds at most one event per order, so an order's events still apply one at a
+    /// time, in sequence; anything that fails in a batch is applied again alone. A handler that
+    /// needs a transaction per event ignores it: payments does (it calls the provider).
+    #[arg(long, env = "HANDOFF_INBOX_BATCH_EVENTS", default_value_t = BatchConfig::default().max_events,
+        value_name = "N", help_heading = "Consumer")]
+    pub inbox_batch_events: usize,
+    /// Longest the first event of a batch waits for more before the batch is applied (e.g.
+    /// 5ms); 0 takes what is waiting at that moment.
+    #[arg(long, env = "HANDOFF_INBOX_BATCH_WAIT", default_value = "5ms",
+        value_parser = humantime::parse_duration, value_name = "DURATION",
+        help_heading = "Consumer")]
+    pub inbox_batch_wait: Duration,
     /// Schema of the consumer's tables (inbox and its own) [default: the connection's
     /// search_path].
     #[arg(long, env = "HANDOFF_SCHEMA", help_heading = "Database")]
@@ -155,6 +170,11 @@ impl CommonArgs {
             max_in_flight_bytes: self
                 .max_in_flight_bytes
                 .unwrap_or(ConsumerConfig::default().max_in_flight_bytes),
+            batch: (self.inbox_batch_events > 1).then_some(BatchConfig {
+                max_events: self.inbox_batch_events,
+                max_wait: self.inbox_batch_wait,
+                ..BatchConfig::default()
+            }),
             ..ConsumerConfig::default()
         })
     }
@@ -270,9 +290,26 @@ mod tests {
         let config = args.consumer_config().unwrap();
         assert!(config.validate().is_ok());
         assert_eq!(config.gap_policy, GapPolicy::default());
+        // The inbox's batch mode is the default, as the library's.
+        assert_eq!(config.batch, Some(BatchConfig::default()));
         let intake = args.intake_config();
         assert_eq!(intake.filter(), "outbox.order.*");
         assert_eq!(intake.durable_name, "c");
+    }
+
+    #[test]
+    fn the_inbox_batch_flags_reach_the_consumer() {
+        let config = parse(&["--inbox-batch-events", "32", "--inbox-batch-wait", "20ms"])
+            .unwrap()
+            .consumer_config()
+            .unwrap();
+        let batch = config.batch.unwrap();
+        assert_eq!(batch.max_events, 32);
+        assert_eq!(batch.max_wait, Duration::from_millis(20));
+        assert!(config.validate().is_ok());
+        // One event per batch is no batch: a transaction per event.
+        let single = parse(&["--inbox-batch-events", "1"]).unwrap();
+        assert_eq!(single.consumer_config().unwrap().batch, None);
     }
 
     #[test]

@@ -39,7 +39,12 @@ pub(crate) mod xmin;
 #[derive(clap::Args)]
 pub struct BrokerArgs {
     /// JetStream server; the benchmark creates and deletes its own stream, BENCH_RELAY.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     pub nats_url: String,
     /// Run the relay with its commits waiting for their WAL flush (`handoff relay
     /// --synchronous-commit`), to measure what that costs.

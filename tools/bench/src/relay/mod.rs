@@ -64,7 +64,12 @@ pub struct RelayArgs {
     #[command(flatten)]
     scratch: ScratchArgs,
     /// JetStream server; the benchmark creates and deletes its own stream, BENCH_RELAY.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     nats_url: String,
     /// Events in the preloaded backlog.
     #[arg(long, default_value_t = 100_000)]

@@ -353,7 +353,8 @@ pub(crate) async fn prepare(
                 rand::rng().random_range(0..0x100_0000)
             );
             let topology = BrokerUrls::Amqp {
-                url: std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned()),
+                url: handoff_telemetry::env::var("HANDOFF_AMQP_URL")
+                    .unwrap_or_else(|| DEFAULT_AMQP_URL.to_owned()),
                 exchange,
             };
             topology.declare_queues().await?;

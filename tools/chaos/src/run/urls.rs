@@ -121,13 +121,13 @@ impl BrokerUrls {
         match self {
             BrokerUrls::Nats(url) => (
                 strings(&["--stream", STREAM, "--subject-prefix", SUBJECT_PREFIX]),
-                vec![("NATS_URL", url.clone())],
+                vec![("HANDOFF_NATS_URL", url.clone())],
             ),
             BrokerUrls::Kafka { brokers, topic } => (
                 strings(&[
                     "--destination",
                     "kafka",
-                    "--brokers",
+                    "--kafka-brokers",
                     brokers,
                     "--topic",
                     topic,
@@ -138,7 +138,7 @@ impl BrokerUrls {
             ),
             BrokerUrls::Amqp { url, exchange } => (
                 strings(&["--destination", "amqp", "--exchange", exchange]),
-                vec![("AMQP_URL", url.clone())],
+                vec![("HANDOFF_AMQP_URL", url.clone())],
             ),
         }
     }
@@ -149,22 +149,29 @@ impl BrokerUrls {
         match self {
             BrokerUrls::Nats(url) => (
                 strings(&["--stream", STREAM, "--subject-prefix", SUBJECT_PREFIX]),
-                vec![("NATS_URL", url.clone())],
+                vec![("HANDOFF_NATS_URL", url.clone())],
             ),
             BrokerUrls::Kafka { brokers, topic } => (
-                strings(&["--broker", "kafka", "--brokers", brokers, "--topic", topic]),
+                strings(&[
+                    "--destination",
+                    "kafka",
+                    "--kafka-brokers",
+                    brokers,
+                    "--topic",
+                    topic,
+                ]),
                 Vec::new(),
             ),
             BrokerUrls::Amqp { url, exchange } => (
                 strings(&[
-                    "--broker",
+                    "--destination",
                     "amqp",
                     "--exchange",
                     exchange,
                     "--queue",
                     &queue_name(exchange, kind.name()),
                 ]),
-                vec![("AMQP_URL", url.clone())],
+                vec![("HANDOFF_AMQP_URL", url.clone())],
             ),
         }
     }
