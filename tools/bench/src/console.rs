@@ -51,7 +51,12 @@ pub struct ConsoleArgs {
     #[command(flatten)]
     report: ReportArgs,
     /// JetStream server for the relay phases.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "HANDOFF_NATS_URL",
+        value_name = "URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
     nats_url: String,
     /// The `handoff` binary measured (build it with `cargo build --release -p handoff-cli`).
     #[arg(long, default_value = "target/release/handoff")]
@@ -180,7 +185,7 @@ async fn run(args: &ConsoleArgs, scratch: &ScratchDatabase) -> Result<()> {
         .context("while migrating the scratch database")?;
     let nats = handoff_nats::async_nats::connect(&args.nats_url)
         .await
-        .context("while connecting to NATS (check --nats-url / NATS_URL)")?;
+        .context("while connecting to NATS (check --nats-url / HANDOFF_NATS_URL)")?;
     let machine = machine::Machine::read(&mut admin, nats.server_info().version).await?;
     eprintln!("{}", machine.summary());
 

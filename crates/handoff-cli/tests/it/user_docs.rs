@@ -308,8 +308,14 @@ fn user_pages_use_the_current_flag_and_variable_names() {
             let words: Vec<&str> = line
                 .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'))
                 .collect();
+            // The console's `--consumer NAME=URL` is another concept than the consumers'
+            // `--consumer-name` (flag_names.rs, OTHER_CONCEPTS).
+            let console_consumer = |old: &str| {
+                old == "--consumer"
+                    && (line.contains("NAME=URL") || line.contains("/api/v1/consumers"))
+            };
             for (name, old) in &older {
-                if words.contains(old) && !named_as_fallback(old) {
+                if words.contains(old) && !named_as_fallback(old) && !console_consumer(old) {
                     found.push(format!("{path}:{}: {old} (now {name}): {line}", number + 1));
                 }
             }
