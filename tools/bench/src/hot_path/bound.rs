@@ -91,6 +91,20 @@ struct Results {
     /// With `--candidates`: each lease candidate's median rate against the control's
     /// (`sql_row_lease`) and the peer's.
     candidates: Vec<CandidateFigure>,
+    /// The log source (`relay_log`) against the same baselines: the goals of the log source.
+    log: LogFigures,
+}
+
+/// The log source's drain, `relay_log`, as ratios to the baselines of the same run, with its
+/// goals: at least 1.0x the shared plain loop, 0.8x the JetStream async publish bound, and 2x
+/// the peer's best tuning, order kept and every event once.
+#[derive(Serialize)]
+struct LogFigures {
+    over_plain_bound: f64,
+    over_jetstream_bound: f64,
+    over_peer: Option<f64>,
+    over_relay_1: f64,
+    goals: Vec<Goal>,
 }
 
 /// A lease candidate's median drain, as ratios.
@@ -194,7 +208,48 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
         let sql = median(DrainVariant::SqlBound);
         let js = median(DrainVariant::JetStreamBound);
         let relay = median(DrainVariant::Relay1);
+        let log = median(DrainVariant::RelayLog);
         let peer = (!args.no_peer).then(|| median(DrainVariant::Peer));
+        let log_ok = log.complete
+            && log
+                .check
+                .as_ref()
+                .is_some_and(|c| c.order_ok && c.missing == 0);
+        let log_goal = |name: &str, value: f64, goal: f64| Goal {
+            goal: format!("relay_log / {name} >= {goal}"),
+            value,
+            met: value >= goal && log_ok,
+        };
+        let log_figures = LogFigures {
+            over_plain_bound: ratio(log.rows_per_second, plain.rows_per_second),
+            over_jetstream_bound: ratio(log.rows_per_second, js.rows_per_second),
+            over_peer: peer
+                .as_ref()
+                .map(|p| ratio(log.rows_per_second, p.rows_per_second)),
+            over_relay_1: ratio(log.rows_per_second, relay.rows_per_second),
+            goals: [
+                Some(log_goal(
+                    "plain_bound",
+                    ratio(log.rows_per_second, plain.rows_per_second),
+                    1.0,
+                )),
+                Some(log_goal(
+                    "jetstream_bound",
+                    ratio(log.rows_per_second, js.rows_per_second),
+                    0.8,
+                )),
+                peer.as_ref().map(|p| {
+                    log_goal(
+                        DrainVariant::Peer.name(),
+                        ratio(log.rows_per_second, p.rows_per_second),
+                        2.0,
+                    )
+                }),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
+        };
         let min = if sql.rows_per_second <= js.rows_per_second {
             &sql
         } else {
@@ -254,7 +309,8 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             peer: peer_goal.as_ref().map(|g| g.value),
             peer_goal,
             candidates: candidate_figures,
-            drain: [Some(sql), Some(js), Some(relay), peer, Some(plain)]
+            log: log_figures,
+            drain: [Some(sql), Some(js), Some(relay), peer, Some(plain), Some(log)]
                 .into_iter()
                 .flatten()
                 .chain(candidate_runs)
@@ -305,6 +361,20 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
                 met(goal.met)
             ),
             _ => println!("oxide-outbox's best tuning: not measured (--no-peer)"),
+        }
+        println!(
+            "relay_log: {:.2}x relay_1, {:.2}x plain_bound, {:.2}x jetstream_bound{}",
+            results.log.over_relay_1,
+            results.log.over_plain_bound,
+            results.log.over_jetstream_bound,
+            results
+                .log
+                .over_peer
+                .map(|p| format!(", {p:.2}x oxide_outbox_8x1000"))
+                .unwrap_or_default()
+        );
+        for goal in &results.log.goals {
+            println!("{}: {:.2}, {}", goal.goal, goal.value, met(goal.met));
         }
         for figure in &results.candidates {
             println!(
