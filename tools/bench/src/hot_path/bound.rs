@@ -310,11 +310,18 @@ pub async fn drain_bound(args: BoundArgs) -> Result<()> {
             peer_goal,
             candidates: candidate_figures,
             log: log_figures,
-            drain: [Some(sql), Some(js), Some(relay), peer, Some(plain), Some(log)]
-                .into_iter()
-                .flatten()
-                .chain(candidate_runs)
-                .collect(),
+            drain: [
+                Some(sql),
+                Some(js),
+                Some(relay),
+                peer,
+                Some(plain),
+                Some(log),
+            ]
+            .into_iter()
+            .flatten()
+            .chain(candidate_runs)
+            .collect(),
             drain_rounds: rounds,
         };
         println!();

@@ -29,10 +29,10 @@ pub enum SourceKind {
     Log,
 }
 
-/// The source of a live relay, either kind.
+/// The source of a live relay, either kind (boxed: the log source is the larger by far).
 pub enum RelaySource {
-    Polling(PollingSource),
-    Log(LogSource),
+    Polling(Box<PollingSource>),
+    Log(Box<LogSource>),
 }
 
 impl RelaySource {
@@ -105,14 +105,16 @@ impl LiveRelay {
         let pool = bench.pool().await?;
         let polling = polling_config(relay_id, scenario.listen);
         let inner = match bench.source {
-            SourceKind::Polling => RelaySource::Polling(PollingSource::new(pool, polling)?),
-            SourceKind::Log => RelaySource::Log(LogSource::new(
+            SourceKind::Polling => {
+                RelaySource::Polling(Box::new(PollingSource::new(pool, polling)?))
+            }
+            SourceKind::Log => RelaySource::Log(Box::new(LogSource::new(
                 pool,
                 LogConfig {
                     polling,
                     ..LogConfig::default()
                 },
-            )?),
+            )?)),
         };
         let source = Arc::new(ProbeSource::new(
             Arc::new(inner),
