@@ -201,7 +201,10 @@ async fn a_nul_id_and_a_panicking_handler_are_quarantined_within_the_cap(quorum:
     // Each delivery calls the handler once; the delivery whose batch the panic ended calls it
     // once more, alone (the batch inbox, on by default, isolates the culprit that way).
     let calls = recorder.calls()[&panics.event_id];
-    assert!((3..=4).contains(&calls), "{calls} handler calls for 3 deliveries");
+    assert!(
+        (3..=4).contains(&calls),
+        "{calls} handler calls for 3 deliveries"
+    );
     assert_eq!(setup.applied().await.len(), fine.len(), "the others flowed");
     // Both rejected without requeue: the queue holds nothing.
     assert_eq!(setup.broker.depth(&setup.exchange).await, 0);

@@ -243,7 +243,10 @@ async fn a_nul_aggregate_id_and_a_panicking_handler_are_quarantined_within_the_c
     // Each delivery calls the handler once; the delivery whose batch the panic ended calls it
     // once more, alone (the batch inbox, on by default, isolates the culprit that way).
     let calls = recorder.calls()[&panics.event_id];
-    assert!((3..=4).contains(&calls), "{calls} handler calls for 3 deliveries");
+    assert!(
+        (3..=4).contains(&calls),
+        "{calls} handler calls for 3 deliveries"
+    );
     let applied = setup.applied().await;
     assert_eq!(applied.len(), fine.len(), "the others flowed: {applied:?}");
 }

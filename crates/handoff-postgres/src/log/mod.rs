@@ -43,6 +43,7 @@ const RELEASE_SQL: &str = include_str!("../../queries/log/release.sql");
 const SETTLE_LANES_SQL: &str = include_str!("../../queries/log/settle_lanes.sql");
 const LANE_CLAIM_SQL: &str = include_str!("../../queries/log/lane_claim.sql");
 const LAG_SQL: &str = include_str!("../../queries/log/lag.sql");
+const LET_GO_SQL: &str = include_str!("../../queries/log/let_go.sql");
 
 /// The cursor a relay reads when it is given none.
 pub const DEFAULT_CURSOR: &str = "default";
@@ -128,6 +129,7 @@ struct Sql {
     settle_lanes: String,
     lane_claim: String,
     lag: String,
+    let_go: String,
 }
 
 /// How far behind a cursor is ([`LogSource::lag`]).
@@ -219,6 +221,7 @@ impl LogSource {
             settle_lanes: sql(SETTLE_LANES_SQL),
             lane_claim: sql(LANE_CLAIM_SQL),
             lag: sql(LAG_SQL),
+            let_go: sql(LET_GO_SQL),
         };
         let lane = PollingSource::new(pool.clone(), config.polling.clone())?;
         Ok(LogSource {
@@ -283,7 +286,27 @@ impl LogSource {
     /// # Errors
     ///
     /// The database could not be reached; the registration then expires by itself.
+    ///
+    /// Also ends this relay's lease on the cursor, so that a relay standing by (or this one's
+    /// successor in a rolling restart) takes it over at once rather than after the lease. Call
+    /// it once the relay has stopped: what it published is settled and written by then.
     pub async fn unregister(&self) -> Result<(), SourceError> {
+        let mut state = self.state.lock().await;
+        if state.held.take().is_some() {
+            let session = self.lane.session_id();
+            self.lane
+                .on_connection("while letting the cursor go", async |conn| {
+                    sqlx::query(&self.sql.let_go)
+                        .persistent(false)
+                        .bind(&self.config.cursor)
+                        .bind(session)
+                        .execute(conn)
+                        .await
+                        .map(drop)
+                })
+                .await?;
+        }
+        drop(state);
         self.lane.unregister().await
     }
 

@@ -381,6 +381,27 @@ async fn one_relay_reads_a_cursor_and_another_takes_over_where_it_stopped() {
         (5..=10).collect::<Vec<_>>(),
         "from where a settled"
     );
+    // A clean stop hands the cursor over at once: no lease to wait out.
+    b.unregister().await.unwrap();
+    enqueue(&db, &outbox, &["k"], 1).await;
+    let c = LogSource::new(
+        db.pool.clone(),
+        LogConfig {
+            polling: PollingConfig {
+                relay_id: "relay-c".into(),
+                lease: Duration::from_secs(30),
+                ..config(&db, "relay-c").polling
+            },
+            ..config(&db, "relay-c")
+        },
+    )
+    .unwrap();
+    let handed = c.claim(100, usize::MAX).await.unwrap();
+    assert_eq!(
+        by_aggregate(&handed.events)["k"],
+        vec![11],
+        "taken over at the first claim after b let go"
+    );
     // a's late writes are fenced off.
     assert!(
         a.mark_published(&acked).await.is_err()
