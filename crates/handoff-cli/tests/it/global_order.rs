@@ -6,31 +6,13 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use crate::common::{check_stream, wait_drained, RelayProcess, Target, Writers};
+use crate::common::{check_stream, shared_target, wait_drained, RelayProcess, Writers};
 use handoff_postgres::{Migrator, OrderMode, Schema};
-use handoff_test::nats::{
-    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop, StoredMessage,
-};
+use handoff_test::nats::{read_stream, StoredMessage};
 use handoff_test::{factory, TestDb};
 use sqlx::PgPool;
 
 const GLOBAL_SEQUENCE: &str = handoff_core::contract::header::GLOBAL_SEQUENCE;
-
-async fn shared_target(
-    db: &TestDb,
-    name: &str,
-) -> (Target, async_nats::Client, DeleteStreamOnDrop) {
-    let client = prepare_shared_server().await;
-    let stream = unique_name(name);
-    let cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
-    let target = Target {
-        database_url: db.url(),
-        nats_url: shared_url(),
-        stream: stream.clone(),
-        prefix: stream,
-    };
-    (target, client, cleanup)
-}
 
 async fn published(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL")

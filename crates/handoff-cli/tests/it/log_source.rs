@@ -5,13 +5,11 @@
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    check_stream, free_addr, migrated, sample, scrape_until, RelayProcess, Target,
+    check_stream, free_addr, logs, migrated, sample, scrape_until, shared_target, RelayProcess,
+    Writers,
 };
-use handoff_core::NewEvent;
-use handoff_test::nats::{
-    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
-};
-use handoff_test::{eventually, factory, TestDb, Verbatim};
+use handoff_test::nats::read_stream;
+use handoff_test::{eventually, TestDb, Verbatim};
 
 /// Events the default cursor has not settled: outbox_published (migration 0021) dates what it
 /// settled; NULL is still to go.
@@ -25,17 +23,9 @@ async fn unsettled(db: &TestDb) -> i64 {
 #[tokio::test]
 async fn log_relays_killed_again_and_again_lose_nothing_reorder_nothing_and_rewrite_no_row() {
     const AGGREGATES: usize = 30;
-    const TRANSACTIONS: usize = 600;
+    const TRANSACTIONS: u64 = 600;
     let (db, outbox) = migrated("log_kills").await;
-    let client = prepare_shared_server().await;
-    let stream = unique_name("log_kills");
-    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
-    let target = Target {
-        database_url: db.url(),
-        nats_url: shared_url(),
-        stream: stream.clone(),
-        prefix: stream.clone(),
-    };
+    let (target, client, _cleanup) = shared_target(&db, "log_kills").await;
     let start =
         |id: &str| RelayProcess::start(&target, id, &["--source", "log", "--lease", "3500ms"], &[]);
     let mut relays = vec![start("relay-a"), start("relay-b")];
@@ -51,25 +41,14 @@ async fn log_relays_killed_again_and_again_lose_nothing_reorder_nothing_and_rewr
     )
     .await;
 
-    let writers: Vec<_> = (0..4)
-        .map(|w| {
-            let (pool, outbox) = (db.pool.clone(), outbox.clone());
-            tokio::spawn(async move {
-                let mut rng = fastrand::Rng::with_seed(w);
-                for n in 0..TRANSACTIONS / 4 {
-                    let aggregate = format!("agg-{}", rng.usize(..AGGREGATES));
-                    let events: Vec<NewEvent> = (0..rng.u64(1..=3))
-                        .map(|k| factory::event(&aggregate, (n as u64) * 10 + k))
-                        .collect();
-                    let mut tx = pool.begin().await.unwrap();
-                    outbox.enqueue(&mut tx, &events).await.unwrap();
-                    tx.commit().await.unwrap();
-                    // Paced, so that writes go on through every takeover.
-                    tokio::time::sleep(Duration::from_millis(70)).await;
-                }
-            })
-        })
-        .collect();
+    // Paced, so that writes go on through every takeover; nothing rolled back.
+    let writers = Writers {
+        connections: 4,
+        transactions: TRANSACTIONS,
+        aggregates: AGGREGATES,
+        rollback_every: u64::MAX,
+    }
+    .spawn_paced(&db.pool, &outbox, Some(Duration::from_millis(70)));
 
     // The cursor's holder, whichever it is, at seeded moments after it took the cursor over.
     let mut rng = fastrand::Rng::with_seed(41);
@@ -101,21 +80,16 @@ async fn log_relays_killed_again_and_again_lose_nothing_reorder_nothing_and_rewr
         relays[victim].kill();
         relays[victim] = start(&holder);
     }
-    for writer in writers {
-        writer.await.unwrap();
-    }
-    let logs = || {
-        relays
-            .iter()
-            .map(|r| format!("--- {}\n{}", r.id, r.log()))
-            .collect::<String>()
-    };
+    writers.await.unwrap();
     eventually(
         "the cursor settled every event",
         Duration::from_secs(60),
         async || match unsettled(&db).await {
             0 => Ok(()),
-            left => Err(Verbatim(format!("{left} events not settled\n{}", logs()))),
+            left => Err(Verbatim(format!(
+                "{left} events not settled\n{}",
+                logs(&relays)
+            ))),
         },
     )
     .await;
@@ -152,7 +126,7 @@ async fn log_relays_killed_again_and_again_lose_nothing_reorder_nothing_and_rewr
         );
     }
 
-    let messages = read_stream(&client, &stream).await;
+    let messages = read_stream(&client, &target.stream).await;
     let report = check_stream(&db.pool, &messages).await;
     eprintln!(
         "{KILLS} kills, {} messages, {} duplicates, {:?}",

@@ -5,28 +5,10 @@ use crate::common;
 
 use std::time::{Duration, Instant};
 
-use crate::common::{check_stream, migrated, wait_drained, RelayProcess, Target};
+use crate::common::{check_stream, migrated, shared_target, wait_drained, RelayProcess, Target};
 use handoff_core::NewEvent;
-use handoff_test::nats::{
-    prepare_shared_server, read_stream, shared_url, unique_name, DeleteStreamOnDrop,
-};
+use handoff_test::nats::{read_stream, shared_url, unique_name};
 use handoff_test::{factory, TestDb};
-
-async fn shared_target(
-    db: &TestDb,
-    name: &str,
-) -> (Target, async_nats::Client, DeleteStreamOnDrop) {
-    let client = prepare_shared_server().await;
-    let stream = unique_name(name);
-    let cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
-    let target = Target {
-        database_url: db.url(),
-        nats_url: shared_url(),
-        stream: stream.clone(),
-        prefix: stream,
-    };
-    (target, client, cleanup)
-}
 
 #[tokio::test]
 async fn committed_events_reach_the_stream_with_the_contract_headers_and_rolled_back_ones_never() {

@@ -362,6 +362,17 @@ impl Writers {
     /// Starts the writers; the task ends when they all have, with the ids of the events they
     /// rolled back.
     pub fn spawn(self, pool: &PgPool, outbox: &Outbox) -> tokio::task::JoinHandle<HashSet<Uuid>> {
+        self.spawn_paced(pool, outbox, None)
+    }
+
+    /// As [`Writers::spawn`], each writer pausing `pause` after every transaction (so that the
+    /// writes last through a test's kills), or, with `None`, 10 ms every 20 transactions.
+    pub fn spawn_paced(
+        self,
+        pool: &PgPool,
+        outbox: &Outbox,
+        pause: Option<Duration>,
+    ) -> tokio::task::JoinHandle<HashSet<Uuid>> {
         let writers: Vec<_> = (0..self.connections)
             .map(|w| {
                 let (pool, outbox) = (pool.clone(), outbox.clone());
@@ -384,9 +395,13 @@ impl Writers {
                         } else {
                             tx.commit().await.unwrap();
                         }
-                        if n % 20 == 0 {
+                        match pause {
+                            Some(pause) => tokio::time::sleep(pause).await,
                             // Spread the load over the relays' kills.
-                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            None if n % 20 == 0 => {
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                            }
+                            None => {}
                         }
                     }
                     rolled_back
@@ -495,4 +510,27 @@ pub async fn scrape_until(
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A target on the shared nats-server with a stream of its own (named after `name`), deleted
+/// when the returned guard drops, and a client on that server to read the stream back.
+pub async fn shared_target(
+    db: &TestDb,
+    name: &str,
+) -> (
+    Target,
+    async_nats::Client,
+    handoff_test::nats::DeleteStreamOnDrop,
+) {
+    use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
+    let client = prepare_shared_server().await;
+    let stream = unique_name(name);
+    let cleanup = DeleteStreamOnDrop::new(&shared_url(), &stream);
+    let target = Target {
+        database_url: db.url(),
+        nats_url: shared_url(),
+        stream: stream.clone(),
+        prefix: stream,
+    };
+    (target, client, cleanup)
 }
