@@ -29,6 +29,19 @@ fn source(db: &TestDb, relay_id: &str) -> LogSource {
     LogSource::new(db.pool.clone(), config(db, relay_id)).unwrap()
 }
 
+/// A source whose first claim (of an empty outbox) created its cursor: the events written after
+/// it are the cursor's, none a backlog from before it.
+async fn reading(db: &TestDb, relay_id: &str) -> LogSource {
+    let relay = source(db, relay_id);
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+    relay
+}
+
 /// Claims and acknowledges until a claim comes back empty twice; returns what came out, in
 /// the order it was handed out.
 async fn drain(source: &LogSource) -> Vec<OutboxEvent> {
@@ -99,13 +112,7 @@ async fn rewritten_rows(db: &TestDb) -> i64 {
 async fn every_event_comes_out_once_in_order_and_no_event_row_is_rewritten() {
     let (db, outbox) = common::migrated("log_drain").await;
     // The cursor exists before the events, so none of them is a polling backlog.
-    let relay = source(&db, "relay-a");
-    assert!(relay
-        .claim(100, usize::MAX)
-        .await
-        .unwrap()
-        .events
-        .is_empty());
+    let relay = reading(&db, "relay-a").await;
     enqueue(&db, &outbox, &["a", "b", "c", "d"], 60).await;
     assert_eq!(
         cursor_lag(&db).await,
@@ -152,13 +159,7 @@ async fn every_event_comes_out_once_in_order_and_no_event_row_is_rewritten() {
 #[tokio::test]
 async fn a_transaction_that_commits_late_comes_out_and_a_rolled_back_one_never_does() {
     let (db, outbox) = common::migrated("log_late").await;
-    let relay = source(&db, "relay-a");
-    assert!(relay
-        .claim(100, usize::MAX)
-        .await
-        .unwrap()
-        .events
-        .is_empty());
+    let relay = reading(&db, "relay-a").await;
 
     // A writer that began first and commits last, and one that rolls back.
     let mut late = db.pool.begin().await.unwrap();
@@ -190,13 +191,7 @@ async fn a_transaction_that_commits_late_comes_out_and_a_rolled_back_one_never_d
 #[tokio::test]
 async fn a_later_sequence_with_an_older_transaction_id_still_comes_out_second() {
     let (db, outbox) = common::migrated("log_xid_order").await;
-    let relay = source(&db, "relay-a");
-    assert!(relay
-        .claim(100, usize::MAX)
-        .await
-        .unwrap()
-        .events
-        .is_empty());
+    let relay = reading(&db, "relay-a").await;
     sqlx::query("CREATE TABLE business (id int)")
         .execute(&db.pool)
         .await
@@ -233,13 +228,7 @@ async fn a_later_sequence_with_an_older_transaction_id_still_comes_out_second() 
 #[tokio::test]
 async fn a_failed_aggregate_goes_to_the_lane_and_the_others_never_wait_for_it() {
     let (db, outbox) = common::migrated("log_lane").await;
-    let relay = source(&db, "relay-a");
-    assert!(relay
-        .claim(100, usize::MAX)
-        .await
-        .unwrap()
-        .events
-        .is_empty());
+    let relay = reading(&db, "relay-a").await;
     enqueue(&db, &outbox, &["poison", "ok"], 3).await;
 
     let claim = relay.claim(100, usize::MAX).await.unwrap();
@@ -435,13 +424,7 @@ async fn a_cursor_created_over_a_polling_backlog_publishes_it_first_through_its_
 #[tokio::test]
 async fn reverting_0021_leaves_the_polling_source_only_what_the_cursor_had_not_published() {
     let (db, outbox) = common::migrated("log_revert").await;
-    let relay = source(&db, "relay-a");
-    assert!(relay
-        .claim(100, usize::MAX)
-        .await
-        .unwrap()
-        .events
-        .is_empty());
+    let relay = reading(&db, "relay-a").await;
     enqueue(&db, &outbox, &["v"], 3).await;
     let first = drain(&relay).await;
     assert_eq!(by_aggregate(&first)["v"], vec![1, 2, 3]);
