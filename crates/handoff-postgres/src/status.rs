@@ -333,6 +333,7 @@ impl Status {
         let cursors = if has_cursors {
             sqlx::query(&self.cursors_sql)
                 .persistent(false)
+                .bind(None::<&str>)
                 .fetch_all(&mut *conn)
                 .await?
                 .iter()

@@ -81,6 +81,24 @@ async fn log_relays_killed_again_and_again_lose_nothing_reorder_nothing_and_rewr
         relays[victim] = start(&holder);
     }
     writers.await.unwrap();
+    // The last kill's takeover too: a standby takes the cursor once the lease has run out,
+    // whether or not events are left to publish by then.
+    eventually(
+        "the last kill's takeover",
+        Duration::from_secs(30),
+        async || {
+            let token: i64 = sqlx::query_scalar("SELECT lease_token FROM outbox_cursors")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+            if token > KILLS {
+                Ok(())
+            } else {
+                Err(format!("lease token {token}"))
+            }
+        },
+    )
+    .await;
     eventually(
         "the cursor settled every event",
         Duration::from_secs(60),

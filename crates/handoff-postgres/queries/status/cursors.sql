@@ -1,3 +1,5 @@
+-- $1 (text, NULL: every cursor) cursor: only this one (the relay's lag gauges, LogSource::lag).
+--
 -- The log source's cursors (migration 0021), each with who holds it and how far behind it is:
 -- the events its settled snapshot does not see yet (committed after it: read through
 -- outbox_txid_idx, the running transactions by equality and the later ones as a range) and how
@@ -18,4 +20,5 @@ CROSS JOIN LATERAL (
            OR o.txid >= pg_snapshot_xmax(c.settled_snapshot))
       AND o.global_sequence IS NULL
 ) lag
+WHERE $1::text IS NULL OR c.cursor_name = $1
 ORDER BY c.cursor_name

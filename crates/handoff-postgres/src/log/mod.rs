@@ -42,7 +42,8 @@ const RELEASABLE_SQL: &str = include_str!("../../queries/log/releasable.sql");
 const RELEASE_SQL: &str = include_str!("../../queries/log/release.sql");
 const SETTLE_LANES_SQL: &str = include_str!("../../queries/log/settle_lanes.sql");
 const LANE_CLAIM_SQL: &str = include_str!("../../queries/log/lane_claim.sql");
-const LAG_SQL: &str = include_str!("../../queries/log/lag.sql");
+// `handoff status`'s reading of the cursors, for this cursor only.
+const LAG_SQL: &str = include_str!("../../queries/status/cursors.sql");
 const LET_GO_SQL: &str = include_str!("../../queries/log/let_go.sql");
 
 /// The cursor a relay reads when it is given none.
@@ -271,8 +272,8 @@ impl LogSource {
             .await?;
         row.map(|row| {
             Ok(CursorLag {
-                events: row.try_get("events").map_err(db("reading the lag"))?,
-                seconds: row.try_get("seconds").map_err(db("reading the lag"))?,
+                events: row.try_get("lag_events").map_err(db("reading the lag"))?,
+                seconds: row.try_get("lag_seconds").map_err(db("reading the lag"))?,
                 lane_aggregates: row
                     .try_get("lane_aggregates")
                     .map_err(db("reading the lag"))?,
