@@ -17,8 +17,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use handoff_core::delivery::{
-    Claim, Failure, Lease, OutboxEvent, Published, Released, Settled, Source, SourceError,
-    SourceErrorKind,
+    Claim, Failure, Lease, Published, Released, Settled, Source, SourceError, SourceErrorKind,
 };
 use handoff_core::EventId;
 use sqlx::postgres::{PgPool, PgRow};
@@ -26,7 +25,9 @@ use sqlx::Row;
 use tokio::sync::Mutex;
 use tracing::{debug, info, warn};
 
-use crate::source::{read_outbox_event, PollingConfig, PollingConfigError, PollingSource};
+use crate::source::{
+    read_claimed_row, read_outbox_event, PollingConfig, PollingConfigError, PollingSource,
+};
 
 mod stream;
 
@@ -813,7 +814,8 @@ impl LogSource {
             let until: chrono::DateTime<chrono::Utc> =
                 row.try_get("claim_until").map_err(db("reading the lane"))?;
             claim.lease = Some(Lease::new(until.timestamp_micros()));
-            let mut event = read_lane_row(row).map_err(db("reading the lane"))?;
+            // Without its payload and headers, read next, as the polling source reads a claim's rows.
+            let mut event = read_claimed_row(row).map_err(db("reading the lane"))?;
             if let Some((payload, headers)) = bodies.remove(&event.event_id) {
                 event.payload = payload;
                 event.headers = crate::source::header_pairs(&headers);
@@ -1033,24 +1035,6 @@ fn read_page_row(range: u64, row: &PgRow) -> Result<(Entry, Pred, bool, bool), S
         event_id: event.event_id,
     };
     Ok((Entry { key, event }, Pred::parse(&pred), held, laned))
-}
-
-/// One row of lane_claim.sql, without its payload and headers (read next).
-fn read_lane_row(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
-    let occurred_at: chrono::DateTime<chrono::Utc> = row.try_get("occurred_at")?;
-    Ok(OutboxEvent {
-        event_id: row.try_get("event_id")?,
-        aggregate_type: row.try_get("aggregate_type")?,
-        aggregate_id: row.try_get("aggregate_id")?,
-        aggregate_sequence: row.try_get("aggregate_sequence")?,
-        global_sequence: row.try_get("global_sequence")?,
-        event_type: row.try_get("event_type")?,
-        schema_version: row.try_get("schema_version")?,
-        payload: String::new(),
-        headers: Vec::new(),
-        occurred_at: std::time::SystemTime::from(occurred_at),
-        attempt_count: row.try_get("attempt_count")?,
-    })
 }
 
 fn parse_txid(text: &str) -> Result<u64, SourceError> {

@@ -36,6 +36,7 @@ mod wake;
 pub(crate) use backlog::read_backlog;
 pub use backlog::{Backlog, OtherLane};
 pub use config::{default_relay_id, PollingConfig, PollingConfigError};
+pub(crate) use row::read_claimed_row;
 pub use row::{header_pairs, read_outbox_event};
 pub use wake::WAKE_CHANNEL;
 

@@ -39,7 +39,7 @@ pub fn read_outbox_event(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
 
 /// Reads one row of `claim.sql`'s result: an event without its payload and headers, which
 /// `claimed_payloads.sql` reads after the claim.
-pub(super) fn read_claimed_row(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
+pub(crate) fn read_claimed_row(row: &PgRow) -> Result<OutboxEvent, sqlx::Error> {
     let occurred_at: chrono::DateTime<chrono::Utc> = row.try_get("occurred_at")?;
     Ok(OutboxEvent {
         event_id: row.try_get("event_id")?,
