@@ -144,8 +144,9 @@ CREATE TABLE outbox (
 );
 CREATE INDEX outbox_global_pending_idx ON outbox USING btree (global_sequence) WHERE ((published_at IS NULL) AND (global_sequence IS NOT NULL));
 CREATE UNIQUE INDEX outbox_global_sequence_key ON outbox USING btree (global_sequence) WHERE (global_sequence IS NOT NULL);
+CREATE INDEX outbox_held_idx ON outbox USING btree (quarantined_at NULLS FIRST, occurred_at, event_id) WHERE ((published_at IS NULL) AND (available_at = 'infinity'::timestamp with time zone));
 CREATE INDEX outbox_parked_idx ON outbox USING btree (aggregate_type, aggregate_id, aggregate_sequence) WHERE blocked;
-CREATE INDEX outbox_pending_idx ON outbox USING btree (available_at, occurred_at) WHERE (published_at IS NULL);
+CREATE INDEX outbox_pending_idx ON outbox USING btree (aggregate_type, aggregate_id, aggregate_sequence) INCLUDE (occurred_at, available_at, claim_until) WHERE (published_at IS NULL);
 CREATE INDEX outbox_ready_idx ON outbox USING btree (available_at, occurred_at) WHERE ((published_at IS NULL) AND (NOT blocked) AND (global_sequence IS NULL));
 CREATE INDEX outbox_txid_idx ON outbox USING btree (txid, event_id);
 CREATE TRIGGER outbox_wake AFTER INSERT ON outbox FOR EACH STATEMENT EXECUTE FUNCTION handoff_outbox_wake();

@@ -35,20 +35,24 @@ pub struct ConsoleArgs {
     #[arg(long, env = "HANDOFF_CONSOLE_TRUSTED_USER_HEADER")]
     trusted_user_header: Option<String>,
     /// The reverse proxy's address (repeat for several).
-    #[arg(long = "trusted-proxy")]
+    #[arg(
+        long = "trusted-proxy",
+        env = "HANDOFF_CONSOLE_TRUSTED_PROXY",
+        value_delimiter = ','
+    )]
     trusted_proxies: Vec<IpAddr>,
     /// Drop every action: pages show no buttons, action requests are refused.
     #[arg(long, env = "HANDOFF_CONSOLE_READ_ONLY")]
     read_only: bool,
     /// Mark the session cookie Secure (TLS terminates in front of the console); a trusted
     /// proxy's `X-Forwarded-Proto: https` does the same per request.
-    #[arg(long)]
+    #[arg(long, env = "HANDOFF_CONSOLE_SECURE_COOKIES")]
     secure_cookies: bool,
     /// How often the console samples the backlog for its charts.
-    #[arg(long, value_parser = duration, default_value = "10s")]
+    #[arg(long, env = "HANDOFF_CONSOLE_SAMPLE_INTERVAL", value_parser = duration, default_value = "10s")]
     sample_interval: Duration,
     /// An aggregate whose first pending event is older than this is listed as stuck.
-    #[arg(long, value_parser = duration, default_value = "1m")]
+    #[arg(long, env = "HANDOFF_CONSOLE_STUCK_AFTER", value_parser = duration, default_value = "1m")]
     stuck_after: Duration,
     /// A consumer whose quarantine the console shows and acts on: its name and the URL of the
     /// database its inbox lives in, `NAME=URL` (repeat for several; tables in --schema). The
@@ -57,10 +61,10 @@ pub struct ConsoleArgs {
     consumers: Vec<(String, String)>,
     /// The payload limit of the application's outbox, in bytes, that a repaired payload is
     /// checked against [default: NATS's 1 MiB less header room], as `quarantine repair`.
-    #[arg(long)]
+    #[arg(long, env = "HANDOFF_CONSOLE_MAX_PAYLOAD_BYTES")]
     max_payload_bytes: Option<usize>,
     /// Alert when the oldest pending event is older than this.
-    #[arg(long, value_parser = duration, default_value = "5m")]
+    #[arg(long, env = "HANDOFF_CONSOLE_MAX_PENDING_AGE", value_parser = duration, default_value = "5m")]
     max_pending_age: Duration,
 }
 

@@ -9,7 +9,7 @@ use axum::extract::{ConnectInfo, Form, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Extension;
-use handoff_postgres::{EventDetail, Quarantine, QuarantinedEvent, RelaySeen};
+use handoff_postgres::{CursorSeen, EventDetail, Quarantine, QuarantinedEvent, RelaySeen};
 use maud::{html, Markup, DOCTYPE};
 use serde::Deserialize;
 use uuid::Uuid;
@@ -217,6 +217,10 @@ pub(crate) async fn overview(
         @if report.quarantined > OVERVIEW_HELD { p { a href="/held" { "All held events" } } }
         h2 { "Relays" }
         (relays_table(&report.relays))
+        @if !report.cursors.is_empty() {
+            h2 { "Cursors" }
+            (cursors_table(&report.cursors))
+        }
         h2 { "The last hour" }
         (chart::line("Pending events", &samples, |s| s.pending as f64))
         (chart::line("Oldest pending age (s)", &samples, |s| s.oldest_pending_age_seconds))
@@ -244,6 +248,31 @@ pub(crate) async fn overview(
 
 fn card(id: &str, label: &str, value: String) -> Markup {
     html! { div class="card" id={"card-" (id)} { div { (label) } div class="n" { (value) } } }
+}
+
+/// The log source's cursors (`handoff relay --source log --cursor NAME`): per cursor, what it
+/// has not passed yet and who reads it.
+fn cursors_table(cursors: &[CursorSeen]) -> Markup {
+    html! {
+        table id="cursors" {
+            thead { tr { th { "Cursor" } th { "Behind" } th { "Oldest behind" } th { "Lane aggregates" } th { "Reader" } th { "Moved" } } }
+            tbody {
+                @for cursor in cursors {
+                    tr data-cursor=(cursor.cursor) {
+                        td { (cursor.cursor) }
+                        td class="lag-events" { (cursor.lag_events) }
+                        td { (age(cursor.lag_seconds)) }
+                        td { (cursor.lane_aggregates) }
+                        td {
+                            (cursor.owner_relay.as_deref().unwrap_or("-"))
+                            @if !cursor.held { " (lease ended)" }
+                        }
+                        td { (since(cursor.advanced_at)) }
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn relays_table(relays: &[RelaySeen]) -> Markup {

@@ -8,7 +8,12 @@
 -- earlier event of its own aggregate that is held (an event written in aggregate order mode,
 -- or a hole an operator has not skipped): the claim never overtakes an aggregate, so the
 -- whole lane waits behind that one event (docs/global-order.md).
-WITH front AS MATERIALIZED (
+WITH numbered AS MATERIALIZED (
+    SELECT count(*) AS events
+    FROM {schema}outbox n
+    WHERE n.published_at IS NULL AND n.global_sequence IS NOT NULL
+),
+front AS MATERIALIZED (
     SELECT g.aggregate_type, g.aggregate_id, g.aggregate_sequence, g.global_sequence,
            g.available_at = 'infinity' AS held
     FROM {schema}outbox g
@@ -16,8 +21,12 @@ WITH front AS MATERIALIZED (
     ORDER BY g.global_sequence
     LIMIT 1
 )
-SELECT count(*) FILTER (WHERE global_sequence IS NOT NULL) AS global_pending,
-       count(*) FILTER (WHERE global_sequence IS NULL) AS unnumbered_pending,
+-- Each count index-only: the global lane's through outbox_global_pending_idx, all pending events
+-- through outbox_pending_idx (neither holds global_sequence's value, so one count over the
+-- pending rows would read the table).
+SELECT (SELECT events FROM numbered) AS global_pending,
+       (SELECT count(*) FROM {schema}outbox a WHERE a.published_at IS NULL)
+           - (SELECT events FROM numbered) AS unnumbered_pending,
        (SELECT f.global_sequence FROM front f) AS global_front,
        coalesce((SELECT f.held FROM front f), false) AS global_front_held,
        coalesce((SELECT EXISTS (
@@ -29,5 +38,3 @@ SELECT count(*) FILTER (WHERE global_sequence IS NOT NULL) AS global_pending,
                        AND p.published_at IS NULL
                        AND p.available_at = 'infinity')
                  FROM front f), false) AS global_front_behind_held
-FROM {schema}outbox
-WHERE published_at IS NULL

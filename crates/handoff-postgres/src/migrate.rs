@@ -173,6 +173,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0021_log_cursors.up.sql"),
         down: include_str!("../migrations/0021_log_cursors.down.sql"),
     },
+    Migration {
+        version: 22,
+        name: "backlog_by_aggregate",
+        up: include_str!("../migrations/0022_backlog_by_aggregate.up.sql"),
+        down: include_str!("../migrations/0022_backlog_by_aggregate.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

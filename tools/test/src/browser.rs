@@ -3,7 +3,6 @@
 //! Nothing is skipped: without chromium or chromedriver the test fails and says how to
 //! install them.
 
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -38,7 +37,7 @@ impl Browser {
                  them)"
             );
         }
-        let port = free_port();
+        let port = crate::free_port().expect("a free loopback port");
         let driver = Command::new(CHROMEDRIVER)
             .arg(format!("--port={port}"))
             .stdin(Stdio::null())
@@ -132,10 +131,3 @@ fn kill_group(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// A port free right now on 127.0.0.1.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port")
-        .port()
-}

@@ -33,7 +33,6 @@
 
 use std::fmt::Write as _;
 use std::io;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -353,7 +352,7 @@ impl PrivatePostgres {
         }
         let mut attempt = 1;
         loop {
-            server.port = free_port()?;
+            server.port = crate::free_port().map_err(ClusterError::Port)?;
             match server.pg_ctl_start() {
                 Ok(()) => return Ok(server),
                 // Another process took the port between our probe and the server's bind.
@@ -756,13 +755,6 @@ fn unprivileged_user() -> Result<RunAs, ClusterError> {
     find("postgres")
         .or_else(|| find("nobody"))
         .ok_or(ClusterError::NoUnprivilegedUser)
-}
-
-/// A port that was free a moment ago: bind port 0, read the port, release it.
-fn free_port() -> Result<u16, ClusterError> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(ClusterError::Port)?;
-    let port = listener.local_addr().map_err(ClusterError::Port)?.port();
-    Ok(port)
 }
 
 /// Whether `pid` names a process that has not exited (a zombie counts as exited).

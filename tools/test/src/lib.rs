@@ -28,6 +28,7 @@
 //! - [`tls`]: a throwaway certificate authority with server and client certificates.
 //! - `browser` (feature `browser`): a chromedriver on a free port and a WebDriver client, for
 //!   the console's tests in a real browser.
+//! - [`free_port`]: the one way a test picks a loopback port for a server of its own.
 //! - [`eventually`]: the one way a test waits for a condition (no sleeps, no home-made deadline
 //!   loops), and [`pending_rows`]: the one query for the outbox rows not yet published.
 
@@ -270,6 +271,27 @@ fn tokio_runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .expect("build a cleanup runtime")
+}
+
+/// A loopback port that was free a moment ago: bind port 0, read the port, release it.
+///
+/// Another process may take it before the caller's server binds it; servers started by this
+/// crate pick again when their bind fails with "address in use".
+///
+/// # Errors
+///
+/// When no loopback socket can be bound.
+///
+/// # Examples
+///
+/// ```
+/// let port = handoff_test::free_port()?;
+/// assert_ne!(port, 0);
+/// # Ok::<(), std::io::Error>(())
+/// ```
+pub fn free_port() -> std::io::Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
 }
 
 /// A name for one test's stream and subject prefix, unique across parallel test processes:

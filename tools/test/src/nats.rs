@@ -33,7 +33,6 @@
 
 use std::collections::VecDeque;
 use std::io::{self, BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -485,7 +484,7 @@ impl NatsServer {
         };
         let mut attempt = 1;
         loop {
-            server.port = free_port()?;
+            server.port = crate::free_port()?;
             match server.spawn() {
                 Ok(()) => return Ok(server),
                 // Another process took the port between our probe and the server's bind.
@@ -697,10 +696,10 @@ impl NatsCluster {
         let size = size.max(1);
         let name = unique_name("cluster");
         let client_ports = (0..size)
-            .map(|_| free_port())
+            .map(|_| crate::free_port())
             .collect::<io::Result<Vec<_>>>()?;
         let cluster_ports = (0..size)
-            .map(|_| free_port())
+            .map(|_| crate::free_port())
             .collect::<io::Result<Vec<_>>>()?;
         let routes = cluster_ports
             .iter()
@@ -856,12 +855,6 @@ fn server_binary() -> PathBuf {
         return default.to_owned();
     }
     PathBuf::from("nats-server")
-}
-
-/// A port that was free a moment ago: bind port 0, read the port, release it.
-fn free_port() -> io::Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
 }
 
 /// Creates `name` on the server with subjects `[<prefix>.>]` (file storage, default duplicate

@@ -36,7 +36,6 @@
 //! ```
 
 use std::io;
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -158,7 +157,7 @@ impl RabbitMqNode {
                 Ok(()) => return Ok(server),
                 // Another process took a port between our probe and the node's bind.
                 Err(error)
-                    if attempt < PORT_ATTEMPTS && error.to_string().contains("eaddrinuse") =>
+                    if attempt < PORT_ATTEMPTS && error.kind() == io::ErrorKind::AddrInUse =>
                 {
                     attempt += 1;
                     // The data of the failed boot would hold the old ports.
@@ -193,7 +192,7 @@ impl RabbitMqNode {
         let server = ca
             .server("rabbitmq")
             .map_err(|e| io::Error::other(e.to_string()))?;
-        let tls_port = free_port()?;
+        let tls_port = crate::free_port()?;
         let lines = [
             format!("listeners.ssl.default = 127.0.0.1:{tls_port}"),
             format!("ssl_options.cacertfile = {}", ca.ca_path().display()),
@@ -358,6 +357,11 @@ impl RabbitMqNode {
 
     /// The last lines of the node's console output and log.
     pub fn log_tail(&self) -> String {
+        tail(&self.log())
+    }
+
+    /// The node's console output followed by its log file.
+    fn log(&self) -> String {
         let mut text =
             std::fs::read_to_string(self.dir.path().join("console.log")).unwrap_or_default();
         let log = self
@@ -366,12 +370,12 @@ impl RabbitMqNode {
             .join("log")
             .join(format!("{}.log", self.node));
         text.push_str(&std::fs::read_to_string(log).unwrap_or_default());
-        tail(&text)
+        text
     }
 
     fn spawn(&mut self) -> io::Result<()> {
-        self.port = free_port()?;
-        let dist_port = free_port()?;
+        self.port = crate::free_port()?;
+        let dist_port = crate::free_port()?;
         let dir = self.dir.path();
         let console = std::fs::File::create(dir.join("console.log"))?;
         let bin = bin_dir().join("rabbitmq-server");
@@ -417,11 +421,21 @@ impl RabbitMqNode {
                     .map(|o| combined(&o))
                     .unwrap_or_else(|e| e.to_string());
                 let _ = self.stop();
-                Err(io::Error::other(format!(
-                    "rabbitmq node {} did not boot: {said}\nlast lines of its output:\n{}",
-                    self.node,
-                    self.log_tail()
-                )))
+                // The whole output, not its tail: the listener's `eaddrinuse` comes early, and
+                // the shutdown that follows it fills the last lines.
+                let kind = if self.log().contains("eaddrinuse") {
+                    io::ErrorKind::AddrInUse
+                } else {
+                    io::ErrorKind::Other
+                };
+                Err(io::Error::new(
+                    kind,
+                    format!(
+                        "rabbitmq node {} did not boot: {said}\nlast lines of its output:\n{}",
+                        self.node,
+                        self.log_tail()
+                    ),
+                ))
             }
         }
     }
@@ -451,12 +465,6 @@ fn bin_dir() -> PathBuf {
     std::env::var_os("HANDOFF_RABBITMQ_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(DEFAULT_RABBITMQ_BIN))
-}
-
-/// A port that was free a moment ago: bind port 0, read the port, release it.
-fn free_port() -> io::Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
 }
 
 fn combined(output: &Output) -> String {

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::io::{self, BufRead, BufReader, Read};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -86,7 +86,7 @@ impl Tansu {
     /// As [`start`](Self::start), on `port`, telling clients to connect to `advertised`
     /// instead (a [`FaultProxy`](crate::proxy::FaultProxy) in front of `port`), so that every
     /// connection a client makes after the bootstrap goes through it too. `port` comes from
-    /// [`free_port`]; there is no second try when another process takes it meanwhile.
+    /// [`crate::free_port`]; there is no second try when another process takes it meanwhile.
     ///
     /// # Errors
     ///
@@ -96,7 +96,7 @@ impl Tansu {
     ///
     /// ```no_run
     /// use handoff_test::proxy::FaultProxy;
-    /// use handoff_test::tansu::{free_port, Tansu};
+    /// use handoff_test::{free_port, tansu::Tansu};
     ///
     /// # async fn example() -> std::io::Result<()> {
     /// let port = free_port()?;
@@ -113,7 +113,7 @@ impl Tansu {
     fn start_with(authentication: bool) -> io::Result<Self> {
         let mut attempt = 1;
         loop {
-            match Self::spawn(free_port()?, None, authentication) {
+            match Self::spawn(crate::free_port()?, None, authentication) {
                 Ok(broker) => return Ok(broker),
                 // Another process took the port between our probe and the broker's bind.
                 Err(error) if attempt < PORT_ATTEMPTS && port_taken(&error) => {
@@ -276,20 +276,10 @@ fn binary() -> PathBuf {
 }
 
 /// Whether a broker failed to start because another process took its port between
-/// [`free_port`] and the broker's bind: worth trying again on another port.
+/// [`crate::free_port`] and the broker's bind: worth trying again on another port.
 pub fn port_taken(error: &io::Error) -> bool {
     let text = error.to_string();
     text.contains("AddrInUse") || text.contains("already in use")
-}
-
-/// A loopback port free now (bound, then released), for [`Tansu::start_advertising`].
-///
-/// # Errors
-///
-/// When no port can be bound.
-pub fn free_port() -> io::Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
 }
 
 /// A topic name unique across parallel tests: `t_<prefix>_<16 hex digits>` (see

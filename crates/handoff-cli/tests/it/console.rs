@@ -355,6 +355,74 @@ async fn a_read_only_console_hides_and_refuses_actions() {
     assert_eq!(held, 1);
 }
 
+/// A log-source cursor shows on the overview with what it has not passed yet, as the API (and
+/// so `handoff status --json`) reports it.
+#[tokio::test]
+async fn the_overview_shows_each_cursor_and_the_events_behind_it() {
+    use handoff_core::delivery::Source;
+    use handoff_postgres::{LogConfig, LogSource, PollingConfig, Schema};
+
+    let (db, outbox) = migrated("console_cursors").await;
+    let config = LogConfig {
+        polling: PollingConfig {
+            schema: Schema::named(db.schema()).unwrap(),
+            relay_id: "relay-log".into(),
+            listen: false,
+            ..PollingConfig::default()
+        },
+        cursor: "audit".into(),
+        ..LogConfig::default()
+    };
+    // Its first claim, of an empty outbox, creates the cursor; the three events after it are
+    // its to read, and nothing reads them.
+    let source = LogSource::new(db.pool.clone(), config).unwrap();
+    assert!(source
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+    for n in 1..=3 {
+        db.enqueue_alone(&outbox, factory::event("behind", n)).await;
+    }
+
+    let console = ConsoleProcess::start(&db, &[]);
+    let http = client();
+    let status: Value = http
+        .get(format!("{}/api/v1/status", console.url))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let cursors = status["cursors"].as_array().unwrap();
+    assert_eq!(cursors.len(), 1, "{status}");
+    assert_eq!(cursors[0]["cursor"], "audit");
+    assert_eq!(cursors[0]["lag_events"], 3);
+    assert_eq!(cursors[0]["owner_relay"], "relay-log");
+
+    let page = http
+        .get(format!("{}/", console.url))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let row = page
+        .split("<tr data-cursor=\"audit\">")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no row for the cursor audit:\n{page}"));
+    let row = &row[..row.find("</tr>").unwrap()];
+    assert!(
+        row.contains("<td class=\"lag-events\">3</td>") && row.contains("relay-log"),
+        "{row}"
+    );
+}
+
 /// Text of the element `css`, or an error naming it.
 async fn text(browser: &Browser, css: &str) -> Result<String, String> {
     match browser.client.find(Locator::Css(css)).await {

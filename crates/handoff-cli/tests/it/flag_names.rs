@@ -95,6 +95,12 @@ const NAMED_OTHERWISE: &[(&str, &str)] = &[
         "HANDOFF_CONSOLE_TRUSTED_USER_HEADER",
     ),
     ("--read-only", "HANDOFF_CONSOLE_READ_ONLY"),
+    ("--trusted-proxy", "HANDOFF_CONSOLE_TRUSTED_PROXY"),
+    ("--secure-cookies", "HANDOFF_CONSOLE_SECURE_COOKIES"),
+    ("--sample-interval", "HANDOFF_CONSOLE_SAMPLE_INTERVAL"),
+    ("--stuck-after", "HANDOFF_CONSOLE_STUCK_AFTER"),
+    ("--max-payload-bytes", "HANDOFF_CONSOLE_MAX_PAYLOAD_BYTES"),
+    ("--max-pending-age", "HANDOFF_CONSOLE_MAX_PENDING_AGE"),
 ];
 
 /// Flags spelt like an older name of another concept, each for a reason: the console's
@@ -103,10 +109,11 @@ const NAMED_OTHERWISE: &[(&str, &str)] = &[
 const OTHER_CONCEPTS: &[(&str, &str)] = &[("handoff console", "--consumer")];
 
 /// Long-running processes: every setting that takes a value can come from a variable (a
-/// container's configuration), but repeatable ones (`--kafka-option`, read from the config
-/// file's `[kafka]` table instead).
-const PROCESSES: &[&str] = &["handoff relay", "inventory", "payments"];
-const REPEATABLE: &[&str] = &["--kafka-option"];
+/// container's configuration), but repeatable ones whose values cannot share one variable
+/// (`--kafka-option`, read from the config file's `[kafka]` table instead; the console's
+/// `--consumer NAME=URL`, whose URLs may hold any character).
+const PROCESSES: &[&str] = &["handoff relay", "handoff console", "inventory", "payments"];
+const REPEATABLE: &[&str] = &["--kafka-option", "--consumer"];
 
 #[derive(Debug, Clone)]
 struct Flag {

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use handoff_kafka::{read_topic, KafkaConfig, KafkaTransport};
 use handoff_test::conformance::{Case, Dedup, Destination, Link, Received, CE_SOURCE};
-use handoff_test::tansu::{free_port, port_taken, unique_topic, Tansu};
+use handoff_test::free_port;
+use handoff_test::tansu::{port_taken, unique_topic, Tansu};
 use tokio::task::block_in_place;
 
 /// Short, so the down and silent cases end quickly (librdkafka's `message.timeout.ms`).

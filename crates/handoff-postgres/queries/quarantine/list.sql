@@ -2,7 +2,7 @@
 --
 -- Quarantined events (held for an operator: attempt cap or a permanent broker refusal), oldest
 -- first, each with how many later events of its aggregate wait behind it. Reads through
--- outbox_pending_idx (available_at = 'infinity' is its last key range).
+-- outbox_held_idx (migration 0022), in its order; each count through outbox_pending_idx.
 SELECT o.event_id, o.aggregate_type, o.aggregate_id, o.aggregate_sequence, o.event_type,
        o.schema_version, o.attempt_count, o.last_error, o.occurred_at, o.quarantined_at,
        o.hold_reason, o.takeover_count,

@@ -319,8 +319,11 @@ async fn a_relay_plans_its_claim_once_a_second_not_at_every_claim() {
     );
 
     // On a relay's own session: once, and once more for every REPLAN_EVERY the claims took.
+    // Two more are allowed: the other tests' DDL, run beside this one, can invalidate a cached
+    // plan (a full invalidation queue resets every session's caches), which then is made
+    // again. Planned at every claim would still be twenty.
     let (plans, took) = plans_of_claims(&db, &notices, Pooling::Session, 3, CLAIMS).await;
-    let most = plan_rounds(took);
+    let most = plan_rounds(took) + 2;
     assert!(
         (1..=most).contains(&plans),
         "{plans} plans for {CLAIMS} claims in {took:?}, on the relay's session"

@@ -549,10 +549,8 @@ pub(crate) async fn connect(url: &str) -> Result<PgPool, sqlx::Error> {
 /// A loopback port that was free a moment ago, for a service that must keep its port across
 /// restarts.
 pub(crate) fn free_port() -> Result<u16, RunError> {
-    let spawn = |source| RunError::Spawn {
+    handoff_test::free_port().map_err(|source| RunError::Spawn {
         what: "a free port".into(),
         source,
-    };
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(spawn)?;
-    Ok(listener.local_addr().map_err(spawn)?.port())
+    })
 }

@@ -13,7 +13,6 @@
 use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::TcpListener;
 use std::process::Output;
 
 use crate::common::{count, eventually, Process, DEADLINE};
@@ -21,7 +20,7 @@ use async_nats::jetstream::{self, stream};
 use handoff_chaos::{check, CheckConfig, Report, ViolationKind};
 use handoff_postgres::Schema;
 use handoff_test::nats::{prepare_shared_server, shared_url, unique_name, DeleteStreamOnDrop};
-use handoff_test::{pending_rows, OnTimeout, TestDb, Verbatim};
+use handoff_test::{free_port, pending_rows, OnTimeout, TestDb, Verbatim};
 use order_service::idempotency::{Fingerprint, IdempotencyKey};
 use order_service::model::{CancelOrder, CreateOrder, Line};
 use order_service::store::{Outcome, Store};
@@ -39,15 +38,6 @@ const POISON_LINES: usize = 50;
 /// The consumer names the checker reads.
 const INVENTORY: &str = reference_consumers::inventory::DEFAULT_NAME;
 const PAYMENTS: &str = reference_consumers::payments::DEFAULT_NAME;
-
-/// A port that was free a moment ago.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// `count(*)`-like scalar, or -1 while the table is not there yet (a consumer still migrating).
 async fn count_or_absent(pool: &PgPool, sql: &str) -> i64 {
@@ -224,7 +214,7 @@ impl System {
     /// migrated their databases.
     async fn start_consumers(&mut self) {
         for (name, db) in [(INVENTORY, &self.inventory), (PAYMENTS, &self.payments)] {
-            let metrics = format!("127.0.0.1:{}", free_port());
+            let metrics = format!("127.0.0.1:{}", free_port().expect("a free loopback port"));
             let mut args = vec![
                 "--stream",
                 &self.stream,

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use handoff_chaos::{check, CheckConfig};
 use handoff_test::nats::{shared_url, unique_name, DeleteStreamOnDrop};
 use handoff_test::proxy::FaultProxy;
-use handoff_test::{database_url, eventually, OnTimeout, TestDb, Verbatim};
+use handoff_test::{database_url, eventually, free_port, OnTimeout, TestDb, Verbatim};
 use order_service::idempotency::{Fingerprint, IdempotencyKey};
 use order_service::model::{CreateOrder, Line};
 use order_service::store::Store;
@@ -51,14 +51,6 @@ fn bin_dir() -> PathBuf {
         );
     }
     dir
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `url` with its `host:port` replaced by the proxy's.
@@ -109,7 +101,7 @@ impl System {
         let stream = unique_name("net");
         let guard = DeleteStreamOnDrop::new(&nats_url, &stream);
         let logs = tempfile::tempdir().unwrap();
-        let metrics = format!("127.0.0.1:{}", free_port());
+        let metrics = format!("127.0.0.1:{}", free_port().expect("a free loopback port"));
         let proxied_nats = format!("nats://{}", nats.addr());
         let relay = spawn(
             &bin.join("handoff"),
