@@ -17,6 +17,7 @@ use axum::{Json, Router};
 use handoff::consumer::{Consumer, ConsumerConfig, Handler, HandlerError};
 use handoff::core::intake::ReceivedEvent;
 use handoff::nats::{IntakeConfig, JetStreamIntake};
+// `MigrateError` is handoff's; `MigrationError` (below) is this crate's, and wraps it.
 use handoff::{
     EnqueueError, EnqueueErrorKind, Event, EventCatalog, MigrateError, Migrator, NewEvent, Outbox,
     OutboxConfig, Schema, ValidationError,
@@ -128,7 +129,7 @@ pub enum PlaceError {
     /// The request is refused as it stands.
     #[error("invalid order: {0}")]
     Invalid(&'static str),
-    /// The event could not be built (its payload did not serialise).
+    /// `NewEvent::from_event` refused the event: its payload did not serialise.
     #[error("while building the event: {0}")]
     Event(#[from] ValidationError),
     /// The event could not be enqueued.

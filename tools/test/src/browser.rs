@@ -130,4 +130,3 @@ fn kill_group(child: &mut Child) {
     }
     let _ = child.wait();
 }
-
