@@ -284,6 +284,9 @@ CREATE TABLE outbox_relays (
     alive_until timestamp with time zone NOT NULL,
     paused_reason text,
     paused_cause text,
+    published bigint DEFAULT 0 NOT NULL,
+    last_claim_at timestamp with time zone,
+    last_mark_at timestamp with time zone,
     CONSTRAINT outbox_relays_pkey PRIMARY KEY (session_id)
 );
 CREATE INDEX outbox_relays_relay_idx ON outbox_relays USING btree (relay_id, started_at);

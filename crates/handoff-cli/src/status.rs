@@ -125,14 +125,26 @@ fn print_relays(report: &StatusReport) {
             ),
             (None, true) => "alive".to_owned(),
         };
+        let ago = |at: Option<chrono::DateTime<chrono::Utc>>| {
+            at.map_or_else(
+                || "never".to_owned(),
+                |at| {
+                    let seconds = (now - at).num_milliseconds().max(0) as f64 / 1000.0;
+                    format!("{} ago", age(seconds))
+                },
+            )
+        };
         println!(
-            "  {}  {}  last seen {} ago  host {} pid {} version {}",
+            "  {}  {}  last seen {} ago  host {} pid {} version {}  published {}, last claim {}, last mark {}",
             relay.relay_id,
             state,
             age(seen),
             relay.host.as_deref().unwrap_or("-"),
             relay.pid.map_or_else(|| "-".to_owned(), |p| p.to_string()),
             relay.version.as_deref().unwrap_or("-"),
+            relay.published,
+            ago(relay.last_claim_at),
+            ago(relay.last_mark_at),
         );
     }
 }

@@ -224,6 +224,7 @@ pub(crate) async fn overview(
         h2 { "The last hour" }
         (chart::line("Pending events", &samples, |s| s.pending as f64))
         (chart::line("Oldest pending age (s)", &samples, |s| s.oldest_pending_age_seconds))
+        (chart::line("Events published per second", &samples, |s| s.published_per_second))
         h2 { "Stuck aggregates" }
         @if report.stuck_aggregates.is_empty() { p { "None." } } @else {
             table id="stuck" {
@@ -279,7 +280,7 @@ fn relays_table(relays: &[RelaySeen]) -> Markup {
     html! {
         @if relays.is_empty() { p id="no-relays" { "No relay has run on this outbox." } } @else {
             table id="relays" {
-                thead { tr { th { "Relay" } th { "State" } th { "Host" } th { "Version" } th { "Last heartbeat" } th { "Started" } } }
+                thead { tr { th { "Relay" } th { "State" } th { "Host" } th { "Version" } th { "Last heartbeat" } th { "Last claim" } th { "Last mark" } th { "Published" } th { "Started" } } }
                 tbody {
                     @for relay in relays {
                         tr data-relay-id=(relay.relay_id) data-alive=(relay.alive) {
@@ -295,6 +296,9 @@ fn relays_table(relays: &[RelaySeen]) -> Markup {
                             td { (relay.host.as_deref().unwrap_or("-")) " pid " (relay.pid.map_or_else(|| "-".to_owned(), |p| p.to_string())) }
                             td { (relay.version.as_deref().unwrap_or("-")) }
                             td { (since(relay.last_seen)) }
+                            td { (relay.last_claim_at.map_or_else(|| "-".to_owned(), since)) }
+                            td { (relay.last_mark_at.map_or_else(|| "-".to_owned(), since)) }
+                            td class="published" { (relay.published) }
                             td { (since(relay.started_at)) }
                         }
                     }

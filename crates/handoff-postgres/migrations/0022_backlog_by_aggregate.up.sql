@@ -22,3 +22,12 @@ CREATE INDEX outbox_pending_idx
 CREATE INDEX outbox_held_idx
     ON outbox (quarantined_at NULLS FIRST, occurred_at, event_id)
     WHERE published_at IS NULL AND available_at = 'infinity';
+
+-- What each relay session did last, for the console and `handoff status`: the events it has
+-- marked published since it started, when it last claimed and when it last marked. Kept in
+-- memory by the relay and written by its heartbeat (every quarter lease, at most every 5 s):
+-- nothing more is written per event.
+ALTER TABLE outbox_relays
+    ADD COLUMN published bigint NOT NULL DEFAULT 0,
+    ADD COLUMN last_claim_at timestamptz,
+    ADD COLUMN last_mark_at timestamptz;

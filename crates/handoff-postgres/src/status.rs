@@ -149,6 +149,12 @@ pub struct RelaySeen {
     pub paused_reason: Option<String>,
     /// The destination's answer that paused it.
     pub paused_cause: Option<String>,
+    /// Events this session marked published since it started, as of its last heartbeat.
+    pub published: i64,
+    /// When this session last claimed, as of its last heartbeat; `None` before its first.
+    pub last_claim_at: Option<DateTime<Utc>>,
+    /// When this session last marked events published, as of its last heartbeat.
+    pub last_mark_at: Option<DateTime<Utc>>,
 }
 
 /// An aggregate whose first unpublished event has waited too long.
@@ -415,6 +421,9 @@ fn read_relay(row: &PgRow) -> Result<RelaySeen, sqlx::Error> {
         alive: row.try_get("alive")?,
         paused_reason: row.try_get("paused_reason")?,
         paused_cause: row.try_get("paused_cause")?,
+        published: row.try_get("published")?,
+        last_claim_at: row.try_get("last_claim_at")?,
+        last_mark_at: row.try_get("last_mark_at")?,
     })
 }
 

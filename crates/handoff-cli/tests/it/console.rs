@@ -355,6 +355,96 @@ async fn a_read_only_console_hides_and_refuses_actions() {
     assert_eq!(held, 1);
 }
 
+/// A relay's heartbeat carries what it did: the overview and the API show its published count,
+/// last claim and last mark, and the console's samples turn the counts into events per second.
+#[tokio::test]
+async fn the_overview_shows_what_each_relay_published_and_the_rate() {
+    let (db, outbox) = migrated("console_rate").await;
+    let _client = prepare_shared_server().await;
+    let name = unique_name("console_rate");
+    let _cleanup = DeleteStreamOnDrop::new(&shared_url(), &name);
+    let target = Target {
+        database_url: db.url(),
+        nats_url: shared_url(),
+        stream: name.clone(),
+        prefix: name.clone(),
+    };
+    let console = ConsoleProcess::start(&db, &[]);
+    let relay = RelayProcess::start(&target, "rate-relay", &["--lease", "4s"], &[]);
+    for n in 1..=5 {
+        db.enqueue_alone(&outbox, factory::event("rate", n)).await;
+    }
+    let http = client();
+    let get = async |path: &str| -> Result<Value, String> {
+        http.get(format!("{}{path}", console.url))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?
+            .json::<Value>()
+            .await
+            .map_err(|e| e.to_string())
+    };
+    // The heartbeat after the marks (every second with a 4 s lease) carries the count.
+    let seen = eventually(
+        "the relay's five events in its session",
+        Duration::from_secs(30),
+        async || {
+            let status = get("/api/v1/status").await?;
+            let relay_row = status["relays"]
+                .as_array()
+                .and_then(|r| r.iter().find(|r| r["relay_id"] == "rate-relay").cloned())
+                .ok_or_else(|| format!("no relay yet: {status}\n{}", relay.log()))?;
+            if relay_row["published"] == 5 {
+                Ok(relay_row)
+            } else {
+                Err(format!("{relay_row}\n{}", relay.log()))
+            }
+        },
+    )
+    .await;
+    assert!(seen["last_claim_at"].is_string(), "{seen}");
+    assert!(seen["last_mark_at"].is_string(), "{seen}");
+    // A sample taken after that heartbeat, against one before it, has the rate.
+    eventually(
+        "a sample with events published per second",
+        Duration::from_secs(30),
+        async || {
+            let samples = get("/api/v1/samples").await?;
+            let rates: Vec<f64> = samples
+                .as_array()
+                .map(|s| {
+                    s.iter()
+                        .filter_map(|s| s["published_per_second"].as_f64())
+                        .collect()
+                })
+                .unwrap_or_default();
+            if rates.iter().any(|r| *r > 0.0) {
+                Ok(())
+            } else {
+                Err(format!("{samples}"))
+            }
+        },
+    )
+    .await;
+    let page = http
+        .get(format!("{}/", console.url))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("Events published per second"), "{page}");
+    let row = page
+        .split("data-relay-id=\"rate-relay\"")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no row for the relay:\n{page}"));
+    let row = &row[..row.find("</tr>").unwrap()];
+    assert!(row.contains("<td class=\"published\">5</td>"), "{row}");
+}
+
 /// A log-source cursor shows on the overview with what it has not passed yet, as the API (and
 /// so `handoff status --json`) reports it.
 #[tokio::test]

@@ -843,6 +843,7 @@ impl Source for LogSource {
         if !claim.events.is_empty() {
             self.lane.found_work(started.elapsed());
         }
+        self.lane.activity().claimed();
         Ok(claim)
     }
 
@@ -921,16 +922,22 @@ impl LogSource {
     async fn mark(&self, published: &[Published]) -> Result<(), SourceError> {
         let mut state = self.state.lock().await;
         let mut lane = Vec::new();
+        let mut in_stream = 0;
         let State { held, orphans } = &mut *state;
         for each in published {
             if orphans.remove(&each.event_id) {
                 continue;
             }
             match cursor_owned(held, &each.event_id) {
-                Some(held) => held.stream.published(&each.event_id),
+                Some(held) => {
+                    held.stream.published(&each.event_id);
+                    in_stream += 1;
+                }
                 None => lane.push(each.clone()),
             }
         }
+        // The lane's are counted by the polling source that marks them.
+        self.lane.activity().marked(in_stream);
         if !lane.is_empty() {
             self.lane.mark_published(&lane).await?;
         }

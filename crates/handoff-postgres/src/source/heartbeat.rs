@@ -1,8 +1,11 @@
 //! The relay's session in `outbox_relays` (migration 0020): registered at the first claim and
 //! renewed by a heartbeat task, so a takeover can tell a dead relay from a slow one.
 
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use chrono::{DateTime, Utc};
 
 use handoff_core::delivery::SourceError;
 use sqlx::postgres::PgPool;
@@ -94,6 +97,46 @@ impl Drop for Heartbeat {
     }
 }
 
+/// What a source did last, kept in memory and written by each heartbeat (migration 0022): the
+/// console reads events published per second from it, and an operator when the relay last
+/// claimed and marked. Atomics, so the relay's path pays a store per claim and per mark.
+#[derive(Debug, Default)]
+pub(crate) struct Activity {
+    /// Events marked published since the source started.
+    published: AtomicU64,
+    /// When it last claimed, in milliseconds since the epoch; 0 for never.
+    last_claim_ms: AtomicI64,
+    /// When it last marked events published, as `last_claim_ms`.
+    last_mark_ms: AtomicI64,
+}
+
+impl Activity {
+    /// A claim returned.
+    pub(crate) fn claimed(&self) {
+        self.last_claim_ms
+            .store(Utc::now().timestamp_millis(), Ordering::Relaxed);
+    }
+
+    /// `events` were marked published.
+    pub(crate) fn marked(&self, events: usize) {
+        self.published
+            .fetch_add(u64::try_from(events).unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.last_mark_ms
+            .store(Utc::now().timestamp_millis(), Ordering::Relaxed);
+    }
+
+    fn published(&self) -> i64 {
+        i64::try_from(self.published.load(Ordering::Relaxed)).unwrap_or(i64::MAX)
+    }
+
+    fn at(millis: &AtomicI64) -> Option<DateTime<Utc>> {
+        match millis.load(Ordering::Relaxed) {
+            0 => None,
+            ms => DateTime::from_timestamp_millis(ms),
+        }
+    }
+}
+
 /// What one heartbeat writes (`queries/relay_heartbeat.sql`).
 #[derive(Clone)]
 struct Beat {
@@ -107,6 +150,8 @@ struct Beat {
     /// Why the relay paused its destination, if it did: reason and cause
     /// ([`PollingSource::report_destination_pause`]).
     pause: Arc<std::sync::Mutex<Option<(String, String)>>>,
+    /// What the source did last.
+    activity: Arc<Activity>,
 }
 
 impl Beat {
@@ -123,6 +168,9 @@ impl Beat {
             .bind(self.vouch_secs)
             .bind(pause.as_ref().map(|(reason, _)| reason.clone()))
             .bind(pause.map(|(_, cause)| cause))
+            .bind(self.activity.published())
+            .bind(Activity::at(&self.activity.last_claim_ms))
+            .bind(Activity::at(&self.activity.last_mark_ms))
     }
 }
 
@@ -174,6 +222,7 @@ impl PollingSource {
             pid: i32::try_from(std::process::id()).unwrap_or(i32::MAX),
             vouch_secs: (every * HEARTBEAT_VOUCHES).as_secs_f64(),
             pause: Arc::clone(&self.pause),
+            activity: Arc::clone(&self.activity),
         };
         let what = "while registering the relay's session";
         self.on_pooled_connection(what, async |conn| {

@@ -119,6 +119,8 @@ pub struct PollingSource {
     heartbeat: std::sync::Mutex<Option<Heartbeat>>,
     /// What the heartbeat says of the destination ([`PollingSource::report_destination_pause`]).
     pause: Arc<std::sync::Mutex<Option<(String, String)>>>,
+    /// What the heartbeat says the source did last (claims, marks).
+    activity: Arc<heartbeat::Activity>,
 }
 
 struct Sql {
@@ -179,6 +181,7 @@ impl PollingSource {
             session: uuid::Uuid::now_v7(),
             heartbeat: std::sync::Mutex::new(None),
             pause: Arc::new(std::sync::Mutex::new(None)),
+            activity: Arc::default(),
         })
     }
 
@@ -210,6 +213,12 @@ impl PollingSource {
         self.record_claim_cost(took);
     }
 
+    /// What this source's heartbeat reports of its claims and marks (and of the log source's
+    /// that publishes through it).
+    pub(crate) fn activity(&self) -> &heartbeat::Activity {
+        &self.activity
+    }
+
     /// `claimed_payloads.sql`, with this source's schema.
     pub(crate) fn claimed_payloads_sql(&self) -> &str {
         &self.sql.claimed_payloads
@@ -218,7 +227,9 @@ impl PollingSource {
 
 impl Source for PollingSource {
     async fn claim(&self, max: usize, max_bytes: usize) -> Result<Claim, SourceError> {
-        self.claim_batch(max, max_bytes).await
+        let claim = self.claim_batch(max, max_bytes).await?;
+        self.activity.claimed();
+        Ok(claim)
     }
 
     async fn mark_published(&self, published: &[Published]) -> Result<(), SourceError> {
@@ -248,6 +259,7 @@ impl Source for PollingSource {
             })
             .await?;
         }
+        self.activity.marked(published.len());
         Ok(())
     }
 

@@ -437,6 +437,15 @@ async fn reverting_0021_leaves_the_polling_source_only_what_the_cursor_had_not_p
         .revert(&mut conn, 20)
         .await
         .unwrap();
+    // This build's polling source stands in for the release before 0021, whose heartbeat did
+    // not write the session columns 0022 added: give them back for it.
+    sqlx::query(
+        "ALTER TABLE outbox_relays ADD COLUMN published bigint NOT NULL DEFAULT 0,
+             ADD COLUMN last_claim_at timestamptz, ADD COLUMN last_mark_at timestamptz",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
     drop(conn);
     let polling = handoff_postgres::PollingSource::new(
         db.pool.clone(),
