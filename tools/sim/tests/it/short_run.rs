@@ -8,7 +8,7 @@ fn seeds() -> u64 {
     std::env::var("HANDOFF_SIM_SEEDS")
         .ok()
         .and_then(|n| n.parse().ok())
-        .unwrap_or(3_000)
+        .unwrap_or(10_000)
 }
 
 #[test]
