@@ -76,6 +76,43 @@ impl ConsoleProcess {
     }
 }
 
+impl ConsoleProcess {
+    /// `GET path` with the token: the page's text.
+    async fn page(&self, path: &str) -> String {
+        let answer = client()
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::OK, "GET {path}");
+        answer.text().await.unwrap()
+    }
+
+    /// `GET path` of the API with the token, as JSON; an error to wait on rather than a panic.
+    async fn json(&self, path: &str) -> Result<Value, String> {
+        client()
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?
+            .json::<Value>()
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The table row of `page` whose opening tag holds `marker` (such as `data-cursor="audit"`),
+/// up to its end.
+fn row<'a>(page: &'a str, marker: &str) -> &'a str {
+    let after = page
+        .split(marker)
+        .nth(1)
+        .unwrap_or_else(|| panic!("no row with {marker}:\n{page}"));
+    &after[..after.find("</tr>").unwrap()]
+}
+
 impl Drop for ConsoleProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -374,23 +411,12 @@ async fn the_overview_shows_what_each_relay_published_and_the_rate() {
     for n in 1..=5 {
         db.enqueue_alone(&outbox, factory::event("rate", n)).await;
     }
-    let http = client();
-    let get = async |path: &str| -> Result<Value, String> {
-        http.get(format!("{}{path}", console.url))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .map_err(|e| e.to_string())?
-            .json::<Value>()
-            .await
-            .map_err(|e| e.to_string())
-    };
     // The heartbeat after the marks (every second with a 4 s lease) carries the count.
     let seen = eventually(
         "the relay's five events in its session",
         Duration::from_secs(30),
         async || {
-            let status = get("/api/v1/status").await?;
+            let status = console.json("/api/v1/status").await?;
             let relay_row = status["relays"]
                 .as_array()
                 .and_then(|r| r.iter().find(|r| r["relay_id"] == "rate-relay").cloned())
@@ -410,7 +436,7 @@ async fn the_overview_shows_what_each_relay_published_and_the_rate() {
         "a sample with events published per second",
         Duration::from_secs(30),
         async || {
-            let samples = get("/api/v1/samples").await?;
+            let samples = console.json("/api/v1/samples").await?;
             let rates: Vec<f64> = samples
                 .as_array()
                 .map(|s| {
@@ -427,22 +453,13 @@ async fn the_overview_shows_what_each_relay_published_and_the_rate() {
         },
     )
     .await;
-    let page = http
-        .get(format!("{}/", console.url))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = console.page("/").await;
     assert!(page.contains("Events published per second"), "{page}");
-    let row = page
-        .split("data-relay-id=\"rate-relay\"")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no row for the relay:\n{page}"));
-    let row = &row[..row.find("</tr>").unwrap()];
-    assert!(row.contains("<td class=\"published\">5</td>"), "{row}");
+    let relay_row = row(&page, "data-relay-id=\"rate-relay\"");
+    assert!(
+        relay_row.contains("<td class=\"published\">5</td>"),
+        "{relay_row}"
+    );
 }
 
 /// A log-source cursor shows on the overview with what it has not passed yet, as the API (and
@@ -477,39 +494,18 @@ async fn the_overview_shows_each_cursor_and_the_events_behind_it() {
     }
 
     let console = ConsoleProcess::start(&db, &[]);
-    let http = client();
-    let status: Value = http
-        .get(format!("{}/api/v1/status", console.url))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let status = console.json("/api/v1/status").await.unwrap();
     let cursors = status["cursors"].as_array().unwrap();
     assert_eq!(cursors.len(), 1, "{status}");
     assert_eq!(cursors[0]["cursor"], "audit");
     assert_eq!(cursors[0]["lag_events"], 3);
     assert_eq!(cursors[0]["owner_relay"], "relay-log");
 
-    let page = http
-        .get(format!("{}/", console.url))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let row = page
-        .split("<tr data-cursor=\"audit\">")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no row for the cursor audit:\n{page}"));
-    let row = &row[..row.find("</tr>").unwrap()];
+    let page = console.page("/").await;
+    let cursor_row = row(&page, "<tr data-cursor=\"audit\">");
     assert!(
-        row.contains("<td class=\"lag-events\">3</td>") && row.contains("relay-log"),
-        "{row}"
+        cursor_row.contains("<td class=\"lag-events\">3</td>") && cursor_row.contains("relay-log"),
+        "{cursor_row}"
     );
 }
 
