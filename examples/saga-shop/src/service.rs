@@ -228,6 +228,11 @@ pub async fn start<H: Handler>(
         // A payment provider that keeps timing out must not land a charge in the quarantine.
         max_deliveries: 1000,
         pooling,
+        // One event per transaction: the participants update shared rows (the stock levels
+        // every order reserves from) or call the payment provider, and concurrent batches
+        // would take those rows' locks in different orders and deadlock (BatchConfig's
+        // trade-off).
+        batch: None,
         ..ConsumerConfig::default()
     };
     let consumer = Consumer::new(config, pool.clone(), handler)?;
