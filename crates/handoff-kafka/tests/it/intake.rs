@@ -65,6 +65,24 @@ impl Setup {
     }
 
     async fn start_with_cap(&self, group: &str, recorder: Recorder, cap: u64) -> Running {
+        self.start_with(group, recorder, cap, ConsumerConfig::default().batch)
+            .await
+    }
+
+    /// A consumer that applies one delivery per transaction: its handler calls are then
+    /// exactly the deliveries (in a batch, an event that succeeded is called again when the
+    /// batch rolls back for a neighbour's failure).
+    async fn start_per_event(&self, group: &str, recorder: Recorder) -> Running {
+        self.start_with(group, recorder, 1_000, None).await
+    }
+
+    async fn start_with(
+        &self,
+        group: &str,
+        recorder: Recorder,
+        cap: u64,
+        batch: Option<handoff_consumer::BatchConfig>,
+    ) -> Running {
         let intake = KafkaIntake::connect(IntakeConfig {
             brokers: self.broker.brokers(),
             topic: self.topic.clone(),
@@ -80,6 +98,7 @@ impl Setup {
                 initial: Duration::from_millis(20),
                 max: Duration::from_millis(100),
             },
+            batch,
             ..ConsumerConfig::default()
         };
         let consumer = Consumer::new(config, self.db.pool.clone(), recorder).unwrap();
@@ -123,8 +142,9 @@ async fn a_duplicated_publish_and_naks_apply_each_effect_once_in_order() {
     }
     // Each aggregate's second event fails on its first two calls (rolled back, naked and
     // delivered again from memory), while other aggregates settle past it.
+    // One per transaction, as the handler calls are counted below.
     let recorder = fails_when(|event, call| event.sequence == 2 && call <= 2);
-    let running = setup.start("dupes", recorder.clone()).await;
+    let running = setup.start_per_event("dupes", recorder.clone()).await;
     setup.wait_processed(48).await;
     // A marker after everything: once applied, every copy before it was delivered.
     setup.publish(&factory::outbox_event("marker", 1)).await;
