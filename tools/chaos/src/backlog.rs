@@ -580,7 +580,7 @@ async fn drill(
     // Whatever ends the drill (an error included) ends the load.
     let _stop = StopOnDrop(load.clone());
     // No deadline of its own: the load runs until the drain is over.
-    let clients = load.spawn_clients(config.seed, urls, started + HOLD, Some(config.rate))?;
+    let clients = load.spawn_clients(config.seed, urls, started + HOLD, Some(config.rate), None)?;
     let sampler = Sampler::start(urls, started).await?;
     let stopped_at = started + config.warmup;
     let alerts = AlertWatch::start(prometheus.clone(), stopped_at);

@@ -215,12 +215,23 @@ pub struct Report {
     pub violations: Vec<Violation>,
     /// The first of `violations`, the counter-example to start from.
     pub first_violation: Option<Violation>,
+    /// Only in a check of a system still catching up ([`check_catching_up`]): per part of the
+    /// system (`relay`, or a consumer's name), the events it has not reached yet, which are
+    /// not judged. Empty in a plain [`check`] and once everything is caught up.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub behind: BTreeMap<String, u64>,
 }
 
 impl Report {
     /// Whether every invariant holds.
     pub fn holds(&self) -> bool {
         self.violations.is_empty()
+    }
+
+    /// Whether every event was reached by every part of the system checked (always so for a
+    /// plain [`check`]): `false` means the check judged only what had been reached.
+    pub fn caught_up(&self) -> bool {
+        self.behind.values().all(|&n| n == 0)
     }
 
     /// The kinds of the violations found, in order, each once.
@@ -250,6 +261,8 @@ struct Intent {
     /// Skipped by an operator (`handoff quarantine skip`): published as a skip marker, never
     /// to be applied.
     skipped: bool,
+    /// Not yet published and not held: a relay has still to reach it.
+    pending: bool,
 }
 
 /// Reads everything and checks every invariant.
@@ -282,11 +295,111 @@ pub async fn check_messages(
     check_with(config, pool, messages).await
 }
 
+/// How far each consumer had got on the broker, read BEFORE the consumers' databases: what
+/// [`check_catching_up`] needs to tell an event a consumer has not reached yet from one it lost.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Positions {
+    /// Per consumer name, its ack floor: the stream sequence at or below which the broker holds
+    /// every message as acknowledged by that consumer (JetStream's `ack_floor.stream_seq`). A
+    /// consumer acknowledges only after its transaction committed, so an event whose every copy
+    /// is at or below the floor was applied, or lost. A consumer without a floor here is
+    /// credited only with the events no relay has published yet.
+    pub ack_floors: BTreeMap<String, u64>,
+}
+
+/// Reads the ack floor of each of `consumers` (durable names) on `stream`; a consumer whose info
+/// cannot be read is left out, which makes the check stricter, never looser.
+///
+/// # Errors
+///
+/// [`CheckError::Nats`] when the server or the stream cannot be reached.
+pub async fn ack_floors(
+    nats_url: &str,
+    stream: &str,
+    consumers: &[&str],
+) -> Result<Positions, CheckError> {
+    let client = async_nats::connect(nats_url)
+        .await
+        .map_err(|e| CheckError::Nats(format!("connect to {nats_url}: {e}")))?;
+    let stream = async_nats::jetstream::new(client)
+        .get_stream(stream)
+        .await
+        .map_err(|e| CheckError::Nats(format!("stream {stream}: {e}")))?;
+    let mut positions = Positions::default();
+    for &name in consumers {
+        match stream.consumer_info(name).await {
+            Ok(info) => {
+                positions
+                    .ack_floors
+                    .insert(name.to_owned(), info.ack_floor.stream_sequence);
+            }
+            Err(error) => tracing::warn!(%error, consumer = name, "no ack floor"),
+        }
+    }
+    Ok(positions)
+}
+
+/// Checks a system that may still be catching up (its consumers, or its relays, behind): as
+/// [`check`], except that an event a part of the system has provably not reached yet is counted
+/// in [`Report::behind`] instead of judged. Everything else is judged as strictly as by
+/// [`check`], so a real loss is still a violation:
+///
+/// - a relay has not reached an outbox event that is neither published nor held;
+/// - a consumer has not reached an event above its last applied sequence for the aggregate
+///   (`consumer_sequences`, advanced in the effect's transaction) that the relay has not
+///   published yet, or of which a copy lies above the consumer's ack floor in `positions`.
+///
+/// An event at or below the consumer's last applied sequence without its inbox row, or whose
+/// every copy was acknowledged, stays a `missing_effect`. The system must be still (its relays
+/// and consumers stopped) while it is read, and `positions` read before it: a consumer that
+/// applies events between the reads of its inbox and its effects would look inconsistent.
+///
+/// # Errors
+///
+/// [`CheckError`] when a database, the stream or the provider cannot be read.
+pub async fn check_catching_up(
+    config: &CheckConfig,
+    positions: &Positions,
+) -> Result<Report, CheckError> {
+    let pool = connect(&config.database_url).await?;
+    let client = async_nats::connect(&config.nats_url)
+        .await
+        .map_err(|e| CheckError::Nats(format!("connect to {}: {e}", config.nats_url)))?;
+    let messages = stream::read_stream(&client, &config.stream, &config.subject_prefix).await?;
+    check_with_positions(config, pool, &messages, Some(positions)).await
+}
+
+/// [`check_catching_up`] against `messages` read from another destination (see
+/// [`check_messages`]).
+///
+/// # Errors
+///
+/// [`CheckError`] when a database or the provider cannot be read.
+pub async fn check_messages_catching_up(
+    config: &CheckConfig,
+    messages: &[StreamMessage],
+    positions: &Positions,
+) -> Result<Report, CheckError> {
+    let pool = connect(&config.database_url).await?;
+    check_with_positions(config, pool, messages, Some(positions)).await
+}
+
 /// Checks every invariant over the order service's database behind `pool` and `messages`.
 async fn check_with(
     config: &CheckConfig,
     pool: PgPool,
     messages: &[StreamMessage],
+) -> Result<Report, CheckError> {
+    check_with_positions(config, pool, messages, None).await
+}
+
+/// As [`check_with`]; with `positions`, what a part of the system has not reached yet is counted
+/// as behind rather than judged (see [`check_catching_up`]).
+async fn check_with_positions(
+    config: &CheckConfig,
+    pool: PgPool,
+    messages: &[StreamMessage],
+    positions: Option<&Positions>,
 ) -> Result<Report, CheckError> {
     let mut report = Report::default();
     let world = World::read(&pool).await?;
@@ -298,25 +411,70 @@ async fn check_with(
     report.stream_messages = messages.len() as u64;
     let mut violations = Vec::new();
     world.check_intents(&mut violations);
-    report.duplicates_absorbed = world.check_stream(messages, &mut violations);
+    let catching_up = positions.is_some();
+    let (duplicates, relay_behind) = world.check_stream(messages, catching_up, &mut violations);
+    report.duplicates_absorbed = duplicates;
+    // The last stream sequence of each event's copies: the consumer has not reached an event
+    // while one of its copies lies above the consumer's ack floor.
+    let mut last_copy: HashMap<Uuid, u64> = HashMap::new();
+    if catching_up {
+        report.behind.insert("relay".to_owned(), relay_behind);
+        for message in messages {
+            if let Some(id) = message.event_id {
+                let last = last_copy.entry(id).or_insert(0);
+                *last = (*last).max(message.stream_sequence);
+            }
+        }
+    }
+    let reach = |consumer: &str| {
+        positions.map(|p| Reach {
+            ack_floor: p.ack_floors.get(consumer).copied(),
+            last_copy: &last_copy,
+        })
+    };
     if let Some(url) = &config.inventory_database_url {
         let pool = connect(url).await?;
-        let counts = world.check_inventory(&pool, &mut violations).await?;
+        let (counts, behind) = world
+            .check_inventory(&pool, reach(INVENTORY).as_ref(), &mut violations)
+            .await?;
         report.effects.insert(INVENTORY.to_owned(), counts);
+        if catching_up {
+            report
+                .behind
+                .insert(INVENTORY.to_owned(), behind.len() as u64);
+        }
         pool.close().await;
     }
+    let mut payments_behind = HashSet::new();
     if let Some(url) = &config.payments_database_url {
         let pool = connect(url).await?;
-        let counts = world.check_payments(&pool, &mut violations).await?;
+        let (counts, behind) = world
+            .check_payments(&pool, reach(PAYMENTS).as_ref(), &mut violations)
+            .await?;
         report.effects.insert(PAYMENTS.to_owned(), counts);
+        if catching_up {
+            report
+                .behind
+                .insert(PAYMENTS.to_owned(), behind.len() as u64);
+        }
+        payments_behind = behind;
         pool.close().await;
     }
     if let Some(url) = &config.provider_url {
-        world.check_provider(url, &mut violations).await?;
+        world
+            .check_provider(url, &payments_behind, &mut violations)
+            .await?;
     }
     report.first_violation = violations.first().cloned();
     report.violations = violations;
     Ok(report)
+}
+
+/// What a consumer had reached on the broker: its ack floor, when known, and the last stream
+/// sequence of each event's copies.
+struct Reach<'a> {
+    ack_floor: Option<u64>,
+    last_copy: &'a HashMap<Uuid, u64>,
 }
 
 /// A small pool for `url` that gives up within seconds when the server does not answer.
@@ -388,11 +546,12 @@ impl World {
         let all = sqlx::query_as::<_, Intent>(
             "SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
                     schema_version, payload, quarantined_at IS NOT NULL AS quarantined,
-                    skip_reason IS NOT NULL AS skipped
+                    skip_reason IS NOT NULL AS skipped,
+                    published_at IS NULL AND quarantined_at IS NULL AS pending
              FROM outbox
              UNION ALL
              SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
-                    schema_version, payload, false, skip_reason IS NOT NULL
+                    schema_version, payload, false, skip_reason IS NOT NULL, false
              FROM outbox_archive
              ORDER BY aggregate_type, aggregate_id, aggregate_sequence",
         )
@@ -481,8 +640,16 @@ impl World {
         }
     }
 
-    /// Invariants 3 and 4: the stream against the outbox. Returns the duplicates absorbed.
-    fn check_stream(&self, messages: &[StreamMessage], violations: &mut Vec<Violation>) -> u64 {
+    /// Invariants 3 and 4: the stream against the outbox. Returns the duplicates absorbed, and
+    /// with `catching_up` the events no relay has reached yet (pending in the outbox, not held),
+    /// which are then not reported as unpublished.
+    fn check_stream(
+        &self,
+        messages: &[StreamMessage],
+        catching_up: bool,
+        violations: &mut Vec<Violation>,
+    ) -> (u64, u64) {
+        let mut relay_behind = 0;
         let intents: HashMap<Uuid, &Intent> = self.all.iter().map(|i| (i.event_id, i)).collect();
         let mut seen: HashSet<Uuid> = HashSet::new();
         let mut duplicates = 0;
@@ -537,6 +704,10 @@ impl World {
         }
         for intent in &self.all {
             if !seen.contains(&intent.event_id) {
+                if catching_up && intent.pending {
+                    relay_behind += 1;
+                    continue;
+                }
                 let held = if intent.quarantined {
                     " (it is quarantined)"
                 } else {
@@ -591,16 +762,45 @@ impl World {
                 });
             }
         }
-        duplicates
+        (duplicates, relay_behind)
     }
 
     /// The inbox of `consumer`: each event once, none unknown, last sequences as the orders'.
+    /// With `reach`, the events the consumer has not reached yet are returned instead of judged.
     async fn check_inbox(
         &self,
         pool: &PgPool,
         consumer: &str,
+        reach: Option<&Reach<'_>>,
         violations: &mut Vec<Violation>,
-    ) -> Result<(u64, u64), CheckError> {
+    ) -> Result<(u64, u64, HashSet<Uuid>), CheckError> {
+        // The last sequences first: read after the inbox, a consumer still running could have
+        // moved past an event read as missing, which would then look lost.
+        let lasts: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT aggregate_id, last_sequence FROM consumer_sequences
+             WHERE consumer_name = $1 AND aggregate_type = $2",
+        )
+        .bind(consumer)
+        .bind(ORDER)
+        .fetch_all(pool)
+        .await?;
+        let lasts: HashMap<String, i64> = lasts.into_iter().collect();
+        // Not reached: beyond the consumer's last applied sequence of its aggregate, and not
+        // yet published, or with a copy the consumer has not acknowledged.
+        let unreached = |intent: &Intent| {
+            let Some(reach) = reach else {
+                return false;
+            };
+            let last = lasts.get(&intent.aggregate_id).copied().unwrap_or(0);
+            let unacked = reach.ack_floor.is_some_and(|floor| {
+                reach
+                    .last_copy
+                    .get(&intent.event_id)
+                    .is_some_and(|&copy| copy > floor)
+            });
+            intent.aggregate_sequence > last && (intent.pending || unacked)
+        };
+        let mut behind: HashSet<Uuid> = HashSet::new();
         let processed: Vec<Uuid> =
             sqlx::query_scalar("SELECT event_id FROM processed_events WHERE consumer_name = $1")
                 .bind(consumer)
@@ -621,6 +821,10 @@ impl World {
         let known: HashSet<Uuid> = self.intents.iter().map(|i| i.event_id).collect();
         for intent in &self.intents {
             if !processed_set.contains(&intent.event_id) {
+                if unreached(intent) {
+                    behind.insert(intent.event_id);
+                    continue;
+                }
                 violations.push(
                     Violation::new(
                         ViolationKind::MissingEffect,
@@ -653,22 +857,23 @@ impl World {
                 );
             }
         }
-        let lasts: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT aggregate_id, last_sequence FROM consumer_sequences
-             WHERE consumer_name = $1 AND aggregate_type = $2",
-        )
-        .bind(consumer)
-        .bind(ORDER)
-        .fetch_all(pool)
-        .await?;
-        let lasts: HashMap<String, i64> = lasts.into_iter().collect();
         let mut heads: BTreeMap<&str, i64> = BTreeMap::new();
+        // Aggregates with an event beyond the consumer's last sequence that it has reached:
+        // their short sequence is not explained by lag.
+        let mut unexplained: HashSet<&str> = HashSet::new();
         for intent in &self.intents {
             let head = heads.entry(intent.aggregate_id.as_str()).or_insert(0);
             *head = (*head).max(intent.aggregate_sequence);
+            let last = lasts.get(&intent.aggregate_id).copied().unwrap_or(0);
+            if intent.aggregate_sequence > last && !behind.contains(&intent.event_id) {
+                unexplained.insert(intent.aggregate_id.as_str());
+            }
         }
         for (aggregate, head) in heads {
             let last = lasts.get(aggregate).copied().unwrap_or(0);
+            if last < head && !unexplained.contains(aggregate) {
+                continue;
+            }
             if last != head {
                 violations.push(
                     Violation::new(
@@ -690,19 +895,26 @@ impl World {
             .iter()
             .filter(|i| i.skipped && processed_set.contains(&i.event_id))
             .count() as u64;
-        Ok((processed.len() as u64, skipped))
+        Ok((processed.len() as u64, skipped, behind))
     }
 
-    /// Inventory: the inbox, and `stock.reserved` per SKU equal to what the events imply.
+    /// Inventory: the inbox, and `stock.reserved` per SKU equal to what the events imply (those
+    /// it has reached). Returns the events it has not reached (see [`check_catching_up`]).
     async fn check_inventory(
         &self,
         pool: &PgPool,
+        reach: Option<&Reach<'_>>,
         violations: &mut Vec<Violation>,
-    ) -> Result<ConsumerCounts, CheckError> {
-        let (inbox, skipped) = self.check_inbox(pool, INVENTORY, violations).await?;
+    ) -> Result<(ConsumerCounts, HashSet<Uuid>), CheckError> {
+        let (inbox, skipped, behind) = self.check_inbox(pool, INVENTORY, reach, violations).await?;
         let mut expected: BTreeMap<String, i64> = BTreeMap::new();
         // A skipped event changes no stock: the consumer recorded its marker, never its lines.
-        for intent in self.intents.iter().filter(|i| !i.skipped) {
+        // An event not reached yet has changed none either.
+        for intent in self
+            .intents
+            .iter()
+            .filter(|i| !i.skipped && !behind.contains(&i.event_id))
+        {
             let event = ReceivedEvent {
                 event_id: intent.event_id,
                 aggregate_type: ORDER.to_owned(),
@@ -734,36 +946,44 @@ impl World {
         for (sku, got) in actual {
             effect_amount(violations, INVENTORY, &sku, got, 0);
         }
-        Ok(ConsumerCounts {
+        let counts = ConsumerCounts {
             inbox,
             effects,
             skipped,
-        })
+        };
+        Ok((counts, behind))
     }
 
-    /// Payments: the inbox, and one payment per order that was created.
+    /// Payments: the inbox, and one payment per order that was created (none for an order
+    /// whose creation it has not reached). Returns the events it has not reached.
     async fn check_payments(
         &self,
         pool: &PgPool,
+        reach: Option<&Reach<'_>>,
         violations: &mut Vec<Violation>,
-    ) -> Result<ConsumerCounts, CheckError> {
-        let (inbox, skipped) = self.check_inbox(pool, PAYMENTS, violations).await?;
+    ) -> Result<(ConsumerCounts, HashSet<Uuid>), CheckError> {
+        let (inbox, skipped, behind) = self.check_inbox(pool, PAYMENTS, reach, violations).await?;
         let rows: Vec<(Uuid,)> = sqlx::query_as("SELECT order_id FROM payments")
             .fetch_all(pool)
             .await?;
         let ids: Vec<String> = rows.into_iter().map(|(id,)| id.to_string()).collect();
-        self.one_per_created_order(PAYMENTS, "payment", &ids, violations);
-        Ok(ConsumerCounts {
+        // The payment row is written in the event's transaction: none before it is reached.
+        self.one_per_created_order(PAYMENTS, "payment", &ids, &behind, 0, violations);
+        let counts = ConsumerCounts {
             inbox,
             effects: ids.len() as u64,
             skipped,
-        })
+        };
+        Ok((counts, behind))
     }
 
-    /// The provider: one charge per order that was created.
+    /// The provider: one charge per order that was created; at most one for an order whose
+    /// creation the payments consumer has not reached (`payments_behind`): a charge made by a
+    /// delivery whose transaction did not commit, which the next one replays.
     async fn check_provider(
         &self,
         url: &str,
+        payments_behind: &HashSet<Uuid>,
         violations: &mut Vec<Violation>,
     ) -> Result<(), CheckError> {
         #[derive(Deserialize)]
@@ -773,15 +993,26 @@ impl World {
         let url = format!("{}/charges", url.trim_end_matches('/'));
         let charges: Vec<Charge> = reqwest::get(&url).await?.error_for_status()?.json().await?;
         let ids: Vec<String> = charges.iter().map(|c| c.order_id.to_string()).collect();
-        self.one_per_created_order("payment-provider", "charge", &ids, violations);
+        self.one_per_created_order(
+            "payment-provider",
+            "charge",
+            &ids,
+            payments_behind,
+            1,
+            violations,
+        );
         Ok(())
     }
 
+    /// One effect per created order; for an order whose creation is in `behind`, from 0 to
+    /// `behind_at_most`.
     fn one_per_created_order(
         &self,
         consumer: &str,
         what: &str,
         order_ids: &[String],
+        behind: &HashSet<Uuid>,
+        behind_at_most: usize,
         violations: &mut Vec<Violation>,
     ) {
         let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
@@ -791,6 +1022,9 @@ impl World {
         for intent in self.intents.iter().filter(|i| i.aggregate_sequence == 1) {
             let id = intent.aggregate_id.as_str();
             let n = counts.remove(id).unwrap_or(0);
+            if behind.contains(&intent.event_id) && n <= behind_at_most {
+                continue;
+            }
             // An order whose creation an operator skipped is never charged.
             let kind = match (intent.skipped, n) {
                 (true, 0) | (false, 1) => continue,

@@ -3,7 +3,9 @@
 //! that must reach a number of kills; `backlog` is the backlog drill (design V3).
 //!
 //! Exit codes: 0 every invariant holds, 1 the check (or run) could not run, or a soak killed
-//! fewer processes than asked, 2 a violation was found.
+//! fewer processes than asked, 2 a violation was found, 3 (run and soak) no violation among
+//! what was reached, but the run ended with part of the system still catching up: its lag is
+//! reported, and the events not reached yet were not judged.
 
 use std::process::ExitCode;
 
@@ -51,9 +53,12 @@ struct RunArgs {
     /// times.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// How long the system may take to settle after the faults stop.
+    /// How long settling may go on without progress after the faults stop: it goes on as long
+    /// as the work left (pending outbox rows, consumer lag) keeps shrinking.
     #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
     settle_timeout: Duration,
+    #[command(flatten)]
+    pacing: Pacing,
     /// Write each child's stderr to DIR/<kind>-<n>.log (appended across restarts).
     #[arg(long, value_name = "DIR")]
     log_dir: Option<PathBuf>,
@@ -100,9 +105,11 @@ struct SoakArgs {
     /// tested what it claims.
     #[arg(long, default_value_t = 1000)]
     min_kills: u64,
-    /// How long the system may take to settle after the faults stop.
+    /// How long settling may go on without progress after the faults stop (as for `run`).
     #[arg(long, default_value = "300s", value_parser = humantime::parse_duration)]
     settle_timeout: Duration,
+    #[command(flatten)]
+    pacing: Pacing,
     /// Write each child's stderr to DIR/<kind>-<n>.log (appended across restarts).
     #[arg(long, value_name = "DIR")]
     log_dir: Option<PathBuf>,
@@ -118,6 +125,25 @@ struct SoakArgs {
     /// Print the whole report as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// How the load is held back, and how the report cuts the run into intervals.
+#[derive(Args, Debug)]
+struct Pacing {
+    /// Hold the load while the slowest consumer is more than this many events behind (events
+    /// committed minus events it applied); released at three quarters of it. 0 lets the load
+    /// run unpaced (it then measures capacity: how far the consumers fall behind).
+    #[arg(long, default_value_t = handoff_chaos::run::DEFAULT_MAX_LAG)]
+    max_lag: u64,
+    /// The length of the intervals of the report's time series (`series`).
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    report_interval: Duration,
+}
+
+impl Pacing {
+    fn max_lag(&self) -> Option<u64> {
+        (self.max_lag > 0).then_some(self.max_lag)
+    }
 }
 
 /// What to do with a chaos run's report.
@@ -179,8 +205,9 @@ fn main() -> ExitCode {
         }
     };
     match run(cli) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(2),
+        Ok(Verdict::Holds) => ExitCode::SUCCESS,
+        Ok(Verdict::Violated) => ExitCode::from(2),
+        Ok(Verdict::Behind) => ExitCode::from(3),
         Err(error) => {
             eprintln!("handoff-chaos: {error:#}");
             ExitCode::from(1)
@@ -188,7 +215,27 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<bool> {
+/// How a command ended, when it could run.
+enum Verdict {
+    /// Every invariant holds.
+    Holds,
+    /// A violation was found.
+    Violated,
+    /// No violation among what was reached, but part of the system was still catching up.
+    Behind,
+}
+
+impl From<bool> for Verdict {
+    fn from(holds: bool) -> Verdict {
+        if holds {
+            Verdict::Holds
+        } else {
+            Verdict::Violated
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<Verdict> {
     let runtime = tokio::runtime::Runtime::new().context("start the runtime")?;
     let args = match cli.command {
         Command::Check(args) => args,
@@ -204,6 +251,8 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 bin_dir: PathBuf::new(),
                 log_dir: args.log_dir,
                 settle_timeout: args.settle_timeout,
+                max_lag: args.pacing.max_lag(),
+                report_interval: args.pacing.report_interval,
                 relay_source: args.relay_source.into(),
                 destination: Destination::try_from(args.destination)?,
             };
@@ -221,12 +270,14 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
                 bin_dir: PathBuf::new(),
                 log_dir: args.log_dir,
                 settle_timeout: args.settle_timeout,
+                max_lag: args.pacing.max_lag(),
+                report_interval: args.pacing.report_interval,
                 relay_source: args.relay_source.into(),
                 destination: Destination::try_from(args.destination)?,
             };
             return chaos(&runtime, config, output);
         }
-        Command::Backlog(args) => return backlog(&runtime, args),
+        Command::Backlog(args) => return backlog(&runtime, args).map(Verdict::from),
     };
     let config = CheckConfig {
         database_url: args.database_url,
@@ -256,7 +307,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
             println!("first counter-example: {}", serde_json::to_string(first)?);
         }
     }
-    Ok(report.holds())
+    Ok(report.holds().into())
 }
 
 /// Runs the chaos run of `config` (its `bin_dir` is this executable's directory, whatever it
@@ -265,7 +316,7 @@ fn chaos(
     runtime: &tokio::runtime::Runtime,
     mut config: RunConfig,
     output: Output,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Verdict> {
     let own = std::env::current_exe().context("locate the handoff-chaos executable")?;
     config.bin_dir = own
         .parent()
@@ -308,7 +359,13 @@ fn chaos(
             output.min_kills
         );
     }
-    Ok(report.holds())
+    Ok(if !report.holds() {
+        Verdict::Violated
+    } else if report.behind() {
+        Verdict::Behind
+    } else {
+        Verdict::Holds
+    })
 }
 
 /// A bar over the fault phase on a terminal (hidden otherwise): a soak is half an hour of
@@ -372,14 +429,76 @@ fn print_summary(report: &RunReport) -> anyhow::Result<()> {
         if report.settled {
             ""
         } else {
-            " (did not settle in time)"
+            " (gave up: no progress for the settle timeout)"
         }
     );
+    let held = match report.max_lag {
+        Some(bound) => format!(
+            "held {:.0} s in all while a consumer was over {bound} events behind",
+            report.held_seconds
+        ),
+        None => "unpaced".to_owned(),
+    };
+    println!("load {held}");
+    print_series(report);
+    if report.behind() {
+        let behind: Vec<String> = report
+            .behind
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(part, n)| format!("{part} {n}"))
+            .collect();
+        println!(
+            "behind (still catching up, not judged; lag, not violations): {}",
+            behind.join(", ")
+        );
+    }
     println!("violations {}", report.violations.len());
     if let Some(first) = &report.check.first_violation {
         println!("first counter-example: {}", serde_json::to_string(first)?);
     }
     Ok(())
+}
+
+/// The time series as a table: one line per interval.
+fn print_series(report: &RunReport) {
+    if report.series.is_empty() {
+        return;
+    }
+    let names: Vec<&String> = report
+        .series
+        .first()
+        .map(|i| i.consumers.keys().collect())
+        .unwrap_or_default();
+    let mut header = format!(
+        "{:>6} {:>6} {:>7} {:>9} {:>9} {:>8} {:>5}",
+        "from s", "to s", "phase", "cmds/s", "events/s", "pub/s", "held"
+    );
+    for name in &names {
+        header.push_str(&format!(" {:>12} {:>8}", format!("{name}/s"), "lag"));
+    }
+    println!("{header}");
+    for interval in &report.series {
+        let mut line = format!(
+            "{:>6.0} {:>6.0} {:>7} {:>9.1} {:>9.1} {:>8.1} {:>5.0}",
+            interval.from_seconds,
+            interval.to_seconds,
+            interval.phase,
+            interval.commands_per_second,
+            interval.events_per_second,
+            interval.published_per_second,
+            interval.held_seconds
+        );
+        for name in &names {
+            if let Some(rate) = interval.consumers.get(*name) {
+                line.push_str(&format!(
+                    " {:>12.1} {:>8}",
+                    rate.applied_per_second, rate.lag
+                ));
+            }
+        }
+        println!("{line}");
+    }
 }
 
 fn backlog(

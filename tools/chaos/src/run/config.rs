@@ -17,8 +17,16 @@ pub struct RunConfig {
     /// Where the children's stderr goes, one file per process (`relay-0.log`, ...); `None`
     /// discards it.
     pub log_dir: Option<PathBuf>,
-    /// How long the system may take to settle after the faults stop.
+    /// How long settling may go on without progress after the faults stop: the run waits as
+    /// long as the work left (pending outbox rows, consumers' lag) keeps reaching new lows, and
+    /// gives up when it has not for this long.
     pub settle_timeout: Duration,
+    /// Hold the load while the slowest consumer is more than this many events behind (events
+    /// committed minus events it applied); `None` lets the load run unpaced, which on a fast
+    /// build measures how far the consumers fall behind rather than whether they are right.
+    pub max_lag: Option<u64>,
+    /// The length of the intervals of the report's time series.
+    pub report_interval: Duration,
     /// Where the relays read committed events from.
     pub relay_source: RelaySource,
     /// Where the relays publish and the consumers read.
@@ -93,13 +101,20 @@ pub enum RelaySource {
     Logical,
 }
 
+/// The default `--max-lag`: a backlog the reference consumers clear in well under a minute
+/// after the faults stop, and large enough that the load runs free through ordinary kills.
+pub const DEFAULT_MAX_LAG: u64 = 5_000;
+
+/// The default `--report-interval`.
+pub const DEFAULT_REPORT_INTERVAL: Duration = Duration::from_secs(30);
+
 /// The slot and publication of a run with [`RelaySource::Logical`].
 pub(super) const CDC_SLOT: &str = "handoff";
 pub(super) const CDC_PUBLICATION: &str = "handoff_outbox";
 
 impl Default for RunConfig {
-    /// A minute of faults with seed 1, binaries in the working directory, no logs, two minutes
-    /// to settle.
+    /// A minute of faults with seed 1, binaries in the working directory, no logs, up to two
+    /// minutes without progress while settling, the load held at [`DEFAULT_MAX_LAG`].
     fn default() -> Self {
         Self {
             duration: Duration::from_secs(60),
@@ -107,6 +122,8 @@ impl Default for RunConfig {
             bin_dir: PathBuf::from("."),
             log_dir: None,
             settle_timeout: Duration::from_secs(120),
+            max_lag: Some(DEFAULT_MAX_LAG),
+            report_interval: DEFAULT_REPORT_INTERVAL,
             relay_source: RelaySource::Polling,
             destination: Destination::Nats,
         }
@@ -118,7 +135,7 @@ impl RunConfig {
     ///
     /// # Errors
     ///
-    /// [`RunError::Config`] for a zero duration or settle timeout.
+    /// [`RunError::Config`] for a zero duration, settle timeout or report interval.
     ///
     /// # Examples
     ///
@@ -137,6 +154,11 @@ impl RunConfig {
         if self.settle_timeout.is_zero() {
             return Err(RunError::Config(
                 "the settle timeout must be above zero".into(),
+            ));
+        }
+        if self.report_interval.is_zero() {
+            return Err(RunError::Config(
+                "the report interval must be above zero".into(),
             ));
         }
         Ok(())

@@ -17,13 +17,16 @@ pub(crate) struct Load {
 impl Load {
     /// Starts [`CLIENTS`] clients seeded from `seed` that send commands until `until` (or
     /// [`Load::stop`]); with `rate` (commands per second over all clients) each client paces
-    /// itself, without it each sends its next command as soon as the last is answered.
+    /// itself, without it each sends its next command as soon as the last is answered. With
+    /// `hold`, a client sends no new command while it says `true` (the consumers are too far
+    /// behind: the load waits for them instead of measuring how far they can fall behind).
     pub(crate) fn spawn_clients(
         &self,
         seed: u64,
         urls: &Urls,
         until: Instant,
         rate: Option<f64>,
+        hold: Option<watch::Receiver<bool>>,
     ) -> Result<Vec<JoinHandle<()>>, RunError> {
         let http = reqwest::Client::builder()
             .timeout(REQUEST_TIMEOUT)
@@ -45,6 +48,7 @@ impl Load {
                 open: Vec::new(),
                 closed: Vec::new(),
                 load: self.clone(),
+                hold: hold.clone(),
             };
             clients.push(tokio::spawn(client.send_until(until, pace)));
         }
@@ -74,6 +78,8 @@ pub(super) struct Client {
     /// Its cancelled orders: a line for one of them is refused.
     closed: Vec<String>,
     load: Load,
+    /// While it says `true`, no new command is sent.
+    hold: Option<watch::Receiver<bool>>,
 }
 
 /// How a command ended.
@@ -100,6 +106,14 @@ impl Client {
             ticks
         });
         while Instant::now() < until && !self.load.stop.load(Ordering::Relaxed) {
+            if let Some(hold) = self.hold.as_mut() {
+                // Until released, or the end of the load; a monitor that is gone holds nothing.
+                let released = hold.wait_for(|held| !*held);
+                match tokio::time::timeout_at(until.into(), released).await {
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
             if let Some(ticks) = ticks.as_mut() {
                 ticks.tick().await;
             }

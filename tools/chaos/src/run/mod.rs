@@ -35,16 +35,22 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::{check, check_messages, stream, CheckConfig, CheckError, Report, Violation};
+use crate::{
+    ack_floors, check, check_catching_up, check_messages, check_messages_catching_up, stream,
+    CheckConfig, CheckError, Positions, Report, Violation,
+};
 
 mod config;
 mod load;
+mod progress;
 mod schedule;
 mod supervise;
 mod urls;
 
 pub use config::*;
 pub(crate) use load::*;
+pub(crate) use progress::{settle_while_progressing, Gauge, Monitor};
+pub use progress::{ConsumerRate, Interval};
 pub use schedule::*;
 pub(crate) use supervise::*;
 pub(crate) use urls::*;
@@ -124,10 +130,26 @@ pub struct RunReport {
     /// empty on Kafka and RabbitMQ, which keep no such count per consumer.
     pub redeliveries: BTreeMap<String, u64>,
     /// Recovery time: from the end of the faults until the outbox was drained and both
-    /// consumers had applied every event, in seconds.
+    /// consumers had applied every event, in seconds (or until settling was given up).
     pub settle_seconds: f64,
-    /// Whether the system settled within the settle timeout (the checker runs either way).
+    /// Whether the system settled: settling goes on while the work left keeps shrinking, and
+    /// gives up after the settle timeout without progress (the checker runs either way).
     pub settled: bool,
+    /// The bound on the slowest consumer's lag above which the load was held (`--max-lag`);
+    /// `null` when the load ran unpaced.
+    pub max_lag: Option<u64>,
+    /// How long the load's clients were held in all, in seconds.
+    pub held_seconds: f64,
+    /// Per consumer, events committed that it had not applied when settling ended (0 each
+    /// when settled).
+    pub lag: BTreeMap<String, u64>,
+    /// When the run did not settle: per part of the system (`relay`, each consumer), the
+    /// events it had not reached yet, which the checker does not judge (see
+    /// [`check_catching_up`]); they are lag, not violations. Empty when settled.
+    pub behind: BTreeMap<String, u64>,
+    /// The run over time, one entry per `--report-interval`: commands, events committed and
+    /// published, and each consumer's applied events per second and lag.
+    pub series: Vec<Interval>,
     /// The checker's violations; empty when every invariant holds.
     pub violations: Vec<Violation>,
     /// The checker's whole report.
@@ -135,10 +157,18 @@ pub struct RunReport {
 }
 
 impl RunReport {
-    /// Whether every invariant held.
+    /// Whether every invariant held (over what was reached, for a run that ended behind).
     #[must_use]
     pub fn holds(&self) -> bool {
         self.violations.is_empty()
+    }
+
+    /// Whether the run ended with part of the system still catching up: events not reached
+    /// yet, not judged. Such a run has shown no violation, but has not shown that none is
+    /// left either.
+    #[must_use]
+    pub fn behind(&self) -> bool {
+        !self.check.caught_up()
     }
 }
 
@@ -280,11 +310,15 @@ pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let supervisor = tokio::spawn(world.supervise(faults, started, phase_rx));
     let outcome = drive(config, &urls, started, &phase).await;
     let _ = phase.send(Phase::Stop);
-    let world = supervisor
+    let mut world = supervisor
         .await
         .map_err(|e| RunError::Task(e.to_string()))?;
     let kills = world.kill_counts();
     let unplanned_exits = world.exit_counts();
+    let outcome = match outcome {
+        Ok(report) if !report.settled => check_behind(&mut world, &urls, report).await,
+        other => other,
+    };
     world.tear_down().await;
     let mut report = outcome?;
     report.kills = kills;
@@ -390,6 +424,7 @@ pub(crate) async fn prepare(
 }
 
 /// Load, calm, settle and check, while the supervisor keeps the processes (and faults) going.
+/// A run that did not settle is returned unchecked (`check` empty), for [`check_behind`].
 async fn drive(
     config: &RunConfig,
     urls: &Urls,
@@ -397,15 +432,39 @@ async fn drive(
     phase: &watch::Sender<Phase>,
 ) -> Result<RunReport, RunError> {
     let load = Load::default();
-    let clients = load.spawn_clients(config.seed, urls, started + config.duration, None)?;
+    let (hold, hold_rx) = watch::channel(false);
+    let (samples, samples_rx) = watch::channel(None);
+    let (stop_monitor, stop_rx) = watch::channel(false);
+    let settling = Arc::new(AtomicBool::new(false));
+    let monitor = Monitor {
+        gauge: Gauge::new(urls)?,
+        load: load.clone(),
+        started,
+        interval: config.report_interval,
+        max_lag: config.max_lag,
+        settling: Arc::clone(&settling),
+        hold,
+        samples,
+    };
+    // Dropping `stop_monitor` (an early return) stops the monitor as well.
+    let monitor = tokio::spawn(monitor.run(stop_rx));
+    let clients = load.spawn_clients(
+        config.seed,
+        urls,
+        started + config.duration,
+        None,
+        Some(hold_rx),
+    )?;
     load.join(clients).await?;
     let duration = started.elapsed();
+    settling.store(true, Ordering::Relaxed);
     let _ = phase.send(Phase::Calm);
     let calm = Instant::now();
-    let settled = settle(urls, calm + config.settle_timeout).await;
+    let settled = settle_while_progressing(urls, samples_rx, config.settle_timeout).await;
     let settle_time = calm.elapsed();
-    let report = check_all(urls).await?;
-    Ok(RunReport {
+    let _ = stop_monitor.send(true);
+    let record = monitor.await.map_err(|e| RunError::Task(e.to_string()))?;
+    let mut report = RunReport {
         // Set by `run` from its configuration.
         relay_source: RelaySource::Polling,
         destination: Destination::Nats,
@@ -414,24 +473,112 @@ async fn drive(
         kills: BTreeMap::new(),
         schedule: schedule_for(config.seed, config.duration, config.destination),
         unplanned_exits: BTreeMap::new(),
-        events: report.intents,
+        events: 0,
         commands: load.commands.load(Ordering::Relaxed),
         retries: load.retries.load(Ordering::Relaxed),
         refused: load.refused.load(Ordering::Relaxed),
         abandoned: load.abandoned.load(Ordering::Relaxed),
-        duplicates_absorbed: report.duplicates_absorbed,
-        redeliveries: redeliveries(&urls.broker, report.stream_messages).await,
+        duplicates_absorbed: 0,
+        redeliveries: BTreeMap::new(),
         settle_seconds: settle_time.as_secs_f64(),
         settled,
-        violations: report.violations.clone(),
-        check: report,
-    })
+        max_lag: config.max_lag,
+        held_seconds: record.held.as_secs_f64(),
+        lag: [Kind::Inventory, Kind::Payments]
+            .iter()
+            .enumerate()
+            .map(|(c, kind)| {
+                let lag = if settled {
+                    0
+                } else {
+                    record.last.map_or(0, |r| r.lag(c))
+                };
+                (kind.name().to_owned(), lag)
+            })
+            .collect(),
+        behind: BTreeMap::new(),
+        series: record.series,
+        violations: Vec::new(),
+        check: Report::default(),
+    };
+    if settled {
+        let check = check_all(urls).await?;
+        report.judged(&urls.broker, check).await;
+    }
+    Ok(report)
+}
+
+impl RunReport {
+    /// Fills in what the checker found.
+    async fn judged(&mut self, broker: &BrokerUrls, check: Report) {
+        self.events = check.intents;
+        self.duplicates_absorbed = check.duplicates_absorbed;
+        self.redeliveries = redeliveries(broker, check.stream_messages).await;
+        self.behind = check.behind.clone();
+        self.violations = check.violations.clone();
+        self.check = check;
+    }
+}
+
+/// The check of a run that did not settle: the relays and the consumers are stopped first, so
+/// that nothing moves while the checker reads, then each consumer's position on the broker is
+/// read, then everything else ([`check_catching_up`]): the events not reached yet are lag,
+/// anything lost among the rest is still a violation.
+async fn check_behind(
+    world: &mut World,
+    urls: &Urls,
+    mut report: RunReport,
+) -> Result<RunReport, RunError> {
+    world
+        .halt(&[Kind::Relay, Kind::Inventory, Kind::Payments])
+        .await;
+    let consumers = [Kind::Inventory.name(), Kind::Payments.name()];
+    let positions = match &urls.broker {
+        BrokerUrls::Nats(url) => match ack_floors(url, STREAM, &consumers).await {
+            Ok(positions) => positions,
+            Err(error) => {
+                // Without them, only unpublished events count as not reached: stricter.
+                tracing::warn!(%error, "could not read the consumers' ack floors");
+                Positions::default()
+            }
+        },
+        // No per-consumer position is read on Kafka or RabbitMQ: only events no relay has
+        // published count as not reached there.
+        _ => Positions::default(),
+    };
+    let config = check_config(urls);
+    let check = match &urls.broker {
+        BrokerUrls::Nats(_) => check_catching_up(&config, &positions).await?,
+        BrokerUrls::Kafka { brokers, topic } => {
+            let messages = stream::read_topic(brokers, topic).await?;
+            check_messages_catching_up(&config, &messages, &positions).await?
+        }
+        BrokerUrls::Amqp { url, exchange } => {
+            let messages = stream::drain_queue(url, &queue_name(exchange, AUDIT_QUEUE)).await?;
+            check_messages_catching_up(&config, &messages, &positions).await?
+        }
+    };
+    report.judged(&urls.broker, check).await;
+    Ok(report)
 }
 
 /// Runs the checker over the whole run: the outbox, the stream, both consumers' databases and
 /// the provider's charges.
 pub(crate) async fn check_all(urls: &Urls) -> Result<Report, CheckError> {
-    let config = CheckConfig {
+    let config = check_config(urls);
+    let messages = match &urls.broker {
+        BrokerUrls::Nats(_) => return check(&config).await,
+        BrokerUrls::Kafka { brokers, topic } => stream::read_topic(brokers, topic).await?,
+        BrokerUrls::Amqp { url, exchange } => {
+            stream::drain_queue(url, &queue_name(exchange, AUDIT_QUEUE)).await?
+        }
+    };
+    check_messages(&config, &messages).await
+}
+
+/// What the checker reads of the run.
+fn check_config(urls: &Urls) -> CheckConfig {
+    CheckConfig {
         database_url: urls.orders.clone(),
         nats_url: match &urls.broker {
             BrokerUrls::Nats(url) => url.clone(),
@@ -442,15 +589,7 @@ pub(crate) async fn check_all(urls: &Urls) -> Result<Report, CheckError> {
         inventory_database_url: Some(urls.inventory.clone()),
         payments_database_url: Some(urls.payments.clone()),
         provider_url: Some(urls.provider.clone()),
-    };
-    let messages = match &urls.broker {
-        BrokerUrls::Nats(_) => return check(&config).await,
-        BrokerUrls::Kafka { brokers, topic } => stream::read_topic(brokers, topic).await?,
-        BrokerUrls::Amqp { url, exchange } => {
-            stream::drain_queue(url, &queue_name(exchange, AUDIT_QUEUE)).await?
-        }
-    };
-    check_messages(&config, &messages).await
+    }
 }
 
 /// Waits until no outbox row is pending and each consumer's inbox holds at least as many rows

@@ -491,6 +491,17 @@ impl World {
         }
     }
 
+    /// SIGKILLs the children of `kinds` and leaves them down, without counting them as the
+    /// schedule's kills: the system is to hold still while it is read.
+    pub(crate) async fn halt(&mut self, kinds: &[Kind]) {
+        for proc in self.procs.iter_mut().filter(|p| kinds.contains(&p.kind)) {
+            proc.back_at = None;
+            if let Some(mut child) = proc.child.take() {
+                let _ = child.kill().await;
+            }
+        }
+    }
+
     /// Makes everything that is down due back now.
     fn bring_everything_back(&mut self) {
         let now = Instant::now();

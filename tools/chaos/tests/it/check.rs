@@ -4,7 +4,7 @@
 
 use crate::common::{count, drain_outbox, eventually, jetstream, DEADLINE};
 use async_nats::HeaderMap;
-use handoff_chaos::{check, CheckConfig, Report, ViolationKind};
+use handoff_chaos::{check, check_catching_up, CheckConfig, Positions, Report, ViolationKind};
 use handoff_consumer::{Consumer, ConsumerConfig};
 use handoff_nats::{IntakeConfig, JetStreamIntake, JetStreamTransport};
 use handoff_postgres::{Migrator, Schema};
@@ -239,6 +239,13 @@ impl World {
 
     async fn check(&self, with_inventory: bool) -> Report {
         check(&self.config(with_inventory)).await.unwrap()
+    }
+}
+
+/// The inventory consumer's ack floor at `floor`, as a run reads it from JetStream.
+fn inventory_at(floor: u64) -> Positions {
+    Positions {
+        ack_floors: [(inventory::DEFAULT_NAME.to_owned(), floor)].into(),
     }
 }
 
@@ -545,4 +552,99 @@ async fn bad_input_exits_1_not_2() {
     assert_eq!(unreachable.status.code(), Some(1), "{unreachable:?}");
     let stderr = String::from_utf8_lossy(&unreachable.stderr);
     assert!(stderr.contains("could not read a database"), "{stderr}");
+}
+
+#[tokio::test]
+async fn events_not_reached_yet_are_behind_not_violations() {
+    let world = World::new("chaos_behind").await;
+    world.place_orders().await;
+    let config = world.config(true);
+
+    // Nothing relayed, nothing consumed: a plain check calls all of it lost...
+    let strict = world.check(true).await;
+    assert!(
+        strict.kinds().contains(&ViolationKind::UnpublishedIntent)
+            && strict.kinds().contains(&ViolationKind::MissingEffect),
+        "{strict:#?}"
+    );
+    // ... a check of a system catching up, lag.
+    let report = check_catching_up(&config, &inventory_at(0)).await.unwrap();
+    assert!(report.holds(), "{report:#?}");
+    assert!(!report.caught_up());
+    assert_eq!(report.behind["relay"], 5);
+    assert_eq!(report.behind[inventory::DEFAULT_NAME], 5);
+
+    // Published, not yet acknowledged by the consumer: still behind, the relay no longer.
+    world.relay().await;
+    let report = check_catching_up(&config, &inventory_at(0)).await.unwrap();
+    assert!(report.holds(), "{report:#?}");
+    assert_eq!(report.behind["relay"], 0);
+    assert_eq!(report.behind[inventory::DEFAULT_NAME], 5);
+
+    // Caught up: nothing behind, the same verdict as the plain check.
+    world.consume().await;
+    let report = check_catching_up(&config, &inventory_at(5)).await.unwrap();
+    assert!(report.holds() && report.caught_up(), "{report:#?}");
+    assert_eq!(report.violations, world.check(true).await.violations);
+}
+
+#[tokio::test]
+async fn a_lost_effect_is_a_violation_even_while_catching_up() {
+    let world = World::new("chaos_behind_lost").await;
+    let placed = world.place_orders().await;
+    world.relay().await;
+    world.consume().await;
+    let config = world.config(true);
+    // The second order's OrderLineAdded (fig × 3) undone as if never applied: no inbox row, the
+    // order's sequence back at 1, the stock back.
+    let fig = placed[1].event_ids[1];
+    let pool = &world.inventory.pool;
+    sqlx::query("DELETE FROM processed_events WHERE event_id = $1")
+        .bind(fig)
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE consumer_sequences SET last_sequence = 1 WHERE aggregate_id = $1")
+        .bind(placed[1].order_id.to_string())
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE stock SET reserved = reserved - 3 WHERE sku = 'fig'")
+        .execute(pool)
+        .await
+        .unwrap();
+
+    // Its copy not acknowledged yet: the consumer will get it again, so it is lag.
+    let report = check_catching_up(&config, &inventory_at(0)).await.unwrap();
+    assert!(report.holds(), "{report:#?}");
+    assert_eq!(report.behind[inventory::DEFAULT_NAME], 1);
+    // Every copy acknowledged: it will never come again, so it is lost.
+    let report = check_catching_up(&config, &inventory_at(5)).await.unwrap();
+    assert_eq!(report.behind[inventory::DEFAULT_NAME], 0);
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|v| v.kind == ViolationKind::MissingEffect && v.event_ids == [fig]),
+        "{report:#?}"
+    );
+    assert!(report.kinds().contains(&ViolationKind::SequenceMismatch));
+
+    // An event the consumer's sequence has passed but whose inbox row is gone is lost, however
+    // much of the stream is unacknowledged.
+    let first = placed[0].event_ids[0];
+    sqlx::query("DELETE FROM processed_events WHERE event_id = $1")
+        .bind(first)
+        .execute(&world.inventory.pool)
+        .await
+        .unwrap();
+    let report = check_catching_up(&config, &inventory_at(0)).await.unwrap();
+    let lost: Vec<_> = report
+        .violations
+        .iter()
+        .filter(|v| v.kind == ViolationKind::MissingEffect)
+        .collect();
+    assert_eq!(lost.len(), 1, "{report:#?}");
+    assert_eq!(lost[0].event_ids, [first]);
+    assert_eq!(report.behind[inventory::DEFAULT_NAME], 1);
 }
