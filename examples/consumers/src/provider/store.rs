@@ -140,12 +140,13 @@ pub enum StoreError {
 ///
 /// Cancel safe: the transaction rolls back if the future is dropped.
 pub async fn create_tables(conn: &mut PgConnection) -> Result<(), StoreError> {
-    use sqlx::Connection;
+    use sqlx::{Connection, Executor};
 
     let mut tx = conn.begin().await.map_err(StoreError::CreateTables)?;
-    // No values are bound: the script is constant DDL, sent as one simple query.
-    sqlx::raw_sql(CREATE_TABLES_SQL)
-        .execute(&mut *tx)
+    // No values are bound: the script is constant DDL, sent as one simple query. Through
+    // `Executor::execute` rather than `raw_sql`, whose future a caller inside another `Send`
+    // future (a test's setup) cannot prove `Send` for every lifetime of the connection.
+    tx.execute(CREATE_TABLES_SQL)
         .await
         .map_err(StoreError::CreateTables)?;
     tx.commit().await.map_err(StoreError::CreateTables)

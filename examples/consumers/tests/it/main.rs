@@ -14,3 +14,4 @@ mod postgres_tls;
 mod provider;
 mod redis;
 mod schema_evolution;
+mod testkit;
