@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use handoff_chaos::run::{Destination, RelaySource, RunConfig, RunReport};
+use handoff_chaos::run::{Destination, Kind, RelaySource, RunConfig, RunReport};
 use handoff_chaos::{check, CheckConfig};
 use handoff_core::destination::DestinationKind;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -440,7 +440,16 @@ fn print_summary(report: &RunReport) -> anyhow::Result<()> {
         None => "unpaced".to_owned(),
     };
     println!("load {held}");
+    if !report.settled {
+        let lag: Vec<String> = report
+            .lag
+            .iter()
+            .map(|(consumer, n)| format!("{consumer} {n}"))
+            .collect();
+        println!("lag when settling was given up: {}", lag.join(", "));
+    }
     print_series(report);
+    print_recoveries(report);
     if report.behind() {
         let behind: Vec<String> = report
             .behind
@@ -458,6 +467,33 @@ fn print_summary(report: &RunReport) -> anyhow::Result<()> {
         println!("first counter-example: {}", serde_json::to_string(first)?);
     }
     Ok(())
+}
+
+/// Per server, how long its restarts took, early in the run and late: a recovery that grows
+/// with the store slows everything behind it.
+fn print_recoveries(report: &RunReport) {
+    for kind in [Kind::Postgres, Kind::NatsServer] {
+        let times: Vec<f64> = report
+            .recoveries
+            .iter()
+            .filter(|r| r.kind == kind)
+            .map(|r| r.seconds)
+            .collect();
+        if times.is_empty() {
+            continue;
+        }
+        let third = times.len().div_ceil(3);
+        let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
+        let max = times.iter().copied().fold(0.0, f64::max);
+        println!(
+            "{} restarts {}: ready in {:.2} s on average in the first third, {:.2} s in the \
+             last, {max:.2} s at most",
+            kind.name(),
+            times.len(),
+            mean(&times[..third]),
+            mean(&times[times.len() - third..]),
+        );
+    }
 }
 
 /// The time series as a table: one line per interval.

@@ -150,6 +150,9 @@ pub struct RunReport {
     /// The run over time, one entry per `--report-interval`: commands, events committed and
     /// published, and each consumer's applied events per second and lag.
     pub series: Vec<Interval>,
+    /// Each restart of a killed server (PostgreSQL, nats-server) and how long it took to be
+    /// ready: whether recovery slows down as the stores grow.
+    pub recoveries: Vec<Recovery>,
     /// The checker's violations; empty when every invariant holds.
     pub violations: Vec<Violation>,
     /// The checker's whole report.
@@ -315,6 +318,7 @@ pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
         .map_err(|e| RunError::Task(e.to_string()))?;
     let kills = world.kill_counts();
     let unplanned_exits = world.exit_counts();
+    let recoveries = std::mem::take(&mut world.recoveries);
     let outcome = match outcome {
         Ok(report) if !report.settled => check_behind(&mut world, &urls, report).await,
         other => other,
@@ -323,6 +327,7 @@ pub async fn run(config: &RunConfig) -> Result<RunReport, RunError> {
     let mut report = outcome?;
     report.kills = kills;
     report.unplanned_exits = unplanned_exits;
+    report.recoveries = recoveries;
     report.relay_source = config.relay_source;
     report.destination = config.destination;
     Ok(report)
@@ -419,6 +424,8 @@ pub(crate) async fn prepare(
         handoff: bin_dir.join("handoff"),
         kills: BTreeMap::new(),
         exits: BTreeMap::new(),
+        recoveries: Vec::new(),
+        started: None,
     };
     Ok((world, urls))
 }
@@ -498,6 +505,7 @@ async fn drive(
             .collect(),
         behind: BTreeMap::new(),
         series: record.series,
+        recoveries: Vec::new(),
         violations: Vec::new(),
         check: Report::default(),
     };

@@ -202,11 +202,7 @@ impl Monitor {
             self.samples.send_replace(Some(sample));
             let lag = reading.max_lag();
             let holding = *self.hold.borrow();
-            let hold = match self.max_lag {
-                Some(bound) if !holding => lag > bound,
-                Some(bound) => lag > bound / 4 * 3,
-                None => false,
-            };
+            let hold = hold_next(holding, lag, self.max_lag);
             if hold != holding {
                 tracing::info!(lag, hold, "load {}", if hold { "held" } else { "released" });
                 self.hold.send_replace(hold);
@@ -295,6 +291,16 @@ impl Monitor {
     }
 }
 
+/// Whether the load is to be held after a reading of `lag` (the slowest consumer's), when it
+/// was `holding` before: held above `max_lag`, released at three quarters of it.
+fn hold_next(holding: bool, lag: u64, max_lag: Option<u64>) -> bool {
+    match max_lag {
+        Some(bound) if !holding => lag > bound,
+        Some(bound) => lag > bound / 4 * 3,
+        None => false,
+    }
+}
+
 /// Waits until the system is settled (as [`settled`] says) for as long as it keeps catching
 /// up: `false` once the work left (pending outbox rows and the consumers' lags, from the
 /// monitor's `samples`) has not reached a new low for `stall`. A system that keeps moving
@@ -330,5 +336,37 @@ pub(crate) async fn settle_while_progressing(
             // The monitor is gone: no more readings to wait for, only the clock.
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_load_is_held_above_the_bound_and_released_at_three_quarters() {
+        let bound = Some(1_000);
+        assert!(!hold_next(false, 1_000, bound));
+        assert!(hold_next(false, 1_001, bound));
+        // Held, it stays held until the lag is down to 750.
+        assert!(hold_next(true, 900, bound));
+        assert!(hold_next(true, 751, bound));
+        assert!(!hold_next(true, 750, bound));
+        // Unbounded: never held.
+        assert!(!hold_next(false, u64::MAX, None));
+        assert!(!hold_next(true, u64::MAX, None));
+    }
+
+    #[test]
+    fn lag_is_per_consumer_and_the_work_left_counts_the_outbox_too() {
+        let reading = Reading {
+            events: 100,
+            pending: 7,
+            applied: [100, 60],
+        };
+        assert_eq!((reading.lag(0), reading.lag(1)), (0, 40));
+        assert_eq!(reading.max_lag(), 40);
+        assert_eq!(reading.remaining(), 47);
+        assert_eq!(reading.published(), 93);
     }
 }

@@ -212,6 +212,22 @@ pub(crate) struct World {
     pub(crate) kills: BTreeMap<Kind, u64>,
     /// Children that exited on their own, per kind.
     pub(crate) exits: BTreeMap<Kind, u64>,
+    /// Each restart of a server after a kill, and how long it took to be ready again.
+    pub(crate) recoveries: Vec<Recovery>,
+    /// The start of the load, which `recoveries` count from.
+    pub(crate) started: Option<Instant>,
+}
+
+/// One restart of a killed server: how long it took to come back (PostgreSQL's crash
+/// recovery, JetStream's recovery of its streams), which grows with what they hold.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Recovery {
+    /// `postgres` or `nats-server`.
+    pub kind: Kind,
+    /// When it was started again, in seconds from the start of the load.
+    pub at_seconds: f64,
+    /// How long it took to be ready, in seconds.
+    pub seconds: f64,
 }
 
 impl World {
@@ -340,6 +356,7 @@ impl World {
     ) -> Self {
         let mut next = 0;
         let mut calm = false;
+        self.started = Some(started);
         loop {
             let now = *phase.borrow_and_update();
             match now {
@@ -452,7 +469,10 @@ impl World {
                     Ok((postgres, started)) => {
                         self.postgres = Some(postgres);
                         match started {
-                            Ok(()) => self.postgres_back_at = None,
+                            Ok(()) => {
+                                self.postgres_back_at = None;
+                                self.recovered(Kind::Postgres, now);
+                            }
                             Err(error) => {
                                 tracing::warn!(%error, "postgres did not start again; retrying");
                                 self.postgres_back_at = Some(now + Duration::from_secs(1));
@@ -466,7 +486,10 @@ impl World {
         if self.nats_back_at.is_some_and(|at| at <= now) {
             if let Some(nats) = self.nats.as_mut() {
                 match nats.start_again() {
-                    Ok(()) => self.nats_back_at = None,
+                    Ok(()) => {
+                        self.nats_back_at = None;
+                        self.recovered(Kind::NatsServer, now);
+                    }
                     Err(error) => {
                         tracing::warn!(%error, "nats-server did not start again; retrying");
                         self.nats_back_at = Some(now + Duration::from_secs(1));
@@ -500,6 +523,18 @@ impl World {
                 let _ = child.kill().await;
             }
         }
+    }
+
+    /// Records that the server `kind`, started again at `since`, is ready.
+    fn recovered(&mut self, kind: Kind, since: Instant) {
+        let at = self.started.map_or(0.0, |started| {
+            since.saturating_duration_since(started).as_secs_f64()
+        });
+        self.recoveries.push(Recovery {
+            kind,
+            at_seconds: at,
+            seconds: since.elapsed().as_secs_f64(),
+        });
     }
 
     /// Makes everything that is down due back now.

@@ -121,6 +121,24 @@ fn chaos_run(duration: Duration, destination: Destination, extra: &[&str]) -> se
         "no events: {stdout}"
     );
     assert_eq!(report["settled"], true, "did not settle: {stdout}");
+    // Settled: nothing behind, no lag left, and the load held at the default bound.
+    assert_eq!(report["behind"], serde_json::json!({}), "{stdout}");
+    assert_eq!(
+        report["lag"],
+        serde_json::json!({"inventory": 0, "payments": 0}),
+        "{stdout}"
+    );
+    assert_eq!(report["max_lag"], 5000);
+    // The time series covers the load, with each consumer's rate and lag.
+    let series = report["series"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no series: {stdout}"));
+    assert!(
+        series.iter().any(|i| i["phase"] == "load"
+            && i["consumers"]["payments"]["applied_per_second"].is_number()
+            && i["commands_per_second"].as_f64().is_some_and(|r| r > 0.0)),
+        "no interval of load with commands and the payments consumer's rate: {stdout}"
+    );
     // Every event reached the stream and both consumers: the checker's own counts agree.
     assert_eq!(report["check"]["intents"], report["events"]);
     report
