@@ -511,7 +511,12 @@ fn print_series(report: &RunReport) {
         "from s", "to s", "phase", "cmds/s", "events/s", "pub/s", "held"
     );
     for name in &names {
-        header.push_str(&format!(" {:>12} {:>8}", format!("{name}/s"), "lag"));
+        header.push_str(&format!(
+            " {:>12} {:>8} {:>8}",
+            format!("{name}/s"),
+            "deliv/s",
+            "lag"
+        ));
     }
     println!("{header}");
     for interval in &report.series {
@@ -527,13 +532,35 @@ fn print_series(report: &RunReport) {
         );
         for name in &names {
             if let Some(rate) = interval.consumers.get(*name) {
+                let deliveries = rate
+                    .deliveries_per_second
+                    .map_or_else(|| "-".to_owned(), |d| format!("{d:.1}"));
                 line.push_str(&format!(
-                    " {:>12.1} {:>8}",
-                    rate.applied_per_second, rate.lag
+                    " {:>12.1} {:>8} {:>8}",
+                    rate.applied_per_second, deliveries, rate.lag
                 ));
             }
         }
         println!("{line}");
+    }
+    for name in &names {
+        let rewinds: Vec<(f64, u64)> = report
+            .series
+            .iter()
+            .filter_map(|i| {
+                let rewound = i.consumers.get(*name)?.ack_floor_rewound;
+                (rewound > 0).then_some((i.to_seconds, rewound))
+            })
+            .collect();
+        if let Some(&(at, most)) = rewinds.iter().max_by_key(|(_, n)| *n) {
+            let total: u64 = rewinds.iter().map(|(_, n)| n).sum();
+            println!(
+                "{name}: the broker's ack floor moved back by {total} stream sequences in all, in \
+                 {} intervals (most {most}, by {at:.0} s): acknowledgements lost by a killed \
+                 nats-server, delivered again and absorbed by the inbox",
+                rewinds.len()
+            );
+        }
     }
 }
 

@@ -11,6 +11,16 @@ pub(crate) const SAMPLE: Duration = Duration::from_secs(2);
 /// The consumers whose lag is measured, in report order.
 const CONSUMERS: [Kind; 2] = [Kind::Inventory, Kind::Payments];
 
+/// Where a consumer stands on JetStream (destination nats only).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Position {
+    /// The stream sequence at or below which it has acknowledged everything.
+    pub(crate) ack_floor: u64,
+    /// Deliveries made to it so far (JetStream's consumer sequence): first ones and
+    /// redeliveries alike.
+    pub(crate) deliveries: u64,
+}
+
 /// One reading of the system.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Reading {
@@ -23,6 +33,8 @@ pub(crate) struct Reading {
     /// Per consumer of [`CONSUMERS`], events applied: the sum of its last applied sequences,
     /// which advance by one per applied event in the effect's transaction.
     pub(crate) applied: [u64; 2],
+    /// Per consumer, its position on JetStream, when it could be read.
+    pub(crate) positions: [Option<Position>; 2],
 }
 
 impl Reading {
@@ -44,6 +56,13 @@ impl Reading {
     fn published(&self) -> u64 {
         self.events.saturating_sub(self.pending)
     }
+
+    /// The consumers' ack floors summed, when every one was read: it moves on while a
+    /// consumer works through redeliveries of events it has applied already, which its lag
+    /// does not show.
+    pub(crate) fn floors(&self) -> Option<u64> {
+        self.positions.iter().map(|p| p.map(|p| p.ack_floor)).sum()
+    }
 }
 
 /// Reads [`Reading`]s over pools of one connection each, opened lazily: the servers are
@@ -51,6 +70,8 @@ impl Reading {
 pub(crate) struct Gauge {
     orders: PgPool,
     consumers: [PgPool; 2],
+    /// The NATS server's URL, and the connection once made (destination nats).
+    nats: Option<(String, Option<async_nats::jetstream::Context>)>,
 }
 
 impl Gauge {
@@ -61,13 +82,50 @@ impl Gauge {
                 .acquire_timeout(Duration::from_secs(2))
                 .connect_lazy(url)
         };
+        let nats = match &urls.broker {
+            BrokerUrls::Nats(url) => Some((url.clone(), None)),
+            _ => None,
+        };
         Ok(Self {
             orders: pool(&urls.orders)?,
             consumers: [pool(&urls.inventory)?, pool(&urls.payments)?],
+            nats,
         })
     }
 
-    pub(crate) async fn read(&self) -> Result<Reading, sqlx::Error> {
+    /// The consumers' positions on JetStream; `None` each when the server does not answer
+    /// within a second (it is being killed), or on another destination.
+    async fn positions(&mut self) -> [Option<Position>; 2] {
+        let mut positions = [None; 2];
+        let Some((url, context)) = self.nats.as_mut() else {
+            return positions;
+        };
+        if context.is_none() {
+            // Once connected the client reconnects by itself; until then, try at each reading.
+            let connect = async_nats::connect(url.as_str());
+            if let Ok(Ok(client)) = tokio::time::timeout(Duration::from_secs(1), connect).await {
+                *context = Some(async_nats::jetstream::new(client));
+            }
+        }
+        let Some(context) = context.as_ref() else {
+            return positions;
+        };
+        for (slot, kind) in positions.iter_mut().zip(CONSUMERS) {
+            let info = async {
+                let stream = context.get_stream_no_info(STREAM).await.ok()?;
+                stream.consumer_info(kind.name()).await.ok()
+            };
+            if let Ok(Some(info)) = tokio::time::timeout(Duration::from_secs(1), info).await {
+                *slot = Some(Position {
+                    ack_floor: info.ack_floor.stream_sequence,
+                    deliveries: info.delivered.consumer_sequence,
+                });
+            }
+        }
+        positions
+    }
+
+    pub(crate) async fn read(&mut self) -> Result<Reading, sqlx::Error> {
         let (events, pending): (i64, i64) = sqlx::query_as(
             "SELECT (SELECT coalesce(sum(version), 0)::bigint FROM orders),
                     (SELECT count(*) FROM outbox WHERE published_at IS NULL)",
@@ -93,6 +151,7 @@ impl Gauge {
             events: events.max(0) as u64,
             pending: pending.max(0) as u64,
             applied,
+            positions: self.positions().await,
         })
     }
 
@@ -118,6 +177,16 @@ pub struct ConsumerRate {
     pub applied_per_second: f64,
     /// Events committed that it had not applied, at the end of the interval.
     pub lag: u64,
+    /// JetStream deliveries to it per second, first ones and redeliveries alike (destination
+    /// nats; `null` when its position could not be read at both ends of the interval).
+    /// Well above `applied_per_second`, it is working through redeliveries.
+    pub deliveries_per_second: Option<f64>,
+    /// Its JetStream ack floor (a stream sequence) at the end of the interval.
+    pub ack_floor: Option<u64>,
+    /// How far its ack floor moved back within the interval, summed over the readings: the
+    /// broker lost acknowledgements (a nats-server killed before it had stored them) and
+    /// delivers again everything above the older floor, which the inbox absorbs.
+    pub ack_floor_rewound: u64,
 }
 
 /// One interval of the run's time series.
@@ -169,11 +238,14 @@ pub(crate) struct Monitor {
 }
 
 impl Monitor {
-    pub(crate) async fn run(self, mut stop: watch::Receiver<bool>) -> Record {
+    pub(crate) async fn run(mut self, mut stop: watch::Receiver<bool>) -> Record {
         let mut record = Record::default();
         // The start of the current interval: its time, reading, commands and held time.
         let mut mark: Option<(Sample, u64, Duration)> = None;
         let mut held_since: Option<Instant> = None;
+        // Per consumer, its last ack floor read, and how far it moved back in this interval.
+        let mut floors: [Option<u64>; 2] = [None; 2];
+        let mut rewound = [0u64; 2];
         let mut ticks = tokio::time::interval(SAMPLE);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Told to stop (or its sender gone): one last reading closes the last interval.
@@ -198,6 +270,14 @@ impl Monitor {
             };
             let now = Instant::now();
             let sample = Sample { at: now, reading };
+            for (c, position) in reading.positions.iter().enumerate() {
+                if let Some(position) = position {
+                    if let Some(before) = floors[c] {
+                        rewound[c] += before.saturating_sub(position.ack_floor);
+                    }
+                    floors[c] = Some(position.ack_floor);
+                }
+            }
             record.last = Some(reading);
             self.samples.send_replace(Some(sample));
             let lag = reading.max_lag();
@@ -231,6 +311,7 @@ impl Monitor {
                         &sample,
                         commands - from_commands,
                         total_held - from_held,
+                        std::mem::take(&mut rewound),
                     ));
                     mark = Some((sample, commands, total_held));
                 }
@@ -254,6 +335,7 @@ impl Monitor {
         to: &Sample,
         commands: u64,
         held: Duration,
+        rewound: [u64; 2],
     ) -> Interval {
         let seconds = (to.at - from.at).as_secs_f64().max(f64::EPSILON);
         let rate = |a: u64, b: u64| b.saturating_sub(a) as f64 / seconds;
@@ -266,6 +348,11 @@ impl Monitor {
                     ConsumerRate {
                         applied_per_second: rate(from.reading.applied[c], to.reading.applied[c]),
                         lag: to.reading.lag(c),
+                        deliveries_per_second: from.reading.positions[c]
+                            .zip(to.reading.positions[c])
+                            .map(|(a, b)| rate(a.deliveries, b.deliveries)),
+                        ack_floor: to.reading.positions[c].map(|p| p.ack_floor),
+                        ack_floor_rewound: rewound[c],
                     },
                 )
             })
@@ -302,8 +389,9 @@ fn hold_next(holding: bool, lag: u64, max_lag: Option<u64>) -> bool {
 }
 
 /// Waits until the system is settled (as [`settled`] says) for as long as it keeps catching
-/// up: `false` once the work left (pending outbox rows and the consumers' lags, from the
-/// monitor's `samples`) has not reached a new low for `stall`. A system that keeps moving
+/// up: `false` once neither the work left (pending outbox rows and the consumers' lags, from
+/// the monitor's `samples`) has reached a new low nor the consumers' ack floors a new high for
+/// `stall`. A system that keeps moving
 /// is never cut off, one that stopped moving is given up on after `stall`.
 pub(crate) async fn settle_while_progressing(
     urls: &Urls,
@@ -311,6 +399,7 @@ pub(crate) async fn settle_while_progressing(
     stall: Duration,
 ) -> bool {
     let mut best = u64::MAX;
+    let mut best_floors = 0;
     let mut progress_at = Instant::now();
     loop {
         if let Ok(true) = settled(urls).await {
@@ -320,6 +409,14 @@ pub(crate) async fn settle_while_progressing(
             if sample.reading.remaining() < best {
                 best = sample.reading.remaining();
                 progress_at = sample.at;
+            }
+            // A consumer working through redeliveries (its broker lost acknowledgements) moves
+            // its ack floor on without applying anything new: progress too.
+            if let Some(floors) = sample.reading.floors() {
+                if floors > best_floors {
+                    best_floors = floors;
+                    progress_at = sample.at;
+                }
             }
         }
         if progress_at.elapsed() >= stall {
@@ -363,6 +460,7 @@ mod tests {
             events: 100,
             pending: 7,
             applied: [100, 60],
+            positions: [None; 2],
         };
         assert_eq!((reading.lag(0), reading.lag(1)), (0, 40));
         assert_eq!(reading.max_lag(), 40);
