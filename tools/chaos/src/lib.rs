@@ -58,6 +58,26 @@ use crate::stream::StreamMessage;
 /// The `aggregate_type` of the order service's events.
 const ORDER: &str = order_service::events::AGGREGATE_TYPE;
 
+/// Whether the outbox row `o` is not published yet, whichever source the relays use: the
+/// polling source and the log source's lane write `published_at`; the log source's default
+/// cursor has published every event its settled snapshot sees, except those its lane holds
+/// (migration 0021; the `outbox_published` view says when, at a cost this check need not pay).
+pub(crate) const UNPUBLISHED_SQL: &str = "\
+o.published_at IS NULL
+AND NOT coalesce((
+    SELECT o.txid IS NOT NULL
+           AND pg_visible_in_snapshot(o.txid, c.settled_snapshot)
+           AND NOT EXISTS (
+               SELECT 1
+               FROM outbox_cursor_lanes l
+               WHERE l.cursor_name = c.cursor_name
+                 AND l.aggregate_type = o.aggregate_type
+                 AND l.aggregate_id = o.aggregate_id
+                 AND l.from_sequence <= o.aggregate_sequence
+                 AND (l.released_through IS NULL OR l.released_through >= o.aggregate_sequence))
+    FROM outbox_cursors c
+    WHERE c.cursor_name = 'default'), false)";
+
 /// What [`check`] reads.
 #[derive(Debug, Clone)]
 pub struct CheckConfig {
@@ -543,18 +563,18 @@ impl World {
         }
         // Archived rows (`handoff cleanup --archive`) are intents too: their events are in
         // the stream and the consumers. Rows cleanup deleted outright cannot be checked.
-        let all = sqlx::query_as::<_, Intent>(
+        let all = sqlx::query_as::<_, Intent>(&format!(
             "SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
                     schema_version, payload, quarantined_at IS NOT NULL AS quarantined,
                     skip_reason IS NOT NULL AS skipped,
-                    published_at IS NULL AND quarantined_at IS NULL AS pending
-             FROM outbox
+                    ({UNPUBLISHED_SQL}) AND quarantined_at IS NULL AS pending
+             FROM outbox o
              UNION ALL
              SELECT event_id, aggregate_type, aggregate_id, aggregate_sequence, event_type,
                     schema_version, payload, false, skip_reason IS NOT NULL, false
              FROM outbox_archive
-             ORDER BY aggregate_type, aggregate_id, aggregate_sequence",
-        )
+             ORDER BY aggregate_type, aggregate_id, aggregate_sequence"
+        ))
         .fetch_all(pool)
         .await?;
         let intents = all

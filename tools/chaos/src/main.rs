@@ -62,8 +62,9 @@ struct RunArgs {
     /// Write each child's stderr to DIR/<kind>-<n>.log (appended across restarts).
     #[arg(long, value_name = "DIR")]
     log_dir: Option<PathBuf>,
-    /// Where the relays read committed events from: `polling` (three relays sharing leases)
-    /// or `logical` (one streaming a replication slot, two standing by).
+    /// Where the relays read committed events from: `polling` (three relays sharing leases),
+    /// `logical` (one streaming a replication slot, two standing by) or `log` (one reading the
+    /// default cursor, two standing by).
     #[arg(long, value_enum, default_value = "polling")]
     relay_source: Source,
     /// Where the relays publish and the consumers read: `nats` (a private nats-server, itself
@@ -82,6 +83,7 @@ struct RunArgs {
 enum Source {
     Polling,
     Logical,
+    Log,
 }
 
 impl From<Source> for RelaySource {
@@ -89,6 +91,7 @@ impl From<Source> for RelaySource {
         match source {
             Source::Polling => RelaySource::Polling,
             Source::Logical => RelaySource::Logical,
+            Source::Log => RelaySource::Log,
         }
     }
 }

@@ -99,6 +99,10 @@ pub enum RelaySource {
     /// and take over when it is killed. The private PostgreSQL runs with `wal_level=logical`
     /// and the slot is set up with `handoff cdc setup` before the relays start.
     Logical,
+    /// `handoff relay --source log`: the relays share the default cursor; one holds its lease
+    /// and reads it (and its lane), the two others stand by and take it over when the lease of
+    /// a killed reader runs out.
+    Log,
 }
 
 /// The default `--max-lag`: a backlog the reference consumers clear in well under a minute

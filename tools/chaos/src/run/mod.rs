@@ -349,7 +349,7 @@ pub(crate) async fn prepare(
         }
     }
     let postgres = match relay_source {
-        RelaySource::Polling => blocking(PrivatePostgres::start).await??,
+        RelaySource::Polling | RelaySource::Log => blocking(PrivatePostgres::start).await??,
         RelaySource::Logical => {
             blocking(|| PrivatePostgres::start_with(&["wal_level=logical"])).await??
         }
@@ -617,9 +617,12 @@ pub(crate) async fn settle(urls: &Urls, deadline: Instant) -> bool {
 
 async fn settled(urls: &Urls) -> Result<bool, sqlx::Error> {
     let orders = connect(&urls.orders).await?;
-    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
-        .fetch_one(&orders)
-        .await?;
+    let pending: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM outbox o WHERE {}",
+        crate::UNPUBLISHED_SQL
+    ))
+    .fetch_one(&orders)
+    .await?;
     let events: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE aggregate_type = $1")
         .bind(crate::ORDER)
         .fetch_one(&orders)

@@ -126,10 +126,11 @@ impl Gauge {
     }
 
     pub(crate) async fn read(&mut self) -> Result<Reading, sqlx::Error> {
-        let (events, pending): (i64, i64) = sqlx::query_as(
+        let (events, pending): (i64, i64) = sqlx::query_as(&format!(
             "SELECT (SELECT coalesce(sum(version), 0)::bigint FROM orders),
-                    (SELECT count(*) FROM outbox WHERE published_at IS NULL)",
-        )
+                    (SELECT count(*) FROM outbox o WHERE {})",
+            crate::UNPUBLISHED_SQL
+        ))
         .fetch_one(&self.orders)
         .await?;
         let mut applied = [0; 2];

@@ -138,6 +138,9 @@ pub(super) fn processes(
                 CDC_PUBLICATION,
             ]));
         }
+        if relay_source == RelaySource::Log {
+            args.extend(strings(&["--source", "log"]));
+        }
         let mut env = vec![("DATABASE_URL", urls.orders.clone())];
         env.extend(relay_env.iter().cloned());
         procs.push(proc(Kind::Relay, instance, "handoff", args, env));

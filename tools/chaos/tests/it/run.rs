@@ -59,6 +59,22 @@ fn a_chaos_run_with_the_logical_source_kills_the_streaming_relay_and_every_invar
     );
 }
 
+#[test]
+fn a_chaos_run_with_the_log_source_kills_the_cursor_reader_and_every_invariant_holds() {
+    let report = chaos_run(
+        CI_LOGICAL_DURATION,
+        Destination::Nats,
+        &["--relay-source", "log"],
+    );
+    assert_eq!(report["relay_source"], "log");
+    // One relay reads the default cursor and two stand by: killing relays makes a standby
+    // take the cursor over once the killed reader's lease runs out.
+    assert!(
+        report["kills"]["relay"].as_u64().is_some_and(|n| n > 0),
+        "no relay was killed: {report}"
+    );
+}
+
 /// Runs `handoff-chaos run` for `duration` with seed 7 and `extra` arguments, asserts what
 /// every run must show (the seed's schedule followed, every kind killed, settled, no
 /// violation, every intent checked), and returns the report.
