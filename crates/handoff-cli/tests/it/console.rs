@@ -635,7 +635,7 @@ async fn an_operator_sees_relays_and_held_events_and_retries_from_the_browser() 
         .click()
         .await
         .unwrap();
-    assert_eq!(text(&browser, "#hold-reason").await.unwrap(), "rejected");
+    assert_eq!(shown(&browser, "#hold-reason").await, "rejected");
     let payload = text(&browser, "#payload").await.unwrap();
     assert!(
         payload.contains("<script>window.__pwned = 1</script>"),
@@ -676,10 +676,7 @@ async fn an_operator_sees_relays_and_held_events_and_retries_from_the_browser() 
         .click()
         .await
         .unwrap();
-    assert!(text(&browser, "#error")
-        .await
-        .unwrap()
-        .contains("needs a reason"));
+    assert!(shown(&browser, "#error").await.contains("needs a reason"));
 
     // The stream takes big messages now; retry from the page gets the event published.
     js.update_stream(stream::Config {
@@ -697,7 +694,7 @@ async fn an_operator_sees_relays_and_held_events_and_retries_from_the_browser() 
         .click()
         .await
         .unwrap();
-    assert!(text(&browser, "#flash").await.unwrap().contains("retried"));
+    assert!(shown(&browser, "#flash").await.contains("retried"));
     let event_uuid: Uuid = event_id.parse().unwrap();
     eventually(
         "the retried event is published",
