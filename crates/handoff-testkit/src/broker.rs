@@ -50,11 +50,7 @@ struct State {
 
 impl State {
     fn name(&self, index: usize) -> String {
-        let e = &self.log[index];
-        format!(
-            "{} {}/{}#{}",
-            e.event_type, e.aggregate_type, e.aggregate_id, e.sequence
-        )
+        crate::events::name(&self.log[index])
     }
 
     /// Whether the fault of probability `p` strikes event `index` now (never in the clean

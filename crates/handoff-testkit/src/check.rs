@@ -379,12 +379,7 @@ async fn quarantined(
         .as_slice()
         .iter()
         .filter(|e| ids.contains(&e.event_id))
-        .map(|e| {
-            format!(
-                "{} {}/{}#{}",
-                e.event_type, e.aggregate_type, e.aggregate_id, e.sequence
-            )
-        })
+        .map(crate::events::name)
         .collect())
 }
 

@@ -97,6 +97,14 @@ impl Events {
     }
 }
 
+/// How the trace and the report name an event: `OrderPlaced order/o-1#2`.
+pub(crate) fn name(e: &ReceivedEvent) -> String {
+    format!(
+        "{} {}/{}#{}",
+        e.event_type, e.aggregate_type, e.aggregate_id, e.sequence
+    )
+}
+
 impl From<Vec<ReceivedEvent>> for Events {
     /// Events as given (ids, sequences and headers kept), for a stream read from a real outbox
     /// or broker. Each aggregate's sequences must run 1, 2, 3 ... in the order given, as the
