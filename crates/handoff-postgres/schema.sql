@@ -199,6 +199,8 @@ CREATE TABLE outbox_cursor_ranges (
     settled_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT outbox_cursor_ranges_pkey PRIMARY KEY (cursor_name, range_id)
 );
+CREATE INDEX outbox_cursor_ranges_settled_idx ON outbox_cursor_ranges USING btree (cursor_name, settled_at);
+CREATE INDEX outbox_cursor_ranges_xmax_idx ON outbox_cursor_ranges USING btree (cursor_name, pg_snapshot_xmax(snapshot), range_id);
 
 CREATE TABLE outbox_cursors (
     cursor_name text NOT NULL,
@@ -246,8 +248,8 @@ CREATE VIEW outbox_published AS
                FROM outbox_cursor_lanes l
               WHERE l.cursor_name = 'default'::text AND l.aggregate_type = o.aggregate_type AND l.aggregate_id = o.aggregate_id AND l.from_sequence <= o.aggregate_sequence AND (l.released_through IS NULL OR l.released_through >= o.aggregate_sequence))) THEN ( SELECT r.settled_at
                FROM outbox_cursor_ranges r
-              WHERE r.cursor_name = 'default'::text AND o.txid IS NOT NULL AND pg_visible_in_snapshot(o.txid, r.snapshot)
-              ORDER BY r.range_id
+              WHERE r.cursor_name = 'default'::text AND o.txid IS NOT NULL AND pg_snapshot_xmax(r.snapshot) > o.txid AND pg_visible_in_snapshot(o.txid, r.snapshot)
+              ORDER BY (pg_snapshot_xmax(r.snapshot)), r.range_id
              LIMIT 1)
             ELSE NULL::timestamp with time zone
         END) AS published_at

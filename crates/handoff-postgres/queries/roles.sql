@@ -151,6 +151,8 @@ GRANT INSERT ON {schema_name}.outbox_archive TO {operator};
 -- Each cleanup batch raises the cleaned aggregates' watermarks (migration 0011).
 GRANT INSERT, UPDATE ON {schema_name}.outbox_watermarks TO {operator};
 GRANT INSERT, UPDATE ON {schema_name}.handoff_cleanup_runs TO {operator};
+-- And drops the log cursors' settled ranges that date no event left (migration 0023).
+GRANT DELETE ON {schema_name}.outbox_cursor_ranges TO {operator};
 GRANT DELETE ON {schema_name}.processed_events TO {operator};
 -- Consumer quarantine retry / skip (queries/consumer_quarantine/): a skip writes the dedup
 -- row and advances the aggregate's sequence past the skipped event.

@@ -20,6 +20,8 @@ const DEDUP_COUNT_SQL: &str = include_str!("../queries/cleanup/dedup_count.sql")
 const RUN_START_SQL: &str = include_str!("../queries/cleanup/run_start.sql");
 const RUN_FINISH_SQL: &str = include_str!("../queries/cleanup/run_finish.sql");
 const CUTOFFS_SQL: &str = include_str!("../queries/cleanup/cutoffs.sql");
+const CURSOR_HORIZONS_SQL: &str = include_str!("../queries/cleanup/cursor_horizons.sql");
+const RANGES_PRUNE_SQL: &str = include_str!("../queries/cleanup/ranges_prune.sql");
 
 /// Batch sizes [`CleanupConfig::validate`] accepts.
 pub const BATCH_SIZE_RANGE: std::ops::RangeInclusive<usize> = 1..=100_000;
@@ -275,6 +277,10 @@ pub struct CleanupReport {
     pub outbox_cutoff: DateTime<Utc>,
     /// Dedup rows older than this were removed (`None`: dedup rows were left alone).
     pub dedup_cutoff: Option<DateTime<Utc>>,
+    /// The log source's cursors, each with the last range it settled before `outbox_cutoff`
+    /// (a `pg_snapshot` as text; `None`: none yet). An event the log source published goes
+    /// when every cursor's horizon sees it (see `queries/cleanup/cursor_horizons.sql`).
+    pub cursor_horizons: Vec<(String, Option<String>)>,
     /// Outbox rows read.
     pub outbox_scanned: u64,
     /// Outbox rows deleted or archived (in a dry run: that would be).
@@ -351,6 +357,8 @@ pub struct Cleanup {
     run_start_sql: String,
     run_finish_sql: String,
     cutoffs_sql: String,
+    cursor_horizons_sql: String,
+    ranges_prune_sql: String,
     outbox_table: String,
     dedup_table: String,
 }
@@ -381,6 +389,8 @@ impl Cleanup {
             run_start_sql: sql(RUN_START_SQL),
             run_finish_sql: sql(RUN_FINISH_SQL),
             cutoffs_sql: sql(CUTOFFS_SQL),
+            cursor_horizons_sql: sql(CURSOR_HORIZONS_SQL),
+            ranges_prune_sql: sql(RANGES_PRUNE_SQL),
             outbox_table: config.schema.qualify("outbox"),
             dedup_table: config.schema.qualify("processed_events"),
             config,
@@ -492,6 +502,7 @@ impl Cleanup {
             run_id,
             outbox_cutoff,
             dedup_cutoff,
+            cursor_horizons: self.cursor_horizons(conn, outbox_cutoff).await?,
             outbox_scanned: 0,
             outbox_deleted: 0,
             dedup_scanned: 0,
@@ -563,6 +574,7 @@ impl Cleanup {
             }
             self.pause(stop).await;
         }
+        self.prune_ranges(conn).await?;
         let Some(dedup_cutoff) = report.dedup_cutoff else {
             return Ok(());
         };
@@ -607,9 +619,12 @@ impl Cleanup {
             .begin_batch(conn)
             .await
             .map_err(CleanupError::database(what))?;
+        let (cursors, horizons) = horizon_params(report);
         let (scanned, deleted): (i64, i64) = sqlx::query_as(&self.outbox_sql)
             .persistent(self.named_statements())
             .bind(report.outbox_cutoff)
+            .bind(&cursors)
+            .bind(&horizons)
             .fetch_one(&mut *tx)
             .await
             .map_err(CleanupError::database(what))?;
@@ -644,6 +659,43 @@ impl Cleanup {
         Ok(())
     }
 
+    /// Each cursor's horizon for `cutoff` (cursor_horizons.sql).
+    async fn cursor_horizons(
+        &self,
+        conn: &mut PgConnection,
+        cutoff: DateTime<Utc>,
+    ) -> Result<Vec<(String, Option<String>)>, CleanupError> {
+        let what = "reading the cursors' horizons";
+        let mut scope = Scoped::begin(conn, self.config.pooling)
+            .await
+            .map_err(CleanupError::database(what))?;
+        let horizons = sqlx::query_as(&self.cursor_horizons_sql)
+            .persistent(self.named_statements())
+            .bind(cutoff)
+            .fetch_all(scope.conn())
+            .await
+            .map_err(CleanupError::database(what))?;
+        scope.finish().await.map_err(CleanupError::database(what))?;
+        Ok(horizons)
+    }
+
+    /// Once the outbox walk is done: the cursors' ranges that date no event left
+    /// (ranges_prune.sql), so that the table does not grow by a row per range for ever.
+    async fn prune_ranges(&self, conn: &mut PgConnection) -> Result<(), CleanupError> {
+        let what = "dropping the cursors' old ranges";
+        let mut scope = Scoped::begin(conn, self.config.pooling)
+            .await
+            .map_err(CleanupError::database(what))?;
+        let pruned: i64 = sqlx::query_scalar(&self.ranges_prune_sql)
+            .persistent(self.named_statements())
+            .fetch_one(scope.conn())
+            .await
+            .map_err(CleanupError::database(what))?;
+        scope.finish().await.map_err(CleanupError::database(what))?;
+        tracing::debug!(pruned, "cursor ranges that date no event dropped");
+        Ok(())
+    }
+
     fn batch_limit(&self) -> i64 {
         // Bounded by validate() to 100 000.
         self.config.batch_size as i64
@@ -668,6 +720,7 @@ impl Cleanup {
         cursor: Option<Uuid>,
         cutoff: DateTime<Utc>,
     ) -> Result<(Option<Uuid>, Batch), CleanupError> {
+        let (cursors, horizons) = horizon_params(report);
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -679,6 +732,8 @@ impl Cleanup {
                     .bind(cursor)
                     .bind(self.batch_limit())
                     .bind(cutoff)
+                    .bind(&cursors)
+                    .bind(&horizons)
                     .fetch_one(&mut *tx)
                     .await?;
                 freeze_if_fired(BATCH_FAILPOINT).await;
@@ -829,6 +884,11 @@ fn is_lock_timeout(error: &sqlx::Error) -> bool {
         .as_database_error()
         .and_then(|e| e.code())
         .is_some_and(|code| code == LOCK_NOT_AVAILABLE)
+}
+
+/// The cursors and their horizons as the outbox statements take them: two arrays.
+fn horizon_params(report: &CleanupReport) -> (Vec<String>, Vec<Option<String>>) {
+    report.cursor_horizons.iter().cloned().unzip()
 }
 
 /// The row an outbox batch returns.

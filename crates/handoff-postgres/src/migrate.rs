@@ -179,6 +179,12 @@ pub const HANDOFF_MIGRATIONS: &[Migration] = &[
         up: include_str!("../migrations/0022_backlog_by_aggregate.up.sql"),
         down: include_str!("../migrations/0022_backlog_by_aggregate.down.sql"),
     },
+    Migration {
+        version: 23,
+        name: "cursor_ranges_by_horizon",
+        up: include_str!("../migrations/0023_cursor_ranges_by_horizon.up.sql"),
+        down: include_str!("../migrations/0023_cursor_ranges_by_horizon.down.sql"),
+    },
 ];
 
 /// Why a migration run failed. Nothing of a failed file is left applied: each file runs in its

@@ -1,15 +1,23 @@
 -- $1 (uuid, NULL: from the start) cursor: the last event id the previous batch read.
 -- $2 (bigint) batch: how many event ids of the key the batch reads.
 -- $3 (timestamptz) cutoff: rows published before it go.
+-- $4 (text[]) cursors: the log source's cursors (outbox_cursors), $5 (text[], each NULL or a
+--    pg_snapshot) horizons: for each, the last range it settled before $3
+--    (cleanup/cursor_horizons.sql). With no cursor, a row goes by its published_at alone.
+--    With cursors, an event goes when every cursor's horizon sees its transaction and no
+--    cursor's lane holds it, published_at or not: the log source writes none, and a lane's
+--    says that its own cursor published it, not the others. A cursor with no range before $3
+--    keeps every event; a row written before the cursors (no transaction id) goes by its
+--    published_at, unless a lane holds it.
 --
 -- One cleanup batch over the outbox (design O2), in one statement and so one short transaction.
 --
 -- Walks the primary key, not published_at: an index on published_at would have to be maintained
 -- by every publish UPDATE on the relay's hot path, so there is none. The batch reads the next $2
 -- event ids after the cursor $1 (NULL: from the start) in key order, and deletes those of them
--- published before $3. Pending rows (published_at IS NULL, quarantined ones included) never
--- match. Returns the new cursor (the last id read; NULL when nothing was left), the rows read
--- and the rows deleted.
+-- published before $3 (or passed by every cursor before it). Pending rows (quarantined ones
+-- included) never match. Returns the new cursor (the last id read; NULL when nothing was
+-- left), the rows read and the rows deleted.
 --
 -- `$1 IS NULL OR ...` folds to a plain index range once the caller plans the statement with its
 -- parameters (plan_cache_mode = force_custom_plan for the batch's transaction).
@@ -27,8 +35,20 @@ gone AS (
     DELETE FROM {schema}outbox o
     USING scanned s
     WHERE o.event_id = s.event_id
-      AND o.published_at IS NOT NULL
-      AND o.published_at < $3
+      AND CASE WHEN cardinality($4::text[]) = 0 THEN o.published_at < $3
+           ELSE (o.published_at < $3 OR o.published_at IS NULL)
+                AND ((o.txid IS NULL AND o.published_at IS NOT NULL)
+                     OR (SELECT bool_and(coalesce(pg_visible_in_snapshot(o.txid, h), false))
+                         FROM unnest($5::text[]::pg_snapshot[]) h))
+                AND NOT EXISTS (
+                    SELECT 1
+                    FROM {schema}outbox_cursor_lanes l
+                    WHERE l.cursor_name = ANY ($4::text[])
+                      AND l.aggregate_type = o.aggregate_type
+                      AND l.aggregate_id = o.aggregate_id
+                      AND l.from_sequence <= o.aggregate_sequence
+                      AND l.released_through IS NULL)
+          END
     RETURNING o.aggregate_type, o.aggregate_id, o.aggregate_sequence
 ),
 watermark AS (

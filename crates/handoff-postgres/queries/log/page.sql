@@ -25,9 +25,15 @@
 --   missing    no predecessor row: a hole (order fails closed), or a row written before
 --              migration 0021 and still unpublished, which the cursor's lane publishes.
 -- and whether the event is to be left to the lane at once (held: an operator or the relay held
--- it, or it is not available yet). An event of an aggregate in the cursor's lane comes without
--- its payload and headers (laned): the source only notes that it skipped it, and a poison
--- aggregate's long backlog costs the read of its index entries, not of its payloads.
+-- it, or it is not available yet).
+--
+-- An event of an aggregate in the cursor's lane (from its from_sequence on, not given back) is
+-- not returned at all, and does not count towards the limit: the lane publishes it. A poison
+-- aggregate found after an outage, with hundreds of thousands of events behind its head, is
+-- passed over in the index scan (a lane probe per entry, no row sent, no predecessor read), not
+-- page by page. Nothing of it is lost: the lane gives an aggregate back only once its last
+-- event is published (releasable.sql), so every event the cursor passed over here was the
+-- lane's to publish.
 WITH page AS (
     (SELECT o.event_id, o.txid
      FROM {schema}outbox o
@@ -35,6 +41,14 @@ WITH page AS (
        AND pg_visible_in_snapshot(o.txid, $2::pg_snapshot)
        AND (o.txid, o.event_id) > (coalesce($3::xid8, '0'::xid8),
                                    coalesce($4::uuid, '00000000-0000-0000-0000-000000000000'))
+       AND NOT EXISTS (
+           SELECT 1
+           FROM {schema}outbox_cursor_lanes c
+           WHERE c.cursor_name = $8
+             AND c.aggregate_type = o.aggregate_type
+             AND c.aggregate_id = o.aggregate_id
+             AND c.from_sequence <= o.aggregate_sequence
+             AND c.released_through IS NULL)
      ORDER BY o.txid, o.event_id
      LIMIT $5)
     UNION ALL
@@ -45,6 +59,14 @@ WITH page AS (
        AND pg_visible_in_snapshot(o.txid, $2::pg_snapshot)
        AND (o.txid, o.event_id) > (coalesce($3::xid8, '0'::xid8),
                                    coalesce($4::uuid, '00000000-0000-0000-0000-000000000000'))
+       AND NOT EXISTS (
+           SELECT 1
+           FROM {schema}outbox_cursor_lanes c
+           WHERE c.cursor_name = $8
+             AND c.aggregate_type = o.aggregate_type
+             AND c.aggregate_id = o.aggregate_id
+             AND c.from_sequence <= o.aggregate_sequence
+             AND c.released_through IS NULL)
      ORDER BY o.txid, o.event_id
      LIMIT $5)
     ORDER BY 2, 1
@@ -52,9 +74,8 @@ WITH page AS (
 )
 SELECT o.event_id, o.txid::text AS txid, o.aggregate_type, o.aggregate_id,
        o.aggregate_sequence, o.global_sequence, o.event_type, o.schema_version,
-       CASE WHEN l.laned THEN '' ELSE o.payload::text END AS payload,
-       CASE WHEN l.laned THEN '{}' ELSE o.headers::text END AS headers,
-       o.occurred_at, o.attempt_count, l.laned,
+       o.payload::text AS payload, o.headers::text AS headers,
+       o.occurred_at, o.attempt_count,
        (o.hold_reason IS NOT NULL OR o.available_at > now()) AS held,
        CASE
            WHEN o.aggregate_sequence = 1 THEN 'none'
@@ -81,14 +102,4 @@ LEFT JOIN LATERAL (
       AND q.aggregate_id = o.aggregate_id
       AND q.aggregate_sequence = o.aggregate_sequence - 1
 ) p ON true
-CROSS JOIN LATERAL (
-    SELECT EXISTS (
-        SELECT 1
-        FROM {schema}outbox_cursor_lanes c
-        WHERE c.cursor_name = $8
-          AND c.aggregate_type = o.aggregate_type
-          AND c.aggregate_id = o.aggregate_id
-          AND c.from_sequence <= o.aggregate_sequence
-          AND c.released_through IS NULL) AS laned
-) l
 ORDER BY page.txid, page.event_id

@@ -65,6 +65,15 @@ pub struct LogConfig {
     pub cursor: String,
     /// Most events one page of a range reads.
     pub page_size: usize,
+    /// How often, at most, the cursor's row is written while events are being acknowledged
+    /// (default 1 s). Every write leaves a row version that a transaction holding the xmin
+    /// horizon back keeps alive, and each read of the row walks them all: one write a second
+    /// keeps that chain short (300 versions in five minutes), where one per acknowledged batch
+    /// made thousands. The price: a relay that dies loses up to this much of its progress, and
+    /// the relay that takes the cursor over publishes those acknowledged events again (at least
+    /// once, as after any crash). A relay that stops cleanly writes its progress first
+    /// ([`LogSource::unregister`]). Zero writes at every acknowledgement.
+    pub advance_every: Duration,
 }
 
 impl Default for LogConfig {
@@ -73,6 +82,7 @@ impl Default for LogConfig {
             polling: PollingConfig::default(),
             cursor: DEFAULT_CURSOR.to_owned(),
             page_size: 1_000,
+            advance_every: Duration::from_secs(1),
         }
     }
 }
@@ -153,6 +163,9 @@ struct Held {
     written: stream::Position,
     /// [`Stream::settled_total`] as of the last write.
     written_total: u64,
+    /// When the cursor's row was last written (or taken): the next write waits for
+    /// [`LogConfig::advance_every`] after it.
+    written_at: Instant,
     renew_at: Instant,
     /// The local instant by which the cursor's lease ends: the lease from before the statement
     /// that last took or renewed it, so never later than the row's `lease_until`. The stream's
@@ -294,7 +307,12 @@ impl LogSource {
     /// it once the relay has stopped: what it published is settled and written by then.
     pub async fn unregister(&self) -> Result<(), SourceError> {
         let mut state = self.state.lock().await;
-        if state.held.take().is_some() {
+        if let Some(mut held) = state.held.take() {
+            // What was acknowledged since the last paced write, so that the next reader starts
+            // after it rather than publishing it again.
+            if let Err(error) = self.advance(&mut held, Pace::Now).await {
+                warn!(error = %error, "could not write the cursor's last progress");
+            }
             let session = self.lane.session_id();
             self.lane
                 .on_connection("while letting the cursor go", async |conn| {
@@ -436,6 +454,7 @@ impl LogSource {
             stream,
             written,
             written_total: 0,
+            written_at: now,
             renew_at,
             lease_end,
             lane_at: now,
@@ -511,35 +530,8 @@ impl LogSource {
                 })
                 .await?;
             let full = rows.len() as i64 >= limit;
-            let mut page = Vec::with_capacity(rows.len());
-            let mut unread = Vec::new();
             for row in &rows {
-                let (entry, pred, held_row, laned) = read_page_row(range, row)?;
-                // Read without its payload as its aggregate's lane had it, and given back since:
-                // the cursor publishes it, so it needs the payload after all.
-                let aggregate = (
-                    entry.event.aggregate_type.clone(),
-                    entry.event.aggregate_id.clone(),
-                );
-                if laned
-                    && !held
-                        .stream
-                        .would_skip(&aggregate, entry.event.aggregate_sequence)
-                {
-                    unread.push(entry.event.event_id);
-                }
-                page.push((entry, pred, held_row));
-            }
-            if !unread.is_empty() {
-                let bodies = self.payloads(&unread).await?;
-                for (entry, _, _) in page.iter_mut() {
-                    if let Some((payload, headers)) = bodies.get(&entry.event.event_id) {
-                        entry.event.payload = payload.clone();
-                        entry.event.headers = crate::source::header_pairs(headers);
-                    }
-                }
-            }
-            for (entry, pred, held_row) in page {
+                let (entry, pred, held_row) = read_page_row(range, row)?;
                 if let Some(park) = held.stream.accept(entry, pred, held_row) {
                     parks.push(park);
                 }
@@ -642,10 +634,14 @@ impl LogSource {
     }
 
     /// Moves the cursor's row on to where the stream is settled, when it moved and something
-    /// was settled since the last write; drops the lane rows the cursor passed.
-    async fn advance(&self, held: &mut Held) -> Result<(), SourceError> {
+    /// was settled since the last write; drops the lane rows the cursor passed. Paced: at most
+    /// once per [`LogConfig::advance_every`] unless `pace` is [`Pace::Now`].
+    async fn advance(&self, held: &mut Held, pace: Pace) -> Result<(), SourceError> {
         let total = held.stream.settled_total();
         if total == held.written_total {
+            return Ok(());
+        }
+        if pace == Pace::Paced && held.written_at.elapsed() < self.config.advance_every {
             return Ok(());
         }
         let position = held.stream.position();
@@ -702,6 +698,7 @@ impl LogSource {
         }
         held.written = position;
         held.written_total = total;
+        held.written_at = Instant::now();
         Ok(())
     }
 
@@ -902,7 +899,7 @@ impl LogSource {
         held.lane_was_last = false;
         let (events, waiting) = held.stream.claim(max, max_bytes, now);
         // Held events and holes met while reading moved the cursor too.
-        if let Err(error) = self.advance(held).await {
+        if let Err(error) = self.advance(held, Pace::Paced).await {
             Self::drop_hold(&mut state);
             return Err(error);
         }
@@ -942,7 +939,7 @@ impl LogSource {
             self.lane.mark_published(&lane).await?;
         }
         if let Some(held) = state.held.as_mut() {
-            if let Err(error) = self.advance(held).await {
+            if let Err(error) = self.advance(held, Pace::Paced).await {
                 Self::drop_hold(&mut state);
                 return Err(error);
             }
@@ -1018,6 +1015,15 @@ impl LogSource {
     }
 }
 
+/// Whether [`LogSource::advance`] waits for [`LogConfig::advance_every`] since its last write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pace {
+    /// Writes only when the interval has passed: acknowledgements and claims.
+    Paced,
+    /// Writes whatever is settled: a relay letting the cursor go.
+    Now,
+}
+
 /// The held cursor when it handed out `event_id`; None when the lane did (or no cursor is
 /// held), which forgets it as the lane's.
 fn cursor_owned<'a>(held: &'a mut Option<Held>, event_id: &EventId) -> Option<&'a mut Held> {
@@ -1028,20 +1034,18 @@ fn cursor_owned<'a>(held: &'a mut Option<Held>, event_id: &EventId) -> Option<&'
     Some(held)
 }
 
-/// One row of page.sql: the entry, its predecessor's state, whether it is held, and whether it
-/// came without its payload (its aggregate was in the lane).
-fn read_page_row(range: u64, row: &PgRow) -> Result<(Entry, Pred, bool, bool), SourceError> {
+/// One row of page.sql: the entry, its predecessor's state, and whether it is held.
+fn read_page_row(range: u64, row: &PgRow) -> Result<(Entry, Pred, bool), SourceError> {
     let event = read_outbox_event(row).map_err(db("reading the log"))?;
     let txid: String = row.try_get("txid").map_err(db("reading the log"))?;
     let pred: String = row.try_get("pred").map_err(db("reading the log"))?;
     let held: bool = row.try_get("held").map_err(db("reading the log"))?;
-    let laned: bool = row.try_get("laned").map_err(db("reading the log"))?;
     let key = Key {
         range,
         txid: parse_txid(&txid)?,
         event_id: event.event_id,
     };
-    Ok((Entry { key, event }, Pred::parse(&pred), held, laned))
+    Ok((Entry { key, event }, Pred::parse(&pred), held))
 }
 
 fn parse_txid(text: &str) -> Result<u64, SourceError> {

@@ -319,16 +319,6 @@ impl Stream {
         None
     }
 
-    /// Whether [`Stream::accept`] would skip this event (left to the lane, or published by it).
-    pub(crate) fn would_skip(&self, aggregate: &Aggregate, sequence: i64) -> bool {
-        self.lanes
-            .get(aggregate)
-            .is_some_and(|lane| match lane.released_through {
-                Some(through) => sequence <= through,
-                None => sequence >= lane.from_sequence,
-            })
-    }
-
     /// Whether the cursor leaves this event to the lane, or the lane published it already;
     /// remembers the skip.
     fn skips(&mut self, aggregate: &Aggregate, sequence: i64) -> bool {

@@ -1,7 +1,7 @@
 //! The log source against the real PostgreSQL: ranges by snapshot (late and rolled-back
 //! transactions), order per aggregate when transaction ids and sequences disagree, no event
 //! row rewritten on the happy path, the lane for failed and held aggregates, the cursor's
-//! lease, and a cursor created over a polling relay's backlog.
+//! lease and its paced writes, and a cursor created over a polling relay's backlog.
 
 use crate::common;
 
@@ -21,6 +21,9 @@ fn config(db: &TestDb, relay_id: &str) -> LogConfig {
             ..PollingConfig::default()
         },
         page_size: 50,
+        // The cases read the cursor's row right after acknowledging: written at every
+        // acknowledgement here; the default pacing has a case of its own.
+        advance_every: Duration::ZERO,
         ..LogConfig::default()
     }
 }
@@ -398,6 +401,67 @@ async fn one_relay_reads_a_cursor_and_another_takes_over_where_it_stopped() {
     );
 }
 
+/// The transaction that last wrote the default cursor's row: it changes at every write.
+async fn cursor_version(db: &TestDb) -> String {
+    sqlx::query_scalar("SELECT xmin::text FROM outbox_cursors WHERE cursor_name = 'default'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_cursor_is_written_once_per_interval_and_a_clean_stop_writes_the_rest() {
+    let (db, outbox) = common::migrated("log_paced").await;
+    let paced = LogConfig {
+        advance_every: Duration::from_secs(3_600),
+        ..config(&db, "relay-a")
+    };
+    let a = LogSource::new(db.pool.clone(), paced.clone()).unwrap();
+    assert!(a.claim(100, usize::MAX).await.unwrap().events.is_empty());
+    enqueue(&db, &outbox, &["p", "q"], 30).await;
+    let before = cursor_version(&db).await;
+    // Sixty events acknowledged in claims of five: twelve acknowledgements, no write.
+    let mut out = Vec::new();
+    loop {
+        let claim = a.claim(5, usize::MAX).await.unwrap();
+        if claim.events.is_empty() {
+            break;
+        }
+        let acked: Vec<Published> = claim
+            .events
+            .iter()
+            .map(|e| Published::id(e.event_id))
+            .collect();
+        a.mark_published(&acked).await.unwrap();
+        out.extend(claim.events);
+    }
+    assert_eq!(out.len(), 60);
+    assert_eq!(
+        cursor_version(&db).await,
+        before,
+        "no write of the cursor's row within the interval"
+    );
+    assert_eq!(cursor_lag(&db).await, 60, "the row still says where it was");
+    // A clean stop writes what was acknowledged: the next reader publishes none of it again.
+    a.unregister().await.unwrap();
+    assert_eq!(cursor_lag_named(&db, "default").await, 0);
+    enqueue(&db, &outbox, &["p"], 1).await;
+    let b = LogSource::new(
+        db.pool.clone(),
+        LogConfig {
+            polling: PollingConfig {
+                relay_id: "relay-b".into(),
+                ..paced.polling.clone()
+            },
+            ..paced
+        },
+    )
+    .unwrap();
+    let next = drain(&b).await;
+    assert_eq!(by_aggregate(&next)["p"], vec![31], "only what came after");
+    assert_eq!(next.len(), 1);
+}
+
 #[tokio::test]
 async fn a_cursor_created_over_a_polling_backlog_publishes_it_first_through_its_lane() {
     let (db, outbox) = common::migrated("log_upgrade").await;
@@ -464,4 +528,141 @@ async fn reverting_0021_leaves_the_polling_source_only_what_the_cursor_had_not_p
         vec![4, 5],
         "what the cursor published is marked, the rest is not"
     );
+}
+
+/// A source reading `cursor`, created at the outbox's present by its first claim.
+async fn reading_cursor(db: &TestDb, relay_id: &str, cursor: &str) -> LogSource {
+    let relay = LogSource::new(
+        db.pool.clone(),
+        LogConfig {
+            cursor: cursor.into(),
+            ..config(db, relay_id)
+        },
+    )
+    .unwrap();
+    assert!(relay
+        .claim(100, usize::MAX)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+    relay
+}
+
+async fn cleanup_now(db: &TestDb) -> handoff_postgres::CleanupReport {
+    let config = handoff_postgres::CleanupConfig {
+        retention: Duration::from_millis(500),
+        broker_durability_horizon: Duration::ZERO,
+        ..handoff_postgres::CleanupConfig::default()
+    };
+    let mut conn = db.pool.acquire().await.unwrap();
+    let (_stop_tx, stop) = tokio::sync::watch::channel(false);
+    handoff_postgres::Cleanup::new(config)
+        .unwrap()
+        .run(&mut conn, stop, |_| {})
+        .await
+        .unwrap()
+}
+
+/// What is left in the outbox, per aggregate.
+async fn left(db: &TestDb) -> HashMap<String, i64> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT aggregate_id, count(*) FROM outbox GROUP BY aggregate_id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    rows.into_iter().collect()
+}
+
+#[tokio::test]
+async fn cleanup_deletes_what_every_cursor_passed_before_the_retention_and_nothing_else() {
+    let (db, outbox) = common::migrated("log_cleanup").await;
+    let main = reading(&db, "relay-a").await;
+    let audit = reading_cursor(&db, "relay-b", "audit").await;
+    enqueue(&db, &outbox, &["a", "b"], 4).await;
+    assert_eq!(drain(&main).await.len(), 8);
+    assert_eq!(cursor_lag_named(&db, "default").await, 0);
+
+    // Past the retention, but the audit cursor has read nothing: nothing goes.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let report = cleanup_now(&db).await;
+    assert_eq!(report.outbox_deleted, 0, "audit has not passed any event");
+    assert_eq!(report.cursor_horizons.len(), 2);
+
+    // Once audit has passed them too (before the retention), they go.
+    assert_eq!(drain(&audit).await.len(), 8);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Events the cursors have not read: they stay however old the others are.
+    enqueue(&db, &outbox, &["young"], 2).await;
+    let ranges_before = db.count("outbox_cursor_ranges").await;
+    let report = cleanup_now(&db).await;
+    assert_eq!(report.outbox_deleted, 8);
+    assert_eq!(left(&db).await, HashMap::from([("young".to_owned(), 2)]));
+    // The ranges that dated only deleted events went with them.
+    let ranges_after = db.count("outbox_cursor_ranges").await;
+    assert!(
+        ranges_after < ranges_before,
+        "{ranges_before} ranges before the cleanup, {ranges_after} after"
+    );
+    let dating_nothing: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_cursor_ranges r
+         WHERE NOT EXISTS (SELECT 1 FROM outbox o
+                           WHERE o.txid IS NOT NULL
+                             AND pg_snapshot_xmax(r.snapshot) > o.txid)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(dating_nothing, 0, "no range left that dates no event");
+    // And the young events, once read, are dated by the ranges left.
+    assert_eq!(drain(&main).await.len(), 2);
+    let undated: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_published WHERE published_at IS NULL")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(undated, 0);
+}
+
+#[tokio::test]
+async fn cleanup_keeps_what_a_cursor_s_lane_holds_even_where_the_lane_published_it() {
+    let (db, outbox) = common::migrated("log_cleanup_lane").await;
+    let main = reading(&db, "relay-a").await;
+    enqueue(&db, &outbox, &["a"], 2).await;
+    // holed#1, then an outside writer's holed#3 with no holed#2: the aggregate goes to the
+    // cursor's lane, which publishes holed#1 (writing its published_at) and holds holed#3
+    // (order fails closed).
+    enqueue(&db, &outbox, &["holed"], 1).await;
+    sqlx::query(
+        "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_sequence,
+                             event_type, schema_version, payload)
+         SELECT $1, aggregate_type, aggregate_id, 3, event_type, schema_version, payload
+         FROM outbox WHERE aggregate_id = 'holed' AND aggregate_sequence = 1",
+    )
+    .bind(uuid::Uuid::now_v7())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let published = drain_for(&main, Duration::from_millis(800)).await;
+    assert_eq!(by_aggregate(&published)["holed"], vec![1]);
+    assert_eq!(published.len(), 3, "all but holed#3");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let report = cleanup_now(&db).await;
+    assert_eq!(report.outbox_deleted, 2, "a's");
+    assert_eq!(left(&db).await, HashMap::from([("holed".to_owned(), 2)]));
+}
+
+/// A cursor's lag in events.
+async fn cursor_lag_named(db: &TestDb, cursor: &str) -> i64 {
+    let mut conn = db.pool.acquire().await.unwrap();
+    let report = Status::new(&Schema::named(db.schema()).unwrap())
+        .read(&mut conn, Duration::from_secs(60), 5)
+        .await
+        .unwrap();
+    report
+        .cursors
+        .iter()
+        .find(|c| c.cursor == cursor)
+        .unwrap_or_else(|| panic!("no cursor {cursor}"))
+        .lag_events
 }

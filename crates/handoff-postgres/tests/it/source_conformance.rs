@@ -78,6 +78,8 @@ mod log {
     impl SourceDriver for Log {
         type Source = LogSource;
         const NAME: &'static str = "log";
+        // LogConfig::advance_every: the cursor's row is written once a second at most.
+        const PACES_PROGRESS: bool = true;
 
         async fn start(case: &'static str) -> Self {
             Log {
