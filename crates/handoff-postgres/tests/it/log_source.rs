@@ -666,3 +666,63 @@ async fn cursor_lag_named(db: &TestDb, cursor: &str) -> i64 {
         .unwrap_or_else(|| panic!("no cursor {cursor}"))
         .lag_events
 }
+
+/// Buffers (hit and read) the page query touched, by EXPLAIN (ANALYZE, BUFFERS).
+async fn page_buffers(db: &TestDb, from: &str, to: &str) -> (i64, usize) {
+    let sql = include_str!("../../queries/log/page.sql").replace("{schema}", "");
+    let plan: serde_json::Value =
+        sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"))
+            .bind(from)
+            .bind(to)
+            .bind(None::<String>)
+            .bind(None::<uuid::Uuid>)
+            .bind(1_000_i64)
+            .bind(None::<String>)
+            .bind(None::<uuid::Uuid>)
+            .bind("default")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let top = &plan[0]["Plan"];
+    let buffers =
+        top["Shared Hit Blocks"].as_i64().unwrap() + top["Shared Read Blocks"].as_i64().unwrap();
+    (buffers, top["Actual Rows"].as_u64().unwrap() as usize)
+}
+
+/// A page of the log reads what is new, however many events the outbox holds before it: the
+/// keyset of its first page never starts the index scan at the index's first entry.
+#[tokio::test]
+async fn a_page_reads_the_new_events_not_the_index_before_them() {
+    let (db, outbox) = common::migrated("log_page_cost").await;
+    sqlx::query(
+        "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, aggregate_sequence,
+                             event_type, schema_version, payload, headers)
+         SELECT gen_random_uuid(), 'order', 'bulk', s, 'OrderCreated', 1, '{}', '{}'
+         FROM generate_series(1, 60000) AS s",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let index_pages: i64 = sqlx::query_scalar("SELECT pg_relation_size('outbox_txid_idx') / 8192")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let from: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    enqueue(&db, &outbox, &["new-a", "new-b"], 5).await;
+    let to: String = sqlx::query_scalar("SELECT pg_current_snapshot()::text")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let (buffers, rows) = page_buffers(&db, &from, &to).await;
+    assert_eq!(rows, 10, "the ten new events");
+    assert!(index_pages > 200, "{index_pages} pages of outbox_txid_idx");
+    // About eight a row (its key, its predecessor, its heap page); the old keyset walked every
+    // page of the index first.
+    assert!(
+        buffers < index_pages / 3,
+        "{buffers} buffers for a page of 10 events over {index_pages} index pages"
+    );
+}

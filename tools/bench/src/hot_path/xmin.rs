@@ -22,7 +22,7 @@ use super::{ratio, setup, BrokerArgs};
 use crate::harness::{ReportArgs, ScratchArgs, ScratchDatabase};
 use crate::machine::{commit_probe, Machine};
 use crate::relay::latency::{commit_to_ack, wait_acked, write_paced, SCENARIOS, SETTLE};
-use crate::relay::live::LiveRelay;
+use crate::relay::live::{LiveRelay, SourceKind};
 use crate::relay::probe::{histogram, quantile_ms};
 use crate::relay::{met, Bench, Goal};
 
@@ -157,6 +157,7 @@ async fn run(
     let (stop_sampling, sampling) = watch::channel(false);
     let sampler = tokio::spawn(sample_outbox(
         PgConnection::connect_with(&bench.options).await?,
+        args.source,
         started,
         samples.clone(),
         sampling,
@@ -170,11 +171,11 @@ async fn run(
     let xid: i64 = sqlx::query_scalar("SELECT txid_current()")
         .fetch_one(&mut held)
         .await?;
-    let (backlog_at_hold, dead_tuples_at_hold) = outbox_state(admin).await?;
+    let (backlog_at_hold, dead_tuples_at_hold) = outbox_state(admin, args.source).await?;
     let held_started = Instant::now();
     let under_hold = write_paced(writers(bench).await?, args.rate, args.held).await?;
     let held_seconds = held_started.elapsed().as_secs_f64();
-    let (backlog_at_end, dead_tuples_at_end) = outbox_state(admin).await?;
+    let (backlog_at_end, dead_tuples_at_end) = outbox_state(admin, args.source).await?;
     let xid_age_at_end: i64 = sqlx::query_scalar("SELECT (txid_current() - $1)::int8")
         .bind(xid)
         .fetch_one(&mut *admin)
@@ -287,12 +288,27 @@ fn last_commit(commits: &[(EventId, Instant)]) -> Instant {
 }
 
 /// (unpublished events, the outbox's dead tuples).
-async fn outbox_state(conn: &mut PgConnection) -> Result<(i64, i64)> {
-    Ok(sqlx::query_as(
-        "SELECT (SELECT count(*) FROM outbox WHERE published_at IS NULL),
+async fn outbox_state(conn: &mut PgConnection, source: SourceKind) -> Result<(i64, i64)> {
+    // The log source writes no published_at: its backlog is what the default cursor has not
+    // passed (as `handoff status` counts it, through outbox_txid_idx), where counting rows
+    // without published_at would count every event ever written, more each sample.
+    let backlog = match source {
+        SourceKind::Polling => "SELECT count(*) FROM outbox WHERE published_at IS NULL",
+        SourceKind::Log => {
+            "SELECT coalesce(sum(behind.events), 0)::int8
+             FROM outbox_cursors c
+             CROSS JOIN LATERAL (
+                 SELECT count(*) AS events FROM outbox o
+                 WHERE o.txid = ANY (ARRAY(SELECT pg_snapshot_xip(c.settled_snapshot)))
+                    OR o.txid >= pg_snapshot_xmax(c.settled_snapshot)) behind
+             WHERE c.cursor_name = 'default'"
+        }
+    };
+    Ok(sqlx::query_as(&format!(
+        "SELECT ({backlog}),
                 coalesce((SELECT n_dead_tup FROM pg_stat_user_tables
-                          WHERE relid = 'outbox'::regclass), 0)",
-    )
+                          WHERE relid = 'outbox'::regclass), 0)"
+    ))
     .fetch_one(&mut *conn)
     .await?)
 }
@@ -305,6 +321,7 @@ const SAMPLE_EVERY: Duration = Duration::from_secs(5);
 /// Samples [`outbox_state`] every [`SAMPLE_EVERY`] until `stop`.
 async fn sample_outbox(
     mut conn: PgConnection,
+    source: SourceKind,
     started: Instant,
     samples: Arc<Mutex<Vec<Sample>>>,
     mut stop: watch::Receiver<bool>,
@@ -316,7 +333,7 @@ async fn sample_outbox(
             _ = stop.changed() => return Ok(()),
             _ = tick.tick() => {}
         }
-        let (backlog, dead_tuples) = outbox_state(&mut conn).await?;
+        let (backlog, dead_tuples) = outbox_state(&mut conn, source).await?;
         let sample = Sample {
             at_s: started.elapsed().as_secs_f64(),
             backlog,
