@@ -15,6 +15,8 @@ use crate::Schema;
 const OUTBOX_DELETE_SQL: &str = include_str!("../queries/cleanup/outbox_delete.sql");
 const OUTBOX_ARCHIVE_SQL: &str = include_str!("../queries/cleanup/outbox_archive.sql");
 const OUTBOX_COUNT_SQL: &str = include_str!("../queries/cleanup/outbox_count.sql");
+// Which rows go, put in place of `{passed}` in the three statements above.
+const PASSED_SQL: &str = include_str!("../queries/cleanup/passed.sql");
 const DEDUP_DELETE_SQL: &str = include_str!("../queries/cleanup/dedup_delete.sql");
 const DEDUP_COUNT_SQL: &str = include_str!("../queries/cleanup/dedup_count.sql");
 const RUN_START_SQL: &str = include_str!("../queries/cleanup/run_start.sql");
@@ -373,18 +375,29 @@ impl Cleanup {
         config.validate()?;
         let prefix = config.schema.prefix();
         let sql = |template: &str| template.replace("{schema}", &prefix);
-        let outbox_template = match (config.dry_run, config.archive) {
-            (true, _) => OUTBOX_COUNT_SQL,
-            (false, true) => OUTBOX_ARCHIVE_SQL,
-            (false, false) => OUTBOX_DELETE_SQL,
+        // The statements' parameters for the cutoff, the cursors and their horizons.
+        let (outbox_template, [cutoff, cursors, horizons]) = match (config.dry_run, config.archive)
+        {
+            (true, _) => (OUTBOX_COUNT_SQL, ["$1", "$2", "$3"]),
+            (false, true) => (OUTBOX_ARCHIVE_SQL, ["$3", "$4", "$5"]),
+            (false, false) => (OUTBOX_DELETE_SQL, ["$3", "$4", "$5"]),
         };
+        let passed = PASSED_SQL
+            .lines()
+            .filter(|line| !line.starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n")
+            .replace("{cutoff}", cutoff)
+            .replace("{cursors}", cursors)
+            .replace("{horizons}", horizons);
+        let outbox_template = outbox_template.replace("{passed}", &passed);
         let dedup_template = if config.dry_run {
             DEDUP_COUNT_SQL
         } else {
             DEDUP_DELETE_SQL
         };
         Ok(Cleanup {
-            outbox_sql: sql(outbox_template),
+            outbox_sql: sql(&outbox_template),
             dedup_sql: sql(dedup_template),
             run_start_sql: sql(RUN_START_SQL),
             run_finish_sql: sql(RUN_FINISH_SQL),

@@ -1,14 +1,8 @@
 -- $1 (uuid, NULL: from the start) cursor: the last event id the previous batch read.
 -- $2 (bigint) batch: how many event ids of the key the batch reads.
 -- $3 (timestamptz) cutoff: rows published before it go.
--- $4 (text[]) cursors: the log source's cursors (outbox_cursors), $5 (text[], each NULL or a
---    pg_snapshot) horizons: for each, the last range it settled before $3
---    (cleanup/cursor_horizons.sql). With no cursor, a row goes by its published_at alone.
---    With cursors, an event goes when every cursor's horizon sees its transaction and no
---    cursor's lane holds it, published_at or not: the log source writes none, and a lane's
---    says that its own cursor published it, not the others. A cursor with no range before $3
---    keeps every event; a row written before the cursors (no transaction id) goes by its
---    published_at, unless a lane holds it.
+-- $4 (text[]) cursors, $5 (text[]) horizons: the log source's cursors and, for each, the last
+--    range it settled before $3 (cursor_horizons.sql). Which rows go: passed.sql.
 --
 -- One cleanup batch over the outbox (design O2), in one statement and so one short transaction.
 --
@@ -35,20 +29,7 @@ gone AS (
     DELETE FROM {schema}outbox o
     USING scanned s
     WHERE o.event_id = s.event_id
-      AND CASE WHEN cardinality($4::text[]) = 0 THEN o.published_at < $3
-           ELSE (o.published_at < $3 OR o.published_at IS NULL)
-                AND ((o.txid IS NULL AND o.published_at IS NOT NULL)
-                     OR (SELECT bool_and(coalesce(pg_visible_in_snapshot(o.txid, h), false))
-                         FROM unnest($5::text[]::pg_snapshot[]) h))
-                AND NOT EXISTS (
-                    SELECT 1
-                    FROM {schema}outbox_cursor_lanes l
-                    WHERE l.cursor_name = ANY ($4::text[])
-                      AND l.aggregate_type = o.aggregate_type
-                      AND l.aggregate_id = o.aggregate_id
-                      AND l.from_sequence <= o.aggregate_sequence
-                      AND l.released_through IS NULL)
-          END
+      AND {passed}
     RETURNING o.aggregate_type, o.aggregate_id, o.aggregate_sequence
 ),
 watermark AS (
