@@ -564,6 +564,7 @@ impl Cleanup {
         if self.config.dry_run {
             return self.count(conn, progress, report).await;
         }
+        let horizons = horizon_params(report);
         let mut cursor: Option<Uuid> = None;
         loop {
             if *stop.borrow() {
@@ -571,7 +572,7 @@ impl Cleanup {
                 return Ok(());
             }
             let (next, batch) = self
-                .outbox_batch(conn, report, cursor, report.outbox_cutoff)
+                .outbox_batch(conn, report, cursor, report.outbox_cutoff, &horizons)
                 .await?;
             cursor = next.or(cursor);
             report.outbox_scanned += batch.scanned;
@@ -732,8 +733,8 @@ impl Cleanup {
         report: &mut CleanupReport,
         cursor: Option<Uuid>,
         cutoff: DateTime<Utc>,
+        (cursors, horizons): &(Vec<String>, Vec<Option<String>>),
     ) -> Result<(Option<Uuid>, Batch), CleanupError> {
-        let (cursors, horizons) = horizon_params(report);
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -745,8 +746,8 @@ impl Cleanup {
                     .bind(cursor)
                     .bind(self.batch_limit())
                     .bind(cutoff)
-                    .bind(&cursors)
-                    .bind(&horizons)
+                    .bind(cursors)
+                    .bind(horizons)
                     .fetch_one(&mut *tx)
                     .await?;
                 freeze_if_fired(BATCH_FAILPOINT).await;
@@ -899,7 +900,8 @@ fn is_lock_timeout(error: &sqlx::Error) -> bool {
         .is_some_and(|code| code == LOCK_NOT_AVAILABLE)
 }
 
-/// The cursors and their horizons as the outbox statements take them: two arrays.
+/// The cursors and their horizons as the outbox statements take them: two arrays, built once a
+/// run.
 fn horizon_params(report: &CleanupReport) -> (Vec<String>, Vec<Option<String>>) {
     report.cursor_horizons.iter().cloned().unzip()
 }

@@ -37,17 +37,13 @@ archived AS (
     SELECT m.event_id, m.aggregate_type, m.aggregate_id, m.aggregate_sequence, m.event_type,
            m.schema_version, m.payload, m.headers, m.occurred_at, m.available_at, m.claimed_by,
            m.claim_until,
-           -- What the log source published gets the time the default cursor settled it, as
-           -- outbox_published says (migration 0023), or the cutoff's when no default cursor
-           -- dates it: it went before the cutoff.
+           -- What the log source published gets the time outbox_published gives it (the
+           -- default cursor's range; the statement's snapshot still sees the row there), or
+           -- the cutoff's when no default cursor dates it: it went before the cutoff.
            coalesce(m.published_at,
-                    (SELECT r.settled_at
-                     FROM {schema}outbox_cursor_ranges r
-                     WHERE r.cursor_name = 'default'
-                       AND pg_snapshot_xmax(r.snapshot) > m.txid
-                       AND pg_visible_in_snapshot(m.txid, r.snapshot)
-                     ORDER BY pg_snapshot_xmax(r.snapshot), r.range_id
-                     LIMIT 1),
+                    (SELECT p.published_at
+                     FROM {schema}outbox_published p
+                     WHERE p.event_id = m.event_id),
                     $3),
            m.attempt_count, m.last_error, m.quarantined_at, m.skip_reason, m.delivery_receipt,
            m.global_sequence, m.takeover_count, m.hold_reason, m.blocked, m.claimed_session,

@@ -35,14 +35,7 @@ fn source(db: &TestDb, relay_id: &str) -> LogSource {
 /// A source whose first claim (of an empty outbox) created its cursor: the events written after
 /// it are the cursor's, none a backlog from before it.
 async fn reading(db: &TestDb, relay_id: &str) -> LogSource {
-    let relay = source(db, relay_id);
-    assert!(relay
-        .claim(100, usize::MAX)
-        .await
-        .unwrap()
-        .events
-        .is_empty());
-    relay
+    reading_cursor(db, relay_id, handoff_postgres::DEFAULT_CURSOR).await
 }
 
 /// Claims and acknowledges until a claim comes back empty twice; returns what came out, in
@@ -550,9 +543,14 @@ async fn reading_cursor(db: &TestDb, relay_id: &str, cursor: &str) -> LogSource 
 }
 
 async fn cleanup_now(db: &TestDb) -> handoff_postgres::CleanupReport {
+    cleanup_with(db, false).await
+}
+
+async fn cleanup_with(db: &TestDb, archive: bool) -> handoff_postgres::CleanupReport {
     let config = handoff_postgres::CleanupConfig {
         retention: Duration::from_millis(500),
         broker_durability_horizon: Duration::ZERO,
+        archive,
         ..handoff_postgres::CleanupConfig::default()
     };
     let mut conn = db.pool.acquire().await.unwrap();
@@ -724,5 +722,30 @@ async fn a_page_reads_the_new_events_not_the_index_before_them() {
     assert!(
         buffers < index_pages / 3,
         "{buffers} buffers for a page of 10 events over {index_pages} index pages"
+    );
+}
+
+#[tokio::test]
+async fn archived_log_events_keep_the_time_their_cursor_settled_them() {
+    let (db, outbox) = common::migrated("log_cleanup_archive").await;
+    let main = reading(&db, "relay-a").await;
+    enqueue(&db, &outbox, &["a"], 3).await;
+    assert_eq!(drain(&main).await.len(), 3);
+    let dated: Vec<(uuid::Uuid, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as("SELECT event_id, published_at FROM outbox_published ORDER BY event_id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(dated.len(), 3);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(cleanup_with(&db, true).await.outbox_deleted, 3);
+    let archived: Vec<(uuid::Uuid, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as("SELECT event_id, published_at FROM outbox_archive ORDER BY event_id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        archived, dated,
+        "the archive keeps outbox_published's dates"
     );
 }
